@@ -1,0 +1,203 @@
+"""The public attention API: plan once per step, run once per layer."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from .layout import TreeLayout
+from .ops import get_backend, resolve_backend
+from .plan import PLAN_KINDS, TreePlan, make_plan
+
+__all__ = ["TreeAttention", "tree_attention"]
+
+_DEFAULT_BLOCK_KV = {"torch": 256}
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return value
+
+
+class TreeAttention:
+    """Exact attention of many queries over one tree (or forest) of KV cache.
+
+    ``plan(layout)`` once per decode step builds the schedule (and the backend's
+    device-side metadata); ``run(q, k_cache, v_cache)`` then executes it for each layer.
+
+    Parameters
+    ----------
+    num_qo_heads, num_kv_heads, head_dim:
+        Attention shape; ``num_qo_heads`` must be a multiple of ``num_kv_heads`` (GQA).
+    sm_scale:
+        Softmax scale, ``1 / sqrt(head_dim)`` by default.
+    backend:
+        ``"auto"`` (``triton`` for CUDA when available, else ``torch``), or any
+        registered backend name.
+    plan_kind:
+        ``"flatten"`` (DeFT-Flatten), ``"node"``, ``"node_chunk"`` or ``"per_query"``.
+    block_kv:
+        KV tile size in tokens; by default the backend's preferred size.
+    device:
+        Where ``run`` will be called; plan metadata is placed there.
+    """
+
+    def __init__(
+        self,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sm_scale: float | None = None,
+        backend: str = "auto",
+        plan_kind: str = "flatten",
+        block_kv: int | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.num_qo_heads = _positive_int(num_qo_heads, "num_qo_heads")
+        self.num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
+        self.head_dim = _positive_int(head_dim, "head_dim")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(
+                f"num_qo_heads: expected a multiple of num_kv_heads={num_kv_heads}, got {num_qo_heads}"
+            )
+        if plan_kind not in PLAN_KINDS:
+            raise ValueError(f"plan_kind: expected one of {', '.join(PLAN_KINDS)}, got {plan_kind!r}")
+        if sm_scale is None:
+            sm_scale = 1.0 / math.sqrt(head_dim)
+        if not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) or sm_scale <= 0:
+            raise ValueError(f"sm_scale: expected a positive finite number, got {sm_scale!r}")
+        self.sm_scale = float(sm_scale)
+        self.device = torch.device(device)
+        self.backend_name = resolve_backend(backend, self.device)
+        self._backend = get_backend(self.backend_name)
+        self.plan_kind = plan_kind
+        self.block_kv = (
+            _positive_int(block_kv, "block_kv")
+            if block_kv is not None
+            else _DEFAULT_BLOCK_KV.get(self.backend_name, 64)
+        )
+        self._plan: TreePlan | None = None
+        self._prepared: Any = None
+        self._max_slot = -1
+        self.plan_seconds = 0.0
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeAttention(num_qo_heads={self.num_qo_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, backend={self.backend_name!r}, "
+            f"plan_kind={self.plan_kind!r}, block_kv={self.block_kv}, device={str(self.device)!r})"
+        )
+
+    @property
+    def current_plan(self) -> TreePlan:
+        """The plan made by the last :meth:`plan` call."""
+        if self._plan is None:
+            raise RuntimeError("TreeAttention.plan(layout) must be called before run()")
+        return self._plan
+
+    def plan(self, layout: TreeLayout) -> TreePlan:
+        """Plan one step over ``layout``; the result is reused by every later :meth:`run`."""
+        if not isinstance(layout, TreeLayout):
+            raise TypeError(f"layout: expected a deft.TreeLayout, got {type(layout).__name__}")
+        t0 = time.perf_counter()
+        plan = make_plan(layout, self.plan_kind, self.block_kv)
+        self._prepared = self._backend.prepare(plan, layout, self.device)
+        self._plan = plan
+        self._max_slot = int(layout.kv_indices.max(initial=-1))
+        self.plan_seconds = time.perf_counter() - t0
+        return plan
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attention output for the planned step.
+
+        Parameters
+        ----------
+        q:
+            ``[num_queries, num_qo_heads, head_dim]``, in the layout's query order.
+        k_cache, v_cache:
+            ``[num_slots, num_kv_heads, head_dim]`` or paged
+            ``[num_pages, page_size, num_kv_heads, head_dim]``; same dtype and device as ``q``.
+        return_lse:
+            Also return the float32 natural-log sum-exp ``[num_queries, num_qo_heads]``.
+
+        Returns
+        -------
+        ``o`` ``[num_queries, num_qo_heads, head_dim]`` in ``q.dtype`` (and ``lse``).
+        """
+        plan = self.current_plan
+        k_flat, v_flat = self._check_inputs(q, k_cache, v_cache, plan)
+        o, lse = self._backend.run(self._prepared, q, k_flat, v_flat, self.sm_scale)
+        return (o, lse) if return_lse else o
+
+    def _check_inputs(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TreePlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        expect_q = (plan.num_queries, self.num_qo_heads, self.head_dim)
+        if tuple(q.shape) != expect_q:
+            raise ValueError(f"q: expected shape {expect_q} [num_queries, H_q, D], got {tuple(q.shape)}")
+        if q.dtype not in self._backend.dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self._backend.dtypes)
+            raise TypeError(f"q: expected dtype {names} for backend {self.backend_name!r}, got {q.dtype}")
+        tail = (self.num_kv_heads, self.head_dim)
+        if k_cache.dim() not in (3, 4) or tuple(k_cache.shape[-2:]) != tail:
+            raise ValueError(
+                f"k_cache: expected shape [num_slots, {tail[0]}, {tail[1]}] or "
+                f"[num_pages, page_size, {tail[0]}, {tail[1]}], got {tuple(k_cache.shape)}"
+            )
+        if v_cache.shape != k_cache.shape:
+            raise ValueError(f"v_cache: expected shape {tuple(k_cache.shape)} like k_cache, got {tuple(v_cache.shape)}")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.dtype != q.dtype:
+                raise TypeError(f"{name}: expected dtype {q.dtype} like q, got {t.dtype}")
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.device != self.device and not (
+                t.device.type == self.device.type and self.device.index is None
+            ):
+                raise ValueError(f"{name}: expected device {self.device} (the planned device), got {t.device}")
+        k_flat = k_cache.reshape(-1, *tail)
+        v_flat = v_cache.reshape(-1, *tail)
+        if self._max_slot >= k_flat.shape[0]:
+            raise ValueError(
+                f"k_cache: the layout uses slot {self._max_slot} but the cache holds "
+                f"{k_flat.shape[0]} slots"
+            )
+        return k_flat, v_flat
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layout: TreeLayout,
+    sm_scale: float | None = None,
+    backend: str = "auto",
+    plan_kind: str = "flatten",
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One-shot tree attention: plan ``layout`` and run it (see :class:`TreeAttention`)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(
+            f"q: expected a tensor [num_queries, H_q, D], got "
+            f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}"
+        )
+    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() not in (3, 4):
+        raise ValueError("k_cache: expected a tensor [num_slots, H_kv, D] or [num_pages, page_size, H_kv, D]")
+    attn = TreeAttention(
+        q.shape[1], k_cache.shape[-2], q.shape[2], sm_scale=sm_scale, backend=backend,
+        plan_kind=plan_kind, device=q.device,
+    )
+    attn.plan(layout)
+    return attn.run(q, k_cache, v_cache, return_lse=return_lse)

@@ -1,0 +1,85 @@
+"""Attention backends and their registry.
+
+A backend executes a :class:`~deft.plan.TreePlan`. ``prepare`` runs once per step (at
+``TreeAttention.plan``) and may build device tensors; ``run`` runs once per layer.
+New backends plug in with :func:`register_backend` without touching callers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Protocol
+
+import torch
+
+from ..layout import TreeLayout
+from ..plan import TreePlan
+
+__all__ = ["Backend", "register_backend", "get_backend", "backend_names", "resolve_backend"]
+
+
+class Backend(Protocol):
+    """What a backend provides. ``prepared`` is whatever ``prepare`` returned."""
+
+    name: str
+    dtypes: tuple[torch.dtype, ...]
+
+    def prepare(self, plan: TreePlan, layout: TreeLayout, device: torch.device) -> Any: ...
+
+    def run(
+        self,
+        prepared: Any,
+        q: torch.Tensor,  # [Q, H_q, D]
+        k_cache: torch.Tensor,  # [num_slots, H_kv, D]
+        v_cache: torch.Tensor,  # [num_slots, H_kv, D]
+        sm_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # o [Q, H_q, D] in q.dtype, lse [Q, H_q] float32
+        ...
+
+
+_FACTORIES: dict[str, Callable[[], Backend]] = {}
+_INSTANCES: dict[str, Backend] = {}
+
+
+def register_backend(name: str, factory: Callable[[], Backend]) -> None:
+    """Register ``factory`` (called once, on first use) under ``name``."""
+    _FACTORIES[name] = factory
+    _INSTANCES.pop(name, None)
+
+
+def backend_names() -> tuple[str, ...]:
+    return tuple(_FACTORIES)
+
+
+def get_backend(name: str) -> Backend:
+    """The backend registered as ``name``; ``ValueError`` lists the choices otherwise."""
+    if name not in _FACTORIES:
+        raise ValueError(f"backend: expected one of auto, {', '.join(_FACTORIES)}, got {name!r}")
+    if name not in _INSTANCES:
+        _INSTANCES[name] = _FACTORIES[name]()
+    return _INSTANCES[name]
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """Map ``"auto"`` to ``triton`` on CUDA when it imports, else ``torch``."""
+    if name != "auto":
+        get_backend(name)  # validates the name
+        return name
+    if device.type == "cuda" and "triton" in _FACTORIES:
+        try:
+            get_backend("triton")
+            return "triton"
+        except ImportError:
+            pass
+    return "torch"
+
+
+def _lazy(module: str, attr: str) -> Callable[[], Backend]:
+    def factory() -> Backend:
+        return getattr(importlib.import_module(module, __name__), attr)()
+
+    return factory
+
+
+register_backend("torch", _lazy(".torch_backend", "TorchBackend"))
+register_backend("reference", _lazy(".reference", "ReferenceBackend"))

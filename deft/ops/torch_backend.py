@@ -1,0 +1,169 @@
+"""Exact plan executor in plain PyTorch: the CPU path, also correct on CUDA tensors.
+
+``prepare`` sorts the plan's tiles into buckets of equal padded shape (tile length and
+group size rounded up to powers of two), so ``run`` is a handful of batched matmuls per
+bucket: every tile's K/V is gathered once and all queries of its group and all GQA heads
+of each KV head are computed against it. Partial states are merged with scatter
+reductions through the plan's reduction map. Accumulation is float32 (float64 inputs stay
+float64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..layout import TreeLayout
+from ..plan import TreePlan
+
+__all__ = ["TorchBackend"]
+
+# Largest score block per batched matmul, in elements; bounds peak memory.
+_SCORE_BUDGET = 1 << 24
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    tok: torch.Tensor  # [nt, L] cache slot of each tile token (0 where padded)
+    qry: torch.Tensor  # [nt, G] original query index (0 where padded)
+    mask: torch.Tensor  # [nt, G, L] bool, query sees token (False where padded)
+    pid: torch.Tensor  # [nt, G] partial id (num_partials where padded: a dump row)
+    chunk: int  # tiles per batched matmul
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    buckets: tuple[_Bucket, ...]
+    query_of_partial: torch.Tensor  # [P]
+    num_queries: int
+    num_partials: int
+
+
+def _pow2(x: np.ndarray) -> np.ndarray:
+    return np.where(x <= 1, 1, 1 << np.ceil(np.log2(np.maximum(x, 1))).astype(np.int64))
+
+
+class TorchBackend:
+    """Batched-tensor executor of any :class:`~deft.plan.TreePlan`."""
+
+    name = "torch"
+    dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+    def prepare(self, plan: TreePlan, layout: TreeLayout, device: torch.device) -> _Prepared:
+        tile_len = np.diff(plan.tile_indptr)
+        group = plan.tile_q_end - plan.tile_q_start
+        lp, gp = _pow2(tile_len), _pow2(group)
+        buckets = []
+        num_p = plan.num_partials
+        for l_pad, g_pad in sorted(set(zip(lp.tolist(), gp.tolist()))):
+            tiles = np.flatnonzero((lp == l_pad) & (gp == g_pad))
+            t_pos = plan.tile_indptr[tiles, None] + np.arange(l_pad)
+            t_ok = np.arange(l_pad) < tile_len[tiles, None]
+            t_pos = np.where(t_ok, t_pos, 0)
+            q_pos = plan.tile_q_start[tiles, None] + np.arange(g_pad)
+            q_ok = np.arange(g_pad) < group[tiles, None]
+            q_pos = np.where(q_ok, q_pos, 0)
+            pre, qlen = plan.query_pre[q_pos][:, :, None], plan.query_len[q_pos][:, :, None]
+            lo, hi = plan.token_lo[t_pos][:, None, :], plan.token_hi[t_pos][:, None, :]
+            off = plan.token_off[t_pos][:, None, :]
+            mask = q_ok[:, :, None] & t_ok[:, None, :]
+            if plan.needs_mask:
+                mask &= (lo <= pre) & (pre < hi) & ((pre != lo) | (off < qlen))
+            pid = plan.partial_indptr[tiles, None] + np.arange(g_pad)
+            pid = np.where(q_ok, pid, num_p)
+            per_tile = max(1, g_pad * l_pad)
+            buckets.append(
+                _Bucket(
+                    tok=torch.as_tensor(plan.token_slots[t_pos], device=device),
+                    qry=torch.as_tensor(plan.query_order[q_pos], device=device),
+                    mask=torch.as_tensor(mask, device=device),
+                    pid=torch.as_tensor(pid, device=device),
+                    chunk=max(1, _SCORE_BUDGET // per_tile),
+                )
+            )
+        tile_of_p = np.repeat(np.arange(plan.num_tiles), group)
+        pos = plan.tile_q_start[tile_of_p] + np.arange(num_p) - plan.partial_indptr[tile_of_p]
+        return _Prepared(
+            buckets=tuple(buckets),
+            query_of_partial=torch.as_tensor(plan.query_order[pos], device=device),
+            num_queries=plan.num_queries,
+            num_partials=num_p,
+        )
+
+    def run(
+        self,
+        prepared: _Prepared,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        sm_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        nq, h_q, d = q.shape
+        h_kv = k_cache.shape[1]
+        g = h_q // h_kv
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        num_p = prepared.num_partials
+        # One extra dump row absorbs the padded group slots.
+        po = torch.zeros(num_p + 1, h_q, d, dtype=acc, device=q.device)
+        plse = torch.full((num_p + 1, h_q), float("-inf"), dtype=acc, device=q.device)
+        for b in prepared.buckets:
+            for s in range(0, b.tok.shape[0], b.chunk):
+                sl = slice(s, s + b.chunk)
+                o, lse = _tile_attention(
+                    q[b.qry[sl]], k_cache[b.tok[sl]], v_cache[b.tok[sl]], b.mask[sl], g,
+                    sm_scale, acc,
+                )
+                po[b.pid[sl]] = o
+                plse[b.pid[sl]] = lse
+        return _merge_partials(po[:num_p], plse[:num_p], prepared.query_of_partial, nq, q.dtype)
+
+
+def _tile_attention(
+    q: torch.Tensor,  # [nt, G, H_q, D]
+    k: torch.Tensor,  # [nt, L, H_kv, D]
+    v: torch.Tensor,  # [nt, L, H_kv, D]
+    mask: torch.Tensor,  # [nt, G, L]
+    g: int,
+    sm_scale: float,
+    acc: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial states of every group query against its tile: ``[nt, G, H_q, D]``, ``[nt, G, H_q]``."""
+    nt, gq, h_q, d = q.shape
+    h_kv = k.shape[2]
+    # Query rows of one KV head: (group query, GQA head) pairs, computed against one K load.
+    qh = q.to(acc).view(nt, gq, h_kv, g, d).permute(0, 2, 1, 3, 4).reshape(nt, h_kv, gq * g, d)
+    kh = k.to(acc).permute(0, 2, 1, 3)  # [nt, H_kv, L, D]
+    vh = v.to(acc).permute(0, 2, 1, 3)
+    s = torch.matmul(qh, kh.transpose(-1, -2)) * sm_scale  # [nt, H_kv, G*g, L]
+    m = mask[:, None, :, None, :].expand(nt, 1, gq, g, mask.shape[-1]).reshape(nt, 1, gq * g, -1)
+    s = s.masked_fill(~m, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [nt, H_kv, G*g]
+    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
+    o = torch.matmul(p, vh)  # [nt, H_kv, G*g, D]
+    o = o.view(nt, h_kv, gq, g, d).permute(0, 2, 1, 3, 4).reshape(nt, gq, h_q, d)
+    lse = lse.view(nt, h_kv, gq, g).permute(0, 2, 1, 3).reshape(nt, gq, h_q)
+    return o, lse
+
+
+def _merge_partials(
+    po: torch.Tensor,  # [P, H_q, D]
+    plse: torch.Tensor,  # [P, H_q]
+    query_of_partial: torch.Tensor,  # [P]
+    nq: int,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of each query's partial states (a query with none gets 0, -inf)."""
+    h_q, d = po.shape[1], po.shape[2]
+    idx = query_of_partial[:, None].expand(-1, h_q)
+    m = torch.full((nq, h_q), float("-inf"), dtype=plse.dtype, device=po.device)
+    m = m.scatter_reduce(0, idx, plse, reduce="amax", include_self=True)
+    m = torch.where(torch.isneginf(m), 0.0, m)
+    w = torch.exp(plse - m[query_of_partial])  # [P, H_q]
+    den = torch.zeros_like(m).index_add_(0, query_of_partial, w)
+    num = torch.zeros(nq, h_q, d, dtype=po.dtype, device=po.device)
+    num.index_add_(0, query_of_partial, po * w.unsqueeze(-1))
+    o = num / torch.where(den > 0, den, 1.0).unsqueeze(-1)
+    lse = m + torch.log(den)
+    return o.to(out_dtype), lse.float()
