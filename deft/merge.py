@@ -43,10 +43,16 @@ def _merge(
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     w_a, w_b = torch.exp(s_a - m), torch.exp(s_b - m)
     tot = w_a + w_b
-    v = (v_a.to(acc) * w_a.unsqueeze(-1) + v_b.to(acc) * w_b.unsqueeze(-1)) / torch.where(
+    v = (_weighted(v_a, w_a, acc) + _weighted(v_b, w_b, acc)) / torch.where(
         tot > 0, tot, torch.ones_like(tot)
     ).unsqueeze(-1)
     return v, m + torch.log(tot)
+
+
+def _weighted(v: torch.Tensor, w: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``v * w`` with rows of weight 0 (empty states) contributing exactly 0, even if NaN."""
+    w = w.unsqueeze(-1)
+    return torch.where(w > 0, v.to(acc) * w, torch.zeros((), dtype=acc, device=v.device))
 
 
 def merge_state(
@@ -83,7 +89,7 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     w = torch.exp(s32 - m.unsqueeze(1))  # [N, S, H]
     tot = w.sum(dim=1)
-    num = (v.to(acc) * w.unsqueeze(-1)).sum(dim=1)
+    num = _weighted(v, w, acc).sum(dim=1)
     out = num / torch.where(tot > 0, tot, torch.ones_like(tot)).unsqueeze(-1)
     lse = m + torch.log(tot)
     return out.to(v.dtype), lse.to(torch.float32 if acc == torch.float32 else acc)

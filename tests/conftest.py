@@ -1,0 +1,80 @@
+"""Shared test helpers: random forests, dtype tolerances, loud comparisons."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deft import TreeLayout
+from deft.workloads import workloads_dir
+
+# (atol, rtol) of the attention output against the float64 reference, per input dtype.
+# fp16/bf16 outputs are rounded to the dtype, so the bound is a few ulps of |o| <= max|v|.
+TOL = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+LSE_TOL = (1e-4, 1e-5)  # lse is float32 for every input dtype
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """Compare with the dtype's tolerance; on failure the message lists the worst elements."""
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol,
+                               msg=lambda m: f"{what} ({dtype}): {m}")
+
+
+def assert_lse_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    exp = expected.double()
+    act = actual.double()
+    finite = torch.isfinite(exp)
+    assert torch.equal(torch.isneginf(act), torch.isneginf(exp)), f"{what}: -inf pattern differs"
+    torch.testing.assert_close(act[finite], exp[finite], atol=LSE_TOL[0], rtol=LSE_TOL[1],
+                               msg=lambda m: f"{what} lse: {m}")
+
+
+def random_forest(rng: np.random.Generator, num_nodes: int, max_len: int, max_tokens: int = 6000,
+                  num_roots: int = 1, partial: bool = True, shuffle: bool = True,
+                  empty_frac: float = 0.1) -> TreeLayout:
+    """A random forest: ``num_roots`` roots, lengths 0..max_len (scaled to fit max_tokens),
+    queries on a random subset of nodes (some nodes have several, some none), partial
+    query_kv_len, slots shuffled in a larger cache."""
+    num_roots = min(num_roots, num_nodes)
+    parents = np.full(num_nodes, -1, np.int64)
+    for i in range(num_roots, num_nodes):
+        parents[i] = rng.integers(0, i)
+    lens = rng.integers(0, max_len + 1, num_nodes)
+    lens[rng.random(num_nodes) < empty_frac] = 0
+    if lens.sum() > max_tokens:
+        lens = lens * max_tokens // lens.sum()
+    num_q = int(rng.integers(1, max(2, num_nodes + 8)))
+    qn = rng.integers(0, num_nodes, num_q)
+    if partial:
+        qlen = (rng.random(num_q) * (lens[qn] + 1)).astype(np.int64)
+        full = rng.random(num_q) < 0.5
+        qlen[full] = lens[qn][full]
+    else:
+        qlen = None
+    total = int(lens.sum())
+    slots = rng.permutation(total + int(rng.integers(0, 64)))[:total] if shuffle else None
+    return TreeLayout.from_node_lengths(parents, lens, qn, qlen, slots=slots)
+
+
+def random_qkv(layout: TreeLayout, h_q: int, h_kv: int, d: int, dtype: torch.dtype,
+               seed: int = 0, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    num_slots = int(layout.kv_indices.max(initial=-1)) + 1
+    q = torch.randn(layout.num_queries, h_q, d, generator=g)
+    k = torch.randn(max(num_slots, 1), h_kv, d, generator=g)
+    v = torch.randn(max(num_slots, 1), h_kv, d, generator=g)
+    return tuple(t.to(dtype=dtype, device=device) for t in (q, k, v))  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="session")
+def workloads():
+    try:
+        return workloads_dir()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
