@@ -1,11 +1,11 @@
 """Exact plan executor in plain PyTorch: the CPU path, also correct on CUDA tensors.
 
 ``prepare`` sorts the plan's tiles into buckets of equal padded shape (tile length and
-group size rounded up to powers of two), so ``run`` is a handful of batched matmuls per
-bucket: every tile's K/V is gathered once and all queries of its group and all GQA heads
-of each KV head are computed against it. Partial states are merged with scatter
-reductions through the plan's reduction map. Accumulation is float32 (float64 inputs stay
-float64).
+group size rounded up to a power of two or 1.5 times one), so ``run`` is a handful of
+batched matmuls per bucket: every tile's K/V is gathered once and all queries of its
+group and all GQA heads of each KV head are computed against it. Partial states are
+merged through the plan's reduction map, padded to a dense ``[Q, S]`` index.
+Accumulation is float32 (float64 inputs stay float64).
 """
 
 from __future__ import annotations
@@ -36,13 +36,16 @@ class _Bucket:
 @dataclass(frozen=True)
 class _Prepared:
     buckets: tuple[_Bucket, ...]
-    query_of_partial: torch.Tensor  # [P]
-    num_queries: int
+    merge_idx: torch.Tensor  # [Q, S] partial ids per query, padded with num_partials
     num_partials: int
 
 
-def _pow2(x: np.ndarray) -> np.ndarray:
-    return np.where(x <= 1, 1, 1 << np.ceil(np.log2(np.maximum(x, 1))).astype(np.int64))
+# Padded sizes: powers of two and 1.5x between them, so padding wastes at most a third.
+_SIZES = np.unique(np.concatenate([1 << np.arange(31), 3 << np.arange(30)]))
+
+
+def _pad_size(x: np.ndarray) -> np.ndarray:
+    return _SIZES[np.searchsorted(_SIZES, np.maximum(x, 1))]
 
 
 class TorchBackend:
@@ -54,7 +57,7 @@ class TorchBackend:
     def prepare(self, plan: TreePlan, layout: TreeLayout, device: torch.device) -> _Prepared:
         tile_len = np.diff(plan.tile_indptr)
         group = plan.tile_q_end - plan.tile_q_start
-        lp, gp = _pow2(tile_len), _pow2(group)
+        lp, gp = _pad_size(tile_len), _pad_size(group)
         buckets = []
         num_p = plan.num_partials
         for l_pad, g_pad in sorted(set(zip(lp.tolist(), gp.tolist()))):
@@ -83,12 +86,14 @@ class TorchBackend:
                     chunk=max(1, _SCORE_BUDGET // per_tile),
                 )
             )
-        tile_of_p = np.repeat(np.arange(plan.num_tiles), group)
-        pos = plan.tile_q_start[tile_of_p] + np.arange(num_p) - plan.partial_indptr[tile_of_p]
+        count = np.diff(plan.merge_indptr)
+        width = int(count.max(initial=0))
+        col = np.arange(width)
+        pos = np.minimum(plan.merge_indptr[:-1, None] + col, max(num_p - 1, 0))
+        merge_idx = np.where(col < count[:, None], plan.merge_partials[pos] if num_p else 0, num_p)
         return _Prepared(
             buckets=tuple(buckets),
-            query_of_partial=torch.as_tensor(plan.query_order[pos], device=device),
-            num_queries=plan.num_queries,
+            merge_idx=torch.as_tensor(merge_idx, device=device),
             num_partials=num_p,
         )
 
@@ -100,7 +105,7 @@ class TorchBackend:
         v_cache: torch.Tensor,
         sm_scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        nq, h_q, d = q.shape
+        h_q, d = q.shape[1], q.shape[2]
         h_kv = k_cache.shape[1]
         g = h_q // h_kv
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -117,7 +122,7 @@ class TorchBackend:
                 )
                 po[b.pid[sl]] = o
                 plse[b.pid[sl]] = lse
-        return _merge_partials(po[:num_p], plse[:num_p], prepared.query_of_partial, nq, q.dtype)
+        return _merge_partials(po, plse, prepared.merge_idx, q.dtype)
 
 
 def _tile_attention(
@@ -148,22 +153,17 @@ def _tile_attention(
 
 
 def _merge_partials(
-    po: torch.Tensor,  # [P, H_q, D]
-    plse: torch.Tensor,  # [P, H_q]
-    query_of_partial: torch.Tensor,  # [P]
-    nq: int,
+    po: torch.Tensor,  # [P + 1, H_q, D]; row P is an empty state
+    plse: torch.Tensor,  # [P + 1, H_q]
+    merge_idx: torch.Tensor,  # [Q, S] partial ids of each query, padded with P
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact merge of each query's partial states (a query with none gets 0, -inf)."""
-    h_q, d = po.shape[1], po.shape[2]
-    idx = query_of_partial[:, None].expand(-1, h_q)
-    m = torch.full((nq, h_q), float("-inf"), dtype=plse.dtype, device=po.device)
-    m = m.scatter_reduce(0, idx, plse, reduce="amax", include_self=True)
+    s = plse[merge_idx]  # [Q, S, H_q]
+    m = s.amax(dim=1) if s.shape[1] else s.new_full((s.shape[0], s.shape[2]), float("-inf"))
     m = torch.where(torch.isneginf(m), 0.0, m)
-    w = torch.exp(plse - m[query_of_partial])  # [P, H_q]
-    den = torch.zeros_like(m).index_add_(0, query_of_partial, w)
-    num = torch.zeros(nq, h_q, d, dtype=po.dtype, device=po.device)
-    num.index_add_(0, query_of_partial, po * w.unsqueeze(-1))
-    o = num / torch.where(den > 0, den, 1.0).unsqueeze(-1)
-    lse = m + torch.log(den)
-    return o.to(out_dtype), lse.float()
+    w = torch.exp(s - m[:, None, :])  # [Q, S, H_q]; 0 for empty states
+    den = w.sum(dim=1)
+    o = torch.einsum("qsh,qshd->qhd", w, po[merge_idx])
+    o = o / torch.where(den > 0, den, 1.0).unsqueeze(-1)
+    return o.to(out_dtype), (m + torch.log(den)).float()

@@ -1,0 +1,1 @@
+"""Benchmarks: named tree workloads, baselines, timing and report tables."""
