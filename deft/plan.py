@@ -35,7 +35,7 @@ import numpy as np
 
 from .layout import TreeLayout
 
-__all__ = ["PLAN_KINDS", "PlanKind", "TreePlan", "make_plan", "dfs_preorder"]
+__all__ = ["PLAN_KINDS", "PlanKind", "TreePlan", "make_plan", "coarsen_plan", "dfs_preorder"]
 
 PlanKind = Literal["flatten", "node", "node_chunk", "per_query"]
 PLAN_KINDS: tuple[str, ...] = ("flatten", "node", "node_chunk", "per_query")
@@ -248,17 +248,26 @@ def make_plan(layout: TreeLayout, kind: str = "flatten", block_kv: int = 64) -> 
 
     tile_indptr = np.zeros(tile_lens.shape[0] + 1, _I)
     np.cumsum(tile_lens, out=tile_indptr[1:])
+    return _assemble(kind, block_kv, layout.num_tokens, needs_mask, slots, lo, hi, off,
+                     tile_indptr, q_start, q_end, query_order, q_pre, q_len)
+
+
+def _assemble(kind: str, block_kv: int, num_layout_tokens: int, needs_mask: bool,
+              slots: np.ndarray, lo: np.ndarray, hi: np.ndarray, off: np.ndarray,
+              tile_indptr: np.ndarray, q_start: np.ndarray, q_end: np.ndarray,
+              query_order: np.ndarray, q_pre: np.ndarray, q_len: np.ndarray) -> TreePlan:
+    """Number the partial states tile by tile and build the reduction map (CSR by query)."""
     group = q_end - q_start
     partial_indptr = np.zeros(group.shape[0] + 1, _I)
     np.cumsum(group, out=partial_indptr[1:])
-    # Reduction map: the original query of every partial, then CSR by query.
     num_p = int(partial_indptr[-1])
+    num_q = query_order.shape[0]
     tile_of_p = np.repeat(np.arange(group.shape[0], dtype=_I), group)
     sorted_pos = q_start[tile_of_p] + np.arange(num_p, dtype=_I) - partial_indptr[tile_of_p]
     query_of_p = query_order[sorted_pos]
     merge_partials = np.argsort(query_of_p, kind="stable")
-    merge_indptr = np.zeros(layout.num_queries + 1, _I)
-    np.cumsum(np.bincount(query_of_p, minlength=layout.num_queries), out=merge_indptr[1:])
+    merge_indptr = np.zeros(num_q + 1, _I)
+    np.cumsum(np.bincount(query_of_p, minlength=num_q), out=merge_indptr[1:])
 
     arrays = dict(
         token_slots=slots, token_lo=lo, token_hi=hi, token_off=off,
@@ -268,8 +277,35 @@ def make_plan(layout: TreeLayout, kind: str = "flatten", block_kv: int = 64) -> 
     )
     for arr in arrays.values():
         arr.setflags(write=False)
-    return TreePlan(kind=kind, block_kv=block_kv, num_layout_tokens=layout.num_tokens,
+    return TreePlan(kind=kind, block_kv=block_kv, num_layout_tokens=num_layout_tokens,
                     needs_mask=needs_mask, **arrays)
+
+
+def coarsen_plan(plan: TreePlan, max_tiles: int) -> TreePlan:
+    """Merge runs of consecutive tiles that serve the same query group, up to ``max_tiles``
+    tiles each, into one tile: a kernel then keeps one online softmax across them and
+    writes one partial state per query instead of ``max_tiles``.
+
+    Groups stay exact (only identical groups merge), so the result is a valid plan of the
+    same kind; tiles become multiples of ``block_kv`` long.
+    """
+    if isinstance(max_tiles, bool) or not isinstance(max_tiles, (int, np.integer)) or max_tiles < 1:
+        raise ValueError(f"max_tiles: expected a positive integer, got {max_tiles!r}")
+    nt = plan.num_tiles
+    if nt == 0 or max_tiles == 1:
+        return plan
+    idx = np.arange(nt, dtype=_I)
+    new_run = np.ones(nt, dtype=bool)
+    new_run[1:] = (plan.tile_q_start[1:] != plan.tile_q_start[:-1]) | (
+        plan.tile_q_end[1:] != plan.tile_q_end[:-1])
+    run_start = np.maximum.accumulate(np.where(new_run, idx, 0))
+    first = new_run | ((idx - run_start) % max_tiles == 0)
+    starts = np.flatnonzero(first)
+    tile_indptr = np.append(plan.tile_indptr[starts], plan.tile_indptr[-1])
+    return _assemble(plan.kind, plan.block_kv, plan.num_layout_tokens, plan.needs_mask,
+                     plan.token_slots, plan.token_lo, plan.token_hi, plan.token_off,
+                     tile_indptr, plan.tile_q_start[starts], plan.tile_q_end[starts],
+                     plan.query_order, plan.query_pre, plan.query_len)
 
 
 def _per_query_tokens(

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
-from deft import TreeLayout
-from deft.workloads import workloads_dir
+# Without a GPU, Triton kernels run in its interpreter (set before triton is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from deft import TreeLayout  # noqa: E402
+from deft.workloads import workloads_dir  # noqa: E402
 
 # (atol, rtol) of the attention output against the float64 reference, per input dtype.
 # fp16/bf16 outputs are rounded to the dtype, so the bound is a few ulps of |o| <= max|v|.

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import random_forest
 from deft import PLAN_KINDS, TreeLayout, make_plan
 from deft.ops.reference import visibility_mask
-from deft.plan import dfs_preorder
+from deft.plan import coarsen_plan, dfs_preorder
 from deft.workloads import few_shot_layout
 
 
@@ -26,8 +26,9 @@ def seen_slots(plan):
     return seen
 
 
-def check_plan(layout, kind, block):
-    plan = make_plan(layout, kind, block)
+def check_plan(layout, kind, block, plan=None):
+    fresh = plan is None
+    plan = plan or make_plan(layout, kind, block)
     mask = visibility_mask(layout)
     seen = seen_slots(plan)
     for qi in range(layout.num_queries):
@@ -40,7 +41,7 @@ def check_plan(layout, kind, block):
     if kind != "per_query":
         assert len(set(plan.token_slots.tolist())) == plan.num_plan_tokens, "a token loaded twice"
         assert np.all(plan.tile_q_end > plan.tile_q_start), "a tile without queries"
-    if kind == "flatten":
+    if kind == "flatten" and fresh:
         assert (tile_len != block).sum() <= 1
     if kind in ("node_chunk", "per_query"):
         assert tile_len.max(initial=0) <= block
@@ -108,3 +109,24 @@ def test_plan_argument_errors():
         make_plan(layout, "flatten", 0)
     with pytest.raises(TypeError, match="layout: expected a deft.TreeLayout"):
         make_plan([1, 2], "flatten")
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31), nodes=st.integers(1, 60), max_tiles=st.integers(1, 9),
+       kind=st.sampled_from(PLAN_KINDS))
+def test_coarsened_plans_stay_exact(seed, nodes, max_tiles, kind):
+    layout = random_forest(np.random.default_rng(seed), nodes, 200, max_tokens=1500)
+    fine = make_plan(layout, kind, 8)
+    coarse = coarsen_plan(fine, max_tiles)
+    check_plan(layout, kind, 8 * max_tiles, coarse)
+    assert coarse.num_plan_tokens == fine.num_plan_tokens
+    assert coarse.num_tiles <= fine.num_tiles
+    assert coarse.max_tile_len <= fine.max_tile_len * max_tiles
+
+
+def test_coarsen_merges_only_equal_groups():
+    plan = coarsen_plan(make_plan(few_shot_layout(640, 20, 64), "flatten", 64), 4)
+    assert (plan.tile_q_end - plan.tile_q_start).tolist() == [20] * 3 + [1] * 20
+    assert np.diff(plan.tile_indptr).tolist() == [256, 256, 128] + [64] * 20
+    with pytest.raises(ValueError, match="max_tiles: expected a positive integer, got 0"):
+        coarsen_plan(plan, 0)

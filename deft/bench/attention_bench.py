@@ -50,7 +50,7 @@ def cpu_attention_table(names: list[str] | None = None, workloads: Path | None =
             "per-query SDPA": sdpa_per_query(layout, q, k, v, deft.sm_scale),
         }
         if flex:
-            peers["FlexAttention"] = flex_tree_attention(layout, q, k, v, deft.sm_scale)
+            peers["FlexAttention"] = flex_tree_attention(layout, q, [k], [v], deft.sm_scale)
         ref = peers["DeFT-Flatten"]().double()
         times, err = {}, 0.0
         for peer, fn in peers.items():

@@ -42,10 +42,14 @@ def sdpa_per_query(layout: TreeLayout, q: torch.Tensor, k_cache: torch.Tensor,
     return run
 
 
-def flex_tree_attention(layout: TreeLayout, q: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, sm_scale: float,
-                        kernel_options: dict | None = None) -> Callable[[], torch.Tensor]:
-    """Compiled FlexAttention over the tree's tokens with the visibility mask as a block mask."""
+def flex_tree_attention(layout: TreeLayout, q: torch.Tensor, k_caches: list[torch.Tensor],
+                        v_caches: list[torch.Tensor], sm_scale: float,
+                        kernel_options: dict | None = None) -> Callable[[int], torch.Tensor]:
+    """Compiled FlexAttention over the tree's tokens with the visibility mask as a block mask.
+
+    Returns ``run(layer)``; the block mask is built once and every layer's K/V is gathered
+    into layout order once (a view when the layout's slots are already ``0..T-1``).
+    """
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     vis = torch.as_tensor(visibility_mask(layout), device=q.device)
@@ -55,16 +59,22 @@ def flex_tree_attention(layout: TreeLayout, q: torch.Tensor, k_cache: torch.Tens
         return vis[q_idx, kv_idx]
 
     block_mask = create_block_mask(mask_mod, None, None, nq, nt, device=str(q.device))
+    identity = bool((layout.kv_indices == range(nt)).all())
     slots = torch.tensor(layout.kv_indices, device=q.device)
-    k = k_cache.reshape(-1, *k_cache.shape[-2:])[slots].transpose(0, 1)[None].contiguous()
-    v = v_cache.reshape(-1, *v_cache.shape[-2:])[slots].transpose(0, 1)[None].contiguous()
+
+    def bhtd(cache: torch.Tensor) -> torch.Tensor:
+        flat = cache.reshape(-1, *cache.shape[-2:])
+        return (flat[:nt] if identity else flat[slots]).transpose(0, 1)[None]  # [1, H_kv, T, D]
+
+    ks = [bhtd(k) for k in k_caches]
+    vs = [bhtd(v) for v in v_caches]
     qb = q.transpose(0, 1)[None].contiguous()  # [1, H_q, Q, D]
     compiled = torch.compile(flex_attention, dynamic=False)
-    gqa = q.shape[1] != k.shape[1]
+    gqa = q.shape[1] != k_caches[0].shape[-2]
 
-    def run() -> torch.Tensor:
-        o = compiled(qb, k, v, block_mask=block_mask, scale=sm_scale, enable_gqa=gqa,
-                     kernel_options=kernel_options)
+    def run(layer: int = 0) -> torch.Tensor:
+        o = compiled(qb, ks[layer], vs[layer], block_mask=block_mask, scale=sm_scale,
+                     enable_gqa=gqa, kernel_options=kernel_options)
         return o[0].transpose(0, 1)
 
     return run

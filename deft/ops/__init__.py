@@ -1,7 +1,9 @@
 """Attention backends and their registry.
 
 A backend executes a :class:`~deft.plan.TreePlan`. ``prepare`` runs once per step (at
-``TreeAttention.plan``) and may build device tensors; ``run`` runs once per layer.
+``TreeAttention.plan``) and may build device tensors; ``run`` runs once per layer. A
+backend may also define ``refine_plan(plan, num_qo_heads, num_kv_heads, head_dim, device)``
+to reshape the plan for its kernels (e.g. coarser tiles) before ``prepare``.
 New backends plug in with :func:`register_backend` without touching callers.
 """
 
@@ -24,7 +26,8 @@ class Backend(Protocol):
     name: str
     dtypes: tuple[torch.dtype, ...]
 
-    def prepare(self, plan: TreePlan, layout: TreeLayout, device: torch.device) -> Any: ...
+    def prepare(self, plan: TreePlan, layout: TreeLayout, device: torch.device,
+                num_qo_heads: int, num_kv_heads: int, head_dim: int) -> Any: ...
 
     def run(
         self,
@@ -83,3 +86,4 @@ def _lazy(module: str, attr: str) -> Callable[[], Backend]:
 
 register_backend("torch", _lazy(".torch_backend", "TorchBackend"))
 register_backend("reference", _lazy(".reference", "ReferenceBackend"))
+register_backend("triton", _lazy(".triton_backend", "TritonBackend"))

@@ -61,7 +61,8 @@ class ReferenceBackend:
     name = "reference"
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-    def prepare(self, plan: TreePlan, layout: TreeLayout, device: torch.device) -> TreeLayout:
+    def prepare(self, plan: TreePlan, layout: TreeLayout, device: torch.device,
+                num_qo_heads: int, num_kv_heads: int, head_dim: int) -> TreeLayout:
         return layout
 
     def run(self, prepared: TreeLayout, q, k_cache, v_cache, sm_scale):  # noqa: ANN001

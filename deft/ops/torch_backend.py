@@ -54,7 +54,8 @@ class TorchBackend:
     name = "torch"
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-    def prepare(self, plan: TreePlan, layout: TreeLayout, device: torch.device) -> _Prepared:
+    def prepare(self, plan: TreePlan, layout: TreeLayout, device: torch.device,
+                num_qo_heads: int, num_kv_heads: int, head_dim: int) -> _Prepared:
         tile_len = np.diff(plan.tile_indptr)
         group = plan.tile_q_end - plan.tile_q_start
         lp, gp = _pad_size(tile_len), _pad_size(group)

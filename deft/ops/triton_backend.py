@@ -1,0 +1,183 @@
+"""The ``triton`` backend: checks, workspaces and launches for ``triton_kernels``.
+
+Per step (``refine_plan`` + ``prepare``, outside any CUDA graph): coarsen the DeFT-Flatten
+tiles so the launch has about ``waves`` programs per SM, list the work items (query-row
+chunks of each tile, largest tiles first, chunks of one tile adjacent so they share its KV
+through L2), upload the plan arrays as int32 and allocate the fp32 partial-state
+workspace. Per layer (``run``): two launches, no host synchronisation, no allocation
+besides the returned tensors. Runs on CUDA tensors, or on CPU tensors under
+``TRITON_INTERPRET=1`` (with small blocks, for tests).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+
+from ..layout import TreeLayout
+from ..plan import TreePlan, coarsen_plan
+from .triton_kernels import merge_kernel, tree_partial_kernel
+
+__all__ = ["TritonBackend", "KernelConfig", "kernel_config"]
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Block sizes and launch shape of the partial kernel."""
+
+    block_m: int  # query rows (query, GQA head) per program
+    block_n: int  # KV tokens per inner step
+    num_warps: int
+    num_stages: int
+    waves: float  # target programs per SM when coarsening tiles
+
+
+# Tuned on an H200 (see docs/benchmarks.md); keyed by head_dim.
+_GPU_CONFIGS = {
+    64: KernelConfig(128, 64, 4, 3, 2.0),
+    128: KernelConfig(128, 64, 8, 2, 2.0),
+    256: KernelConfig(64, 32, 8, 2, 2.0),
+}
+_INTERPRET_CONFIG = KernelConfig(16, 16, 1, 1, 2.0)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def kernel_config(head_dim: int) -> KernelConfig:
+    if interpreting():
+        return _INTERPRET_CONFIG
+    return _GPU_CONFIGS.get(head_dim, _GPU_CONFIGS[128])
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    config: KernelConfig
+    arrays: dict[str, torch.Tensor]
+    num_work: int
+    num_queries: int
+    partial_o: torch.Tensor  # [P, H_q, D] fp32
+    partial_lse: torch.Tensor  # [P, H_q] fp32
+    needs_mask: bool
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _work_items(plan: TreePlan, g: int, block_m: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tile, first row) of every program, largest tiles first, chunks of a tile adjacent."""
+    rows = (plan.tile_q_end - plan.tile_q_start) * g
+    chunks = -(-rows // block_m)
+    order = np.argsort(-np.diff(plan.tile_indptr), kind="stable")
+    tiles = np.repeat(order, chunks[order])
+    first = np.cumsum(chunks[order]) - chunks[order]
+    row0 = (np.arange(tiles.shape[0]) - np.repeat(first, chunks[order])) * block_m
+    return tiles, row0
+
+
+class TritonBackend:
+    """DeFT-Flatten on GPU: one partial-attention launch and one merge launch per layer."""
+
+    name = "triton"
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+
+    def refine_plan(self, plan: TreePlan, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                    device: torch.device) -> TreePlan:
+        """Merge same-group tiles while the launch keeps ``waves`` programs per SM."""
+        if plan.num_tiles == 0:
+            return plan
+        cfg = kernel_config(head_dim)
+        g = num_qo_heads // num_kv_heads
+        target = cfg.waves * _num_sms(device)
+        chunks = -(-(plan.tile_q_end - plan.tile_q_start) * g // cfg.block_m)
+        new_run = np.ones(plan.num_tiles, bool)
+        new_run[1:] = (np.diff(plan.tile_q_start) != 0) | (np.diff(plan.tile_q_end) != 0)
+        starts = np.flatnonzero(new_run)
+        run_len = np.diff(np.append(starts, plan.num_tiles))
+        run_chunks = chunks[starts]
+        best = 1
+        for u in (2, 4, 8, 16, 32, 64, 128, 256):
+            programs = num_kv_heads * int((-(-run_len // u) * run_chunks).sum())
+            if programs < target or u > run_len.max():
+                break
+            best = u
+        return coarsen_plan(plan, best)
+
+    def prepare(self, plan: TreePlan, layout: TreeLayout, device: torch.device,
+                num_qo_heads: int, num_kv_heads: int, head_dim: int) -> _Prepared:
+        if head_dim & (head_dim - 1) or head_dim < 16:
+            raise ValueError(f"head_dim: the triton backend needs a power of two >= 16, got {head_dim}")
+        cfg = kernel_config(head_dim)
+        g = num_qo_heads // num_kv_heads
+        work_tile, work_row0 = _work_items(plan, g, cfg.block_m)
+
+        def i32(a: np.ndarray) -> torch.Tensor:
+            return torch.as_tensor(np.ascontiguousarray(a, dtype=np.int32), device=device)
+
+        arrays = {
+            "tok_slot": i32(plan.token_slots), "tok_lo": i32(plan.token_lo),
+            "tok_hi": i32(plan.token_hi), "tok_off": i32(plan.token_off),
+            "work_tile": i32(work_tile), "work_row0": i32(work_row0),
+            "tile_tok": i32(plan.tile_indptr), "tile_qs": i32(plan.tile_q_start),
+            "tile_qe": i32(plan.tile_q_end), "tile_p0": i32(plan.partial_indptr[:-1]),
+            "q_order": i32(plan.query_order), "q_pre": i32(plan.query_pre),
+            "q_len": i32(plan.query_len), "merge_indptr": i32(plan.merge_indptr),
+            "merge_partials": i32(plan.merge_partials),
+        }
+        p = max(plan.num_partials, 1)
+        return _Prepared(
+            config=cfg, arrays=arrays, num_work=int(work_tile.shape[0]),
+            num_queries=plan.num_queries,
+            partial_o=torch.empty(p, num_qo_heads, head_dim, dtype=torch.float32, device=device),
+            partial_lse=torch.empty(p, num_qo_heads, dtype=torch.float32, device=device),
+            needs_mask=plan.needs_mask,
+        )
+
+    def run(self, prepared: _Prepared, q: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        nq, h_q, d = q.shape
+        h_kv = k_cache.shape[1]
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(nq, h_q, dtype=torch.float32, device=q.device)
+        if nq == 0:
+            return o, lse
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        a, cfg = prepared.arrays, prepared.config
+        po, plse = prepared.partial_o, prepared.partial_lse
+        if prepared.num_work:
+            tree_partial_kernel[(prepared.num_work, h_kv)](
+                q, k_cache, v_cache, po, plse,
+                a["tok_slot"], a["tok_lo"], a["tok_hi"], a["tok_off"],
+                a["work_tile"], a["work_row0"],
+                a["tile_tok"], a["tile_qs"], a["tile_qe"], a["tile_p0"],
+                a["q_order"], a["q_pre"], a["q_len"],
+                sm_scale * math.log2(math.e),
+                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+                po.stride(0), po.stride(1), plse.stride(0),
+                G=h_q // h_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                USE_MASK=prepared.needs_mask, IEEE=q.dtype == torch.float32,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+        launch_merge(po, plse, o, lse, a["merge_indptr"], a["merge_partials"])
+        return o, lse
+
+
+def launch_merge(po: torch.Tensor, plse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                 indptr: torch.Tensor, indices: torch.Tensor) -> None:
+    """Merge states ``po [P, H, D]``, ``plse [P, H]`` into ``o [N, H, D]``, ``lse [N, H]`` (CSR)."""
+    n, h, d = o.shape
+    block_h = min(triton.next_power_of_2(h), max(1, 4096 // d))
+    merge_kernel[(n, triton.cdiv(h, block_h))](
+        po, plse, o, lse, indptr, indices, h,
+        po.stride(0), po.stride(1), plse.stride(0), o.stride(0), o.stride(1),
+        D=d, BLOCK_H=block_h, num_warps=4 if not interpreting() else 1,
+    )

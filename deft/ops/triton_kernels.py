@@ -1,0 +1,132 @@
+"""Triton kernels of the ``triton`` backend (``@triton.jit`` code only; launchers live in
+``triton_backend.py``).
+
+``tree_partial_kernel``: one program per (work item, KV head). A work item is a query-row
+chunk of one tile: rows are (group query, GQA head) pairs, so every query head that shares
+the KV head is computed from the same K/V loads. The program streams the tile's tokens in
+blocks of ``BLOCK_N`` through the slot indices, applies the plan's compact visibility mask,
+keeps an online softmax, and writes one fp32 partial state per (query, head).
+
+``merge_kernel``: one program per (query, head block); merges the query's partial states
+through the reduction map (CSR) into ``o`` (output dtype) and ``lse`` (natural log).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tree_partial_kernel(
+    Q, K, V, PO, PLSE,
+    tok_slot, tok_lo, tok_hi, tok_off,
+    work_tile, work_row0,
+    tile_tok, tile_qs, tile_qe, tile_p0,
+    q_order, q_pre, q_len,
+    qk_scale,  # sm_scale * log2(e)
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_pn, stride_ph, stride_ln,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_MASK: tl.constexpr, IEEE: tl.constexpr,
+):
+    w = tl.program_id(0)
+    kvh = tl.program_id(1)
+    t = tl.load(work_tile + w)
+    row0 = tl.load(work_row0 + w)
+    tok0 = tl.load(tile_tok + t)
+    tok1 = tl.load(tile_tok + t + 1)
+    qs = tl.load(tile_qs + t)
+    qe = tl.load(tile_qe + t)
+    p0 = tl.load(tile_p0 + t)
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < (qe - qs) * G
+    qi = rows // G  # query index within the group
+    head = kvh * G + rows % G
+    qpos = qs + qi
+    qorig = tl.load(q_order + qpos, mask=row_ok, other=0).to(tl.int64)
+    d = tl.arange(0, D)
+    q = tl.load(Q + qorig[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    if USE_MASK:
+        pre = tl.load(q_pre + qpos, mask=row_ok, other=-1)
+        qlen = tl.load(q_len + qpos, mask=row_ok, other=0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for start in range(tok0, tok1, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        tok_ok = offs < tok1
+        slot = tl.load(tok_slot + offs, mask=tok_ok, other=0).to(tl.int64)
+        kv_off = slot[:, None] * stride_kn + kvh * stride_kh + d[None, :]
+        k = tl.load(K + kv_off, mask=tok_ok[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        vis = tok_ok[None, :] & row_ok[:, None]
+        if USE_MASK:
+            lo = tl.load(tok_lo + offs, mask=tok_ok, other=0)
+            hi = tl.load(tok_hi + offs, mask=tok_ok, other=0)
+            off = tl.load(tok_off + offs, mask=tok_ok, other=0)
+            vis = vis & (lo[None, :] <= pre[:, None]) & (pre[:, None] < hi[None, :])
+            vis = vis & ((pre[:, None] != lo[None, :]) | (off[None, :] < qlen[:, None]))
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + kv_off, mask=tok_ok[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    # Natural-log lse from the base-2 running max and sum.
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    pid = (p0 + qi).to(tl.int64)
+    tl.store(PO + pid[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :], o,
+             mask=row_ok[:, None])
+    tl.store(PLSE + pid * stride_ln + head, lse, mask=row_ok)
+
+
+@triton.jit
+def merge_kernel(
+    PO, PLSE, O, LSE, indptr, indices,
+    num_heads,
+    stride_pn, stride_ph, stride_ln, stride_on, stride_oh,
+    D: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    n = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < num_heads
+    d = tl.arange(0, D)
+    start = tl.load(indptr + n)
+    end = tl.load(indptr + n + 1)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    for i in range(start, end):
+        p = tl.load(indices + i).to(tl.int64)
+        s = tl.load(PLSE + p * stride_ln + h, mask=h_ok, other=float("-inf"))
+        o = tl.load(PO + p * stride_pn + h[:, None] * stride_ph + d[None, :],
+                    mask=h_ok[:, None], other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(m - m_safe)
+        b = tl.exp(s - m_safe)
+        acc = acc * a[:, None] + tl.where(b[:, None] > 0, o * b[:, None], 0.0)
+        den = den * a + b
+        m = m_new
+    has = den > 0
+    out = acc / tl.where(has, den, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log(tl.where(has, den, 1.0)), float("-inf"))
+    n64 = n.to(tl.int64)
+    tl.store(O + n64 * stride_on + h[:, None] * stride_oh + d[None, :],
+             out.to(O.dtype.element_ty), mask=h_ok[:, None])
+    tl.store(LSE + n64 * num_heads + h, lse, mask=h_ok)

@@ -1,0 +1,141 @@
+"""Triton backend against the float64 reference: interpreted on CPU (fp16/fp32, tiny trees),
+and on a GPU under ``pytest -m gpu`` (bf16/fp16, every head_dim, GQA, real workloads, CUDA graphs)."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_close, assert_lse_close, random_forest, random_qkv
+from deft import TreeAttention, TreeLayout, merge_states
+from deft.ops.reference import reference_attention
+from deft.workloads import few_shot_layout, medusa_layout, shuffle_slots
+
+pytest.importorskip("triton")
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def check(layout, h_q, h_kv, d, dtype, kind="flatten", seed=0, paged=0):
+    q, k, v = random_qkv(layout, h_q, h_kv, d, dtype, seed, device=DEV)
+    ref_o, ref_lse = reference_attention(q, k, v, layout, d**-0.5)
+    # Interpreted: small tiles, so even tiny trees have many tiles, partials and merges.
+    attn = TreeAttention(h_q, h_kv, d, backend="triton", plan_kind=kind, device=DEV,
+                         block_kv=None if CUDA else 8)
+    plan = attn.plan(layout)
+    assert CUDA or layout.num_tokens < 24 or plan.num_tiles > 1
+    if paged:
+        pad = (-k.shape[0]) % paged
+        k = torch.cat([k, k.new_zeros(pad, h_kv, d)]).view(-1, paged, h_kv, d)
+        v = torch.cat([v, v.new_zeros(pad, h_kv, d)]).view(-1, paged, h_kv, d)
+    o, lse = attn.run(q, k, v, return_lse=True)
+    assert o.dtype == dtype and not torch.isnan(o).any()
+    assert_close(o.cpu(), ref_o.cpu(), dtype, f"triton {kind}")
+    assert_lse_close(lse.cpu(), ref_lse.cpu(), f"triton {kind}")
+
+
+TINY = {
+    "fan": few_shot_layout(37, 5, 1),
+    "branches": shuffle_slots(few_shot_layout(40, 3, 9), seed=1, num_slots=90),
+    "partial lens": TreeLayout.from_node_lengths([-1, 0, 0, 1], [20, 7, 0, 5], [0, 1, 2, 3, 3], [20, 3, 0, 2, 5]),
+    "seeing nothing": TreeLayout.from_node_lengths([-1, -1], [0, 6], [0, 1], [0, 0]),
+}
+
+
+@pytest.mark.parametrize("name", list(TINY))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_tiny_trees(name, dtype):
+    check(TINY[name], 4, 2, 64, dtype)
+
+
+@pytest.mark.parametrize("kind", ["node", "node_chunk", "per_query"])
+def test_other_plan_kinds(kind):
+    check(TINY["branches"], 3, 1, 32, torch.float16, kind)
+
+
+def test_gqa_three_and_paged():
+    check(TINY["partial lens"], 6, 2, 32, torch.float16, paged=8)
+
+
+def test_random_forest_interpreted():
+    layout = random_forest(np.random.default_rng(3), 12, 20, max_tokens=120)
+    check(layout, 2, 1, 16, torch.float32)
+
+
+def test_merge_states_triton_path():
+    from deft.ops.triton_backend import launch_merge
+
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(3, 4, 2, 16, generator=g).to(DEV)
+    s = torch.randn(3, 4, 2, generator=g).to(DEV)
+    s[1, :2] = float("-inf")
+    o = torch.empty(3, 2, 16, device=DEV)
+    lse = torch.empty(3, 2, device=DEV)
+    indptr = torch.arange(0, 13, 4, dtype=torch.int32, device=DEV)
+    launch_merge(v.view(12, 2, 16), s.view(12, 2), o, lse, indptr, torch.arange(12, dtype=torch.int32, device=DEV))
+    ref_o, ref_lse = merge_states(v, s)
+    torch.testing.assert_close(o, ref_o)
+    torch.testing.assert_close(lse, ref_lse)
+
+
+def test_non_power_of_two_head_dim_is_rejected():
+    attn = TreeAttention(2, 1, 48, backend="triton", device=DEV)
+    with pytest.raises(ValueError, match="head_dim: the triton backend needs a power of two >= 16, got 48"):
+        attn.plan(TINY["fan"])
+
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+def test_gpu_random_forests(dtype, d, gqa):
+    rng = np.random.default_rng(d * gqa)
+    for _ in range(4):
+        layout = random_forest(rng, int(rng.integers(1, 300)), 600, max_tokens=20_000,
+                               num_roots=int(rng.integers(1, 4)))
+        check(layout, 2 * gqa, 2, d, dtype, seed=int(rng.integers(1000)))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name, layout", [
+    ("1000-leaf fan", few_shot_layout(3000, 1000, 1)),
+    ("deep chain", TreeLayout.from_node_lengths(np.arange(-1, 499), np.full(500, 7), [499, 250, 3])),
+    ("one node", TreeLayout([-1], [0, 777], np.arange(777), [0], [500])),
+    ("medusa", medusa_layout([[i] for i in range(8)] + [[0, i] for i in range(8)], 2000)),
+])
+@pytest.mark.parametrize("kind", ["flatten", "node", "node_chunk", "per_query"])
+def test_gpu_special_trees(name, layout, kind):
+    check(layout, 32, 8, 128, torch.bfloat16, kind)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_recorded_workloads(workloads):
+    from deft.bench.trees import build
+
+    for name in ("reasoning sorting128ToT", "medusa APPS-256"):
+        check(build(name, workloads), 32, 8, 128, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_cuda_graph_replay():
+    layout = shuffle_slots(few_shot_layout(3000, 30, 100), seed=4, num_slots=8000)
+    q, k, v = random_qkv(layout, 32, 8, 128, torch.bfloat16, device="cuda")
+    attn = TreeAttention(32, 8, 128, backend="triton", device="cuda")
+    attn.plan(layout)
+    static_o, static_lse = attn.run(q, k, v, return_lse=True)  # warm-up compiles the kernels
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_o, static_lse = attn.run(q, k, v, return_lse=True)
+    for seed in (1, 2):
+        q2, k2, v2 = random_qkv(layout, 32, 8, 128, torch.bfloat16, seed=seed, device="cuda")
+        q.copy_(q2), k.copy_(k2), v.copy_(v2)
+        graph.replay()
+        ref_o, ref_lse = reference_attention(q, k, v, layout, 128**-0.5)
+        assert_close(static_o.cpu(), ref_o.cpu(), torch.bfloat16, f"graph replay {seed}")
+        assert_lse_close(static_lse.cpu(), ref_lse.cpu(), "graph replay")
