@@ -39,9 +39,9 @@ class KernelConfig:
 
 # Tuned on an H200 (see docs/benchmarks.md); keyed by head_dim.
 _GPU_CONFIGS = {
-    64: KernelConfig(128, 64, 4, 3, 2.0),
-    128: KernelConfig(128, 64, 8, 2, 2.0),
-    256: KernelConfig(64, 32, 8, 2, 2.0),
+    64: KernelConfig(64, 64, 4, 3, 4.0),
+    128: KernelConfig(64, 64, 4, 3, 4.0),
+    256: KernelConfig(64, 32, 8, 2, 4.0),
 }
 _INTERPRET_CONFIG = KernelConfig(16, 16, 1, 1, 2.0)
 
@@ -175,9 +175,8 @@ def launch_merge(po: torch.Tensor, plse: torch.Tensor, o: torch.Tensor, lse: tor
                  indptr: torch.Tensor, indices: torch.Tensor) -> None:
     """Merge states ``po [P, H, D]``, ``plse [P, H]`` into ``o [N, H, D]``, ``lse [N, H]`` (CSR)."""
     n, h, d = o.shape
-    block_h = min(triton.next_power_of_2(h), max(1, 4096 // d))
-    merge_kernel[(n, triton.cdiv(h, block_h))](
+    merge_kernel[(n, h)](
         po, plse, o, lse, indptr, indices, h,
         po.stride(0), po.stride(1), plse.stride(0), o.stride(0), o.stride(1),
-        D=d, BLOCK_H=block_h, num_warps=4 if not interpreting() else 1,
+        D=d, BLOCK_S=4 if interpreting() else 16, num_warps=1 if interpreting() else 2,
     )

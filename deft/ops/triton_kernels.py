@@ -7,8 +7,9 @@ the KV head is computed from the same K/V loads. The program streams the tile's 
 blocks of ``BLOCK_N`` through the slot indices, applies the plan's compact visibility mask,
 keeps an online softmax, and writes one fp32 partial state per (query, head).
 
-``merge_kernel``: one program per (query, head block); merges the query's partial states
-through the reduction map (CSR) into ``o`` (output dtype) and ``lse`` (natural log).
+``merge_kernel``: one program per (query, head); merges the query's partial states through
+the reduction map (CSR), a block of them per step, into ``o`` (output dtype) and ``lse``
+(natural log).
 """
 
 import triton
@@ -100,33 +101,34 @@ def merge_kernel(
     PO, PLSE, O, LSE, indptr, indices,
     num_heads,
     stride_pn, stride_ph, stride_ln, stride_on, stride_oh,
-    D: tl.constexpr, BLOCK_H: tl.constexpr,
+    D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     n = tl.program_id(0)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = h < num_heads
+    h = tl.program_id(1)
     d = tl.arange(0, D)
     start = tl.load(indptr + n)
     end = tl.load(indptr + n + 1)
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    den = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
-    for i in range(start, end):
-        p = tl.load(indices + i).to(tl.int64)
-        s = tl.load(PLSE + p * stride_ln + h, mask=h_ok, other=float("-inf"))
-        o = tl.load(PO + p * stride_pn + h[:, None] * stride_ph + d[None, :],
-                    mask=h_ok[:, None], other=0.0).to(tl.float32)
-        m_new = tl.maximum(m, s)
+    m = float("-inf")
+    den = 0.0
+    acc = tl.zeros([D], tl.float32)
+    # BLOCK_S partial states at a time: independent loads in flight, one rescale per block.
+    for c in range(start, end, BLOCK_S):
+        idx = c + tl.arange(0, BLOCK_S)
+        ok = idx < end
+        p = tl.load(indices + idx, mask=ok, other=0).to(tl.int64)
+        s = tl.load(PLSE + p * stride_ln + h, mask=ok, other=float("-inf"))
+        o = tl.load(PO + p[:, None] * stride_pn + h * stride_ph + d[None, :],
+                    mask=ok[:, None], other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         a = tl.exp(m - m_safe)
         b = tl.exp(s - m_safe)
-        acc = acc * a[:, None] + tl.where(b[:, None] > 0, o * b[:, None], 0.0)
-        den = den * a + b
+        acc = acc * a + tl.sum(tl.where(b[:, None] > 0, o * b[:, None], 0.0), 0)
+        den = den * a + tl.sum(b, 0)
         m = m_new
     has = den > 0
-    out = acc / tl.where(has, den, 1.0)[:, None]
+    out = acc / tl.where(has, den, 1.0)
     lse = tl.where(has, m + tl.log(tl.where(has, den, 1.0)), float("-inf"))
     n64 = n.to(tl.int64)
-    tl.store(O + n64 * stride_on + h[:, None] * stride_oh + d[None, :],
-             out.to(O.dtype.element_ty), mask=h_ok[:, None])
-    tl.store(LSE + n64 * num_heads + h, lse, mask=h_ok)
+    tl.store(O + n64 * stride_on + h * stride_oh + d, out.to(O.dtype.element_ty))
+    tl.store(LSE + n64 * num_heads + h, lse)
