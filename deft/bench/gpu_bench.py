@@ -91,6 +91,7 @@ def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
         impls[label] = lambda l, a=attn: a.run(q, ks[l], vs[l])
     sm_scale = D**-0.5
     try:
+        torch._dynamo.reset()  # a fresh compile per tree, not a fallback past the recompile limit
         impls["FlexAttention"] = flex_tree_attention(layout, q, ks, vs, sm_scale,
                                                      kernel_options={"BACKEND": "TRITON"})
         row["impls"]["FlexAttention"] = {}

@@ -120,19 +120,23 @@ class TritonBackend:
         g = num_qo_heads // num_kv_heads
         work_tile, work_row0 = _work_items(plan, g, cfg.block_m)
 
-        def i32(a: np.ndarray) -> torch.Tensor:
-            return torch.as_tensor(np.ascontiguousarray(a, dtype=np.int32), device=device)
-
-        arrays = {
-            "tok_slot": i32(plan.token_slots), "tok_lo": i32(plan.token_lo),
-            "tok_hi": i32(plan.token_hi), "tok_off": i32(plan.token_off),
-            "work_tile": i32(work_tile), "work_row0": i32(work_row0),
-            "tile_tok": i32(plan.tile_indptr), "tile_qs": i32(plan.tile_q_start),
-            "tile_qe": i32(plan.tile_q_end), "tile_p0": i32(plan.partial_indptr[:-1]),
-            "q_order": i32(plan.query_order), "q_pre": i32(plan.query_pre),
-            "q_len": i32(plan.query_len), "merge_indptr": i32(plan.merge_indptr),
-            "merge_partials": i32(plan.merge_partials),
+        host = {
+            "tok_slot": plan.token_slots, "tok_lo": plan.token_lo, "tok_hi": plan.token_hi,
+            "tok_off": plan.token_off, "work_tile": work_tile, "work_row0": work_row0,
+            "tile_tok": plan.tile_indptr, "tile_qs": plan.tile_q_start,
+            "tile_qe": plan.tile_q_end, "tile_p0": plan.partial_indptr[:-1],
+            "q_order": plan.query_order, "q_pre": plan.query_pre, "q_len": plan.query_len,
+            "merge_indptr": plan.merge_indptr, "merge_partials": plan.merge_partials,
         }
+        # One int32 buffer, one host-to-device copy; the kernels get views into it.
+        # Segments start at multiples of 4 elements, keeping every view 16-byte aligned.
+        sizes = [a.shape[0] for a in host.values()]
+        starts = np.cumsum([0] + [-(-n // 4) * 4 for n in sizes])
+        packed = np.zeros(int(starts[-1]), np.int32)
+        for a, st in zip(host.values(), starts):
+            packed[st:st + a.shape[0]] = a
+        buf = torch.from_numpy(packed).to(device)
+        arrays = {name: buf[st:st + n] for name, st, n in zip(host, starts.tolist(), sizes)}
         p = max(plan.num_partials, 1)
         return _Prepared(
             config=cfg, arrays=arrays, num_work=int(work_tile.shape[0]),
