@@ -1,0 +1,115 @@
+"""Node records of the tree cache and the compact index that layouts are emitted from.
+
+Node ids are stable handles that are never reused; layouts need dense indices
+``0..num_live-1`` instead. :class:`DenseNodes` keeps live nodes in a list with their
+parent's dense index and their length in numpy arrays, updated in O(1) per change
+(removal swaps the last node into the hole), so emitting a layout costs numpy work plus
+one slice per node, never a walk over tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["DenseNodes", "Node"]
+
+_I = np.int64
+_EMPTY = np.zeros(0, _I)
+_EMPTY.setflags(write=False)
+
+
+class Node:
+    """One live node: its own slots ``buf[:n]`` and the pages those slots lie in.
+
+    ``group_page`` is the page this node's token-less children start filling (``-1``:
+    wherever this node's own next token would go), so siblings share one partly filled
+    page.
+    """
+
+    __slots__ = ("id", "parent", "children", "buf", "n", "pages", "group_page", "dense")
+
+    def __init__(
+        self,
+        node_id: int,
+        parent: Node | None,
+        slots: np.ndarray = _EMPTY,
+        pages: list[int] | None = None,
+    ) -> None:
+        self.id = node_id
+        self.parent = parent
+        self.children: dict[int, Node] = {}  # insertion-ordered
+        self.buf = slots  # [capacity] int64; a given array is never written, only replaced
+        self.n = slots.shape[0]
+        self.pages: list[int] = pages if pages is not None else []  # distinct pages of its slots
+        self.group_page = -1
+        self.dense = -1
+
+    @property
+    def slots(self) -> np.ndarray:
+        """``[n]`` a view of this node's slots; never written through (appends go past it)."""
+        return self.buf[: self.n]
+
+    def extend(self, slots: np.ndarray) -> None:
+        """Append ``slots [k]``, growing the buffer geometrically (amortised O(1) per slot)."""
+        need = self.n + slots.shape[0]
+        if need == self.n:
+            return
+        if need > self.buf.shape[0]:
+            buf = np.empty(max(need, 2 * self.buf.shape[0], 4), _I)
+            buf[: self.n] = self.buf[: self.n]
+            self.buf = buf
+        self.buf[self.n : need] = slots
+        self.n = need
+
+
+class DenseNodes:
+    """Live nodes in dense order, with ``parent_index`` and ``lens`` as numpy arrays."""
+
+    def __init__(self) -> None:
+        self.order: list[Node] = []
+        self._parent = np.empty(16, _I)  # [capacity] parent's dense index, -1 for roots
+        self._lens = np.empty(16, _I)  # [capacity] tokens per node
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def add(self, node: Node) -> None:
+        i = len(self.order)
+        if i == self._parent.shape[0]:
+            self._parent = np.resize(self._parent, 2 * i)
+            self._lens = np.resize(self._lens, 2 * i)
+        self.order.append(node)
+        node.dense = i
+        self._parent[i] = node.parent.dense if node.parent is not None else -1
+        self._lens[i] = node.n
+
+    def remove(self, node: Node) -> None:
+        """Drop childless ``node``; the last node takes its index (its children re-pointed)."""
+        i, last = node.dense, self.order.pop()
+        node.dense = -1
+        if last is node:
+            return
+        j = len(self.order)
+        self.order[i] = last
+        last.dense = i
+        self._parent[i] = self._parent[j]
+        self._lens[i] = self._lens[j]
+        for child in last.children.values():
+            self._parent[child.dense] = i
+
+    def update(self, node: Node) -> None:
+        """Refresh ``node``'s length and parent index after it changed."""
+        self._parent[node.dense] = node.parent.dense if node.parent is not None else -1
+        self._lens[node.dense] = node.n
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Fresh ``parents [N]``, ``node_kv_indptr [N + 1]`` and ``kv_indices [T]``."""
+        k = len(self.order)
+        indptr = np.zeros(k + 1, _I)
+        np.cumsum(self._lens[:k], out=indptr[1:])
+        kv = np.concatenate([nd.buf[: nd.n] for nd in self.order]) if k else _EMPTY.copy()
+        return self._parent[:k].copy(), indptr, kv
+
+    def ids(self) -> np.ndarray:
+        """``[N]`` node id of each dense index."""
+        return np.fromiter((nd.id for nd in self.order), _I, len(self.order))
