@@ -79,10 +79,15 @@ def merge_state_in_place(
 
 
 def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge ``S`` states per row: ``v [N, S, H, D]``, ``s [N, S, H]`` → ``[N, H, D]``, ``[N, H]``."""
+    """Merge ``S`` states per row: ``v [N, S, H, D]``, ``s [N, S, H]`` → ``[N, H, D]``, ``[N, H]``.
+
+    On CUDA (head_dim a power of two from 16 to 256) this runs the Triton merge kernel.
+    """
     _check_pair(v, s, "v", "s")
     if v.dim() != 4:
         raise ValueError(f"v: expected 4 dimensions [N, S, H, D], got shape {tuple(v.shape)}")
+    if v.is_cuda and v.dtype != torch.float64 and v.shape[-1] in (16, 32, 64, 128, 256):
+        return _merge_states_triton(v, s)
     acc = torch.float64 if v.dtype == torch.float64 else torch.float32
     s32 = s.to(acc)
     m = s32.amax(dim=1) if s.shape[1] else torch.full_like(s32[:, 0], float("-inf"))
@@ -93,3 +98,17 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
     out = num / torch.where(tot > 0, tot, torch.ones_like(tot)).unsqueeze(-1)
     lse = m + torch.log(tot)
     return out.to(v.dtype), lse.to(torch.float32 if acc == torch.float32 else acc)
+
+
+def _merge_states_triton(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPU path of :func:`merge_states`: the triton backend's merge kernel over a dense CSR."""
+    from .ops.triton_backend import launch_merge
+
+    n, k, h, d = v.shape
+    o = torch.empty(n, h, d, dtype=v.dtype, device=v.device)
+    lse = torch.empty(n, h, dtype=torch.float32, device=v.device)
+    indptr = torch.arange(0, n * k + 1, k, dtype=torch.int32, device=v.device)
+    indices = torch.arange(n * k, dtype=torch.int32, device=v.device)
+    launch_merge(v.reshape(n * k, h, d).contiguous(), s.reshape(n * k, h).float().contiguous(),
+                 o, lse, indptr, indices)
+    return o, lse

@@ -123,6 +123,21 @@ def test_gpu_recorded_workloads(workloads):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_merge_states_public_api(dtype):
+    v = torch.randn(50, 7, 8, 128).to(dtype)
+    s = torch.randn(50, 7, 8) * 4
+    s[3, :] = float("-inf")
+    s[5, 2:] = float("-inf")
+    ref_o, ref_lse = merge_states(v, s)  # CPU path
+    o, lse = merge_states(v.cuda(), s.cuda())
+    assert o.dtype == dtype
+    assert_close(o.cpu(), ref_o, dtype, "merge_states on cuda")
+    assert_lse_close(lse.cpu(), ref_lse, "merge_states on cuda")
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_cuda_graph_replay():
     layout = shuffle_slots(few_shot_layout(3000, 30, 100), seed=4, num_slots=8000)
     q, k, v = random_qkv(layout, 32, 8, 128, torch.bfloat16, device="cuda")

@@ -39,7 +39,7 @@ def reference_attention(
     sm_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 ``(o [Q, H_q, D], lse [Q, H_q])``; a query that sees nothing gets 0 and -inf."""
-    h_q, h_kv = q.shape[1], k_cache.shape[1]
+    h_q, h_kv = q.shape[1], k_cache.shape[-2]
     slots = torch.tensor(layout.kv_indices, device=q.device)
     k = k_cache.reshape(-1, h_kv, k_cache.shape[-1])[slots].double()
     v = v_cache.reshape(-1, h_kv, v_cache.shape[-1])[slots].double()
