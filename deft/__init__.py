@@ -1,6 +1,7 @@
 """DeFT: exact, IO-aware attention for tree-structured LLM decoding."""
 
 from .attention import TreeAttention, tree_attention
+from .cache import CacheFullError, KVPool, TreeKVCache
 from .layout import TreeLayout
 from .merge import merge_state, merge_state_in_place, merge_states
 from .ops import backend_names, register_backend
@@ -9,8 +10,11 @@ from .plan import PLAN_KINDS, TreePlan, make_plan
 __version__ = "0.1.0"
 
 __all__ = [
+    "CacheFullError",
+    "KVPool",
     "PLAN_KINDS",
     "TreeAttention",
+    "TreeKVCache",
     "TreeLayout",
     "TreePlan",
     "backend_names",
