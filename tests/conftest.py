@@ -78,6 +78,12 @@ def random_qkv(layout: TreeLayout, h_q: int, h_kv: int, d: int, dtype: torch.dty
     return tuple(t.to(dtype=dtype, device=device) for t in (q, k, v))  # type: ignore[return-value]
 
 
+def to_paged(cache: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``[num_slots, H, D]`` → ``[num_pages, page_size, H, D]`` (zero-padded): same slots."""
+    pad = (-cache.shape[0]) % page_size
+    return torch.cat([cache, cache.new_zeros(pad, *cache.shape[1:])]).view(-1, page_size, *cache.shape[1:])
+
+
 @pytest.fixture(scope="session")
 def workloads():
     try:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import TOL, assert_close, assert_lse_close, random_forest, random_qkv
+from conftest import to_paged, TOL, assert_close, assert_lse_close, random_forest, random_qkv
 from deft import PLAN_KINDS, TreeAttention, TreeLayout, tree_attention
 from deft.ops.reference import reference_attention
 from deft.workloads import few_shot_layout, shuffle_slots
@@ -20,9 +20,7 @@ def run_and_compare(layout, h_q, h_kv, d, dtype, kind="flatten", block=None, see
     attn = TreeAttention(h_q, h_kv, d, backend="torch", plan_kind=kind, block_kv=block)
     attn.plan(layout)
     if paged:
-        pad = (-k.shape[0]) % paged
-        k = torch.cat([k, k.new_zeros(pad, h_kv, d)]).view(-1, paged, h_kv, d)
-        v = torch.cat([v, v.new_zeros(pad, h_kv, d)]).view(-1, paged, h_kv, d)
+        k, v = to_paged(k, paged), to_paged(v, paged)
     o, lse = attn.run(q, k, v, return_lse=True)
     assert o.dtype == dtype and o.shape == q.shape
     assert lse.dtype == torch.float32 and lse.shape == q.shape[:2]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close, assert_lse_close, random_forest, random_qkv
+from conftest import to_paged, assert_close, assert_lse_close, random_forest, random_qkv
 from deft import TreeAttention, TreeLayout, merge_states
 from deft.ops.reference import reference_attention
 from deft.workloads import few_shot_layout, medusa_layout, shuffle_slots
@@ -24,9 +24,7 @@ def check(layout, h_q, h_kv, d, dtype, kind="flatten", seed=0, paged=0):
     plan = attn.plan(layout)
     assert CUDA or layout.num_tokens < 24 or plan.num_tiles > 1
     if paged:
-        pad = (-k.shape[0]) % paged
-        k = torch.cat([k, k.new_zeros(pad, h_kv, d)]).view(-1, paged, h_kv, d)
-        v = torch.cat([v, v.new_zeros(pad, h_kv, d)]).view(-1, paged, h_kv, d)
+        k, v = to_paged(k, paged), to_paged(v, paged)
     o, lse = attn.run(q, k, v, return_lse=True)
     assert o.dtype == dtype and not torch.isnan(o).any()
     assert_close(o.cpu(), ref_o.cpu(), dtype, f"triton {kind}")
