@@ -1,0 +1,234 @@
+"""The Llama-family model configuration: one frozen, validated object.
+
+Covers Llama 2/3 (incl. ``llama3`` and ``linear`` RoPE scaling), SmolLM2 and Mistral-style
+GQA, with tied or untied embeddings. Built from a Hugging Face ``config.json``
+(:meth:`LlamaConfig.from_hf_config`) or from GGUF metadata
+(:meth:`LlamaConfig.from_gguf_metadata`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = ["LlamaConfig", "RopeScaling", "ROPE_SCALING_KINDS", "HF_MODEL_TYPES", "GGUF_ARCHITECTURES"]
+
+ROPE_SCALING_KINDS = ("linear", "llama3")
+HF_MODEL_TYPES = ("llama", "mistral")
+GGUF_ARCHITECTURES = ("llama",)
+
+
+def _pos_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _pos_float(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        math.isfinite(value) and value > 0
+    ):
+        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling.
+
+    ``linear`` divides every inverse frequency by ``factor``; ``llama3`` (Llama 3.1+)
+    divides the low frequencies by ``factor``, keeps the high ones and interpolates
+    between ``low_freq_factor`` and ``high_freq_factor`` wavelengths of
+    ``original_max_position_embeddings``.
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_SCALING_KINDS:
+            raise ValueError(
+                f"rope_scaling: expected a type of {', '.join(ROPE_SCALING_KINDS)}, got {self.kind!r}"
+            )
+        object.__setattr__(self, "factor", _pos_float(self.factor, "rope_scaling.factor"))
+        lo = _pos_float(self.low_freq_factor, "rope_scaling.low_freq_factor")
+        hi = _pos_float(self.high_freq_factor, "rope_scaling.high_freq_factor")
+        if self.kind == "llama3" and hi <= lo:
+            raise ValueError(
+                f"rope_scaling.high_freq_factor: expected > low_freq_factor={lo}, got {hi}"
+            )
+        object.__setattr__(self, "low_freq_factor", lo)
+        object.__setattr__(self, "high_freq_factor", hi)
+        _pos_int(self.original_max_position_embeddings, "rope_scaling.original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape and numerics of a Llama-family decoder.
+
+    ``head_dim`` defaults to ``hidden_size // num_heads``. ``rope_freq_factors``
+    (``head_dim // 2`` divisors of the inverse frequencies, what GGUF's ``rope_freqs``
+    tensor stores for Llama 3.1) applies on top of ``rope_scaling``.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rope_freq_factors: tuple[float, ...] | None = field(default=None, repr=False)
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "max_position_embeddings"):
+            _pos_int(getattr(self, name), name)
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"hidden_size: expected a multiple of num_heads={self.num_heads} when head_dim "
+                    f"is not given, got {self.hidden_size}"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        _pos_int(self.head_dim, "head_dim")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim: expected an even number (rotate-half RoPE), got {self.head_dim}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, got {self.num_heads}"
+            )
+        object.__setattr__(self, "rms_norm_eps", _pos_float(self.rms_norm_eps, "rms_norm_eps"))
+        object.__setattr__(self, "rope_theta", _pos_float(self.rope_theta, "rope_theta"))
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise TypeError(
+                f"rope_scaling: expected a RopeScaling or None, got {type(self.rope_scaling).__name__}"
+            )
+        if self.rope_freq_factors is not None:
+            factors = tuple(_pos_float(f, "rope_freq_factors[i]") for f in self.rope_freq_factors)
+            if len(factors) != self.head_dim // 2:
+                raise ValueError(
+                    f"rope_freq_factors: expected head_dim // 2 = {self.head_dim // 2} values, "
+                    f"got {len(factors)}"
+                )
+            object.__setattr__(self, "rope_freq_factors", factors)
+        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any]) -> "LlamaConfig":
+        """Build from a Hugging Face ``config.json`` dict (``model_type`` llama or mistral).
+
+        A Mistral ``sliding_window`` caps ``max_position_embeddings``: within the window
+        full attention is exact.
+        """
+        model_type = config.get("model_type")
+        if model_type not in HF_MODEL_TYPES:
+            raise ValueError(
+                f"model_type: expected one of {', '.join(HF_MODEL_TYPES)}, got {model_type!r}"
+            )
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act: expected 'silu' (SwiGLU), got {act!r}")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads"):
+            if key not in config:
+                raise ValueError(f"{key}: missing from the model config")
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if not isinstance(rope, Mapping):
+            raise ValueError(f"rope_scaling: expected an object, got {rope!r}")
+        theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        scaling = None
+        if kind != "default":
+            scaling = RopeScaling(
+                kind=kind,
+                factor=rope.get("factor"),
+                low_freq_factor=rope.get("low_freq_factor", 1.0),
+                high_freq_factor=rope.get("high_freq_factor", 4.0),
+                original_max_position_embeddings=rope.get("original_max_position_embeddings", 8192),
+            )
+        max_pos = config.get("max_position_embeddings", 8192)
+        window = config.get("sliding_window")
+        if window is not None:
+            max_pos = min(max_pos, _pos_int(window, "sliding_window"))
+        heads = config["num_attention_heads"]
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or 0,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-5),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            attention_bias=config.get("attention_bias", False),
+            mlp_bias=config.get("mlp_bias", False),
+        )
+
+    @classmethod
+    def from_gguf_metadata(
+        cls, metadata: Mapping[str, Any], tie_word_embeddings: bool = True
+    ) -> "LlamaConfig":
+        """Build from GGUF key/values (``general.architecture`` llama).
+
+        GGUF has no tying flag: a file without ``output.weight`` is tied, so the loader
+        passes ``tie_word_embeddings``. Llama 3.1 files carry their RoPE scaling as the
+        ``rope_freqs`` tensor, which the loader sets as ``rope_freq_factors``.
+        """
+        arch = metadata.get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"general.architecture: expected one of {', '.join(GGUF_ARCHITECTURES)}, got {arch!r}"
+            )
+
+        def need(key: str) -> Any:
+            if f"{arch}.{key}" not in metadata:
+                raise ValueError(f"{arch}.{key}: missing from the GGUF metadata")
+            return int(metadata[f"{arch}.{key}"])
+
+        hidden, heads = need("embedding_length"), need("attention.head_count")
+        head_dim = int(metadata.get(f"{arch}.attention.key_length", 0)) or (hidden // heads)
+        rope_dim = int(metadata.get(f"{arch}.rope.dimension_count", head_dim))
+        if rope_dim != head_dim:
+            raise ValueError(
+                f"{arch}.rope.dimension_count: expected head_dim={head_dim} (partial RoPE is not "
+                f"supported), got {rope_dim}"
+            )
+        kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+        scaling = None
+        if kind not in ("none", "linear"):
+            raise ValueError(f"{arch}.rope.scaling.type: expected 'none' or 'linear', got {kind!r}")
+        if kind == "linear":
+            scaling = RopeScaling("linear", float(metadata.get(f"{arch}.rope.scaling.factor", 1.0)))
+        vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
+        return cls(
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=need("feed_forward_length"),
+            num_layers=need("block_count"),
+            num_heads=heads,
+            num_kv_heads=int(metadata.get(f"{arch}.attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            rms_norm_eps=float(metadata.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=int(metadata.get(f"{arch}.context_length", 4096)),
+            tie_word_embeddings=tie_word_embeddings,
+        )

@@ -1,0 +1,93 @@
+"""Load a Llama-family model and its tokenizer from a GGUF file (dequantised to ``dtype``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import numpy as np
+import torch
+
+from .config import LlamaConfig
+from .gguf_file import GGUFFile
+from .gguf_tokenizer import tokenizer_from_gguf
+from .llama import LlamaModel, build_model, fuse_hf_weights
+from .tokenizer import Tokenizer
+
+__all__ = ["load_gguf"]
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def _hf_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or ``None`` if it is not a Llama weight."""
+    m = _BLOCK.fullmatch(name)
+    if m:
+        block, kind, suffix = m.groups()
+        return f"model.layers.{block}.{_BLOCK_NAMES[kind]}.{suffix}" if kind in _BLOCK_NAMES else None
+    base, _, suffix = name.rpartition(".")
+    return f"{_GLOBAL_NAMES[base]}.{suffix}" if base in _GLOBAL_NAMES else None
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order for interleaved RoPE: back to rotate-half ``[rows, ...]``."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[LlamaModel, Tokenizer]:
+    """Model and tokenizer from the GGUF file at ``path``.
+
+    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming ``path`` for a
+    corrupt file, an unsupported architecture, tokenizer or quantisation type.
+    """
+    f = GGUFFile(path)
+    path = f.path
+    try:
+        config = LlamaConfig.from_gguf_metadata(
+            f.metadata, tie_word_embeddings="output.weight" not in f.tensors
+        )
+        if "rope_freqs.weight" in f.tensors:
+            factors = tuple(f.dequantize("rope_freqs.weight").reshape(-1).tolist())
+            config = dataclasses.replace(config, rope_freq_factors=factors)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    unknown = sorted(n for n in f.tensors if n != "rope_freqs.weight" and _hf_name(n) is None)
+    if unknown:
+        raise ValueError(f"{path}: unsupported tensors for a Llama model: {unknown[:3]}")
+    tokenizer = tokenizer_from_gguf(f.metadata, path)  # before the slow part: fail fast
+    tensors = {}
+    for name in f.tensors:
+        if name == "rope_freqs.weight":
+            continue
+        w = f.dequantize(name)
+        if name.startswith("blk.") and (".attn_q." in name or ".attn_k." in name):
+            heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
+            if w.shape[0] != heads * config.head_dim:
+                raise ValueError(
+                    f"{path}: tensor {name!r} has {w.shape[0]} rows, expected "
+                    f"{heads * config.head_dim} ({heads} heads x head_dim {config.head_dim})"
+                )
+            w = _unpermute(w, heads)
+        tensors[_hf_name(name)] = torch.from_numpy(w)
+    state = fuse_hf_weights(config, tensors, path)
+    return build_model(config, state, dtype=dtype, device=device), tokenizer

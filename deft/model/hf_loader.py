@@ -1,0 +1,125 @@
+"""Load a Llama-family model and its tokenizer from a Hugging Face model directory.
+
+The directory holds ``config.json``, the weights as ``model.safetensors`` or shards listed
+by ``model.safetensors.index.json``, and ``tokenizer.json`` (plus, optionally,
+``tokenizer_config.json``, ``chat_template.jinja`` and ``generation_config.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from tokenizers import Tokenizer as _Backend
+
+from .config import LlamaConfig
+from .llama import LlamaModel, build_model, fuse_hf_weights
+from .tokenizer import Tokenizer, end_of_turn_ids
+
+__all__ = ["load_hf"]
+
+
+def _read_json(path: str, required: bool = True) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        if required:
+            raise FileNotFoundError(f"{path}: not found")
+        return {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: invalid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _shards(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: expected a 'weight_map' object")
+        return [os.path.join(folder, f) for f in sorted(set(weight_map.values()))]
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def _load_tensors(folder: str) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in _shards(folder):
+        if not os.path.isfile(shard):
+            raise FileNotFoundError(f"{shard}: listed in the index but not found")
+        try:
+            tensors.update(load_file(shard))
+        except SafetensorError as exc:
+            raise ValueError(f"{shard}: corrupt safetensors file ({exc})") from None
+    return tensors
+
+
+def _token_text(value: Any) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _ids(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, list) else {int(value)}
+
+
+def _chat_template(folder: str, tok_config: dict[str, Any]) -> str | None:
+    jinja = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as fh:
+            return fh.read()
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template
+
+
+def hf_tokenizer(folder: str, config: dict[str, Any]) -> Tokenizer:
+    """The tokenizer of a Hugging Face model directory (``config`` is its config.json)."""
+    tok_file = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(tok_file):
+        raise FileNotFoundError(f"{tok_file}: not found (only fast tokenizers are supported)")
+    try:
+        backend = _Backend.from_file(tok_file)
+    except Exception as exc:  # tokenizers raises a bare Exception for malformed files
+        raise ValueError(f"{tok_file}: invalid tokenizer ({exc})") from None
+    tok_config = _read_json(os.path.join(folder, "tokenizer_config.json"), required=False)
+    gen_config = _read_json(os.path.join(folder, "generation_config.json"), required=False)
+    bos, eos = _token_text(tok_config.get("bos_token")), _token_text(tok_config.get("eos_token"))
+    eos_ids = _ids(config.get("eos_token_id")) | _ids(gen_config.get("eos_token_id"))
+    if eos is not None and backend.token_to_id(eos) is not None:
+        eos_ids.add(backend.token_to_id(eos))
+    special = [t.content for t in backend.get_added_tokens_decoder().values() if t.special]
+    return Tokenizer(backend, eos_ids | end_of_turn_ids(backend, special),
+                     chat_template=_chat_template(folder, tok_config), bos_token=bos, eos_token=eos)
+
+
+def load_hf(
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[LlamaModel, Tokenizer]:
+    """Model and tokenizer from the Hugging Face model directory ``path``.
+
+    Raises ``FileNotFoundError`` for missing files and ``ValueError`` naming the file for an
+    unsupported model type or corrupt/mismatched weights.
+    """
+    folder = os.fspath(path)
+    config_file = os.path.join(folder, "config.json")
+    raw = _read_json(config_file)
+    try:
+        config = LlamaConfig.from_hf_config(raw)
+    except ValueError as exc:
+        raise ValueError(f"{config_file}: {exc}") from None
+    tokenizer = hf_tokenizer(folder, raw)  # before the slow part: fail fast
+    state = fuse_hf_weights(config, _load_tensors(folder), folder)
+    return build_model(config, state, dtype=dtype, device=device), tokenizer

@@ -1,0 +1,287 @@
+"""The Llama-family decoder whose attention runs through :class:`deft.TreeAttention`.
+
+One :meth:`LlamaModel.forward` computes every query of every tree in a step: prompt
+chunks and decode tokens alike. The caller (the engine) owns the layout: it plans a
+``TreeAttention`` for the step's queries and picks the cache slot of each new token.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import TreeAttention
+from ..cache.pool import KVPool
+from .config import LlamaConfig
+from .rope import apply_rope, rope_table
+
+__all__ = ["LlamaModel", "build_model", "fuse_hf_weights"]
+
+
+class RMSNorm(nn.Module):
+    """``w * x / rms(x)``, computed in float32 and rounded back (as in Llama)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class LlamaLayer(nn.Module):
+    """Pre-norm attention block and SwiGLU MLP; q/k/v and gate/up are fused projections."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size = c.num_heads * c.head_dim
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.qkv = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
+                             bias=c.attention_bias)
+        self.o = nn.Linear(self.q_size, c.hidden_size, bias=c.attention_bias)
+        self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
+        self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [N, hidden]
+        cos: torch.Tensor,  # [N, 1, D/2]
+        sin: torch.Tensor,  # [N, 1, D/2]
+        write_slots: torch.Tensor,  # [N]
+        attn: TreeAttention,
+        pool: KVPool,
+        layer: int,
+    ) -> torch.Tensor:
+        n, h, h_kv = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv(self.attn_norm(x)).view(n, h + 2 * h_kv, self.head_dim)
+        qk = apply_rope(qkv[:, :h + h_kv], cos, sin)  # q and k heads rotated together
+        pool.write(layer, write_slots, qk[:, h:], qkv[:, h + h_kv:])
+        o = attn.run(qk[:, :h].contiguous(), pool.k[layer], pool.v[layer])  # [N, H, D]
+        x = x + self.o(o.reshape(n, self.q_size))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    """Llama-family causal LM over a tree KV cache.
+
+    Build one with :func:`deft.model.load_model`, or ``LlamaModel(config)`` (random
+    weights, e.g. for tests) followed by ``load_state_dict``.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"config: expected a LlamaConfig, got {type(config).__name__}")
+        self.config = config
+        # Initialised by hand: nn.Embedding's normal_ on the meta device (see build_model)
+        # imports torch._dynamo, which costs seconds.
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size,
+                                  _weight=torch.empty(config.vocab_size, config.hidden_size))
+        if not self.embed.weight.is_meta:
+            nn.init.normal_(self.embed.weight)
+        self.layers = nn.ModuleList(LlamaLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        # [max_positions, D]: cos then sin of every position's angles (not a checkpoint tensor).
+        self.register_buffer("rope", rope_table(config, self.embed.weight.dtype,
+                                                self.embed.weight.device), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live."""
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype (and the K/V pool's)."""
+        return self.embed.weight.dtype
+
+    def attention(
+        self, device: str | torch.device | None = None, backend: str = "auto", **kwargs: Any
+    ) -> TreeAttention:
+        """A :class:`TreeAttention` of this model's heads on ``device`` (default: the model's)."""
+        c = self.config
+        return TreeAttention(c.num_heads, c.num_kv_heads, c.head_dim, backend=backend,
+                             device=self.device if device is None else device, **kwargs)
+
+    def new_pool(
+        self,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+    ) -> KVPool:
+        """A :class:`KVPool` for every layer of this model (default: the model's dtype and device)."""
+        c = self.config
+        return KVPool(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim,
+                      dtype=self.dtype if dtype is None else dtype,
+                      device=self.device if device is None else device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        attn: TreeAttention,
+        pool: KVPool,
+        logits_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits of one step's queries.
+
+        Parameters
+        ----------
+        input_ids, positions, write_slots:
+            ``[N]`` int64: token, absolute position (for RoPE, < ``max_position_embeddings``)
+            and cache slot of each new token, in the order of ``attn``'s planned queries.
+        attn:
+            A :class:`TreeAttention` planned for this step; query ``i`` is token ``i`` and
+            its visible KV includes its own slot ``write_slots[i]``.
+        pool:
+            The K/V pool (every layer); the new tokens' K/V are written into it.
+        logits_rows:
+            ``[R]`` rows whose logits are wanted (e.g. each prompt's last token); all by default.
+
+        Returns
+        -------
+        ``[N or R, vocab_size]`` logits in float32 (float64 for a float64 model).
+        """
+        self._check_step(input_ids, positions, write_slots, attn, pool, logits_rows)
+        x = self.embed(input_ids)  # [N, hidden]
+        cos, sin = self.rope[positions].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D/2] each
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, write_slots, attn, pool, i)
+        if logits_rows is not None:
+            x = x[logits_rows]
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(self.norm(x), head)  # [N or R, vocab]
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+    def _check_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        attn: TreeAttention,
+        pool: KVPool,
+        logits_rows: torch.Tensor | None,
+    ) -> None:
+        c = self.config
+        named = [("input_ids", input_ids), ("positions", positions), ("write_slots", write_slots)]
+        if logits_rows is not None:
+            named.append(("logits_rows", logits_rows))
+        for name, t in named:
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64:
+                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise TypeError(f"{name}: expected a 1-D int64 tensor, got {got}")
+            if t.device.type != self.device.type:
+                raise ValueError(f"{name}: expected device {self.device} (the model's), got {t.device}")
+        n = input_ids.shape[0]
+        for name, t in named[1:3]:
+            if t.shape[0] != n:
+                raise ValueError(f"{name}: expected length {n} like input_ids, got {t.shape[0]}")
+        if not isinstance(attn, TreeAttention):
+            raise TypeError(f"attn: expected a deft.TreeAttention, got {type(attn).__name__}")
+        if (attn.num_qo_heads, attn.num_kv_heads, attn.head_dim) != (c.num_heads, c.num_kv_heads, c.head_dim):
+            raise ValueError(
+                f"attn: expected heads/kv heads/head dim {c.num_heads}/{c.num_kv_heads}/{c.head_dim}, "
+                f"got {attn.num_qo_heads}/{attn.num_kv_heads}/{attn.head_dim}"
+            )
+        if attn.current_plan.num_queries != n:
+            raise ValueError(
+                f"attn: expected a plan for {n} queries (one per input token), "
+                f"got {attn.current_plan.num_queries}"
+            )
+        if not isinstance(pool, KVPool):
+            raise TypeError(f"pool: expected a deft KVPool, got {type(pool).__name__}")
+        if (pool.num_layers, pool.num_kv_heads, pool.head_dim) != (c.num_layers, c.num_kv_heads, c.head_dim):
+            raise ValueError(
+                f"pool: expected layers/kv heads/head dim {c.num_layers}/{c.num_kv_heads}/{c.head_dim}, "
+                f"got {pool.num_layers}/{pool.num_kv_heads}/{pool.head_dim}"
+            )
+        if pool.k[0].dtype != self.dtype:
+            raise TypeError(f"pool: expected dtype {self.dtype} (the model's), got {pool.k[0].dtype}")
+
+
+def fuse_hf_weights(
+    config: LlamaConfig, tensors: Mapping[str, torch.Tensor], source: str
+) -> dict[str, torch.Tensor]:
+    """Map Hugging Face Llama tensor names to :class:`LlamaModel`'s (fusing q/k/v and gate/up).
+
+    Raises ``ValueError`` naming ``source`` for a missing or unexpected tensor, or one whose
+    shape does not follow from the config.
+    """
+    c, used = config, set()
+    hidden, q_rows, kv_rows = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+    def take(name: str, rows: int, cols: int | None = None) -> torch.Tensor:
+        """Tensor ``name``, checked to be ``[rows, cols]`` (a weight) or ``[rows]`` (a bias)."""
+        if name not in tensors:
+            raise ValueError(f"{source}: missing tensor {name!r}")
+        t, shape = tensors[name], (rows,) if name.endswith(".bias") or cols is None else (rows, cols)
+        if tuple(t.shape) != shape:
+            raise ValueError(
+                f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape} from the config"
+            )
+        used.add(name)
+        return t
+
+    attn_suffixes = ["weight"] + (["bias"] if c.attention_bias else [])
+    mlp_suffixes = ["weight"] + (["bias"] if c.mlp_bias else [])
+    state = {"embed.weight": take("model.embed_tokens.weight", c.vocab_size, hidden),
+             "norm.weight": take("model.norm.weight", hidden)}
+    if not c.tie_word_embeddings:
+        state["lm_head.weight"] = take("lm_head.weight", c.vocab_size, hidden)
+    for i in range(c.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        state[ours + "attn_norm.weight"] = take(hf + "input_layernorm.weight", hidden)
+        state[ours + "mlp_norm.weight"] = take(hf + "post_attention_layernorm.weight", hidden)
+        for s in attn_suffixes:
+            state[ours + f"qkv.{s}"] = torch.cat([
+                take(hf + f"self_attn.{p}_proj.{s}", rows, hidden)
+                for p, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))
+            ])
+            state[ours + f"o.{s}"] = take(hf + f"self_attn.o_proj.{s}", hidden, q_rows)
+        for s in mlp_suffixes:
+            state[ours + f"gate_up.{s}"] = torch.cat([
+                take(hf + f"mlp.{p}_proj.{s}", c.intermediate_size, hidden) for p in ("gate", "up")
+            ])
+            state[ours + f"down.{s}"] = take(hf + f"mlp.down_proj.{s}", hidden, c.intermediate_size)
+    # Tied checkpoints may still carry lm_head; old ones carry the rotary inverse frequencies.
+    ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    extra = sorted(n for n in tensors if n not in used and n not in ignorable
+                   and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        more = f" (and {len(extra) - 3} more)" if len(extra) > 3 else ""
+        raise ValueError(f"{source}: unexpected tensors {extra[:3]}{more} for a Llama model")
+    return state
+
+
+def build_model(
+    config: LlamaConfig,
+    state: Mapping[str, torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> LlamaModel:
+    """A :class:`LlamaModel` holding ``state`` (our names, e.g. from :func:`fuse_hf_weights`),
+    in ``dtype`` on ``device``, ready for inference. No random initialisation is done.
+    """
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model.load_state_dict(
+        {name: t.to(device=device, dtype=dtype) for name, t in state.items()}, strict=True, assign=True
+    )
+    model.rope = rope_table(config, dtype, device)
+    return model.requires_grad_(False).eval()

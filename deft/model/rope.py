@@ -1,0 +1,52 @@
+"""Rotate-half rotary position embedding with Llama 3 / linear frequency scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import LlamaConfig
+
+__all__ = ["rope_inv_freq", "rope_table", "apply_rope"]
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` float32 on the CPU, scaled as the config says."""
+    d = config.head_dim
+    arange = torch.arange(0, d, 2, dtype=torch.int64, device="cpu")
+    inv = 1.0 / (config.rope_theta ** (arange.float() / d))
+    s = config.rope_scaling
+    if s is not None and s.kind == "linear":
+        inv = inv / s.factor
+    elif s is not None and s.kind == "llama3":
+        old_len = s.original_max_position_embeddings
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / s.low_freq_factor, inv / s.factor, inv)
+        smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = (wavelen >= old_len / s.high_freq_factor) & (wavelen <= old_len / s.low_freq_factor)
+        inv = torch.where(medium, smoothed, scaled)
+    if config.rope_freq_factors is not None:
+        inv = inv / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device="cpu")
+    return inv
+
+
+def rope_table(
+    config: LlamaConfig, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> torch.Tensor:
+    """``[max_position_embeddings, head_dim]``: cos of every angle, then sin, in ``dtype``.
+
+    Angles are computed in float32 (like the reference implementation) and only then
+    rounded, so a bf16/fp16 table loses no positional precision.
+    """
+    # Built on the CPU whatever the default device (meta included), then moved.
+    pos = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
+    angles = pos[:, None] * rope_inv_freq(config)[None, :]  # [P, D/2]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device=device, dtype=dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [N, H, D]`` by per-token ``cos, sin [N, 1, D/2]`` (rotate-half pairing)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
