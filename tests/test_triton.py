@@ -152,3 +152,21 @@ def test_gpu_cuda_graph_replay():
         ref_o, ref_lse = reference_attention(q, k, v, layout, 128**-0.5)
         assert_close(static_o.cpu(), ref_o.cpu(), torch.bfloat16, f"graph replay {seed}")
         assert_lse_close(static_lse.cpu(), ref_lse.cpu(), "graph replay")
+
+
+def test_full_tile_flags_are_sound():
+    """A tile flagged full must be entirely visible to its whole group (and prompt tiles are)."""
+    from deft import make_plan
+    from deft.ops.triton_backend import _full_tiles
+
+    rng = np.random.default_rng(11)
+    for _ in range(20):
+        plan = make_plan(random_forest(rng, int(rng.integers(1, 80)), 100, max_tokens=2000), "flatten", 8)
+        for t in np.flatnonzero(_full_tiles(plan)):
+            toks = np.arange(plan.tile_indptr[t], plan.tile_indptr[t + 1])
+            pre = plan.query_pre[plan.tile_q_start[t]:plan.tile_q_end[t], None]
+            qlen = plan.query_len[plan.tile_q_start[t]:plan.tile_q_end[t], None]
+            lo, hi, off = plan.token_lo[toks], plan.token_hi[toks], plan.token_off[toks]
+            assert np.all((lo <= pre) & (pre < hi) & ((pre != lo) | (off < qlen)))
+    fan = make_plan(few_shot_layout(640, 20, 64), "flatten", 64)
+    assert _full_tiles(fan)[:10].all()

@@ -73,6 +73,28 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+def _full_tiles(plan: TreePlan) -> np.ndarray:
+    """``[T]`` 1 where every query of the tile's group sees every token of the tile.
+
+    Token ``j`` is seen by the sorted queries whose node lies in ``[lo_j, hi_j)`` (a range
+    ``[a_j, b_j)``), except queries on node ``lo_j`` itself with ``query_kv_len <= off_j``;
+    the latter is checked against the smallest ``query_kv_len`` on that node (conservative).
+    """
+    if plan.num_tiles == 0:
+        return np.zeros(0, np.int64)
+    if not plan.needs_mask:
+        return np.ones(plan.num_tiles, np.int64)
+    a = np.searchsorted(plan.query_pre, plan.token_lo, side="left")
+    b = np.searchsorted(plan.query_pre, plan.token_hi, side="left")
+    num_nodes = int(plan.token_hi.max()) + 1
+    min_len = np.full(num_nodes + 1, np.iinfo(np.int64).max)
+    np.minimum.at(min_len, np.minimum(plan.query_pre, num_nodes), plan.query_len)
+    tile = np.repeat(np.arange(plan.num_tiles), np.diff(plan.tile_indptr))
+    ok = (a <= plan.tile_q_start[tile]) & (b >= plan.tile_q_end[tile])
+    ok &= min_len[plan.token_lo] > plan.token_off
+    return np.logical_and.reduceat(ok, plan.tile_indptr[:-1]).astype(np.int64)
+
+
 def _work_items(plan: TreePlan, g: int, block_m: int) -> tuple[np.ndarray, np.ndarray]:
     """(tile, first row) of every program, largest tiles first, chunks of a tile adjacent."""
     rows = (plan.tile_q_end - plan.tile_q_start) * g
@@ -125,6 +147,7 @@ class TritonBackend:
             "tok_off": plan.token_off, "work_tile": work_tile, "work_row0": work_row0,
             "tile_tok": plan.tile_indptr, "tile_qs": plan.tile_q_start,
             "tile_qe": plan.tile_q_end, "tile_p0": plan.partial_indptr[:-1],
+            "tile_full": _full_tiles(plan),
             "q_order": plan.query_order, "q_pre": plan.query_pre, "q_len": plan.query_len,
             "merge_indptr": plan.merge_indptr, "merge_partials": plan.merge_partials,
         }
@@ -162,7 +185,7 @@ class TritonBackend:
                 q, k_cache, v_cache, po, plse,
                 a["tok_slot"], a["tok_lo"], a["tok_hi"], a["tok_off"],
                 a["work_tile"], a["work_row0"],
-                a["tile_tok"], a["tile_qs"], a["tile_qe"], a["tile_p0"],
+                a["tile_tok"], a["tile_qs"], a["tile_qe"], a["tile_p0"], a["tile_full"],
                 a["q_order"], a["q_pre"], a["q_len"],
                 sm_scale * math.log2(math.e),
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),

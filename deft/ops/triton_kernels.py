@@ -21,7 +21,7 @@ def tree_partial_kernel(
     Q, K, V, PO, PLSE,
     tok_slot, tok_lo, tok_hi, tok_off,
     work_tile, work_row0,
-    tile_tok, tile_qs, tile_qe, tile_p0,
+    tile_tok, tile_qs, tile_qe, tile_p0, tile_full,
     q_order, q_pre, q_len,
     qk_scale,  # sm_scale * log2(e)
     stride_qn, stride_qh, stride_kn, stride_kh, stride_pn, stride_ph, stride_ln,
@@ -37,6 +37,8 @@ def tree_partial_kernel(
     qs = tl.load(tile_qs + t)
     qe = tl.load(tile_qe + t)
     p0 = tl.load(tile_p0 + t)
+    # A tile every group query sees whole needs no per-token mask (most prompt tiles).
+    partial_vis = USE_MASK & (tl.load(tile_full + t) == 0)
 
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < (qe - qs) * G
@@ -66,7 +68,7 @@ def tree_partial_kernel(
             s = tl.dot(q, tl.trans(k))
         s = s * qk_scale
         vis = tok_ok[None, :] & row_ok[:, None]
-        if USE_MASK:
+        if partial_vis:
             lo = tl.load(tok_lo + offs, mask=tok_ok, other=0)
             hi = tl.load(tok_hi + offs, mask=tok_ok, other=0)
             off = tl.load(tok_off + offs, mask=tok_ok, other=0)
