@@ -49,9 +49,8 @@ def tree_partial_kernel(
     d = tl.arange(0, D)
     q = tl.load(Q + qorig[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
-    if USE_MASK:
-        pre = tl.load(q_pre + qpos, mask=row_ok, other=-1)
-        qlen = tl.load(q_len + qpos, mask=row_ok, other=0)
+    pre = tl.load(q_pre + qpos, mask=row_ok, other=-1)
+    qlen = tl.load(q_len + qpos, mask=row_ok, other=0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
