@@ -17,6 +17,47 @@ import triton.language as tl
 
 
 @triton.jit
+def _tile_loop(
+    q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, kvh, pre, qlen, row_ok,
+    m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Online softmax of the query rows over plan tokens ``[tok0, tok1)``, ``BLOCK_N`` at a time."""
+    d = tl.arange(0, D)
+    for start in range(tok0, tok1, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        tok_ok = offs < tok1
+        slot = tl.load(tok_slot + offs, mask=tok_ok, other=0).to(tl.int64)
+        kv_off = slot[:, None] * stride_kn + kvh * stride_kh + d[None, :]
+        k = tl.load(K + kv_off, mask=tok_ok[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        vis = tok_ok[None, :] & row_ok[:, None]
+        if MASKED:
+            lo = tl.load(tok_lo + offs, mask=tok_ok, other=0)
+            hi = tl.load(tok_hi + offs, mask=tok_ok, other=0)
+            off = tl.load(tok_off + offs, mask=tok_ok, other=0)
+            vis = vis & (lo[None, :] <= pre[:, None]) & (pre[:, None] < hi[None, :])
+            vis = vis & ((pre[:, None] != lo[None, :]) | (off[None, :] < qlen[:, None]))
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + kv_off, mask=tok_ok[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def tree_partial_kernel(
     Q, K, V, PO, PLSE,
     tok_slot, tok_lo, tok_hi, tok_off,
@@ -55,36 +96,17 @@ def tree_partial_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for start in range(tok0, tok1, BLOCK_N):
-        offs = start + tl.arange(0, BLOCK_N)
-        tok_ok = offs < tok1
-        slot = tl.load(tok_slot + offs, mask=tok_ok, other=0).to(tl.int64)
-        kv_off = slot[:, None] * stride_kn + kvh * stride_kh + d[None, :]
-        k = tl.load(K + kv_off, mask=tok_ok[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
-        vis = tok_ok[None, :] & row_ok[:, None]
-        if partial_vis:
-            lo = tl.load(tok_lo + offs, mask=tok_ok, other=0)
-            hi = tl.load(tok_hi + offs, mask=tok_ok, other=0)
-            off = tl.load(tok_off + offs, mask=tok_ok, other=0)
-            vis = vis & (lo[None, :] <= pre[:, None]) & (pre[:, None] < hi[None, :])
-            vis = vis & ((pre[:, None] != lo[None, :]) | (off[None, :] < qlen[:, None]))
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + kv_off, mask=tok_ok[:, None], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    # Branch once per tile, not per block, so each loop body stays branch-free and pipelined.
+    if partial_vis:
+        m_i, l_i, acc = _tile_loop(
+            q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, kvh, pre, qlen, row_ok,
+            m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+            D=D, BLOCK_N=BLOCK_N, MASKED=True, IEEE=IEEE)
+    else:
+        m_i, l_i, acc = _tile_loop(
+            q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, kvh, pre, qlen, row_ok,
+            m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+            D=D, BLOCK_N=BLOCK_N, MASKED=False, IEEE=IEEE)
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
