@@ -1,0 +1,388 @@
+"""The engine core: one model forward per step for every query of every tree.
+
+:class:`TreeEngine` owns a model, its paged K/V pool and the tree cache over it. Callers
+grow the tree (``add_prompt``, ``cache.fork``, ``extend``, ``extend_tree``) and every
+call that computes runs exactly ONE forward: it plans the step's layout once
+(``TreeAttention.plan``), the model runs it in every layer, and only the logits rows the
+caller asked for go through the LM head. Decoding policy lives in the strategies built on
+top (``generate``, ``sample``, ``beam_search``, ``tree_search``, speculative decoding).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..cache import CacheFullError, KVPool, TreeKVCache
+from ..layout import as_index_array
+from ..model.llama import LlamaModel
+from ..model.tokenizer import Tokenizer
+from ..plan import make_plan
+
+__all__ = ["GenerationResult", "SamplingParams", "TreeEngine", "LOGITS_MODES"]
+
+LOGITS_MODES = ("last", "all", "none")
+_I = np.int64
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one sequence picks its tokens.
+
+    ``temperature`` 0 is greedy (argmax); ``top_k`` 0 and ``top_p`` 1 are off; ``seed``
+    makes sampling reproducible (one ``torch.Generator`` per call); ``stop_token_ids``
+    ``None`` means the tokenizer's end-of-sequence ids. Generation stops after a stop
+    token (kept in the output, as ``transformers`` does) or ``max_new_tokens`` tokens.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 64
+    stop_token_ids: frozenset[int] | None = None
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature: expected a finite number >= 0, got {t!r}")
+        if _not_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k: expected an integer >= 0 (0 = off), got {self.top_k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"top_p: expected a number in (0, 1], got {p!r}")
+        if self.seed is not None and _not_int(self.seed):
+            raise ValueError(f"seed: expected an integer or None, got {self.seed!r}")
+        if _not_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected an integer >= 1, got {self.max_new_tokens!r}")
+        stop = self.stop_token_ids
+        if stop is not None:
+            try:
+                ids = frozenset(stop)
+            except TypeError:
+                raise ValueError(f"stop_token_ids: expected a set of token ids or None, got {stop!r}") from None
+            if any(_not_int(i) or i < 0 for i in ids):
+                raise ValueError(f"stop_token_ids: expected non-negative integers, got {sorted(ids, key=str)}")
+            object.__setattr__(self, "stop_token_ids", frozenset(int(i) for i in ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def stop_ids(self, tokenizer: Tokenizer) -> frozenset[int]:
+        """``stop_token_ids``, or the tokenizer's EOS ids when ``None``."""
+        return tokenizer.eos_token_ids if self.stop_token_ids is None else self.stop_token_ids
+
+
+@dataclass
+class GenerationResult:
+    """One generated sequence: its new token ids (stop token included), text and score.
+
+    ``score`` is strategy-specific: the sum of the model's log-probabilities of the
+    generated tokens for ``generate``/``sample``, the length-penalised beam score for
+    ``beam_search``. ``stats`` holds ``finish_reason`` (``"stop"`` or ``"length"``) and
+    the call's timing figures.
+    """
+
+    token_ids: list[int]
+    text: str
+    score: float | None = None
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Feed:
+    """Tokens appended to one node, computed in the next forward."""
+
+    queries: list[tuple[int, int | None]]  # (node, query_kv_len) of each token
+    tokens: np.ndarray  # [n]
+    positions: np.ndarray  # [n]
+    slots: np.ndarray  # [n]
+    logits: str  # "last", "all" or "none"
+
+
+class TreeEngine:
+    """A model, its K/V pool and the tree cache, run one forward per step.
+
+    Parameters
+    ----------
+    model, tokenizer:
+        From :func:`deft.model.load_model`.
+    num_pages, page_size:
+        Pool geometry: ``num_pages * page_size`` token slots, shared by every tree.
+    backend:
+        The :class:`~deft.TreeAttention` backend (``"auto"``: triton on CUDA, else torch).
+    device:
+        Where the pool and plans live; the model's device by default (and required).
+
+    Change the tree through the engine (``add_prompt``, ``extend``, ``extend_tree``) or
+    the cache's own ``fork``/``prune``/``split``/``commit_path``; the position of a token
+    is its depth, read from the cache. ``stats`` accumulates ``steps``, ``tokens``
+    (queries computed), ``logit_rows``, ``forward_s`` and ``plan_s``; with ``count_io``
+    also ``kv_bytes_deft`` and ``kv_bytes_per_branch``: K/V bytes all layers read under
+    DeFT's plan and under per-branch decoding (each query reads its whole path).
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: Tokenizer,
+        num_pages: int = 4096,
+        page_size: int = 16,
+        backend: str = "auto",
+        device: str | torch.device | None = None,
+        count_io: bool = False,
+    ) -> None:
+        if not isinstance(model, LlamaModel):
+            raise TypeError(f"model: expected a deft LlamaModel, got {type(model).__name__}")
+        if not isinstance(tokenizer, Tokenizer):
+            raise TypeError(f"tokenizer: expected a deft Tokenizer, got {type(tokenizer).__name__}")
+        self.device = model.device if device is None else torch.device(device)
+        if self.device.type != model.device.type:
+            raise ValueError(f"device: expected the model's device {model.device}, got {self.device}")
+        self.model, self.tokenizer = model, tokenizer
+        self.pool: KVPool = model.new_pool(num_pages, page_size, device=self.device)
+        self.cache = TreeKVCache(num_pages, page_size, pool=self.pool)
+        self.attn = model.attention(device=self.device, backend=backend)
+        self.count_io = bool(count_io)
+        self.vocab_size = model.config.vocab_size
+        self.max_positions = model.config.max_position_embeddings
+        self._staged: list[_Feed] = []
+        self.stats: dict[str, float] = {}
+        self.reset_stats()
+
+    def __repr__(self) -> str:
+        return (f"TreeEngine(layers={self.model.config.num_layers}, pages={self.pool.num_pages}x"
+                f"{self.pool.page_size}, backend={self.attn.backend_name!r}, device={str(self.device)!r})")
+
+    def reset_stats(self) -> None:
+        """Zero the counters in :attr:`stats`."""
+        self.stats = dict.fromkeys(("steps", "tokens", "logit_rows", "forward_s", "plan_s"), 0)
+        if self.count_io:
+            self.stats.update(kv_bytes_deft=0, kv_bytes_per_branch=0)
+
+    # ------------------------------------------------------------------ tree
+
+    def position(self, node: int) -> int:
+        """Number of tokens on the path root..``node``: the position of its next token."""
+        cache, total = self.cache, 0
+        while node >= 0:
+            total += cache.num_tokens(node)
+            node = cache.parent(node)
+        return total
+
+    def add_prompt(self, token_ids: Sequence[int]) -> int:
+        """A new root holding ``token_ids`` (may be empty); returns its node id.
+
+        The slots are taken now (so the root can be forked at once) and the K/V are
+        computed by the next forward (``extend``/``extend_tree(s)``) together with that
+        call's own items; no logits are kept for them. To get the prompt's last logits,
+        hold its last token back: ``root = add_prompt(ids[:-1]); extend([(root, ids[-1:])])``.
+        Raises ``ValueError`` for bad ids or a prompt longer than the model's context.
+        """
+        ids = self._check_tokens(token_ids, "token_ids", allow_empty=True)
+        if ids.shape[0] > self.max_positions:
+            raise ValueError(f"token_ids: the prompt has {ids.shape[0]} tokens, more than the "
+                             f"model's context of {self.max_positions}")
+        root = self.cache.add_root(0)
+        if ids.shape[0]:
+            self._stage(root, ids, "none")
+        return root
+
+    # --------------------------------------------------------------- forward
+
+    def extend(
+        self, items: Sequence[tuple[int, Sequence[int]]], logits: str | Sequence[str] = "last"
+    ) -> list[torch.Tensor]:
+        """Append each item's tokens to its node and compute them all in ONE forward.
+
+        ``items``: ``(node, token_ids)`` pairs; each node must have no children (the same
+        node may appear twice: the second run follows the first). Each token's query sees
+        its path, its own node's earlier tokens included (chunked prefill). Anything
+        staged by :meth:`add_prompt` is computed in the same forward.
+
+        ``logits``: per call or per item, ``"last"`` -> float32 ``[vocab]`` of the item's
+        last token, ``"all"`` -> ``[n, vocab]``, ``"none"`` -> ``[0, vocab]`` (no LM head).
+
+        Raises ``ValueError`` (bad node, token ids, context overflow) or
+        :class:`~deft.CacheFullError` before anything changes. The page check is
+        conservative: it needs ``sum(ceil(n / page_size))`` free pages.
+        """
+        modes = self._check_modes(logits, len(items))
+        checked, grow = [], {}
+        for i, item in enumerate(items):
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise ValueError(f"items[{i}]: expected a (node, token_ids) pair, got {item!r}")
+            node, toks = item
+            self._check_leaf(node, f"items[{i}]")
+            ids = self._check_tokens(toks, f"items[{i}]")
+            grow[node] = grow.get(node, 0) + ids.shape[0]
+            self._check_context(node, grow[node], f"items[{i}]")
+            checked.append((node, ids))
+        self._check_pages([ids.shape[0] for _, ids in checked])
+        start = len(self._staged)
+        for (node, ids), mode in zip(checked, modes):
+            self._stage(node, ids, mode)
+        return self._step()[start:]
+
+    def extend_tree(
+        self, node: int, parents: Sequence[int], token_ids: Sequence[int]
+    ) -> tuple[list[int], torch.Tensor]:
+        """Add a draft tree under ``node`` and compute all of its tokens in ONE forward.
+
+        Draft token ``i`` becomes a 1-token node, a child of ``node`` if ``parents[i] ==
+        -1``, else of draft ``parents[i] < i`` (``TreeKVCache.add_subtree``); its query
+        sees the path to it. Returns the new node ids and float32 logits
+        ``[len(token_ids), vocab]``.
+        """
+        ((ids, logits),) = self.extend_trees([(node, parents, token_ids)])
+        return ids, logits
+
+    def extend_trees(
+        self, trees: Sequence[tuple[int, Sequence[int], Sequence[int]]]
+    ) -> list[tuple[list[int], torch.Tensor]]:
+        """Several :meth:`extend_tree` calls (``(node, parents, token_ids)`` each) in one forward."""
+        checked = []
+        for i, tree in enumerate(trees):
+            if not isinstance(tree, (tuple, list)) or len(tree) != 3:
+                raise ValueError(f"trees[{i}]: expected a (node, parents, token_ids) triple, got {tree!r}")
+            node, parents, toks = tree
+            self.cache.num_tokens(node)  # validates the id
+            par = as_index_array(parents, f"trees[{i}] parents")
+            ids = self._check_tokens(toks, f"trees[{i}] token_ids")
+            if par.shape != ids.shape:
+                raise ValueError(f"trees[{i}]: expected as many parents as token_ids, "
+                                 f"got {par.shape[0]} and {ids.shape[0]}")
+            bad = (par < -1) | (par >= np.arange(par.shape[0]))
+            if bad.any():
+                j = int(np.argmax(bad))
+                raise ValueError(f"trees[{i}] parents[{j}]: expected -1 or an earlier index "
+                                 f"in [0, {j}), got {int(par[j])}")
+            depth = np.zeros(par.shape[0], _I)
+            for j, p in enumerate(par.tolist()):
+                depth[j] = 0 if p < 0 else depth[p] + 1
+            base = self._check_context(node, int(depth.max(initial=-1)) + 1, f"trees[{i}]")
+            checked.append((node, par, ids, base + depth))
+        self._check_pages([c[2].shape[0] for c in checked])
+        start, new_ids = len(self._staged), []
+        for node, par, ids, positions in checked:
+            nodes, slots = self.cache.add_subtree(node, par, 1)
+            self._staged.append(_Feed([(n, 1) for n in nodes], ids, positions, slots, "all"))
+            new_ids.append(nodes)
+        return list(zip(new_ids, self._step()[start:]))
+
+    # -------------------------------------------------------------- internals
+
+    def _stage(self, node: int, ids: np.ndarray, mode: str) -> None:
+        """Append ``ids`` to ``node`` (slots now, K/V at the next forward)."""
+        base, have = self.position(node), self.cache.num_tokens(node)
+        slots = self.cache.append(node, ids.shape[0])
+        n = ids.shape[0]
+        queries = [(node, have + j + 1) for j in range(n)]
+        self._staged.append(_Feed(queries, ids, base + np.arange(n, dtype=_I), slots, mode))
+
+    def _step(self) -> list[torch.Tensor]:
+        """Run every staged feed in one forward; per feed the logits its mode asked for."""
+        live = set(self.cache.live_nodes)
+        feeds = [f for f in self._staged if f.queries[0][0] in live]  # pruned meanwhile: dropped
+        self._staged = []
+        if not feeds:
+            return []
+        queries = [q for f in feeds for q in f.queries]
+        rows, bounds, n = [], [], 0
+        for f in feeds:
+            k = len(f.queries)
+            want = {"last": [n + k - 1], "all": list(range(n, n + k)), "none": []}[f.logits]
+            bounds.append((len(rows), len(rows) + len(want)))
+            rows += want
+            n += k
+        t0 = time.perf_counter()
+        layout = self.cache.layout(queries)
+        plan = self.attn.plan(layout)
+        dev = self.device
+        ids = torch.from_numpy(np.concatenate([f.tokens for f in feeds])).to(dev)
+        pos = torch.from_numpy(np.concatenate([f.positions for f in feeds])).to(dev)
+        slots = torch.from_numpy(np.concatenate([f.slots for f in feeds])).to(dev)
+        row_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+        with torch.no_grad():
+            out = self.model(ids, pos, slots, self.attn, self.pool, row_t)  # [len(rows), vocab]
+        out = out.float()
+        st = self.stats
+        st["steps"] += 1
+        st["tokens"] += n
+        st["logit_rows"] += len(rows)
+        st["forward_s"] += time.perf_counter() - t0
+        st["plan_s"] += self.attn.plan_seconds
+        if self.count_io:
+            c = self.model.config
+            heads = (c.num_heads, c.num_kv_heads, c.head_dim, self.pool.k[0].element_size())
+            per_branch = make_plan(layout, "per_query", self.attn.block_kv)
+            st["kv_bytes_deft"] += plan.io_bytes(*heads)["kv"] * c.num_layers
+            st["kv_bytes_per_branch"] += per_branch.io_bytes(*heads)["kv"] * c.num_layers
+        result = []
+        for f, (a, b) in zip(feeds, bounds):
+            result.append(out[a] if f.logits == "last" else out[a:b])
+        return result
+
+    def _check_modes(self, logits: str | Sequence[str], n: int) -> list[str]:
+        modes = [logits] * n if isinstance(logits, str) else list(logits)
+        if len(modes) != n:
+            raise ValueError(f"logits: expected one mode per item ({n}), got {len(modes)}")
+        for m in modes:
+            if m not in LOGITS_MODES:
+                raise ValueError(f"logits: expected one of {', '.join(LOGITS_MODES)}, got {m!r}")
+        return modes
+
+    def _check_leaf(self, node: Any, name: str) -> None:
+        children = self.cache.children(node) if _is_int(node) else None
+        if children is None:
+            raise ValueError(f"{name}: expected a node id, got {node!r}")
+        if children:
+            raise ValueError(f"{name}: node {node} has children {children}; only a node "
+                             "without children can grow (fork it instead)")
+
+    def _check_tokens(self, tokens: Any, name: str, allow_empty: bool = False) -> np.ndarray:
+        if isinstance(tokens, (str, bytes)):
+            raise TypeError(f"{name}: expected token ids, got a {type(tokens).__name__} "
+                            "(encode text with the tokenizer first)")
+        ids = as_index_array(tokens, name)
+        if not allow_empty and ids.shape[0] == 0:
+            raise ValueError(f"{name}: expected at least one token id, got none")
+        bad = (ids < 0) | (ids >= self.vocab_size)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise ValueError(f"{name}: token id {int(ids[j])} at index {j} is outside the "
+                             f"vocabulary [0, {self.vocab_size})")
+        return ids.copy()
+
+    def _check_context(self, node: int, n: int, name: str) -> int:
+        """Position of ``node``'s next token, checked to leave room for ``n`` more."""
+        base = self.position(node)
+        if base + n > self.max_positions:
+            raise ValueError(f"{name}: node {node} would reach {base + n} tokens, more than "
+                             f"the model's context of {self.max_positions}")
+        return base
+
+    def _check_pages(self, counts: list[int]) -> None:
+        """Raise :class:`CacheFullError` unless appends of ``counts`` tokens surely fit.
+
+        Conservative: each append may need ``ceil(n / page_size)`` fresh pages.
+        """
+        ps = self.pool.page_size
+        need = sum(-(-n // ps) for n in counts)
+        if need > self.cache.num_free_pages:
+            raise CacheFullError(need, self.cache.num_free_pages)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _not_int(x: Any) -> bool:
+    return not _is_int(x)
+

@@ -1,0 +1,64 @@
+"""Token selection: greedy, temperature, top-k and top-p sampling, seeded per call.
+
+The filters follow ``transformers``' order and semantics (temperature, then top-k, then
+top-p keeping the smallest set of most likely tokens whose mass reaches ``top_p``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .core import SamplingParams
+
+__all__ = ["Sampler", "probabilities"]
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution ``params`` samples from: ``[B, vocab]`` float32 from logits ``[B, vocab]``.
+
+    Greedy parameters give a one-hot row at the argmax.
+    """
+    x = logits.float()
+    if params.greedy:
+        return torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
+    x = x / params.temperature
+    if 0 < params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        p = torch.softmax(sorted_x, dim=-1)
+        drop = (torch.cumsum(p, dim=-1) - p) >= params.top_p  # mass before it already enough
+        drop[..., 0] = False
+        x = torch.full_like(x, float("-inf")).scatter_(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+    return torch.softmax(x, dim=-1)
+
+
+class Sampler:
+    """Picks the next token of many rows at once under one :class:`SamplingParams`.
+
+    One ``torch.Generator`` per sampler: seeded by ``params.seed`` (so a call is
+    reproducible), else from fresh entropy.
+    """
+
+    def __init__(self, params: SamplingParams, device: str | torch.device = "cpu") -> None:
+        self.params = params
+        self.generator = torch.Generator(device=device)
+        if params.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(params.seed)
+
+    def __call__(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Tokens for logits ``[B, vocab]`` and their log-probabilities under the model.
+
+        The log-probability is of the unfiltered distribution (``log_softmax(logits)``),
+        whatever the temperature, so scores of greedy and sampled sequences compare.
+        """
+        if self.params.greedy:
+            tokens = logits.argmax(-1)
+        else:
+            probs = probabilities(logits, self.params)
+            tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens.tolist(), logp.tolist()
