@@ -29,6 +29,7 @@ per token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import numpy as np
@@ -64,9 +65,34 @@ class TreePlan:
     query_order: np.ndarray  # [Q] original query index of each sorted position
     query_pre: np.ndarray  # [Q] node preorder index, sorted order
     query_len: np.ndarray  # [Q] query_kv_len, sorted order
-    merge_indptr: np.ndarray  # [Q + 1] CSR by original query index
-    merge_partials: np.ndarray  # [P] partial ids grouped by query
     needs_mask: bool  # False when every loaded token is visible to its whole group
+
+    @cached_property
+    def _reduction_map(self) -> tuple[np.ndarray, np.ndarray]:
+        group = self.tile_q_end - self.tile_q_start
+        num_p, num_q = self.num_partials, self.num_queries
+        tile_of_p = np.repeat(np.arange(group.shape[0], dtype=_I), group)
+        sorted_pos = (self.tile_q_start[tile_of_p] + np.arange(num_p, dtype=_I)
+                      - self.partial_indptr[tile_of_p])
+        query_of_p = self.query_order[sorted_pos]
+        # A stable sort of small integers is a radix sort in numpy.
+        key = query_of_p.astype(np.uint16 if num_q <= 1 << 16 else np.uint32)
+        partials = np.argsort(key, kind="stable").astype(_I)
+        indptr = np.zeros(num_q + 1, _I)
+        np.cumsum(np.bincount(query_of_p, minlength=num_q), out=indptr[1:])
+        partials.setflags(write=False)
+        indptr.setflags(write=False)
+        return indptr, partials
+
+    @property
+    def merge_indptr(self) -> np.ndarray:
+        """``[Q + 1]`` CSR offsets of each (original) query's partial states; built on first use."""
+        return self._reduction_map[0]
+
+    @property
+    def merge_partials(self) -> np.ndarray:
+        """``[P]`` partial-state ids grouped by query (tile order within a query)."""
+        return self._reduction_map[1]
 
     @property
     def num_tiles(self) -> int:
@@ -256,24 +282,14 @@ def _assemble(kind: str, block_kv: int, num_layout_tokens: int, needs_mask: bool
               slots: np.ndarray, lo: np.ndarray, hi: np.ndarray, off: np.ndarray,
               tile_indptr: np.ndarray, q_start: np.ndarray, q_end: np.ndarray,
               query_order: np.ndarray, q_pre: np.ndarray, q_len: np.ndarray) -> TreePlan:
-    """Number the partial states tile by tile and build the reduction map (CSR by query)."""
-    group = q_end - q_start
-    partial_indptr = np.zeros(group.shape[0] + 1, _I)
-    np.cumsum(group, out=partial_indptr[1:])
-    num_p = int(partial_indptr[-1])
-    num_q = query_order.shape[0]
-    tile_of_p = np.repeat(np.arange(group.shape[0], dtype=_I), group)
-    sorted_pos = q_start[tile_of_p] + np.arange(num_p, dtype=_I) - partial_indptr[tile_of_p]
-    query_of_p = query_order[sorted_pos]
-    merge_partials = np.argsort(query_of_p, kind="stable")
-    merge_indptr = np.zeros(num_q + 1, _I)
-    np.cumsum(np.bincount(query_of_p, minlength=num_q), out=merge_indptr[1:])
-
+    """Number the partial states tile by tile (the reduction map is built lazily)."""
+    partial_indptr = np.zeros(q_start.shape[0] + 1, _I)
+    np.cumsum(q_end - q_start, out=partial_indptr[1:])
     arrays = dict(
         token_slots=slots, token_lo=lo, token_hi=hi, token_off=off,
         tile_indptr=tile_indptr, tile_q_start=q_start, tile_q_end=q_end,
         partial_indptr=partial_indptr, query_order=query_order, query_pre=q_pre,
-        query_len=q_len, merge_indptr=merge_indptr, merge_partials=merge_partials,
+        query_len=q_len,
     )
     for arr in arrays.values():
         arr.setflags(write=False)

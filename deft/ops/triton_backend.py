@@ -84,9 +84,9 @@ def _full_tiles(plan: TreePlan) -> np.ndarray:
         return np.zeros(0, np.int64)
     if not plan.needs_mask:
         return np.ones(plan.num_tiles, np.int64)
-    a = np.searchsorted(plan.query_pre, plan.token_lo, side="left")
-    b = np.searchsorted(plan.query_pre, plan.token_hi, side="left")
     num_nodes = int(plan.token_hi.max()) + 1
+    first_q = np.searchsorted(plan.query_pre, np.arange(num_nodes + 1), side="left")
+    a, b = first_q[plan.token_lo], first_q[plan.token_hi]
     min_len = np.full(num_nodes + 1, np.iinfo(np.int64).max)
     np.minimum.at(min_len, np.minimum(plan.query_pre, num_nodes), plan.query_len)
     tile = np.repeat(np.arange(plan.num_tiles), np.diff(plan.tile_indptr))
