@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import to_paged, TOL, assert_close, assert_lse_close, random_forest, random_qkv
 from deft import PLAN_KINDS, TreeAttention, TreeLayout, tree_attention
@@ -11,6 +11,15 @@ from deft.ops.reference import reference_attention
 from deft.workloads import few_shot_layout, shuffle_slots
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(params=["dense", "tiled"])
+def torch_path(request, monkeypatch):
+    """Run a test through the torch backend's one-tile path and through its tiled path."""
+    from deft.ops.torch_backend import TorchBackend
+
+    monkeypatch.setattr(TorchBackend, "dense_limit", 1 << 30 if request.param == "dense" else 0)
+    return request.param
 
 
 def run_and_compare(layout, h_q, h_kv, d, dtype, kind="flatten", block=None, seed=0, paged=0):
@@ -29,12 +38,12 @@ def run_and_compare(layout, h_q, h_kv, d, dtype, kind="flatten", block=None, see
     return o, lse
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31), nodes=st.integers(1, 300), max_len=st.integers(0, 600),
        roots=st.integers(1, 3), gqa=st.sampled_from([1, 4, 8]), d=st.sampled_from([64, 128, 256]),
        dtype=st.sampled_from(DTYPES), kind=st.sampled_from(PLAN_KINDS),
        block=st.sampled_from([None, 1, 7, 64]))
-def test_random_forests(seed, nodes, max_len, roots, gqa, d, dtype, kind, block):
+def test_random_forests(seed, nodes, max_len, roots, gqa, d, dtype, kind, block, torch_path):
     rng = np.random.default_rng(seed)
     layout = random_forest(rng, nodes, max_len, max_tokens=1200, num_roots=roots)
     h_kv = 1 if gqa == 8 else 2
@@ -43,7 +52,7 @@ def test_random_forests(seed, nodes, max_len, roots, gqa, d, dtype, kind, block)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_every_dtype_and_head_dim(dtype, d):
+def test_every_dtype_and_head_dim(dtype, d, torch_path):
     layout = shuffle_slots(few_shot_layout(150, 5, 23), seed=1, num_slots=400)
     run_and_compare(layout, 8, 2, d, dtype)
 
@@ -61,7 +70,7 @@ def test_every_dtype_and_head_dim(dtype, d):
     ],
 )
 @pytest.mark.parametrize("kind", PLAN_KINDS)
-def test_special_trees(name, layout, kind):
+def test_special_trees(name, layout, kind, torch_path):
     o, lse = run_and_compare(layout, 4, 1, 64, torch.float32, kind, block=16)
     if name == "query seeing nothing":
         assert torch.all(o == 0) and torch.all(torch.isneginf(lse))

@@ -48,14 +48,30 @@ def _pad_size(x: np.ndarray) -> np.ndarray:
     return _SIZES[np.searchsorted(_SIZES, np.maximum(x, 1))]
 
 
+@dataclass(frozen=True)
+class _Dense:
+    """A small step as one tile: every plan token loaded once, all queries against it."""
+
+    slots: torch.Tensor  # [N] cache slot of each plan token
+    bias: torch.Tensor  # [Q * g, N] float32: 0 where visible, -inf elsewhere (rows: query, GQA head)
+
+
 class TorchBackend:
-    """Batched-tensor executor of any :class:`~deft.plan.TreePlan`."""
+    """Batched-tensor executor of any :class:`~deft.plan.TreePlan`.
+
+    Steps with at most ``dense_limit`` (query, token) pairs — single-sequence decoding,
+    small trees — run as one tile: one gather and two matmuls, no merge. Larger steps run
+    tile by tile in padded buckets.
+    """
 
     name = "torch"
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    dense_limit = 1 << 17
 
     def prepare(self, plan: TreePlan, layout: TreeLayout, device: torch.device,
-                num_qo_heads: int, num_kv_heads: int, head_dim: int) -> _Prepared:
+                num_qo_heads: int, num_kv_heads: int, head_dim: int) -> _Prepared | _Dense:
+        if plan.kind != "per_query" and plan.num_queries * plan.num_plan_tokens <= self.dense_limit:
+            return _dense(plan, num_qo_heads // num_kv_heads, device)
         tile_len = np.diff(plan.tile_indptr)
         group = plan.tile_q_end - plan.tile_q_start
         lp, gp = _pad_size(tile_len), _pad_size(group)
@@ -100,12 +116,14 @@ class TorchBackend:
 
     def run(
         self,
-        prepared: _Prepared,
+        prepared: _Prepared | _Dense,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         sm_scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(prepared, _Dense):
+            return _dense_attention(prepared, q, k_cache, v_cache, sm_scale)
         h_q, d = q.shape[1], q.shape[2]
         h_kv = k_cache.shape[1]
         g = h_q // h_kv
@@ -124,6 +142,37 @@ class TorchBackend:
                 po[b.pid[sl]] = o
                 plse[b.pid[sl]] = lse
         return _merge_partials(po, plse, prepared.merge_idx, q.dtype)
+
+
+def _dense(plan: TreePlan, g: int, device: torch.device) -> _Dense:
+    """Visibility of every plan token to every query (original query order), as a bias."""
+    inv = np.empty_like(plan.query_order)
+    inv[plan.query_order] = np.arange(plan.num_queries)
+    pre, qlen = plan.query_pre[inv][:, None], plan.query_len[inv][:, None]
+    lo, hi, off = plan.token_lo[None, :], plan.token_hi[None, :], plan.token_off[None, :]
+    vis = (lo <= pre) & (pre < hi) & ((pre != lo) | (off < qlen))  # [Q, N]
+    bias = np.where(np.repeat(vis, g, axis=0), 0.0, -np.inf).astype(np.float32)
+    return _Dense(slots=torch.as_tensor(plan.token_slots.copy(), device=device),
+                  bias=torch.as_tensor(bias, device=device))
+
+
+def _dense_attention(
+    prepared: _Dense, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    nq, h_q, d = q.shape
+    h_kv = k_cache.shape[1]
+    g = h_q // h_kv
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    k = k_cache[prepared.slots].to(acc).transpose(0, 1)  # [H_kv, N, D]
+    v = v_cache[prepared.slots].to(acc).transpose(0, 1)
+    # Rows of one KV head: (query, GQA head) pairs, matching the bias rows.
+    qh = q.to(acc).view(nq, h_kv, g, d).transpose(0, 1).reshape(h_kv, nq * g, d)
+    s = torch.baddbmm(prepared.bias.to(acc), qh, k.transpose(1, 2), alpha=sm_scale)
+    lse = torch.logsumexp(s, dim=-1)  # [H_kv, Q*g]
+    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
+    o = torch.bmm(p, v).view(h_kv, nq, g, d).transpose(0, 1).reshape(nq, h_q, d)
+    return o.to(q.dtype), lse.view(h_kv, nq, g).transpose(0, 1).reshape(nq, h_q).float()
 
 
 def _tile_attention(
