@@ -43,10 +43,10 @@ def _tile_loop(
             vis = vis & (lo[None, :] <= pre[:, None]) & (pre[:, None] < hi[None, :])
             vis = vis & ((pre[:, None] != lo[None, :]) | (off[None, :] < qlen[:, None]))
         s = tl.where(vis, s, float("-inf"))
+        # m_i starts finite (-1e30), so no -inf - -inf: masked scores give p = 0.
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + kv_off, mask=tok_ok[:, None], other=0.0)
         if IEEE:
@@ -93,7 +93,7 @@ def tree_partial_kernel(
     pre = tl.load(q_pre + qpos, mask=row_ok, other=-1)
     qlen = tl.load(q_len + qpos, mask=row_ok, other=0)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     # Branch once per tile, not per block, so each loop body stays branch-free and pipelined.
