@@ -3,13 +3,17 @@ the target distribution kept by tree rejection sampling), the batch loop and the
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
+import json
 
 import numpy as np
 import pytest
 import torch
 
+from deft.cli import CliError
+from deft.cli_speculate import add_parser
 from deft.engine.core import SamplingParams, TreeEngine
 from deft.engine.drafters import DraftJob, ModelDrafter, NgramDrafter
 from deft.engine.sampling import probabilities
@@ -394,3 +398,36 @@ def test_errors_name_the_argument(smol, tiny_tok):
     with pytest.raises(TypeError, match="engine"):
         ModelDrafter(smol.model)
     assert smol.cache.num_free_pages == 256
+
+
+# ------------------------------------------------------------------------------- CLI
+
+
+def run_cli(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="deft")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+def test_cli_json(capsys, smol, smol_prompts, workloads):
+    tree = workloads / "deft" / "speculative" / "APPS_tree_size10.json"
+    run_cli(["speculate", EDIT, "--chat", "--max-new-tokens", "12", "--tree", str(tree), "--json"])
+    (doc,) = json.loads(capsys.readouterr().out)
+    assert doc["token_ids"] == smol_prompts[1][0][:12]
+    assert doc["text"] == smol.tokenizer.decode(doc["token_ids"], skip_special_tokens=True)
+    assert doc["stats"]["steps"] >= 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["x", "--drafter", "model"], "--draft-model: expected a path with --drafter model"),
+    (["x", "--draft-model", "m.gguf"], "--draft-model"),
+    (["x", "--tree", "/no/such.json"], "--tree: no such file"),
+    (["x", "--model", "/no/such.gguf"], "/no/such.gguf"),
+    (["x", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["x", "--temperature", "-1"], "temperature"),
+])
+def test_cli_errors(argv, message):
+    with pytest.raises(CliError, match=message) as info:
+        run_cli(["speculate", *argv])
+    assert "\n" not in str(info.value)

@@ -106,7 +106,6 @@ class _Sequence:
     accepted: list[int] = field(default_factory=list)
     drafted: int = 0
     finish_reason: str | None = None
-    elapsed_s: float = 0.0
 
     @property
     def output(self) -> list[int]:
@@ -174,9 +173,9 @@ def speculative_generate(
     token included), their text, the sum of their log-probabilities under the target
     model, and ``stats``: ``finish_reason``, ``steps`` (verification forwards),
     ``accepted`` (draft tokens accepted at each step), ``tokens_per_step`` (new tokens per
-    step, the bonus token included), ``drafted`` (draft tokens verified), ``elapsed_s`` and
-    ``tokens_per_s`` (from the call's start to this sequence's end, prefill included), and
-    the batch's ``draft_s``/``verify_s``.
+    step, the bonus token included), ``drafted`` (draft tokens verified), ``prompt_tokens``,
+    and the call's ``seconds``, ``new_tokens_total``, ``tokens_per_s`` (prefill included),
+    ``draft_s`` and ``verify_s``.
     """
     if not isinstance(engine, TreeEngine):
         raise TypeError(f"engine: expected a deft TreeEngine, got {type(engine).__name__}")
@@ -212,14 +211,17 @@ def speculative_generate(
                 if s.finish_reason is None and len(s.tokens) > engine.max_positions:
                     s.finish_reason = "length"  # the newest token has no position left
                 if s.finish_reason is not None:
-                    s.elapsed_s = time.perf_counter() - start
                     _release(engine, drafter, s)
             active = [s for s in active if s.finish_reason is None]
     finally:
         for s in seqs:
-            if s.finish_reason is None:
+            if s.finish_reason is None and s.node >= 0:  # stopped by an error
                 _release(engine, drafter, s)
-    return [_result(engine.tokenizer, s, timing) for s in seqs]
+    seconds = time.perf_counter() - start
+    new = sum(len(s.output) for s in seqs)
+    call = {"seconds": seconds, "new_tokens_total": new,
+            "tokens_per_s": new / seconds if seconds > 0 else float("nan"), **timing}
+    return [_result(engine.tokenizer, s, call) for s in seqs]
 
 
 def _step(engine: TreeEngine, seqs: list[_Sequence], params: SamplingParams, drafter: Drafter,
@@ -264,16 +266,15 @@ def _release(engine: TreeEngine, drafter: Drafter, s: _Sequence) -> None:
     engine.cache.prune(s.node)
 
 
-def _result(tokenizer: Tokenizer, s: _Sequence, timing: dict) -> GenerationResult:
+def _result(tokenizer: Tokenizer, s: _Sequence, call: dict) -> GenerationResult:
     out, steps = s.output, len(s.accepted)
     stats = {
-        "finish_reason": s.finish_reason or "error",
+        "finish_reason": s.finish_reason,
+        "prompt_tokens": s.prompt_len,
         "steps": steps,
         "accepted": s.accepted,
-        "tokens_per_step": len(out) / steps if steps else 0.0,
+        "tokens_per_step": len(out) / steps if steps else float("nan"),
         "drafted": s.drafted,
-        "elapsed_s": s.elapsed_s,
-        "tokens_per_s": len(out) / s.elapsed_s if s.elapsed_s else 0.0,
-        **timing,
+        **call,
     }
     return GenerationResult(out, tokenizer.decode(out, skip_special_tokens=True), s.logprob, stats)
