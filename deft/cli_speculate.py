@@ -20,12 +20,14 @@ def add_parser(subparsers: Any) -> None:
         "attention, and the accepted path is kept. Greedy output equals plain greedy decoding.")
     p.add_argument("prompt", nargs="+", help="prompt text (several: one batch)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    p.add_argument("--model", metavar="PATH", help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", metavar="PATH",
+                   help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--drafter", choices=["ngram", "model"], default="ngram",
                    help="ngram: prompt lookup, no extra model (default); model: --draft-model")
-    p.add_argument("--draft-model", metavar="PATH", help="draft model (same vocabulary) for --drafter model")
+    p.add_argument("--draft-model", metavar="PATH",
+                   help="draft model (same vocabulary as --model) for --drafter model")
     p.add_argument("--tree", metavar="PATH",
                    help="Medusa choices JSON (Tree_Structure or paths) as the draft-tree shape")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -86,7 +88,8 @@ def _generate(args: argparse.Namespace) -> list:
     # draft model's level-by-level appends, a page per 16 drafts one verified tree.
     if args.drafter == "model":
         draft_model, draft_tok = load_model(args.draft_model, device=args.device)
-        drafter = ModelDrafter(TreeEngine(draft_model, draft_tok, _pages(prompts, params, shape.num_drafts)))
+        pages = _pages(prompts, params, shape.num_drafts)
+        drafter = ModelDrafter(TreeEngine(draft_model, draft_tok, pages))
     else:
         drafter = NgramDrafter()
     engine = TreeEngine(model, tok, _pages(prompts, params, -(-(shape.num_drafts + 1) // 16)))

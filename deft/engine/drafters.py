@@ -85,7 +85,7 @@ class NgramDrafter(Drafter):
     copies long spans (edits, code, quotes), and several distinct continuations form a tree.
     """
 
-    default_shape = TopKShape(k=2, depth=10, width=2)
+    default_shape = TopKShape(k=2, depth=16, width=2)
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_matches: int = 64) -> None:
         for name, val in (("max_ngram", max_ngram), ("min_ngram", min_ngram),
@@ -140,10 +140,9 @@ class NgramDrafter(Drafter):
 
 @dataclass
 class _DraftState:
-    """A sequence in the draft model's cache: ``leaf`` holds K/V of ``tokens[:known]``;
+    """A sequence in the draft model's cache: node ``leaf`` holds ``tokens[:known]``;
     ``nodes`` maps last step's draft-tree nodes to cache nodes below ``leaf``."""
 
-    root: int
     leaf: int
     known: int
     tree: DraftTree | None = None
@@ -215,15 +214,15 @@ class ModelDrafter(Drafter):
     def release(self, key: int) -> None:
         st = self._state.pop(key, None)
         if st is not None:
-            self.engine.cache.prune(st.root)
+            self.engine.cache.prune(st.leaf)
 
     def _catch_up(self, job: DraftJob) -> _DraftState:
         """The job's draft-cache state, holding K/V of all but the last tokens it can reuse."""
         tokens, cache = job.tokens, self.engine.cache
         st = self._state.get(job.key)
-        if st is None:
-            root = self.engine.add_prompt(list(tokens[:-1]))
-            st = self._state[job.key] = _DraftState(root, cache.fork(root, 1)[0], len(tokens) - 1)
+        if st is None:  # the prompt is computed with the first level
+            st = _DraftState(self.engine.add_prompt(tokens[:-1]), len(tokens) - 1)
+            self._state[job.key] = st
             return st
         path, node = [], 0
         tree = st.tree

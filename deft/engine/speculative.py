@@ -30,6 +30,8 @@ from .trees import DraftTree, Shape, TreeGrower, as_shape
 
 __all__ = ["speculative_generate", "accept_greedy", "accept_sampled"]
 
+Prompts = str | Sequence[int] | Sequence[str | Sequence[int]]
+
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
     """Greedy acceptance of ``tree`` under target ``logits [len(tree), vocab]``.
@@ -73,7 +75,8 @@ def accept_sampled(tree: DraftTree, probs: torch.Tensor,
         for child in tree.children[node]:
             x = tree.tokens[child]
             qx = 1.0 if q is None else float(q[x])
-            if qx > 0 and float(torch.rand((), generator=generator, dtype=torch.float64)) * qx < float(p[x]):
+            u = float(torch.rand((), generator=generator, dtype=torch.float64))
+            if qx > 0 and u * qx < float(p[x]):  # probability min(1, p(x) / q(x))
                 accepted = child
                 break
             if q is None:
@@ -124,7 +127,7 @@ class _Sequence:
                 return
 
 
-def _encode(tokenizer: Tokenizer, prompts: str | Sequence[int] | Sequence[str | Sequence[int]]) -> list[list[int]]:
+def _encode(tokenizer: Tokenizer, prompts: Prompts) -> list[list[int]]:
     """Token ids of each prompt (a str or a token-id list, or a list of them)."""
     if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
                                     and all(isinstance(t, (int, np.integer)) for t in prompts)):
@@ -143,7 +146,7 @@ def _encode(tokenizer: Tokenizer, prompts: str | Sequence[int] | Sequence[str | 
 
 def speculative_generate(
     engine: TreeEngine,
-    prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+    prompts: Prompts,
     params: SamplingParams | None = None,
     drafter: Drafter | None = None,
     tree: Shape | Sequence[Sequence[int]] | str | os.PathLike[str] | None = None,
