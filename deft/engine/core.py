@@ -123,9 +123,10 @@ class TreeEngine:
     Change the tree through the engine (``add_prompt``, ``extend``, ``extend_tree``) or
     the cache's own ``fork``/``prune``/``split``/``commit_path``; the position of a token
     is its depth, read from the cache. ``stats`` accumulates ``steps``, ``tokens``
-    (queries computed), ``logit_rows``, ``forward_s`` and ``plan_s``; with ``count_io``
-    also ``kv_bytes_deft`` and ``kv_bytes_per_branch``: K/V bytes all layers read under
-    DeFT's plan and under per-branch decoding (each query reads its whole path).
+    (queries computed), ``logit_rows``, ``forward_s`` and ``plan_s``; while ``count_io``
+    is true also ``kv_bytes_deft`` and ``kv_bytes_per_branch`` (K/V bytes all layers
+    read under DeFT's plan and under per-branch decoding, where each query reads its
+    whole path) and ``io_s``, the time that counting took (outside ``forward_s``).
     """
 
     def __init__(
@@ -162,9 +163,8 @@ class TreeEngine:
 
     def reset_stats(self) -> None:
         """Zero the counters in :attr:`stats`."""
-        self.stats = dict.fromkeys(("steps", "tokens", "logit_rows", "forward_s", "plan_s"), 0)
-        if self.count_io:
-            self.stats.update(kv_bytes_deft=0, kv_bytes_per_branch=0)
+        self.stats = dict.fromkeys(("steps", "tokens", "logit_rows", "forward_s", "plan_s",
+                                    "kv_bytes_deft", "kv_bytes_per_branch", "io_s"), 0)
 
     # ------------------------------------------------------------------ tree
 
@@ -319,11 +319,12 @@ class TreeEngine:
         st["forward_s"] += time.perf_counter() - t0
         st["plan_s"] += self.attn.plan_seconds
         if self.count_io:
-            c = self.model.config
+            t1, c = time.perf_counter(), self.model.config
             heads = (c.num_heads, c.num_kv_heads, c.head_dim, self.pool.k[0].element_size())
             per_branch = make_plan(layout, "per_query", self.attn.block_kv)
             st["kv_bytes_deft"] += plan.io_bytes(*heads)["kv"] * c.num_layers
             st["kv_bytes_per_branch"] += per_branch.io_bytes(*heads)["kv"] * c.num_layers
+            st["io_s"] += time.perf_counter() - t1
         result = []
         for f, (a, b) in zip(feeds, bounds):
             result.append(out[a] if f.logits == "last" else out[a:b])

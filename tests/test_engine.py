@@ -1,0 +1,350 @@
+"""The engine on SmolLM2-135M: one forward per step, strategies against transformers and
+against our own linear runs, K/V released as branches end, and the errors users see.
+
+Float32 logits of the same sequence computed through different trees agree within
+``TREE_ATOL`` (measured ~5e-5: only the attention tiling differs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from deft.cache import CacheFullError
+from deft.engine import SamplingParams, TreeEngine, probabilities
+from deft.engine.beam import beam_search
+from deft.engine.replay import load_trace, replay_trace
+from deft.engine.strategies import generate, sample
+from deft.engine.tree_search import Expansion, tree_search
+from deft.model import load_model
+from deft.model.loader import DEFAULT_GGUF, default_model_path
+
+transformers = pytest.importorskip("transformers")
+
+TREE_ATOL = 2e-4
+EOS = [0, 2]  # SmolLM2's <|endoftext|> and <|im_end|>, passed to transformers as well
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def smol_ref():
+    folder = os.path.dirname(default_model_path())
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=DEFAULT_GGUF, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def engine(smol):
+    model, tok = smol
+    return TreeEngine(model, tok, num_pages=128, page_size=16, backend="torch")
+
+
+@pytest.fixture(scope="module")
+def prompts(smol):
+    _, tok = smol
+    return [tok.apply_chat_template("Name three colours."), tok.encode("The capital of France is"),
+            tok.encode("def fibonacci(n):")]
+
+
+def linear_logits(engine, ids):
+    """All logits of ``ids`` as one fresh root, prefilled in one forward."""
+    root = engine.add_prompt([])
+    (out,) = engine.extend([(root, ids)], logits="all")
+    engine.cache.prune(root)
+    return out
+
+
+def hf_generate(ref, ids, **kwargs):
+    return ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                        eos_token_id=EOS, pad_token_id=2, **kwargs)
+
+
+def assert_empty(engine):
+    assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == engine.cache.num_pages
+
+
+# ---------------------------------------------------------------- core
+
+
+def test_sampling_params_validation():
+    assert SamplingParams().greedy and SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == {3, 4}
+    for kwargs, field in [({"temperature": -1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+                          ({"top_k": -1}, "top_k"), ({"top_k": 1.5}, "top_k"), ({"top_p": 0}, "top_p"),
+                          ({"top_p": 1.5}, "top_p"), ({"seed": "x"}, "seed"),
+                          ({"max_new_tokens": 0}, "max_new_tokens"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+                          ({"stop_token_ids": 5}, "stop_token_ids")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kwargs)
+
+
+def test_prefill_and_decode_share_one_forward(engine, prompts):
+    """A prompt's prefill, another request's decode token and a chunked prefill: one forward."""
+    a, b, c = prompts
+    full_a, full_b, full_c = (linear_logits(engine, x) for x in (a + [42], b, c))
+    root_a = engine.add_prompt([])
+    engine.extend([(root_a, a)], logits="none")
+    root_c = engine.add_prompt([])
+    engine.extend([(root_c, c[:3])], logits="none")
+    root_b = engine.add_prompt([])
+    steps = engine.stats["steps"]
+    out_a, out_b, out_c = engine.extend([(root_a, [42]), (root_b, b), (root_c, c[3:])],
+                                        logits=["last", "all", "last"])
+    assert engine.stats["steps"] == steps + 1
+    assert out_a.shape == (engine.vocab_size,) and out_b.shape == (len(b), engine.vocab_size)
+    torch.testing.assert_close(out_a, full_a[-1], atol=TREE_ATOL, rtol=0)
+    torch.testing.assert_close(out_b, full_b, atol=TREE_ATOL, rtol=0)
+    torch.testing.assert_close(out_c, full_c[-1], atol=TREE_ATOL, rtol=0)
+    assert [engine.position(r) for r in (root_a, root_b, root_c)] == [len(a) + 1, len(b), len(c)]
+
+
+def test_add_prompt_prefills_with_the_next_forward(engine, prompts):
+    """A root from add_prompt can be forked at once; its K/V come with the next extend."""
+    ids = prompts[0]
+    expected = linear_logits(engine, ids + [7])
+    root = engine.add_prompt(ids[:-1])
+    left, right = engine.cache.fork(root, 2)
+    got_left, got_right = engine.extend([(left, ids[-1:]), (right, ids[-1:] + [7])])
+    torch.testing.assert_close(got_left, expected[-2], atol=TREE_ATOL, rtol=0)
+    torch.testing.assert_close(got_right, expected[-1], atol=TREE_ATOL, rtol=0)
+    assert engine.stats["logit_rows"] == len(ids) + 1 + 2  # the linear run, then two rows
+
+
+def test_extend_tree_matches_linear_paths(engine, prompts):
+    ids = prompts[1]
+    root = engine.add_prompt(ids[:-1])
+    (leaf,) = engine.cache.fork(root, 1)
+    engine.extend([(leaf, ids[-1:])], logits="none")
+    parents, tokens = [-1, -1, 0, 0, 2], [11, 22, 33, 44, 55]
+    ids_tree, logits = engine.extend_tree(leaf, parents, tokens)
+    assert logits.shape == (5, engine.vocab_size) and len(ids_tree) == 5
+    for i, path in enumerate([[11], [22], [11, 33], [11, 44], [11, 33, 55]]):
+        torch.testing.assert_close(logits[i], linear_logits(engine, ids + path)[-1], atol=TREE_ATOL, rtol=0)
+    assert engine.position(ids_tree[4]) == len(ids) + 3
+    engine.cache.commit_path(leaf, [ids_tree[0], ids_tree[2]])
+    (nxt,) = engine.extend([(leaf, [99])])
+    torch.testing.assert_close(nxt, linear_logits(engine, ids + [11, 33, 99])[-1], atol=TREE_ATOL, rtol=0)
+    (a, _), (b, lb) = engine.extend_trees([(leaf, [-1], [1]), (root, [-1, 0], [5, 6])])
+    torch.testing.assert_close(lb[1], linear_logits(engine, ids[:-1] + [5, 6])[-1], atol=TREE_ATOL, rtol=0)
+
+
+def test_engine_errors_change_nothing(smol, prompts):
+    model, tok = smol
+    engine = TreeEngine(model, tok, num_pages=4, page_size=16)
+    root = engine.add_prompt([])
+    kid = engine.cache.fork(root, 1)[0]
+    with pytest.raises(ValueError, match=r"items\[0\]: node .* has children"):
+        engine.extend([(root, [1])])
+    with pytest.raises(ValueError, match=r"items\[0\].*pruned|never created"):
+        engine.extend([(12345, [1])])
+    with pytest.raises(ValueError, match=r"items\[1\]: token id 49152 .* outside the vocabulary"):
+        engine.extend([(kid, [1]), (kid, [49152])])
+    with pytest.raises(TypeError, match=r"items\[0\].*encode text"):
+        engine.extend([(kid, "hello")])
+    with pytest.raises(ValueError, match=r"logits: expected one of"):
+        engine.extend([(kid, [1])], logits="first")
+    with pytest.raises(CacheFullError, match="needed 7 free pages, 4 free"):
+        engine.extend([(kid, [1] * 100)])
+    with pytest.raises(ValueError, match="token_ids: the prompt has 8193 tokens"):
+        engine.add_prompt([1] * 8193)
+    with pytest.raises(ValueError, match=r"trees\[0\] parents\[1\]: expected -1 or an earlier"):
+        engine.extend_tree(kid, [-1, 1], [3, 4])
+    with pytest.raises(ValueError, match="device: expected the model's device"):
+        TreeEngine(model, tok, device="meta")
+    assert engine.cache.num_tokens(kid) == 0 and engine.cache.num_free_pages == 4 and engine.stats["steps"] == 0
+    big = TreeEngine(model, tok, num_pages=600, page_size=16)
+    long_root = big.add_prompt([5] * 8190)  # staged, never computed: pruned first
+    with pytest.raises(ValueError, match=r"items\[0\]: node .* would reach 8193 tokens, more than the model's context of 8192"):
+        big.extend([(long_root, [1, 2, 3])])
+    big.cache.prune(long_root)
+    assert big.extend([]) == [] and big.stats["steps"] == 0
+
+
+def test_probabilities_match_transformers_warpers():
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 3
+    for t, k, p in [(0.7, 0, 1.0), (1.0, 20, 1.0), (1.3, 0, 0.8), (0.9, 50, 0.6), (1.0, 1, 1.0)]:
+        x = TemperatureLogitsWarper(t)(None, logits.clone())
+        if k:
+            x = TopKLogitsWarper(k)(None, x)
+        if p < 1:
+            x = TopPLogitsWarper(p)(None, x)
+        got = probabilities(logits, SamplingParams(temperature=t, top_k=k, top_p=p))
+        torch.testing.assert_close(got, torch.softmax(x, -1), atol=1e-6, rtol=1e-5)
+    one_hot = probabilities(logits, SamplingParams())
+    assert torch.equal(one_hot.argmax(-1), logits.argmax(-1)) and torch.equal(one_hot.sum(-1), torch.ones(4))
+
+
+# ---------------------------------------------------------------- strategies
+
+
+def test_generate_matches_transformers_greedy(engine, smol_ref, prompts):
+    params = SamplingParams(max_new_tokens=10)
+    results = generate(engine, prompts, params)
+    assert_empty(engine)
+    for ids, res in zip(prompts, results):
+        ref = hf_generate(smol_ref, ids, max_new_tokens=10, do_sample=False)[0, len(ids):].tolist()
+        assert res.token_ids == ref[:len(res.token_ids)], (res.text, engine.tokenizer.decode(ref))
+        assert res.stats["finish_reason"] in ("stop", "length") and res.score < 0
+    # One request at a time: later prompts are prefilled alongside earlier ones' decoding.
+    steps = engine.stats["steps"]
+    again = generate(engine, prompts, params, max_batch=2)
+    assert [r.token_ids for r in again] == [r.token_ids for r in results]
+    assert engine.stats["steps"] - steps < 3 * 10
+    assert_empty(engine)
+
+
+def test_generate_stops_and_accepts_text(engine, prompts):
+    tok = engine.tokenizer
+    (free,) = generate(engine, "The capital of France is", SamplingParams(max_new_tokens=6))
+    stop = free.token_ids[2]
+    (stopped,) = generate(engine, "The capital of France is",
+                          SamplingParams(max_new_tokens=6, stop_token_ids={stop}))
+    assert stopped.token_ids == free.token_ids[:3] and stopped.stats["finish_reason"] == "stop"
+    assert stopped.text == tok.decode(stopped.token_ids, skip_special_tokens=True)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: expected text or a non-empty list"):
+        generate(engine, ["hi", []])
+    with pytest.raises(ValueError, match=r"prompts\[0\]: the prompt has 9000 tokens"):
+        generate(engine, [[1] * 9000])
+    with pytest.raises(ValueError, match="max_batch"):
+        generate(engine, "hi", max_batch=0)
+
+
+def test_sample_branches_share_the_prompt(engine, prompts):
+    ids = prompts[0]
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_new_tokens=8)
+    seen = []
+
+    def watch(_):  # after every sampling step: the prompt is one node with n live branches
+        roots = [n for n in engine.cache.live_nodes if engine.cache.parent(n) < 0]
+        seen.append((len(roots), [engine.cache.num_tokens(r) for r in roots],
+                     len(engine.cache.children(roots[0])) if roots else 0))
+
+    (runs,) = sample(engine, [ids], 4, params, progress=watch)
+    assert len(runs) == 4 and len({tuple(r.token_ids) for r in runs}) > 1
+    assert seen[0] == (1, [len(ids)], 4)  # branches are forks of the prefilled prompt: no copy
+    assert all(s[0] <= 1 for s in seen)
+    assert_empty(engine)
+    (again,) = sample(engine, ids, 4, params)
+    assert [r.token_ids for r in again] == [r.token_ids for r in runs]  # seeded
+    (greedy,) = generate(engine, ids, SamplingParams(max_new_tokens=8))
+    (top1,) = sample(engine, ids, 2, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=8))
+    assert all(r.token_ids == greedy.token_ids for r in top1)
+    with pytest.raises(ValueError, match="n: expected an integer >= 1"):
+        sample(engine, ids, 0)
+
+
+@pytest.mark.parametrize("k, length_penalty, early_stopping", [(3, 1.0, False), (4, 0.5, True)])
+def test_beam_search_matches_transformers(engine, smol_ref, prompts, k, length_penalty, early_stopping):
+    new = 10
+    live_leaves = []
+
+    def watch(_):
+        live_leaves.append(sum(1 for n in engine.cache.live_nodes if not engine.cache.children(n)))
+
+    results = beam_search(engine, prompts, k, new, length_penalty, early_stopping,
+                          num_return_sequences=2, progress=watch)
+    assert_empty(engine)
+    assert max(live_leaves) <= k * len(prompts)  # pruned beams released at once
+    for ids, hyps in zip(prompts, results):
+        ref = hf_generate(smol_ref, ids, max_new_tokens=new, num_beams=k, do_sample=False,
+                          length_penalty=length_penalty, early_stopping=early_stopping,
+                          num_return_sequences=2, output_scores=True, return_dict_in_generate=True)
+        for j, hyp in enumerate(hyps):
+            seq = ref.sequences[j, len(ids):].tolist()
+            assert hyp.token_ids == seq[:len(hyp.token_ids)], (hyp.text, engine.tokenizer.decode(seq))
+            assert all(t == 2 for t in seq[len(hyp.token_ids):])  # transformers' padding
+            assert hyp.score == pytest.approx(float(ref.sequences_scores[j]), abs=1e-3)
+
+
+def test_beam_search_errors(engine):
+    for kwargs, match in [({"num_beams": 0}, "num_beams"), ({"num_beams": 2, "num_return_sequences": 3},
+                          "num_return_sequences: expected at most num_beams=2"),
+                          ({"num_beams": 2, "early_stopping": "sometimes"}, "early_stopping"),
+                          ({"num_beams": 2, "length_penalty": float("inf")}, "length_penalty"),
+                          ({"num_beams": 2, "max_new_tokens": 0}, "max_new_tokens")]:
+        with pytest.raises(ValueError, match=match):
+            beam_search(engine, "hi", **kwargs)
+
+
+def test_tree_search_expands_scores_and_releases(engine, prompts):
+    tok = engine.tokenizer
+    step = tok.encode(" Next:")
+    greedy = SamplingParams(max_new_tokens=4)
+    leaves_at_expand = []
+
+    def expand(t):
+        leaves_at_expand.append(sum(1 for n in engine.cache.live_nodes if not engine.cache.children(n)))
+        return [Expansion(prefix=step, params=greedy), Expansion(params=greedy), [tok.encode(" A")[0]]]
+
+    def score(t):  # prefer generated thoughts, then longer ones
+        return (t.finish_reason != "prefix") + len(t.path_token_ids()) / 100
+
+    best = tree_search(engine, prompts[1], expand, score, beam_width=2, max_depth=3)
+    assert_empty(engine)
+    assert leaves_at_expand == [1, 2, 2, 2, 2]  # the prompt, then 2 kept thoughts per depth
+    assert len(best) == 2 and all(t.depth == 3 for t in best) and best[0].score >= best[1].score
+    # A generated thought is what greedy decoding gives after the prompt and its path.
+    t = best[0]
+    prefix = prompts[1] + t.parent.path_token_ids()
+    (ref,) = generate(engine, [prefix + (step if t.token_ids[:len(step)] == step else [])], greedy)
+    assert t.token_ids[-len(ref.token_ids):] == ref.token_ids
+
+    finals = tree_search(engine, prompts[1], expand, score, beam_width=2, max_depth=3,
+                         is_final=lambda t: t.finish_reason == "prefix")
+    solved = [t for t in finals if t.finish_reason == "prefix"]
+    assert sorted(t.depth for t in solved) == [1, 2, 2, 3, 3] and len(finals) == 5 + 2
+    assert [t.score for t in finals] == sorted((t.score for t in finals), reverse=True)
+    assert_empty(engine)
+    with pytest.raises(ValueError, match="Expansion: expected a prefix, params, or both"):
+        Expansion()
+
+
+# ---------------------------------------------------------------- trace replay
+
+
+def write_trace(path):
+    """A small reasoning record: a 40-token prompt, 3 thoughts, one of which branches in 2."""
+    data = {"0": {"id": 0, "value": 40, "start": -39, "end": 0, "children": [1, 2, 3]},
+            "1": {"id": 1, "value": 5, "start": 1, "end": 5, "children": [4, 5]},
+            "2": {"id": 2, "value": 3, "start": 1, "end": 3, "children": []},
+            "3": {"id": 3, "value": 8, "start": 1, "end": 8, "children": []},
+            "4": {"id": 4, "value": 4, "start": 6, "end": 9, "children": []},
+            "5": {"id": 5, "value": 2, "start": 6, "end": 7, "children": []}}
+    path.write_text(json.dumps([{"incompleted": True, "prompt": "", "data": {}},
+                                {"incompleted": False, "prompt": "x", "data": data}]))
+
+
+@pytest.mark.parametrize("tokens", ["random", "greedy"])
+def test_replay_trace(engine, tmp_path, tokens):
+    path = tmp_path / "tiny.json"
+    write_trace(path)
+    report = replay_trace(engine, path, record=0, tokens=tokens)
+    assert_empty(engine)
+    assert (report.iterations, report.prompt_tokens, report.thoughts, report.max_active) == (9, 40, 5, 3)
+    assert report.decode_tokens == 5 + 3 + 8 + 4 + 2
+    assert report.kv_bytes_per_branch > report.kv_bytes_deft > 0 and report.tokens_per_s > 0
+    assert not engine.count_io
+    short = replay_trace(engine, path, max_iterations=4)
+    assert short.decode_tokens == 3 * 3 + 2 and short.iterations == 4
+    assert_empty(engine)
+
+
+def test_trace_errors(tmp_path, workloads):
+    assert len(load_trace(workloads / "deft" / "reasoning" / "keywordToT.json", 0)) == 61
+    with pytest.raises(ValueError, match=r"record: expected an index in \[0, 98\)"):
+        load_trace(workloads / "deft" / "reasoning" / "keywordToT.json", 98)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="not a reasoning trace"):
+        load_trace(bad)
+    with pytest.raises(FileNotFoundError, match="no such trace file"):
+        load_trace(tmp_path / "none.json")
