@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from deft.bench.spec_bench import spec_table
 from deft.cli import CliError
 from deft.cli_speculate import add_parser
 from deft.engine.core import SamplingParams, TreeEngine
@@ -57,6 +58,8 @@ def test_shape_constructor_errors():
         TreeShape((-1, 0, 0), (0, 1, 0))
     with pytest.raises(ValueError, match="width"):
         TopKShape(width=0)
+    with pytest.raises(ValueError, match="min_score"):
+        TopKShape(min_score=1.0)
     with pytest.raises(TypeError, match="tree"):
         as_shape(3.5, TopKShape())
 
@@ -92,6 +95,8 @@ def test_topk_grower_keeps_best_paths_and_sibling_prefixes():
     assert tree.tokens == [1, 2, 3, 4, 6] and tree.parents == [-1, 0, 0, 1, 2]
     assert tree.children[0] == [1, 2] and tree.depths == [0, 1, 1, 2, 2]
     assert np.allclose(tree.scores, [1, 0.6, 0.4, 0.3, 0.36])
+    # Paths scoring below min_score are not drafted.
+    assert grow(TopKShape(k=2, depth=2, width=2, min_score=0.35), 1, table).tokens == [1, 2, 3, 6]
 
 
 # ------------------------------------------------------------------ n-gram drafter
@@ -432,3 +437,10 @@ def test_cli_errors(argv, message):
     with pytest.raises(CliError, match=message) as info:
         run_cli(["speculate", *argv])
     assert "\n" not in str(info.value)
+
+
+def test_spec_bench_table(workloads):
+    table = spec_table(max_new_tokens=6, reps=1, workloads=workloads)
+    lines = table.splitlines()
+    assert len(lines) == 2 + 2 * 4  # header, rule, 2 workloads x (greedy + 3 trees)
+    assert all(line.rstrip(" |").endswith("yes") for line in lines[2:]), table

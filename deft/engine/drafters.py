@@ -80,12 +80,13 @@ class NgramDrafter(Drafter):
     ``max_ngram`` down to ``min_ngram`` tokens that occurred earlier in the sequence is
     looked up; the tokens that followed its last ``max_matches`` occurrences are the
     candidates, most frequent first (then most recent). Shorter matches add further
-    candidates after them. A candidate's score is its share of the matches, halved for
-    each token the match is shorter than the longest one. Repeated along a path this
+    candidates after them. A candidate's score is its share of the matches times
+    ``n / max_ngram`` for a match of ``n`` tokens (kept non-increasing), so the default
+    shape drafts long chains only where long matches continue. Repeated along a path this
     copies long spans (edits, code, quotes), and several distinct continuations form a tree.
     """
 
-    default_shape = TopKShape(k=2, depth=16, width=2)
+    default_shape = TopKShape(k=2, depth=16, width=2, min_score=0.2)
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_matches: int = 64) -> None:
         for name, val in (("max_ngram", max_ngram), ("min_ngram", min_ngram),
@@ -119,18 +120,16 @@ class NgramDrafter(Drafter):
         """Up to ``want`` ranked continuations of ``context`` found in ``index``."""
         tokens: list[int] = []
         scores: list[float] = []
-        longest = 0
         for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
             ends = index.ends[n].get(tuple(context[-n:]))
             if not ends:
                 continue
-            longest = longest or n
             recent = ends[-self.max_matches :]
             counts = Counter(index.tokens[e + 1] for e in recent)
             last = {index.tokens[e + 1]: i for i, e in enumerate(recent)}
             for tok, c in sorted(counts.items(), key=lambda kv: (-kv[1], -last[kv[0]])):
                 if tok not in tokens:
-                    score = c / len(recent) * 0.5 ** (longest - n)
+                    score = c / len(recent) * n / self.max_ngram
                     tokens.append(tok)
                     scores.append(min(score, scores[-1]) if scores else score)
                     if len(tokens) == want:

@@ -19,18 +19,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from ..model.tokenizer import Tokenizer
 from .core import GenerationResult, SamplingParams, TreeEngine
+from .decoding import Prompt, as_prompts
 from .drafters import DraftJob, Drafter, NgramDrafter
 from .sampling import probabilities
 from .trees import DraftTree, Shape, TreeGrower, as_shape
 
 __all__ = ["speculative_generate", "accept_greedy", "accept_sampled"]
-
-Prompts = str | Sequence[int] | Sequence[str | Sequence[int]]
 
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], int]:
@@ -127,26 +125,9 @@ class _Sequence:
                 return
 
 
-def _encode(tokenizer: Tokenizer, prompts: Prompts) -> list[list[int]]:
-    """Token ids of each prompt (a str or a token-id list, or a list of them)."""
-    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                    and all(isinstance(t, (int, np.integer)) for t in prompts)):
-        prompts = [prompts]  # type: ignore[list-item]
-    if not isinstance(prompts, Sequence) or not prompts:
-        raise ValueError(f"prompts: expected a non-empty list of prompts, got {prompts!r}")
-    out = []
-    for i, p in enumerate(prompts):
-        ids = tokenizer.encode(p) if isinstance(p, str) else p
-        if not isinstance(ids, Sequence) or not ids or not all(
-                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
-            raise ValueError(f"prompts[{i}]: expected a non-empty str or list of token ids, got {p!r}")
-        out.append([int(t) for t in ids])
-    return out
-
-
 def speculative_generate(
     engine: TreeEngine,
-    prompts: Prompts,
+    prompts: Prompt | Sequence[Prompt],
     params: SamplingParams | None = None,
     drafter: Drafter | None = None,
     tree: Shape | Sequence[Sequence[int]] | str | os.PathLike[str] | None = None,
@@ -195,7 +176,7 @@ def speculative_generate(
         raise ValueError(f"drafter: expected the target's vocabulary of {engine.vocab_size} tokens, "
                          f"got a draft model with {vocab}")
     shape = as_shape(tree, drafter.default_shape)
-    seqs = [_Sequence(i, ids, len(ids)) for i, ids in enumerate(_encode(engine.tokenizer, prompts))]
+    seqs = [_Sequence(i, ids, len(ids)) for i, ids in enumerate(as_prompts(prompts, engine))]
     generator = torch.Generator()
     if params.seed is None:
         generator.seed()
@@ -242,8 +223,8 @@ def _step(engine: TreeEngine, seqs: list[_Sequence], params: SamplingParams, dra
     verified = engine.extend_trees([(s.node, t.parents, t.tokens) for s, t in zip(seqs, trees)])
     logits = torch.cat([lg for _, lg in verified])  # [sum of tree sizes, vocab]
     if params.greedy:
-        rows = torch.split(logits, [len(t) for t in trees])
-        accepted = [accept_greedy(t, lg) for t, lg in zip(trees, rows)]
+        per_tree = torch.split(logits, [len(t) for t in trees])
+        accepted = [accept_greedy(t, lg) for t, lg in zip(trees, per_tree)]
     else:
         probs = torch.split(probabilities(logits, params).cpu(), [len(t) for t in trees])
         accepted = [accept_sampled(t, p, generator) for t, p in zip(trees, probs)]

@@ -132,15 +132,20 @@ class TreeShape:
 class TopKShape:
     """A shape grown each step: every frontier node offers its ``k`` best candidates, and
     each level keeps the ``width`` best of all of them by path score (the product of the
-    candidates' scores from the root), ``depth`` levels deep."""
+    candidates' scores from the root), ``depth`` levels deep. Paths scoring below
+    ``min_score`` are not drafted (wasted drafts cost compute)."""
 
     k: int = 2
     depth: int = 8
     width: int = 2
+    min_score: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("k", "depth", "width"):
             _positive(getattr(self, name), name)
+        m = self.min_score
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1:
+            raise ValueError(f"min_score: expected a number in [0, 1), got {m!r}")
 
     @property
     def num_drafts(self) -> int:
@@ -279,15 +284,20 @@ class TreeGrower:
     def _grow_topk(self, front: list[tuple[int, int]], candidates: Sequence[Candidates]) -> list[int]:
         """Best-first over the level: a node's guess ``r + 1`` competes only once guess ``r``
         was taken, so every node keeps a prefix of its guesses (in the order tried)."""
-        tree, heap, taken = self.tree, [], []
-        for j, ((node, _), cand) in enumerate(zip(front, candidates)):
-            if cand.tokens:
-                heapq.heappush(heap, (-tree.scores[node] * cand.scores[0], j, 0))
+        tree, heap, taken, floor = self.tree, [], [], self.shape.min_score
+
+        def offer(j: int, r: int) -> None:
+            score = tree.scores[front[j][0]] * candidates[j].scores[r]
+            if score >= floor:
+                heapq.heappush(heap, (-score, j, r))
+
+        for j in range(len(front)):
+            if candidates[j].tokens:
+                offer(j, 0)
         while heap and len(taken) < self.shape.width:
             _, j, r = heapq.heappop(heap)
             taken.append((j, r))
-            cand = candidates[j]
-            if r + 1 < len(cand.tokens):
-                heapq.heappush(heap, (-tree.scores[front[j][0]] * cand.scores[r + 1], j, r + 1))
+            if r + 1 < len(candidates[j].tokens):
+                offer(j, r + 1)
         return [tree.add(front[j][0], candidates[j].tokens[r], candidates[j].scores[r])
                 for j, r in sorted(taken)]
