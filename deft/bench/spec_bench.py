@@ -59,7 +59,7 @@ def spec_table(
     d = NgramDrafter.default_shape
     shapes = {
         f"prompt lookup, tree k={d.k} depth {d.depth} width {d.width} (default)": d,
-        "prompt lookup, chain of 16": TopKShape(k=1, depth=16, width=1),
+        "prompt lookup, chain of 16, no min_score": TopKShape(k=1, depth=16, width=1),
     }
     try:
         medusa = workloads_dir(workloads) / "medusa" / "mc_sim_7b_63.json"
