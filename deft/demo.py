@@ -1,8 +1,10 @@
-"""``deft demo`` before the engine: the attention core on a few-shot tree, on CPU."""
+"""``deft demo``: the engine's strategies on SmolLM2, then the attention core, on CPU."""
 
 from __future__ import annotations
 
+import importlib.util
 import time
+from typing import Any, Callable
 
 import torch
 
@@ -12,7 +14,125 @@ from .ops.reference import reference_attention
 from .plan import make_plan
 from .workloads import few_shot_layout, shuffle_slots
 
-__all__ = ["attention_demo"]
+__all__ = ["attention_demo", "engine_demo"]
+
+BEAM_PROMPTS = ["Name three colours.", "What is the capital of France?"]
+SAMPLE_PROMPT = "Write a short poem about the sea."
+SPEC_PROMPT = ("Copy this list exactly, one item per line: apple, banana, cherry, grape, lemon, "
+               "mango, orange, peach, pear, plum.")
+
+
+def engine_demo(loaded: tuple[Any, Any], new_tokens: int = 24, replay_iterations: int = 60,
+                progress: Callable[[str], None] | None = None) -> str:
+    """Beam search, parallel sampling, speculative decoding (when present) and a reasoning
+    trace replay (``replay_iterations`` > 0) on built-in prompts; texts, tokens/s and K/V
+    bytes read (decode steps).
+
+    K/V bytes are those all layers read in the decode steps after each prompt's prefill:
+    under DeFT's plan, and under per-branch decoding, where every query reads its whole path.
+    """
+    from .engine import SamplingParams, TreeEngine
+    from .engine.beam import beam_search
+    from .engine.strategies import generate, sample
+
+    model, tok = loaded
+    say = progress or (lambda msg: None)
+    engine = TreeEngine(model, tok, num_pages=1024, backend="torch")
+    chat = [tok.apply_chat_template(p) for p in BEAM_PROMPTS]
+    lines = [f"DeFT engine demo: {model.config.num_layers}-layer SmolLM2 ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
+             f"parameters, {model.dtype}) on {engine.device}, torch attention backend."]
+
+    say("beam search")
+    with _decode_io(engine) as io:
+        beams = beam_search(engine, chat, 4, new_tokens, progress=io.on)
+    lines += ["", f"Beam search, k=4, {new_tokens} new tokens, {len(chat)} prompts in one batch:"]
+    for prompt, (best,) in zip(BEAM_PROMPTS, beams):
+        lines.append(f"  {prompt!r} -> {best.text!r} (score {best.score:.3f})")
+    lines.append(_speed(beams[0][0].stats["seconds"], engine, io))
+
+    say("parallel sampling")
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=0, max_new_tokens=new_tokens)
+    with _decode_io(engine) as io:
+        (samples,) = sample(engine, [tok.apply_chat_template(SAMPLE_PROMPT)], 8, params, progress=io.on)
+    lines += ["", f"Parallel sampling, n=8 branches sharing the prompt, T=0.8, top-p 0.95, "
+              f"{new_tokens} new tokens, {SAMPLE_PROMPT!r}:"]
+    lines += [f"  [{i + 1}] {r.text!r}" for i, r in enumerate(samples[:3])] + [f"  ... ({len(samples) - 3} more)"]
+    new = sum(len(r.token_ids) for r in samples)
+    lines.append(_speed(samples[0].stats["seconds"], engine, io, new))
+
+    if importlib.util.find_spec("deft.engine.speculative") is not None:
+        say("speculative decoding")
+        lines += ["", *_speculative_lines(engine, tok, 2 * new_tokens)]
+
+    from .workloads import workloads_dir
+
+    try:
+        trace = workloads_dir() / "deft" / "reasoning" / "keywordToT.json"
+    except FileNotFoundError:
+        trace = None
+    if replay_iterations and trace is not None and trace.is_file():
+        from .engine.replay import replay_trace
+
+        say("reasoning trace replay")
+        r = replay_trace(engine, trace, 0, max_iterations=replay_iterations)
+        lines += ["", f"Reasoning-tree replay ({r.trace}, record 0, first {r.iterations} iterations: "
+                  f"{r.prompt_tokens}-token prompt, up to {r.max_active} thoughts decoded at once, "
+                  f"random tokens):",
+                  f"  {r.decode_tokens} tokens in {r.decode_s:.2f} s ({r.tokens_per_s:.1f} tokens/s); "
+                  f"K/V read: DeFT {r.kv_bytes_deft / 2**20:,.0f} MiB, per-branch decoding "
+                  f"{r.kv_bytes_per_branch / 2**20:,.0f} MiB ({r.kv_ratio:.1f}x less)."]
+    return "\n".join(lines)
+
+
+def _speculative_lines(engine: Any, tok: Any, new_tokens: int) -> list[str]:
+    """Speculative decoding (prompt lookup) against plain greedy decoding on SPEC_PROMPT."""
+    from .engine import SamplingParams
+    from .engine.speculative import speculative_generate
+    from .engine.strategies import generate
+
+    ids = tok.apply_chat_template(SPEC_PROMPT)
+    params = SamplingParams(max_new_tokens=new_tokens)
+    (plain,) = generate(engine, [ids], params)
+    (spec,) = speculative_generate(engine, [ids], params)
+    st = spec.stats
+    accepted = sum(st["accepted"]) / max(len(st["accepted"]), 1)
+    return [
+        f"Speculative decoding (prompt-lookup drafter, draft token trees verified in one forward), "
+        f"greedy, {new_tokens} new tokens:",
+        f"  {spec.text!r}",
+        f"  {st['steps']} verification steps, {accepted:.2f} accepted draft tokens per step "
+        f"({st['tokens_per_step']:.2f} new tokens per step); {st['tokens_per_s']:.1f} tokens/s "
+        f"against {plain.stats['tokens_per_s']:.1f} for plain greedy decoding; same tokens: "
+        f"{'yes' if spec.token_ids == plain.token_ids else 'no'}.",
+    ]
+
+
+class _decode_io:
+    """Counts K/V bytes from the first progress callback on (the decode steps)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def __enter__(self) -> "_decode_io":
+        self.engine.reset_stats()
+        self.engine.count_io = False
+        return self
+
+    def on(self, _: int) -> None:
+        self.engine.count_io = True
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.count_io = False
+
+
+def _speed(seconds: float, engine: Any, io: _decode_io, new: int | None = None) -> str:
+    st = engine.stats
+    deft, per_branch = st["kv_bytes_deft"], st["kv_bytes_per_branch"]
+    what = f"{new} new tokens" if new is not None else f"{st['tokens']} tokens computed"
+    rate = (new if new is not None else st["tokens"]) / seconds
+    return (f"  {what} in {seconds:.2f} s ({rate:.1f}/s, {st['steps']} forwards); K/V read in decode "
+            f"steps: DeFT {deft / 2**20:,.1f} MiB, per-branch decoding {per_branch / 2**20:,.1f} MiB "
+            f"({per_branch / max(deft, 1):.1f}x less).")
 
 
 def attention_demo(prompt_len: int = 4000, branches: int = 20, branch_len: int = 200,

@@ -123,7 +123,8 @@ class TreeEngine:
     Change the tree through the engine (``add_prompt``, ``extend``, ``extend_tree``) or
     the cache's own ``fork``/``prune``/``split``/``commit_path``; the position of a token
     is its depth, read from the cache. ``stats`` accumulates ``steps``, ``tokens``
-    (queries computed), ``logit_rows``, ``forward_s`` and ``plan_s``; while ``count_io``
+    (queries computed), ``logit_rows``, ``forward_s`` and ``plan_s`` (layout and plan,
+    part of ``forward_s``); while ``count_io``
     is true also ``kv_bytes_deft`` and ``kv_bytes_per_branch`` (K/V bytes all layers
     read under DeFT's plan and under per-branch decoding, where each query reads its
     whole path) and ``io_s``, the time that counting took (outside ``forward_s``).
@@ -180,19 +181,35 @@ class TreeEngine:
         """A new root holding ``token_ids`` (may be empty); returns its node id.
 
         The slots are taken now (so the root can be forked at once) and the K/V are
-        computed by the next forward (``extend``/``extend_tree(s)``) together with that
-        call's own items; no logits are kept for them. To get the prompt's last logits,
-        hold its last token back: ``root = add_prompt(ids[:-1]); extend([(root, ids[-1:])])``.
-        Raises ``ValueError`` for bad ids or a prompt longer than the model's context.
+        computed by the next forward, as with :meth:`append`. To get the prompt's last
+        logits, hold its last token back: ``root = add_prompt(ids[:-1]);
+        extend([(root, ids[-1:])])``. Raises ``ValueError`` for bad ids or a prompt
+        longer than the model's context.
         """
         ids = self._check_tokens(token_ids, "token_ids", allow_empty=True)
         if ids.shape[0] > self.max_positions:
             raise ValueError(f"token_ids: the prompt has {ids.shape[0]} tokens, more than the "
                              f"model's context of {self.max_positions}")
+        self._check_pages([ids.shape[0]])
         root = self.cache.add_root(0)
         if ids.shape[0]:
             self._stage(root, ids, "none")
         return root
+
+    def append(self, node: int, token_ids: Sequence[int]) -> None:
+        """Append ``token_ids`` to childless ``node`` without computing them yet.
+
+        Their slots are taken now (so ``node`` can be forked at once); their K/V are
+        computed by the next forward (``extend``/``extend_tree(s)``), together with that
+        call's own items, and no logits are kept for them. Use it to lay out shared
+        prefixes before one forward computes prefixes and branches together.
+        """
+        self._check_leaf(node, "node")
+        ids = self._check_tokens(token_ids, "token_ids", allow_empty=True)
+        self._check_context(node, ids.shape[0], "token_ids")
+        self._check_pages([ids.shape[0]])
+        if ids.shape[0]:
+            self._stage(node, ids, "none")
 
     # --------------------------------------------------------------- forward
 
@@ -304,6 +321,7 @@ class TreeEngine:
         t0 = time.perf_counter()
         layout = self.cache.layout(queries)
         plan = self.attn.plan(layout)
+        t_plan = time.perf_counter() - t0
         dev = self.device
         ids = torch.from_numpy(np.concatenate([f.tokens for f in feeds])).to(dev)
         pos = torch.from_numpy(np.concatenate([f.positions for f in feeds])).to(dev)
@@ -317,7 +335,7 @@ class TreeEngine:
         st["tokens"] += n
         st["logit_rows"] += len(rows)
         st["forward_s"] += time.perf_counter() - t0
-        st["plan_s"] += self.attn.plan_seconds
+        st["plan_s"] += t_plan
         if self.count_io:
             t1, c = time.perf_counter(), self.model.config
             heads = (c.num_heads, c.num_kv_heads, c.head_dim, self.pool.k[0].element_size())

@@ -101,14 +101,15 @@ def decode(
                 progress(len(ready))
         live = [b for b in live if not b.done]
         running = [r for r in running if any(not b.done for b in r.branches)]
-        while waiting and (max_batch is None or len(running) < max_batch):
-            req = waiting.popleft()
-            root = engine.add_prompt(req.prompt[:-1])
-            req.branches = [Branch(root, Sampler(req.params, engine.device),
+        admit = []
+        while waiting and (max_batch is None or len(running) + len(admit) < max_batch):
+            admit.append(waiting.popleft())
+        for req, node in zip(admit, _place_prompts(engine, [r.prompt[:-1] for r in admit])):
+            req.branches = [Branch(node, Sampler(req.params, engine.device),
                                    req.params.stop_ids(engine.tokenizer),
                                    req.params.max_new_tokens, feed=req.prompt[-1:], fan_out=req.n)]
-            running.append(req)
             live += req.branches
+        running += admit
         feeding = [b for b in live if b.feed]
         if not feeding:
             return
@@ -126,6 +127,33 @@ def decode(
         for req in running:
             if len(req.branches) == 1 and req.branches[0].children:
                 req.branches = req.branches[0].children
+
+
+def _place_prompts(engine: TreeEngine, prompts: list[list[int]]) -> list[int]:
+    """A childless node per prompt, all queued for the next forward, sharing common prefixes.
+
+    Prompts that agree on their first ``page_size`` tokens form a group: the group's
+    longest common prefix becomes one root and each prompt a fork of it holding the rest,
+    so the shared part is computed once and read once per step (a system prompt, a
+    few-shot preamble). Other prompts get a root of their own.
+    """
+    share = engine.pool.page_size
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(tuple(p[:share]) if len(p) >= share else (-1 - i,), []).append(i)
+    nodes = [0] * len(prompts)
+    for members in groups.values():
+        if len(members) == 1:
+            nodes[members[0]] = engine.add_prompt(prompts[members[0]])
+            continue
+        first = prompts[members[0]]
+        common = min(next((j for j, t in enumerate(first[:len(p)]) if p[j] != t), min(len(p), len(first)))
+                     for p in (prompts[i] for i in members))
+        root = engine.add_prompt(first[:common])
+        for i, node in zip(members, engine.cache.fork(root, len(members))):
+            engine.append(node, prompts[i][common:])
+            nodes[i] = node
+    return nodes
 
 
 def _sample(engine: TreeEngine, branches: list[Branch]) -> None:

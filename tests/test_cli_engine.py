@@ -1,0 +1,136 @@
+"""The generation commands (generate, sample, beam), the engine demo and their user errors.
+
+Successful runs reuse one loaded SmolLM2 (``deft.cli._load`` is patched); the model-path
+errors go through the real loader.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+import deft.cli as cli
+from deft.cli import main
+from deft.demo import engine_demo
+from deft.engine import SamplingParams, TreeEngine
+from deft.engine.beam import beam_search
+from deft.engine.strategies import generate
+from deft.model import load_model
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_model()
+
+
+@pytest.fixture
+def loaded(smol, monkeypatch):
+    monkeypatch.setattr(cli, "_load", lambda args: smol)
+    return smol
+
+
+def run_json(capsys, argv):
+    assert main(argv + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_json_matches_the_engine(loaded, capsys):
+    model, tok = loaded
+    out = run_json(capsys, ["generate", PROMPT, "Name a colour.", "--chat", "--max-new-tokens", "5"])
+    engine = TreeEngine(model, tok, num_pages=64)
+    ref = generate(engine, [tok.apply_chat_template(PROMPT), tok.apply_chat_template("Name a colour.")],
+                   SamplingParams(max_new_tokens=5))
+    assert [r["token_ids"] for r in out] == [r.token_ids for r in ref]
+    assert [r["text"] for r in out] == [r.text for r in ref]
+    assert [r["prompt"] for r in out] == [0, 1] and all(r["score"] < 0 for r in out)
+
+
+def test_sample_and_beam_json(loaded, capsys):
+    model, tok = loaded
+    out = run_json(capsys, ["sample", PROMPT, "-n", "3", "--temperature", "0.8", "--seed", "1",
+                            "--max-new-tokens", "4"])
+    assert [(r["prompt"], r["sample"]) for r in out] == [(0, 0), (0, 1), (0, 2)]
+    assert all(len(r["token_ids"]) <= 4 and isinstance(r["score"], float) for r in out)
+    again = run_json(capsys, ["sample", PROMPT, "-n", "3", "--temperature", "0.8", "--seed", "1",
+                              "--max-new-tokens", "4"])
+    assert again == out
+    out = run_json(capsys, ["beam", PROMPT, "-k", "3", "--num-return-sequences", "2",
+                            "--max-new-tokens", "6", "--length-penalty", "0.5"])
+    ref = beam_search(TreeEngine(model, tok, num_pages=64), PROMPT, 3, 6, 0.5, num_return_sequences=2)[0]
+    assert [r["token_ids"] for r in out] == [h.token_ids for h in ref]
+    assert [r["score"] for r in out] == pytest.approx([h.score for h in ref])
+
+
+def test_text_output_and_speed_line(loaded, capsys):
+    assert main(["generate", PROMPT, "Hello", "--max-new-tokens", "3"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.startswith("[prompt 1, score ") and "[prompt 2, score " in cap.out
+    assert re.search(r"\[generate\] \d+ new tokens in [\d.]+ s \([\d.]+ tokens/s, \d+ forwards\)", cap.err)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sample", PROMPT, "-n", "0"], "-n: expected an integer in [1, 256], got 0"),
+    (["sample", PROMPT, "-n", "257"], "-n: expected an integer in [1, 256], got 257"),
+    (["beam", PROMPT, "-k", "0"], "-k: expected an integer in [1, 64], got 0"),
+    (["beam", PROMPT, "-k", "2", "--num-return-sequences", "3"],
+     "--num-return-sequences: expected an integer in [1, 2], got 3"),
+    (["generate", PROMPT, "--top-k", "5"], "--top-k: has no effect with --temperature 0"),
+    (["generate", PROMPT, "--seed", "3"], "--seed: has no effect with --temperature 0"),
+    (["sample", PROMPT, "-n", "2", "--temperature", "0"], "--temperature 0: the samples would all be"),
+    (["generate", PROMPT, "--temperature", "1", "--top-p", "1.5"], "--top-p: expected a number in (0, 1]"),
+    (["generate", PROMPT, "--temperature", "-1"], "--temperature: expected a finite number >= 0"),
+    (["generate", PROMPT, "--max-new-tokens", "0"], "--max-new-tokens: expected an integer"),
+    (["generate", "word " * 9000], "PROMPT 1: 9001 tokens, longer than the model's context of 8192"),
+    (["generate", PROMPT, ""], "PROMPT 2: encodes to no tokens"),
+    (["bench", "e2e", "--workload", "nope"], "--workload: expected one of"),
+])
+def test_user_errors(loaded, capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("deft: error: ") and message in err, err
+
+
+def test_argument_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["sample", PROMPT])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "deft sample: error: the following arguments are required: -n (see deft sample --help)\n"
+
+
+def test_model_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 40)
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_text("hello")
+    for argv, message in [
+        (["generate", PROMPT, "--model", str(tmp_path / "none.gguf")], "no such model file"),
+        (["sample", PROMPT, "-n", "2", "--model", str(bad)], str(bad)),
+        (["beam", PROMPT, "-k", "2", "--model", str(not_gguf)], "not a GGUF file"),
+    ]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("deft: error: --model: ") and message in err, err
+    if not torch.cuda.is_available():
+        assert main(["generate", PROMPT, "--device", "cuda"]) == 2
+        assert "--device cuda: no CUDA device is available" in capsys.readouterr().err
+
+
+def test_engine_demo(smol):
+    text = engine_demo(smol, new_tokens=4, replay_iterations=0)
+    ratios = [float(x) for x in re.findall(r"\(([\d.]+)x less\)", text)]
+    assert "Beam search, k=4" in text and "Parallel sampling, n=8" in text
+    assert len(ratios) >= 2 and all(r > 1 for r in ratios)
+    if "Speculative decoding" in text:
+        assert re.search(r"[\d.]+ accepted draft tokens per step", text) and "same tokens: yes" in text
+
+
+def test_demo_core_only(capsys):
+    assert main(["demo", "--core"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("DeFT attention core demo") and "engine demo" not in out
