@@ -202,6 +202,29 @@ def test_generate_matches_transformers_greedy(engine, smol_ref, prompts):
     assert_empty(engine)
 
 
+def test_shared_prefix_and_chunked_prefill(smol):
+    """Chat prompts share the system prompt's node; prompts are fed 8 tokens per forward."""
+    model, tok = smol
+    chats = [tok.apply_chat_template(q) for q in ("Hi!", "Name a fruit.", "What is 2+2?")]
+    common = next(j for j in range(len(chats[0])) if len({c[j] for c in chats}) > 1)
+    engine = TreeEngine(model, tok, num_pages=64, prefill_chunk=8)
+    shapes = []
+
+    def watch(_):
+        roots = [n for n in engine.cache.live_nodes if engine.cache.parent(n) < 0]
+        shapes.append([(engine.cache.num_tokens(r), len(engine.cache.children(r))) for r in roots])
+
+    params = SamplingParams(max_new_tokens=6)
+    shared = generate(engine, chats, params, progress=watch)
+    assert shapes[0] == [(common, 3)]  # one prompt node, fed once, three forks
+    assert engine.stats["steps"] == -(-common // 8) + -(-(max(map(len, chats)) - common) // 8) + 5
+    alone = [generate(TreeEngine(model, tok, num_pages=64), [c], params)[0] for c in chats]
+    assert [r.token_ids for r in shared] == [r.token_ids for r in alone]
+    assert_empty(engine)
+    with pytest.raises(ValueError, match="prefill_chunk: expected an integer >= 1"):
+        TreeEngine(model, tok, prefill_chunk=0)
+
+
 def test_generate_stops_and_accepts_text(engine, prompts):
     tok = engine.tokenizer
     (free,) = generate(engine, "The capital of France is", SamplingParams(max_new_tokens=6))

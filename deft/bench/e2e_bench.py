@@ -62,6 +62,11 @@ def _few_shot(tok: Any) -> list[list[int]]:
     return [tok.encode(f"{FEW_SHOT}Question: {q}\nAnswer:") for q in QUESTIONS]
 
 
+def _document(tok: Any) -> list[list[int]]:
+    notes = FEW_SHOT.replace("Question: ", "- ").replace("\nAnswer: ", " ")
+    return [tok.apply_chat_template("Summarise these quiz notes in two sentences:\n\n" + notes * 4)]
+
+
 WORKLOADS = [
     Workload("greedy, 1 chat prompt", _chat(1), 64),
     Workload("greedy, batch of 8 chat prompts", _chat(8), 64),
@@ -69,6 +74,7 @@ WORKLOADS = [
     Workload("beam k=4, 1 chat prompt", _chat(1), 32, beams=4),
     Workload("beam k=4, batch of 4 chat prompts", _chat(4), 32, beams=4),
     Workload("beam k=4, 2 few-shot prompts", lambda tok: _few_shot(tok)[:2], 32, beams=4),
+    Workload("beam k=4, 1 chat prompt with a ~1,000-token document", _document, 32, beams=4),
 ]
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .core import GenerationResult, TreeEngine
-from .decoding import Prompt, as_prompts
+from .decoding import Prompt, as_prompts, prefill
 
 __all__ = ["beam_search"]
 
@@ -91,11 +91,9 @@ def beam_search(
     batch = as_prompts(prompts, engine)
     t0, steps0 = time.perf_counter(), engine.stats["steps"]
 
-    roots = [engine.add_prompt(p[:-1]) for p in batch]
-    rows = engine.extend([(r, p[-1:]) for r, p in zip(roots, batch)], logits="last")
     searches = [
-        _Search(len(p), min(max_new, engine.max_positions - len(p) + 1), [_Beam(r, [], _F(0))], row[None])
-        for p, r, row in zip(batch, roots, rows)
+        _Search(len(p), min(max_new, engine.max_positions - len(p) + 1), [_Beam(node, [], _F(0))], row[None])
+        for p, (node, row) in zip(batch, prefill(engine, batch))
     ]
     cfg = (k, width, stop, float(length_penalty), early_stopping)
     while True:

@@ -119,6 +119,11 @@ class TreeEngine:
         The :class:`~deft.TreeAttention` backend (``"auto"``: triton on CUDA, else torch).
     device:
         Where the pool and plans live; the model's device by default (and required).
+    count_io:
+        Count the K/V bytes each step reads (see ``stats``); costs a per-query plan per step.
+    prefill_chunk:
+        The strategies feed a prompt at most this many tokens per forward (chunked
+        prefill, alongside other requests' decode tokens); ``extend`` itself takes any size.
 
     Change the tree through the engine (``add_prompt``, ``extend``, ``extend_tree``) or
     the cache's own ``fork``/``prune``/``split``/``commit_path``; the position of a token
@@ -139,6 +144,7 @@ class TreeEngine:
         backend: str = "auto",
         device: str | torch.device | None = None,
         count_io: bool = False,
+        prefill_chunk: int = 256,
     ) -> None:
         if not isinstance(model, LlamaModel):
             raise TypeError(f"model: expected a deft LlamaModel, got {type(model).__name__}")
@@ -152,6 +158,9 @@ class TreeEngine:
         self.cache = TreeKVCache(num_pages, page_size, pool=self.pool)
         self.attn = model.attention(device=self.device, backend=backend)
         self.count_io = bool(count_io)
+        if _not_int(prefill_chunk) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk: expected an integer >= 1, got {prefill_chunk!r}")
+        self.prefill_chunk = int(prefill_chunk)
         self.vocab_size = model.config.vocab_size
         self.max_positions = model.config.max_position_embeddings
         self._staged: list[_Feed] = []
@@ -181,10 +190,11 @@ class TreeEngine:
         """A new root holding ``token_ids`` (may be empty); returns its node id.
 
         The slots are taken now (so the root can be forked at once) and the K/V are
-        computed by the next forward, as with :meth:`append`. To get the prompt's last
-        logits, hold its last token back: ``root = add_prompt(ids[:-1]);
-        extend([(root, ids[-1:])])``. Raises ``ValueError`` for bad ids or a prompt
-        longer than the model's context.
+        computed by the next forward (``extend``/``extend_tree(s)``) together with that
+        call's own items; no logits are kept for them. To get the prompt's last logits,
+        hold its last token back: ``root = add_prompt(ids[:-1]); extend([(root,
+        ids[-1:])])``, or start empty and prefill in chunks with ``extend``. Raises
+        ``ValueError`` for bad ids or a prompt longer than the model's context.
         """
         ids = self._check_tokens(token_ids, "token_ids", allow_empty=True)
         if ids.shape[0] > self.max_positions:
@@ -195,21 +205,6 @@ class TreeEngine:
         if ids.shape[0]:
             self._stage(root, ids, "none")
         return root
-
-    def append(self, node: int, token_ids: Sequence[int]) -> None:
-        """Append ``token_ids`` to childless ``node`` without computing them yet.
-
-        Their slots are taken now (so ``node`` can be forked at once); their K/V are
-        computed by the next forward (``extend``/``extend_tree(s)``), together with that
-        call's own items, and no logits are kept for them. Use it to lay out shared
-        prefixes before one forward computes prefixes and branches together.
-        """
-        self._check_leaf(node, "node")
-        ids = self._check_tokens(token_ids, "token_ids", allow_empty=True)
-        self._check_context(node, ids.shape[0], "token_ids")
-        self._check_pages([ids.shape[0]])
-        if ids.shape[0]:
-            self._stage(node, ids, "none")
 
     # --------------------------------------------------------------- forward
 

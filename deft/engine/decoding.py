@@ -1,11 +1,14 @@
-"""The decode loop shared by ``generate``, ``sample`` and ``tree_search``.
+"""The decode loop shared by the strategies: chunked prefill, shared prefixes, sampling.
 
-A :class:`Branch` is one sequence growing from a cache node. Each step, every live
-branch of every request feeds its pending tokens (a prompt, a prefix, or the token it
-sampled last) in ONE ``engine.extend``; then all branches sample their next token, one
-batched call per sampler. A finished branch releases its K/V at once
-(``prune(release_unused_ancestors=True)``), unless it keeps its last token for children
-(``keep_last``, tree search).
+A :class:`Branch` is a run of tokens growing from a cache node. Each step, every live
+branch of every request feeds its pending tokens (part of a prompt, a prefix, or the
+token it sampled last) in ONE ``engine.extend``; then all branches that wait for a token
+sample it, one batched call per sampler. Prompts are fed in chunks of at most
+``engine.prefill_chunk`` tokens per step, alongside the other requests' decode tokens.
+A branch whose feed is done forks its ``then`` branches, which continue from its last
+token and share its K/V (a prompt's samples; the prompts that share a prefix). A
+finished branch releases its K/V at once (``prune(release_unused_ancestors=True)``),
+unless it keeps its last token for children (``keep_last``, tree search).
 """
 
 from __future__ import annotations
@@ -20,33 +23,39 @@ import torch
 from .core import GenerationResult, SamplingParams, TreeEngine
 from .sampling import Sampler
 
-__all__ = ["Branch", "Request", "as_prompts", "decode", "run_requests"]
+__all__ = ["Branch", "Request", "as_prompts", "decode", "prefill", "run_requests"]
 
 Prompt = str | Sequence[int]
 
 
 @dataclass(eq=False)
 class Branch:
-    """One sequence decoded from ``node``.
+    """A run of tokens in ``node`` (``None`` until its parent branch forks it).
 
-    ``feed`` holds tokens to compute next step; ``logits`` ``[vocab]`` is the row to
-    sample from when ``feed`` is empty. ``fan_out > 1`` turns the branch, once its feed
-    is computed, into that many forks of its node sampled from the same logits.
+    ``feed``: tokens to compute (a chunk per step); ``logits`` ``[vocab]``: the row after
+    the last computed token. A branch with a ``sampler`` then samples a token at a time
+    until a stop token or ``max_new_tokens``; one without finishes when its feed is done.
+    ``then``: branches forked from ``node`` once the feed is done; one with an empty feed
+    starts from this branch's logits.
     """
 
-    node: int
-    sampler: Sampler | None  # None: never samples (a prefix-only branch)
-    stop_ids: frozenset[int]
-    max_new_tokens: int
+    node: int | None
+    sampler: Sampler | None = None
+    stop_ids: frozenset[int] = frozenset()
+    max_new_tokens: int = 0
     feed: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None
     keep_last: bool = False
-    fan_out: int = 1
+    then: list[Branch] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     logprob: float = 0.0
     finish_reason: str | None = None
     done: bool = False
-    children: list[Branch] = field(default_factory=list)
+
+    def wants_logits(self) -> bool:
+        """Whether the last token of the feed needs its logits."""
+        return self.sampler is not None or any(not c.feed for c in self.then) or (
+            self.finish_reason is not None and not self.then)
 
 
 @dataclass(eq=False)
@@ -89,12 +98,14 @@ def decode(
     """Run ``branches`` and ``requests`` to completion, one forward per step.
 
     Requests are admitted in order while fewer than ``max_batch`` are running (all at
-    once by default); an admitted prompt is prefilled in the same forward as the other
+    once by default); an admitted prompt is prefilled in the same forwards as the other
     requests' decode tokens. ``progress(n)`` is called with the tokens sampled each step.
     """
     waiting, live, running = deque(requests), list(branches), []
+    chunk = engine.prefill_chunk
     while True:
-        ready = [b for b in live if not b.done and b.logits is not None]
+        ready = [b for b in live if b.feed == [] and b.logits is not None and b.sampler is not None
+                 and not b.done]
         if ready:
             _sample(engine, ready)
             if progress is not None:
@@ -104,56 +115,76 @@ def decode(
         admit = []
         while waiting and (max_batch is None or len(running) + len(admit) < max_batch):
             admit.append(waiting.popleft())
-        for req, node in zip(admit, _place_prompts(engine, [r.prompt[:-1] for r in admit])):
-            req.branches = [Branch(node, Sampler(req.params, engine.device),
-                                   req.params.stop_ids(engine.tokenizer),
-                                   req.params.max_new_tokens, feed=req.prompt[-1:], fan_out=req.n)]
-            live += req.branches
+        live += prompt_branches(engine, [(r.prompt, _leaves(engine, r)) for r in admit])
         running += admit
         feeding = [b for b in live if b.feed]
         if not feeding:
             return
-        rows = engine.extend([(b.node, b.feed) for b in feeding], logits="last")
-        for b, row in zip(feeding, rows):
-            b.feed, b.logits = [], row
-            if b.finish_reason is not None:  # a kept last token: its logits are the result
-                b.done = True
-            elif b.fan_out > 1:
-                b.children = [Branch(n, b.sampler, b.stop_ids, b.max_new_tokens, logits=row,
-                                     keep_last=b.keep_last)
-                              for n in engine.cache.fork(b.node, b.fan_out)]
+        modes = ["last" if len(b.feed) <= chunk and b.wants_logits() else "none" for b in feeding]
+        rows = engine.extend([(b.node, b.feed[:chunk]) for b in feeding], logits=modes)
+        for b, row, mode in zip(feeding, rows, modes):
+            b.feed = b.feed[chunk:]
+            if b.feed:
+                continue
+            b.logits = row if mode == "last" else None
+            if b.then:
+                for c, node in zip(b.then, engine.cache.fork(b.node, len(b.then))):
+                    c.node = node
+                    if not c.feed:
+                        c.logits = b.logits
+                live += b.then
                 b.done, b.logits = True, None
-                live += b.children
-        for req in running:
-            if len(req.branches) == 1 and req.branches[0].children:
-                req.branches = req.branches[0].children
+            elif b.sampler is None or b.finish_reason is not None:  # fed what it had to
+                b.done = True
 
 
-def _place_prompts(engine: TreeEngine, prompts: list[list[int]]) -> list[int]:
-    """A childless node per prompt, all queued for the next forward, sharing common prefixes.
+def prompt_branches(engine: TreeEngine, prompts: list[tuple[list[int], Branch]]) -> list[Branch]:
+    """The branches that prefill ``prompts``, each ``(ids, leaf)``, sharing common prefixes.
 
-    Prompts that agree on their first ``page_size`` tokens form a group: the group's
-    longest common prefix becomes one root and each prompt a fork of it holding the rest,
-    so the shared part is computed once and read once per step (a system prompt, a
-    few-shot preamble). Other prompts get a root of their own.
+    ``leaf`` (``node`` unset) gets a node holding its prompt and the prompt's last
+    logits. Prompts that agree on their first ``page_size`` tokens form a group whose
+    longest common prefix is one root, fed once; each prompt then forks from it with the
+    rest (a system prompt, a few-shot preamble: computed once, read once per step).
+    Returns the root branches to run.
     """
     share = engine.pool.page_size
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, p in enumerate(prompts):
-        groups.setdefault(tuple(p[:share]) if len(p) >= share else (-1 - i,), []).append(i)
-    nodes = [0] * len(prompts)
+    groups: dict[tuple[int, ...], list[tuple[list[int], Branch]]] = {}
+    for i, (ids, leaf) in enumerate(prompts):
+        key = tuple(ids[:share]) if len(ids) > share else (-1 - i,)
+        groups.setdefault(key, []).append((ids, leaf))
+    roots = []
     for members in groups.values():
         if len(members) == 1:
-            nodes[members[0]] = engine.add_prompt(prompts[members[0]])
+            ids, leaf = members[0]
+            leaf.node, leaf.feed = engine.add_prompt([]), list(ids)
+            roots.append(leaf)
             continue
-        first = prompts[members[0]]
-        common = min(next((j for j, t in enumerate(first[:len(p)]) if p[j] != t), min(len(p), len(first)))
-                     for p in (prompts[i] for i in members))
-        root = engine.add_prompt(first[:common])
-        for i, node in zip(members, engine.cache.fork(root, len(members))):
-            engine.append(node, prompts[i][common:])
-            nodes[i] = node
-    return nodes
+        first = members[0][0]
+        common = min(len(ids) - 1 for ids, _ in members)  # each fork feeds >= 1 token
+        for ids, _ in members:
+            common = next((j for j in range(common) if ids[j] != first[j]), common)
+        for ids, leaf in members:
+            leaf.feed = list(ids[common:])
+        roots.append(Branch(engine.add_prompt([]), feed=list(first[:common]), then=[m[1] for m in members]))
+    return roots
+
+
+def prefill(engine: TreeEngine, prompts: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
+    """Prefill ``prompts`` (shared prefixes once, in chunks); per prompt its node and last logits."""
+    leaves = [Branch(None, finish_reason="prefill") for _ in prompts]
+    decode(engine, prompt_branches(engine, list(zip(prompts, leaves))))
+    return [(b.node, b.logits) for b in leaves]
+
+
+def _leaves(engine: TreeEngine, req: Request) -> Branch:
+    """The branch that prefills ``req``'s prompt; its ``n`` samples are ``req.branches``."""
+    p = req.params
+    sampler, stop = Sampler(p, engine.device), p.stop_ids(engine.tokenizer)
+    if req.n == 1:
+        req.branches = [Branch(None, sampler, stop, p.max_new_tokens)]
+        return req.branches[0]
+    req.branches = [Branch(None, sampler, stop, p.max_new_tokens) for _ in range(req.n)]
+    return Branch(None, then=req.branches)
 
 
 def _sample(engine: TreeEngine, branches: list[Branch]) -> None:
@@ -190,13 +221,17 @@ def run_requests(
     max_batch: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> list[list[GenerationResult]]:
-    """Decode ``n`` branches per prompt; per prompt, ``n`` results in branch order."""
+    """Decode ``n`` branches per prompt; per prompt, ``n`` results in branch order.
+
+    ``tokens_per_s`` in the results' stats counts new tokens over the call's wall time,
+    prefill included, without the time ``engine.count_io`` bookkeeping took.
+    """
     requests = [Request(p, n, params) for p in prompts]
-    t0, tokens0 = time.perf_counter(), engine.stats["steps"]
+    t0, steps0, io0 = time.perf_counter(), engine.stats["steps"], engine.stats["io_s"]
     decode(engine, requests=requests, max_batch=max_batch, progress=progress)
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0 - (engine.stats["io_s"] - io0)
     new = sum(len(b.tokens) for r in requests for b in r.branches)
-    call = {"seconds": seconds, "new_tokens_total": new, "steps": engine.stats["steps"] - tokens0,
+    call = {"seconds": seconds, "new_tokens_total": new, "steps": engine.stats["steps"] - steps0,
             "tokens_per_s": new / seconds if seconds > 0 else float("nan")}
     tok = engine.tokenizer
     return [[GenerationResult(b.tokens, tok.decode(b.tokens, skip_special_tokens=True), b.logprob,

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .core import TreeEngine
+from .decoding import prefill
 
 __all__ = ["ReplayReport", "load_trace", "replay_trace"]
 
@@ -121,9 +122,8 @@ def replay_trace(
     try:
         t0 = time.perf_counter()
         prompt = rng.integers(0, vocab, data[0]["value"]).tolist()
-        node = {0: engine.add_prompt(prompt[:-1])}
-        (row,) = engine.extend([(node[0], prompt[-1:])])
-        last_logits = {0: row}
+        ((root, row),) = prefill(engine, [prompt])
+        node, last_logits = {0: root}, {0: row}
         prefill_s = time.perf_counter() - t0
         io0, io_s0 = _io(engine), engine.stats["io_s"]
         next_tok: dict[int, int] = {}

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from .core import SamplingParams, TreeEngine
-from .decoding import Branch, Prompt, as_prompts, decode
+from .decoding import Branch, Prompt, as_prompts, decode, prefill
 from .sampling import Sampler
 
 __all__ = ["Expansion", "Thought", "tree_search"]
@@ -86,8 +86,8 @@ def tree_search(
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}: expected an integer >= 1, got {v!r}")
     (ids,) = as_prompts([prompt], engine)
-    root = Thought(ids, engine.tokenizer.decode(ids), None, 0, engine.add_prompt(ids[:-1]))
-    (root.logits,) = engine.extend([(root.node, ids[-1:])])
+    ((node, logits),) = prefill(engine, [ids])
+    root = Thought(ids, engine.tokenizer.decode(ids), None, 0, node, logits=logits)
     frontier, solutions = [root], []
     samplers: dict[int, Sampler] = {}
     for depth in range(1, max_depth + 1):
@@ -130,8 +130,7 @@ def _branch(engine: TreeEngine, node: int, c: Expansion, parent_logits: torch.Te
             samplers: dict[SamplingParams, Sampler]) -> Branch:
     """The decode branch of continuation ``c`` in ``node``; it keeps its last token's K/V."""
     if c.params is None:  # prefix only: computed, never sampled
-        return Branch(node, None, frozenset(), 0, feed=list(c.prefix), keep_last=True,
-                      finish_reason="prefix")
+        return Branch(node, feed=list(c.prefix), finish_reason="prefix")
     sampler = samplers.get(c.params)
     if sampler is None:
         sampler = samplers[c.params] = Sampler(c.params, engine.device)
