@@ -78,7 +78,14 @@ def cmd_bench_e2e(args: argparse.Namespace) -> None:
         if name not in known:
             raise CliError(f"--workload: expected one of {', '.join(map(repr, known))}, got {name!r}")
     _in_range(args.reps, "--reps", 1, 100)
-    print(e2e_table(args.device, args.workload, args.reps, progress=_progress))
+    if args.threads is not None:
+        torch.set_num_threads(_in_range(args.threads, "--threads", 1, 1024))
+    print(e2e_table(args.device, args.workload, args.reps, progress=_progress), flush=True)
+    if args.speculative:
+        from .bench.spec_bench import spec_table
+
+        print()
+        print(spec_table(device=args.device, reps=args.reps, progress=_progress))
 
 
 def _progress(msg: str) -> None:
@@ -306,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--reps", type=int, default=3, help="timed runs of each side (best counts, default 3)")
     e2e.add_argument("--workload", action="append", metavar="NAME",
                      help="run only this workload (repeatable); see deft.bench.e2e_bench.WORKLOADS")
+    e2e.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    e2e.add_argument("--speculative", action="store_true",
+                     help="also speculative decoding against greedy decoding (deft.bench.spec_bench)")
     e2e.set_defaults(func=cmd_bench_e2e)
     return parser
 

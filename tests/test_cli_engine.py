@@ -88,6 +88,8 @@ def test_text_output_and_speed_line(loaded, capsys):
     (["generate", "word " * 9000], "PROMPT 1: 9001 tokens, longer than the model's context of 8192"),
     (["generate", PROMPT, ""], "PROMPT 2: encodes to no tokens"),
     (["bench", "e2e", "--workload", "nope"], "--workload: expected one of"),
+    (["bench", "e2e", "--reps", "0"], "--reps: expected an integer in [1, 100], got 0"),
+    (["bench", "e2e", "--threads", "0"], "--threads: expected an integer in [1, 1024], got 0"),
 ])
 def test_user_errors(loaded, capsys, argv, message):
     assert main(argv) == 2

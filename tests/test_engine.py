@@ -114,6 +114,10 @@ def test_add_prompt_prefills_with_the_next_forward(engine, prompts):
     torch.testing.assert_close(got_left, expected[-2], atol=TREE_ATOL, rtol=0)
     torch.testing.assert_close(got_right, expected[-1], atol=TREE_ATOL, rtol=0)
     assert engine.stats["logit_rows"] == len(ids) + 1 + 2  # the linear run, then two rows
+    dropped = engine.add_prompt(ids)  # queued, then pruned: never computed
+    engine.cache.prune(dropped)
+    (again,) = engine.extend([(right, [7])])
+    torch.testing.assert_close(again, linear_logits(engine, ids + [7, 7])[-1], atol=TREE_ATOL, rtol=0)
 
 
 def test_extend_tree_matches_linear_paths(engine, prompts):

@@ -298,13 +298,16 @@ class TreeEngine:
         queries = [(node, have + j + 1) for j in range(n)]
         self._staged.append(_Feed(queries, ids, base + np.arange(n, dtype=_I), slots, mode))
 
-    def _step(self) -> list[torch.Tensor]:
-        """Run every staged feed in one forward; per feed the logits its mode asked for."""
+    def _step(self) -> list[torch.Tensor | None]:
+        """Run every staged feed in one forward; per staged feed the logits its mode asked
+        for (``None`` for one whose node was pruned since: it is dropped)."""
+        staged, self._staged = self._staged, []
         live = set(self.cache.live_nodes)
-        feeds = [f for f in self._staged if f.queries[0][0] in live]  # pruned meanwhile: dropped
-        self._staged = []
+        kept = [i for i, f in enumerate(staged) if f.queries[0][0] in live]
+        feeds = [staged[i] for i in kept]
+        result: list[torch.Tensor | None] = [None] * len(staged)
         if not feeds:
-            return []
+            return result
         queries = [q for f in feeds for q in f.queries]
         rows, bounds, n = [], [], 0
         for f in feeds:
@@ -338,9 +341,8 @@ class TreeEngine:
             st["kv_bytes_deft"] += plan.io_bytes(*heads)["kv"] * c.num_layers
             st["kv_bytes_per_branch"] += per_branch.io_bytes(*heads)["kv"] * c.num_layers
             st["io_s"] += time.perf_counter() - t1
-        result = []
-        for f, (a, b) in zip(feeds, bounds):
-            result.append(out[a] if f.logits == "last" else out[a:b])
+        for i, f, (a, b) in zip(kept, feeds, bounds):
+            result[i] = out[a] if f.logits == "last" else out[a:b]
         return result
 
     def _check_modes(self, logits: str | Sequence[str], n: int) -> list[str]:
