@@ -66,6 +66,45 @@ def cmd_bench_attention(args: argparse.Namespace) -> None:
                               flex=not args.no_flex, reps=args.reps, progress=_progress))
 
 
+def cmd_replay(args: argparse.Namespace) -> None:
+    from dataclasses import asdict
+
+    from tqdm import tqdm
+
+    from .engine import TreeEngine, replay_trace
+    from .engine.replay import load_trace
+
+    path = Path(args.trace)
+    if not path.suffix:  # a task name
+        base = _workloads(args.workloads)
+        if base is None:
+            raise CliError(f"TRACE {args.trace!r}: a task name needs the recorded workloads; "
+                           "pass a file path or --workloads DIR")
+        path = base / "deft" / "reasoning" / f"{args.trace}.json"
+    if args.iterations is not None:
+        _in_range(args.iterations, "--iterations", 1, 1 << 30)
+    try:
+        data = load_trace(path, args.record)
+    except (FileNotFoundError, ValueError) as exc:
+        raise CliError(f"TRACE: {exc}") from exc
+    model, tok = _load(args)
+    tokens = sum(v["value"] for v in data.values())
+    engine = TreeEngine(model, tok, num_pages=-(-tokens // 16) + 2 * len(data) + 8, device=args.device)
+    last = max(v["end"] for v in data.values())
+    total = min(last, args.iterations or last)
+    with tqdm(total=total, unit="it", desc="replay", leave=False, disable=None) as bar:
+        r = replay_trace(engine, path, args.record, args.iterations, args.tokens, progress=bar.update)
+    if args.json:
+        print(json.dumps({**asdict(r), "tokens_per_s": r.tokens_per_s, "kv_ratio": r.kv_ratio}))
+        return
+    print(f"{r.trace} record {r.record}: {r.iterations} iterations, {r.prompt_tokens}-token prompt, "
+          f"{r.thoughts} thoughts (up to {r.max_active} at once), peak {r.peak_pages} pages of 16")
+    print(f"prefill {r.prefill_s:.2f} s; decode {r.decode_tokens} tokens in {r.decode_s:.2f} s "
+          f"({r.tokens_per_s:.1f} tokens/s)")
+    print(f"K/V read in decode: DeFT {r.kv_bytes_deft / 2**20:,.0f} MiB, per-branch decoding "
+          f"{r.kv_bytes_per_branch / 2**20:,.0f} MiB ({r.kv_ratio:.1f}x less)")
+
+
 def cmd_bench_e2e(args: argparse.Namespace) -> None:
     import torch
 
@@ -269,6 +308,23 @@ def build_parser() -> argparse.ArgumentParser:
         add_speculate = None
     if add_speculate is not None:
         add_speculate(sub)
+
+    rp = sub.add_parser("replay", parents=[model], help="replay a recorded reasoning tree",
+                        description="Drive the engine through a recorded Graph-of-Thoughts tree: "
+                        "each iteration every active thought decodes one token in one forward, "
+                        "thoughts branch and end as recorded. Reports tokens/s and the K/V bytes "
+                        "DeFT reads against per-branch decoding.")
+    rp.add_argument("trace", nargs="?", default="keywordToT", metavar="TRACE",
+                    help="a reasoning JSON file, or a task name under the recorded workloads: "
+                    "keywordToT (default), docmergeToT, sorting128ToT")
+    rp.add_argument("--workloads", metavar="DIR",
+                    help="recorded workloads directory (default: $DEFT_WORKLOADS or ../shared/workloads)")
+    rp.add_argument("--record", type=int, default=0, help="index among the complete records (default 0)")
+    rp.add_argument("--iterations", type=int, metavar="N", help="stop after N iterations (default: all)")
+    rp.add_argument("--tokens", choices=["random", "greedy"], default="random",
+                    help="decoded token ids: random (default) or greedy")
+    rp.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    rp.set_defaults(func=cmd_replay)
 
     demo = sub.add_parser("demo", parents=[model], help="run the main demo on CPU",
                           description="Beam search, parallel sampling and speculative decoding "

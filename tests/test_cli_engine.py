@@ -123,6 +123,23 @@ def test_model_errors(tmp_path, capsys):
         assert "--device cuda: no CUDA device is available" in capsys.readouterr().err
 
 
+def test_replay_command(loaded, capsys, tmp_path):
+    from test_engine import write_trace
+
+    path = tmp_path / "tiny.json"
+    write_trace(path)
+    out = run_json(capsys, ["replay", str(path), "--iterations", "6", "--tokens", "greedy"])
+    assert (out["iterations"], out["decode_tokens"], out["prompt_tokens"]) == (6, 3 * 3 + 2 * 2 + 3, 40)
+    assert out["kv_ratio"] > 1 and out["tokens_per_s"] > 0
+    assert main(["replay", str(path)]) == 0
+    assert "9 iterations, 40-token prompt, 5 thoughts" in capsys.readouterr().out
+    for argv, message in [([str(tmp_path / "none.json")], "TRACE: "), ([str(path), "--record", "1"], "record: "),
+                          ([str(path), "--iterations", "0"], "--iterations: ")]:
+        assert main(["replay", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+
+
 def test_engine_demo(smol):
     text = engine_demo(smol, new_tokens=4, replay_iterations=0)
     ratios = [float(x) for x in re.findall(r"\(([\d.]+)x less\)", text)]

@@ -229,6 +229,24 @@ def test_shared_prefix_and_chunked_prefill(smol):
         TreeEngine(model, tok, prefill_chunk=0)
 
 
+def test_strategies_release_the_cache_on_errors(smol, prompts):
+    model, tok = smol
+    engine = TreeEngine(model, tok, num_pages=4, page_size=16)
+    keep = engine.add_prompt([1, 2, 3])  # someone else's tree: left alone
+    with pytest.raises(CacheFullError):
+        generate(engine, prompts[:1], SamplingParams(max_new_tokens=64))
+    with pytest.raises(CacheFullError):
+        beam_search(engine, prompts[1], 4, 64)
+    assert engine.cache.live_nodes == [keep]
+
+    def expand(t):
+        raise RuntimeError("expand failed")
+
+    with pytest.raises(RuntimeError, match="expand failed"):
+        tree_search(engine, prompts[1], expand, lambda t: 0.0)
+    assert engine.cache.live_nodes == [keep]
+
+
 def test_generate_stops_and_accepts_text(engine, prompts):
     tok = engine.tokenizer
     (free,) = generate(engine, "The capital of France is", SamplingParams(max_new_tokens=6))

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .core import GenerationResult, TreeEngine
-from .decoding import Prompt, as_prompts, prefill
+from .decoding import Prompt, as_prompts, prefill, release_on_error
 
 __all__ = ["beam_search"]
 
@@ -89,13 +89,28 @@ def beam_search(
         raise ValueError(f"num_beams: {k} beams need {width} candidates per step, more than "
                          f"the vocabulary of {engine.vocab_size}")
     batch = as_prompts(prompts, engine)
-    t0, steps0 = time.perf_counter(), engine.stats["steps"]
+    t0, steps0, io0 = time.perf_counter(), engine.stats["steps"], engine.stats["io_s"]
 
+    with release_on_error(engine):
+        searches = _run(engine, batch, max_new, (k, width, stop, float(length_penalty), early_stopping),
+                        progress)
+    seconds = time.perf_counter() - t0 - (engine.stats["io_s"] - io0)
+    call = {"seconds": seconds, "steps": engine.stats["steps"] - steps0}
+    tok = engine.tokenizer
+    return [[GenerationResult(toks, tok.decode(toks, skip_special_tokens=True), float(score),
+                              {"sum_logprob": float(logp),
+                               "finish_reason": "stop" if toks and toks[-1] in stop else "length",
+                               "prompt_tokens": s.prompt_len, **call})
+             for score, toks, logp in s.finished[:n_ret]] for s in searches]
+
+
+def _run(engine: TreeEngine, batch: list[list[int]], max_new: int, cfg: tuple,
+         progress: Callable[[int], None] | None) -> list[_Search]:
+    """Prefill ``batch`` and step every search until all are done; one forward per step."""
     searches = [
         _Search(len(p), min(max_new, engine.max_positions - len(p) + 1), [_Beam(node, [], _F(0))], row[None])
         for p, (node, row) in zip(batch, prefill(engine, batch))
     ]
-    cfg = (k, width, stop, float(length_penalty), early_stopping)
     while True:
         items, owners = [], []
         for s in searches:
@@ -105,21 +120,12 @@ def beam_search(
             items += new_items
             owners += [s] * len(new_items)
         if not items:
-            break
+            return searches
         rows = engine.extend(items, logits="last")
         for s in {id(s): s for s in owners}.values():
             s.logits = torch.stack([row for row, o in zip(rows, owners) if o is s])
         if progress is not None:
             progress(len(items))
-
-    seconds = time.perf_counter() - t0
-    call = {"seconds": seconds, "steps": engine.stats["steps"] - steps0}
-    tok = engine.tokenizer
-    return [[GenerationResult(toks, tok.decode(toks, skip_special_tokens=True), float(score),
-                              {"sum_logprob": float(logp),
-                               "finish_reason": "stop" if toks and toks[-1] in stop else "length",
-                               "prompt_tokens": s.prompt_len, **call})
-             for score, toks, logp in s.finished[:n_ret]] for s in searches]
 
 
 def _advance(s: _Search, k: int, width: int, stop: frozenset[int], lp: float,

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from .core import GenerationResult, SamplingParams, TreeEngine
 from .sampling import Sampler
 
-__all__ = ["Branch", "Request", "as_prompts", "decode", "prefill", "run_requests"]
+__all__ = ["Branch", "Request", "as_prompts", "decode", "prefill", "release_on_error", "run_requests"]
 
 Prompt = str | Sequence[int]
 
@@ -86,6 +87,19 @@ def as_prompts(prompts: Prompt | Sequence[Prompt], engine: TreeEngine) -> list[l
                              f"model's context of {engine.max_positions}")
         out.append(list(ids))
     return out
+
+
+@contextmanager
+def release_on_error(engine: TreeEngine) -> Iterator[None]:
+    """On an exception (e.g. ``CacheFullError``), prune every tree created inside the block."""
+    cache = engine.cache
+    before = {n for n in cache.live_nodes if cache.parent(n) < 0}
+    try:
+        yield
+    except BaseException:
+        for n in [n for n in cache.live_nodes if cache.parent(n) < 0 and n not in before]:
+            cache.prune(n)
+        raise
 
 
 def decode(
@@ -172,7 +186,8 @@ def prompt_branches(engine: TreeEngine, prompts: list[tuple[list[int], Branch]])
 def prefill(engine: TreeEngine, prompts: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
     """Prefill ``prompts`` (shared prefixes once, in chunks); per prompt its node and last logits."""
     leaves = [Branch(None, finish_reason="prefill") for _ in prompts]
-    decode(engine, prompt_branches(engine, list(zip(prompts, leaves))))
+    with release_on_error(engine):
+        decode(engine, prompt_branches(engine, list(zip(prompts, leaves))))
     return [(b.node, b.logits) for b in leaves]
 
 
@@ -228,7 +243,8 @@ def run_requests(
     """
     requests = [Request(p, n, params) for p in prompts]
     t0, steps0, io0 = time.perf_counter(), engine.stats["steps"], engine.stats["io_s"]
-    decode(engine, requests=requests, max_batch=max_batch, progress=progress)
+    with release_on_error(engine):
+        decode(engine, requests=requests, max_batch=max_batch, progress=progress)
     seconds = time.perf_counter() - t0 - (engine.stats["io_s"] - io0)
     new = sum(len(b.tokens) for r in requests for b in r.branches)
     call = {"seconds": seconds, "new_tokens_total": new, "steps": engine.stats["steps"] - steps0,

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .core import TreeEngine
-from .decoding import prefill
+from .decoding import prefill, release_on_error
 
 __all__ = ["ReplayReport", "load_trace", "replay_trace"]
 
@@ -98,8 +98,8 @@ def replay_trace(
 
     ``tokens``: ``"random"`` (uniform token ids) or ``"greedy"`` (each child of a thought
     starts with the next most likely token after its parent, then decodes greedily).
-    Turns on ``engine.count_io`` for the replay (restored after). The cache is empty
-    again when this returns.
+    Turns on ``engine.count_io`` for the replay (restored after). The replayed tree is
+    gone from the cache when this returns.
     """
     if tokens not in TOKEN_MODES:
         raise ValueError(f"tokens: expected one of {', '.join(TOKEN_MODES)}, got {tokens!r}")
@@ -110,66 +110,72 @@ def replay_trace(
     last = max(v["end"] for v in data.values())
     if max_iterations is not None:
         last = min(last, max_iterations)
+    was_counting, engine.count_io = engine.count_io, True
+    try:
+        with release_on_error(engine):
+            return _replay(engine, data, last, tokens, np.random.default_rng(seed), progress,
+                           trace=Path(path).stem, record=record)
+    finally:
+        engine.count_io = was_counting
+
+
+def _replay(engine: TreeEngine, data: dict[int, dict[str, Any]], last: int, tokens: str,
+            rng: np.random.Generator, progress: Callable[[int], None] | None,
+            **names: Any) -> ReplayReport:
+    """Prefill node 0, then iterations ``1..last``: fork, decode one token each, prune."""
     starts: dict[int, list[int]] = defaultdict(list)
     for n, v in sorted(data.items()):
         if n != 0:
             starts[v["start"]].append(n)
     parent = {c: n for n, v in data.items() for c in v["children"]}
-    rng = np.random.default_rng(seed)
     vocab = engine.vocab_size
-
-    was_counting, engine.count_io = engine.count_io, True
-    try:
-        t0 = time.perf_counter()
-        prompt = rng.integers(0, vocab, data[0]["value"]).tolist()
-        ((root, row),) = prefill(engine, [prompt])
-        node, last_logits = {0: root}, {0: row}
-        prefill_s = time.perf_counter() - t0
-        io0, io_s0 = _io(engine), engine.stats["io_s"]
-        next_tok: dict[int, int] = {}
-        active: list[int] = []
-        peak, max_active, decoded, thoughts = 0, 0, 0, 0
-        t1 = time.perf_counter()
-        for it in range(1, last + 1):
-            born = starts.get(it, [])
-            by_parent: dict[int, list[int]] = defaultdict(list)
-            for n in born:
-                by_parent[parent[n]].append(n)
-            for p, kids in by_parent.items():
-                firsts = _first_tokens(last_logits.pop(p, None), len(kids), tokens, rng, vocab)
-                for kid, cache_node, t in zip(kids, engine.cache.fork(node[p], len(kids)), firsts):
-                    node[kid], next_tok[kid] = cache_node, t
-            active += born
-            thoughts += len(born)
-            if not active:
-                continue
-            rows = engine.extend([(node[n], [next_tok[n]]) for n in active], logits="last")
-            decoded += len(active)
-            max_active = max(max_active, len(active))
-            peak = max(peak, engine.cache.num_pages - engine.cache.num_free_pages)
-            still = []
-            for n, row in zip(active, rows):
-                if data[n]["end"] > it:
-                    still.append(n)
-                    next_tok[n] = int(row.argmax()) if tokens == "greedy" else int(rng.integers(vocab))
-                elif data[n]["children"]:
-                    last_logits[n] = row
-                else:
-                    engine.cache.prune(node[n], release_unused_ancestors=True)
-            active = still
-            if progress is not None:
-                progress(1)
-        decode_s = time.perf_counter() - t1 - (engine.stats["io_s"] - io_s0)
-        io1 = _io(engine)
-    finally:
-        engine.count_io = was_counting
-    if node[0] in engine.cache.live_nodes:  # stopped early: drop what is left of the tree
-        engine.cache.prune(node[0])
+    t0 = time.perf_counter()
+    prompt = rng.integers(0, vocab, data[0]["value"]).tolist()
+    ((root, row),) = prefill(engine, [prompt])
+    node, last_logits = {0: root}, {0: row}
+    prefill_s = time.perf_counter() - t0
+    io0, io_s0 = _io(engine), engine.stats["io_s"]
+    next_tok: dict[int, int] = {}
+    active: list[int] = []
+    peak, max_active, decoded, thoughts = 0, 0, 0, 0
+    t1 = time.perf_counter()
+    for it in range(1, last + 1):
+        born = starts.get(it, [])
+        by_parent: dict[int, list[int]] = defaultdict(list)
+        for n in born:
+            by_parent[parent[n]].append(n)
+        for p, kids in by_parent.items():
+            firsts = _first_tokens(last_logits.pop(p, None), len(kids), tokens, rng, vocab)
+            for kid, cache_node, t in zip(kids, engine.cache.fork(node[p], len(kids)), firsts):
+                node[kid], next_tok[kid] = cache_node, t
+        active += born
+        thoughts += len(born)
+        if not active:
+            continue
+        rows = engine.extend([(node[n], [next_tok[n]]) for n in active], logits="last")
+        decoded += len(active)
+        max_active = max(max_active, len(active))
+        peak = max(peak, engine.cache.num_pages - engine.cache.num_free_pages)
+        still = []
+        for n, row in zip(active, rows):
+            if data[n]["end"] > it:
+                still.append(n)
+                next_tok[n] = int(row.argmax()) if tokens == "greedy" else int(rng.integers(vocab))
+            elif data[n]["children"]:
+                last_logits[n] = row
+            else:
+                engine.cache.prune(node[n], release_unused_ancestors=True)
+        active = still
+        if progress is not None:
+            progress(1)
+    decode_s = time.perf_counter() - t1 - (engine.stats["io_s"] - io_s0)
+    io1 = _io(engine)
+    if root in engine.cache.live_nodes:  # stopped early: drop what is left of the tree
+        engine.cache.prune(root)
     return ReplayReport(
-        trace=Path(path).stem, record=record, iterations=last, prompt_tokens=len(prompt),
-        thoughts=thoughts, max_active=max_active, decode_tokens=decoded, prefill_s=prefill_s,
-        decode_s=decode_s, kv_bytes_deft=io1[0] - io0[0], kv_bytes_per_branch=io1[1] - io0[1],
-        peak_pages=peak,
+        **names, iterations=last, prompt_tokens=len(prompt), thoughts=thoughts,
+        max_active=max_active, decode_tokens=decoded, prefill_s=prefill_s, decode_s=decode_s,
+        kv_bytes_deft=io1[0] - io0[0], kv_bytes_per_branch=io1[1] - io0[1], peak_pages=peak,
     )
 
 

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from .core import SamplingParams, TreeEngine
-from .decoding import Branch, Prompt, as_prompts, decode, prefill
+from .decoding import Branch, Prompt, as_prompts, decode, prefill, release_on_error
 from .sampling import Sampler
 
 __all__ = ["Expansion", "Thought", "tree_search"]
@@ -86,44 +86,45 @@ def tree_search(
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}: expected an integer >= 1, got {v!r}")
     (ids,) = as_prompts([prompt], engine)
-    ((node, logits),) = prefill(engine, [ids])
-    root = Thought(ids, engine.tokenizer.decode(ids), None, 0, node, logits=logits)
-    frontier, solutions = [root], []
-    samplers: dict[int, Sampler] = {}
-    for depth in range(1, max_depth + 1):
-        children, branches = [], []  # (thought, expansion), Branch
-        plans = [(t, [c if isinstance(c, Expansion) else Expansion(prefix=list(c)) for c in expand(t)])
-                 for t in frontier]
-        for t, conts in plans:
-            if not conts or (t.logits is None and any(not c.prefix for c in conts)):
-                _release(engine, t)
-                continue
-            for node, c in zip(engine.cache.fork(t.node, len(conts)), conts):
-                children.append((Thought([], "", t, depth, node), c))
-                branches.append(_branch(engine, node, c, t.logits, samplers))
-            t.logits = None
-        if not branches:
-            break
-        decode(engine, branches, progress=progress)
-        for (child, c), b in zip(children, branches):
-            child.token_ids = list(c.prefix) + b.tokens
-            child.text = engine.tokenizer.decode(child.token_ids)
-            child.logprob, child.logits = b.logprob, b.logits
-            child.finish_reason = b.finish_reason if c.params is not None else "prefix"
-            child.score = float(score(child))
-        ranked = sorted((child for child, _ in children), key=lambda t: -t.score)
-        frontier = []
-        for t in ranked:
-            if is_final is not None and is_final(t):
-                solutions.append(t)
-                _release(engine, t)
-            elif len(frontier) < beam_width:
-                frontier.append(t)
-            else:
-                _release(engine, t)
-    for t in frontier:
-        _release(engine, t)
-    return sorted(solutions + frontier, key=lambda t: -(t.score if t.score is not None else float("-inf")))
+    with release_on_error(engine):
+        ((node, logits),) = prefill(engine, [ids])
+        root = Thought(ids, engine.tokenizer.decode(ids), None, 0, node, logits=logits)
+        frontier, solutions = [root], []
+        samplers: dict[SamplingParams, Sampler] = {}
+        for depth in range(1, max_depth + 1):
+            children, branches = [], []  # (thought, expansion), Branch
+            plans = [(t, [c if isinstance(c, Expansion) else Expansion(prefix=list(c)) for c in expand(t)])
+                     for t in frontier]
+            for t, conts in plans:
+                if not conts or (t.logits is None and any(not c.prefix for c in conts)):
+                    _release(engine, t)
+                    continue
+                for node, c in zip(engine.cache.fork(t.node, len(conts)), conts):
+                    children.append((Thought([], "", t, depth, node), c))
+                    branches.append(_branch(engine, node, c, t.logits, samplers))
+                t.logits = None
+            if not branches:
+                break
+            decode(engine, branches, progress=progress)
+            for (child, c), b in zip(children, branches):
+                child.token_ids = list(c.prefix) + b.tokens
+                child.text = engine.tokenizer.decode(child.token_ids)
+                child.logprob, child.logits = b.logprob, b.logits
+                child.finish_reason = b.finish_reason if c.params is not None else "prefix"
+                child.score = float(score(child))
+            ranked = sorted((child for child, _ in children), key=lambda t: -t.score)
+            frontier = []
+            for t in ranked:
+                if is_final is not None and is_final(t):
+                    solutions.append(t)
+                    _release(engine, t)
+                elif len(frontier) < beam_width:
+                    frontier.append(t)
+                else:
+                    _release(engine, t)
+        for t in frontier:
+            _release(engine, t)
+        return sorted(solutions + frontier, key=lambda t: -(t.score if t.score is not None else float("-inf")))
 
 
 def _branch(engine: TreeEngine, node: int, c: Expansion, parent_logits: torch.Tensor | None,
