@@ -31,16 +31,15 @@ def engine_demo(loaded: tuple[Any, Any], new_tokens: int = 24, replay_iterations
     K/V bytes are those all layers read in the decode steps after each prompt's prefill:
     under DeFT's plan, and under per-branch decoding, where every query reads its whole path.
     """
-    from .engine import SamplingParams, TreeEngine
-    from .engine.beam import beam_search
-    from .engine.strategies import generate, sample
+    from .engine import SamplingParams, TreeEngine, beam_search, sample
 
     model, tok = loaded
     say = progress or (lambda msg: None)
     engine = TreeEngine(model, tok, num_pages=1024, backend="torch")
     chat = [tok.apply_chat_template(p) for p in BEAM_PROMPTS]
-    lines = [f"DeFT engine demo: {model.config.num_layers}-layer SmolLM2 ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
-             f"parameters, {model.dtype}) on {engine.device}, torch attention backend."]
+    params_m = sum(p.numel() for p in model.parameters()) / 1e6
+    lines = [f"DeFT engine demo: {model.config.num_layers}-layer SmolLM2 ({params_m:.0f}M parameters, "
+             f"{model.dtype}) on {engine.device}, torch attention backend."]
 
     say("beam search")
     with _decode_io(engine) as io:
@@ -48,7 +47,8 @@ def engine_demo(loaded: tuple[Any, Any], new_tokens: int = 24, replay_iterations
     lines += ["", f"Beam search, k=4, {new_tokens} new tokens, {len(chat)} prompts in one batch:"]
     for prompt, (best,) in zip(BEAM_PROMPTS, beams):
         lines.append(f"  {prompt!r} -> {best.text!r} (score {best.score:.3f})")
-    lines.append(_speed(beams[0][0].stats["seconds"], engine, io))
+    lines.append(_speed(beams[0][0].stats["seconds"], engine, engine.stats["tokens"],
+                        "tokens computed (prompts, then 4 beams each)"))
 
     say("parallel sampling")
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=0, max_new_tokens=new_tokens)
@@ -57,8 +57,8 @@ def engine_demo(loaded: tuple[Any, Any], new_tokens: int = 24, replay_iterations
     lines += ["", f"Parallel sampling, n=8 branches sharing the prompt, T=0.8, top-p 0.95, "
               f"{new_tokens} new tokens, {SAMPLE_PROMPT!r}:"]
     lines += [f"  [{i + 1}] {r.text!r}" for i, r in enumerate(samples[:3])] + [f"  ... ({len(samples) - 3} more)"]
-    new = sum(len(r.token_ids) for r in samples)
-    lines.append(_speed(samples[0].stats["seconds"], engine, io, new))
+    lines.append(_speed(samples[0].stats["seconds"], engine, sum(len(r.token_ids) for r in samples),
+                        "new tokens"))
 
     if importlib.util.find_spec("deft.engine.speculative") is not None:
         say("speculative decoding")
@@ -125,14 +125,12 @@ class _decode_io:
         self.engine.count_io = False
 
 
-def _speed(seconds: float, engine: Any, io: _decode_io, new: int | None = None) -> str:
+def _speed(seconds: float, engine: Any, count: int, what: str) -> str:
     st = engine.stats
     deft, per_branch = st["kv_bytes_deft"], st["kv_bytes_per_branch"]
-    what = f"{new} new tokens" if new is not None else f"{st['tokens']} tokens computed"
-    rate = (new if new is not None else st["tokens"]) / seconds
-    return (f"  {what} in {seconds:.2f} s ({rate:.1f}/s, {st['steps']} forwards); K/V read in decode "
-            f"steps: DeFT {deft / 2**20:,.1f} MiB, per-branch decoding {per_branch / 2**20:,.1f} MiB "
-            f"({per_branch / max(deft, 1):.1f}x less).")
+    return (f"  {count} {what} in {seconds:.2f} s ({count / seconds:.1f}/s, {st['steps']} forwards); "
+            f"K/V read in decode steps: DeFT {deft / 2**20:,.1f} MiB, per-branch decoding "
+            f"{per_branch / 2**20:,.1f} MiB ({per_branch / max(deft, 1):.1f}x less).")
 
 
 def attention_demo(prompt_len: int = 4000, branches: int = 20, branch_len: int = 200,
