@@ -315,7 +315,8 @@ def test_beam_search_errors(engine):
                           "num_return_sequences: expected at most num_beams=2"),
                           ({"num_beams": 2, "early_stopping": "sometimes"}, "early_stopping"),
                           ({"num_beams": 2, "length_penalty": float("inf")}, "length_penalty"),
-                          ({"num_beams": 2, "max_new_tokens": 0}, "max_new_tokens")]:
+                          ({"num_beams": 2, "max_new_tokens": 0}, "max_new_tokens"),
+                          ({"num_beams": 2, "stop_token_ids": ["x"]}, "stop_token_ids")]:
         with pytest.raises(ValueError, match=match):
             beam_search(engine, "hi", **kwargs)
 

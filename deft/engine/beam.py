@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .core import GenerationResult, TreeEngine
+from .core import GenerationResult, SamplingParams, TreeEngine
 from .decoding import Prompt, as_prompts, prefill, release_on_error
 
 __all__ = ["beam_search"]
@@ -83,7 +83,7 @@ def beam_search(
     if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)) \
             or not math.isfinite(length_penalty):
         raise ValueError(f"length_penalty: expected a finite number, got {length_penalty!r}")
-    stop = engine.tokenizer.eos_token_ids if stop_token_ids is None else frozenset(stop_token_ids)
+    stop = SamplingParams(stop_token_ids=stop_token_ids).stop_ids(engine.tokenizer)  # validated
     width = max(2, 1 + len(stop)) * k
     if width > engine.vocab_size:
         raise ValueError(f"num_beams: {k} beams need {width} candidates per step, more than "
