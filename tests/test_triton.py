@@ -170,3 +170,62 @@ def test_full_tile_flags_are_sound():
             assert np.all((lo <= pre) & (pre < hi) & ((pre != lo) | (off < qlen)))
     fan = make_plan(few_shot_layout(640, 20, 64), "flatten", 64)
     assert _full_tiles(fan)[:10].all()
+
+
+def test_tile_slot0_marks_exactly_the_consecutive_tiles():
+    """``tile_slot0`` is a tile's first slot iff its slots are consecutive, else -1."""
+    from deft import make_plan
+    from deft.ops.triton_backend import _tile_slot0
+
+    rng = np.random.default_rng(5)
+    for seed in range(10):
+        layout = random_forest(rng, int(rng.integers(1, 40)), 50, max_tokens=600)
+        if seed % 2:
+            layout = shuffle_slots(layout, seed=seed, num_slots=layout.num_tokens + 50)
+        plan = make_plan(layout, "flatten", 8)
+        slot0 = _tile_slot0(plan)
+        for t in range(plan.num_tiles):
+            s = plan.token_slots[plan.tile_indptr[t]:plan.tile_indptr[t + 1]]
+            consecutive = bool(np.all(np.diff(s) == 1))
+            assert slot0[t] == (s[0] if consecutive else -1)
+    assert (_tile_slot0(make_plan(few_shot_layout(64, 4, 16), "flatten", 16)) >= 0).all()
+
+
+@pytest.fixture(params=[False, True], ids=["merge-launch", "fused-merge"])
+def merge_mode(request, monkeypatch):
+    """Run a test with the merge as its own launch and fused into the partial kernel."""
+    import dataclasses
+
+    from deft.ops import triton_backend as tb
+
+    monkeypatch.setattr(tb, "_INTERPRET_CONFIG", dataclasses.replace(tb._INTERPRET_CONFIG, fuse_merge=request.param))
+    for d, cfg in list(tb._GPU_CONFIGS.items()):
+        monkeypatch.setitem(tb._GPU_CONFIGS, d, dataclasses.replace(cfg, fuse_merge=request.param))
+    return request.param
+
+
+@pytest.mark.parametrize("name", ["branches", "partial lens", "seeing nothing"])
+def test_merge_modes_agree_and_reset_counts(merge_mode, name):
+    """Both merge modes match the reference on repeated runs; fused counts return to zero."""
+    layout = TINY[name]
+    q, k, v = random_qkv(layout, 6, 2, 32, torch.float16, 4, device=DEV)
+    ref_o, ref_lse = reference_attention(q, k, v, layout, 32**-0.5)
+    attn = TreeAttention(6, 2, 32, backend="triton", device=DEV, block_kv=None if CUDA else 8)
+    attn.plan(layout)
+    counts = attn._prepared.counts
+    assert (counts is not None) == (merge_mode and name != "seeing nothing")
+    for _ in range(2):
+        o, lse = attn.run(q, k, v, return_lse=True)
+        assert_close(o.cpu(), ref_o.cpu(), torch.float16, f"merge mode {merge_mode}")
+        assert_lse_close(lse.cpu(), ref_lse.cpu(), "merge mode")
+        assert counts is None or int(counts.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("seed", range(6))
+def test_gpu_merge_modes_on_random_forests(merge_mode, seed):
+    """Odd seeds keep slots in order, so the contiguous-slot path runs too."""
+    layout = random_forest(np.random.default_rng(100 + seed), 60, 400, max_tokens=20000,
+                           shuffle=seed % 2 == 0)
+    check(layout, 32, 8, 128, torch.bfloat16, seed=seed)

@@ -29,9 +29,9 @@ def time_partial(attn, q, k, v, use_mask):
         tree_partial_kernel[(p.num_work, H_KV)](
             q, k, v, po, plse, a["tok_slot"], a["tok_lo"], a["tok_hi"], a["tok_off"],
             a["work_tile"], a["work_row0"], a["tile_tok"], a["tile_qs"], a["tile_qe"], a["tile_p0"], a["tile_full"],
-            a["q_order"], a["q_pre"], a["q_len"], D**-0.5 * math.log2(math.e),
+            a["tile_slot0"], a["q_order"], a["q_pre"], a["q_len"], D**-0.5 * math.log2(math.e),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), po.stride(0), po.stride(1), plse.stride(0),
-            G=H_Q // H_KV, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_MASK=use_mask, IEEE=False,
+            G=H_Q // H_KV, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_MASK=use_mask, CONTIG=p.contiguous, IEEE=False,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     go()
     return triton.testing.do_bench(go, return_mode="median") * 1e3

@@ -34,15 +34,20 @@ class KernelConfig:
     block_n: int  # KV tokens per inner step
     num_warps: int
     num_stages: int
-    waves: float  # target programs per SM when coarsening tiles
+    waves: float  # programs per SM the coarsened launch aims for
+    contig: bool = True  # when every tile's slots are consecutive, skip the slot loads
+    fuse_merge: bool = False  # the last program of a row merges it (no merge launch)
 
 
-# Tuned on an H200 (see docs/benchmarks.md); keyed by head_dim.
+# Tuned on an H200 (tools/coarsen_sweep.py, docs/benchmarks.md); keyed by head_dim.
 _GPU_CONFIGS = {
-    64: KernelConfig(64, 64, 4, 3, 4.0),
-    128: KernelConfig(64, 64, 4, 3, 4.0),
+    64: KernelConfig(64, 32, 4, 3, 4.0),
+    128: KernelConfig(64, 32, 4, 3, 4.0),
     256: KernelConfig(64, 32, 8, 2, 4.0),
 }
+# Coarsened tiles are at least this many tokens: shorter loops cost more in prologue and
+# epilogue (loads of the work item and Q, partial-state stores) than they gain in balance.
+_MIN_TILE_TOKENS = 256
 _INTERPRET_CONFIG = KernelConfig(16, 16, 1, 1, 2.0)
 
 
@@ -65,6 +70,8 @@ class _Prepared:
     partial_o: torch.Tensor  # [P, H_q, D] fp32
     partial_lse: torch.Tensor  # [P, H_q] fp32
     needs_mask: bool
+    contiguous: bool  # every tile's slots are consecutive (tile_slot0 >= 0)
+    counts: torch.Tensor | None  # [Q * H_q] int32 zeros when the merge is fused, else None
 
 
 def _num_sms(device: torch.device) -> int:
@@ -95,6 +102,19 @@ def _full_tiles(plan: TreePlan) -> np.ndarray:
     return np.logical_and.reduceat(ok, plan.tile_indptr[:-1]).astype(np.int64)
 
 
+def _tile_slot0(plan: TreePlan) -> np.ndarray:
+    """``[T]`` first slot of each tile whose slots are consecutive, else -1."""
+    if plan.num_tiles == 0:
+        return np.zeros(0, np.int64)
+    slots = plan.token_slots
+    starts = plan.tile_indptr[:-1]
+    step_ok = np.ones(slots.shape[0], bool)
+    step_ok[1:] = slots[1:] == slots[:-1] + 1
+    step_ok[starts] = True
+    contig = np.logical_and.reduceat(step_ok, starts)
+    return np.where(contig, slots[starts], -1)
+
+
 def _work_items(plan: TreePlan, g: int, block_m: int) -> tuple[np.ndarray, np.ndarray]:
     """(tile, first row) of every program, largest tiles first, chunks of a tile adjacent."""
     rows = (plan.tile_q_end - plan.tile_q_start) * g
@@ -114,25 +134,24 @@ class TritonBackend:
 
     def refine_plan(self, plan: TreePlan, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                     device: torch.device) -> TreePlan:
-        """Merge same-group tiles while the launch keeps ``waves`` programs per SM."""
+        """Merge same-group tiles into tiles of about ``work / (waves * SMs)`` tokens.
+
+        ``work`` counts (token, query-row chunk, KV head) triples, so each program streams
+        about the same number of tokens; the length is at least ``_MIN_TILE_TOKENS`` and is
+        rounded down to a power of two of plan tiles (the rule that fit an H200 sweep of
+        the benchmark trees best, within 4% of the best fixed factor per tree on average).
+        """
         if plan.num_tiles == 0:
             return plan
         cfg = kernel_config(head_dim)
         g = num_qo_heads // num_kv_heads
-        target = cfg.waves * _num_sms(device)
         chunks = -(-(plan.tile_q_end - plan.tile_q_start) * g // cfg.block_m)
-        new_run = np.ones(plan.num_tiles, bool)
-        new_run[1:] = (np.diff(plan.tile_q_start) != 0) | (np.diff(plan.tile_q_end) != 0)
-        starts = np.flatnonzero(new_run)
-        run_len = np.diff(np.append(starts, plan.num_tiles))
-        run_chunks = chunks[starts]
-        best = 1
-        for u in (2, 4, 8, 16, 32, 64, 128, 256):
-            programs = num_kv_heads * int((-(-run_len // u) * run_chunks).sum())
-            if programs < target or u > run_len.max():
-                break
-            best = u
-        return coarsen_plan(plan, best)
+        work = num_kv_heads * float((np.diff(plan.tile_indptr) * chunks).sum())
+        # Interpreted (tests): no floor, so tiny trees keep several tiles and merges.
+        floor = 0 if interpreting() else _MIN_TILE_TOKENS
+        length = max(floor, plan.block_kv, work / (cfg.waves * _num_sms(device)))
+        factor = 2 ** max(0, math.floor(math.log2(length / plan.block_kv)))
+        return coarsen_plan(plan, min(factor, 1024))
 
     def prepare(self, plan: TreePlan, layout: TreeLayout, device: torch.device,
                 num_qo_heads: int, num_kv_heads: int, head_dim: int) -> _Prepared:
@@ -141,13 +160,14 @@ class TritonBackend:
         cfg = kernel_config(head_dim)
         g = num_qo_heads // num_kv_heads
         work_tile, work_row0 = _work_items(plan, g, cfg.block_m)
+        slot0 = _tile_slot0(plan)
 
         host = {
             "tok_slot": plan.token_slots, "tok_lo": plan.token_lo, "tok_hi": plan.token_hi,
             "tok_off": plan.token_off, "work_tile": work_tile, "work_row0": work_row0,
             "tile_tok": plan.tile_indptr, "tile_qs": plan.tile_q_start,
             "tile_qe": plan.tile_q_end, "tile_p0": plan.partial_indptr[:-1],
-            "tile_full": _full_tiles(plan),
+            "tile_full": _full_tiles(plan), "tile_slot0": slot0,
             "q_order": plan.query_order, "q_pre": plan.query_pre, "q_len": plan.query_len,
             "merge_indptr": plan.merge_indptr, "merge_partials": plan.merge_partials,
         }
@@ -167,6 +187,11 @@ class TritonBackend:
             partial_o=torch.empty(p, num_qo_heads, head_dim, dtype=torch.float32, device=device),
             partial_lse=torch.empty(p, num_qo_heads, dtype=torch.float32, device=device),
             needs_mask=plan.needs_mask,
+            contiguous=cfg.contig and bool((slot0 >= 0).all()),
+            # Fused merge needs every query to own a partial (else nobody writes its row).
+            counts=torch.zeros(plan.num_queries * num_qo_heads, dtype=torch.int32, device=device)
+            if cfg.fuse_merge and plan.num_queries and bool((np.diff(plan.merge_indptr) > 0).all())
+            else None,
         )
 
     def run(self, prepared: _Prepared, q: torch.Tensor, k_cache: torch.Tensor,
@@ -180,21 +205,26 @@ class TritonBackend:
         q = q if q.stride(-1) == 1 else q.contiguous()
         a, cfg = prepared.arrays, prepared.config
         po, plse = prepared.partial_o, prepared.partial_lse
+        fused = prepared.counts is not None
         if prepared.num_work:
             tree_partial_kernel[(prepared.num_work, h_kv)](
                 q, k_cache, v_cache, po, plse,
                 a["tok_slot"], a["tok_lo"], a["tok_hi"], a["tok_off"],
                 a["work_tile"], a["work_row0"],
                 a["tile_tok"], a["tile_qs"], a["tile_qe"], a["tile_p0"], a["tile_full"],
-                a["q_order"], a["q_pre"], a["q_len"],
+                a["tile_slot0"], a["q_order"], a["q_pre"], a["q_len"],
+                o, lse, prepared.counts if fused else a["merge_indptr"],
+                a["merge_indptr"], a["merge_partials"],
                 sm_scale * math.log2(math.e),
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-                po.stride(0), po.stride(1), plse.stride(0),
+                po.stride(0), po.stride(1), plse.stride(0), o.stride(0), o.stride(1), h_q,
                 G=h_q // h_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                USE_MASK=prepared.needs_mask, IEEE=q.dtype == torch.float32,
+                USE_MASK=prepared.needs_mask, CONTIG=prepared.contiguous, FUSE_MERGE=fused,
+                IEEE=q.dtype == torch.float32,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
-        launch_merge(po, plse, o, lse, a["merge_indptr"], a["merge_partials"])
+        if not fused:
+            launch_merge(po, plse, o, lse, a["merge_indptr"], a["merge_partials"])
         return o, lse
 
 

@@ -18,16 +18,30 @@ import triton.language as tl
 
 @triton.jit
 def _tile_loop(
-    q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, kvh, pre, qlen, row_ok,
+    q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen, row_ok,
     m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
-    """Online softmax of the query rows over plan tokens ``[tok0, tok1)``, ``BLOCK_N`` at a time."""
+    """Online softmax of the query rows over plan tokens ``[tok0, tok1)``, ``BLOCK_N`` at a time.
+
+    ``CONTIG``: the tokens sit in consecutive slots from ``slot0``, so K/V addresses need no
+    slot load. Otherwise the next block's slots are loaded one iteration ahead, so the K/V
+    loads of a block never wait on a slot load of the same iteration.
+    """
     d = tl.arange(0, D)
+    if not CONTIG:
+        first = tok0 + tl.arange(0, BLOCK_N)
+        next_slot = tl.load(tok_slot + first, mask=first < tok1, other=0)
     for start in range(tok0, tok1, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
         tok_ok = offs < tok1
-        slot = tl.load(tok_slot + offs, mask=tok_ok, other=0).to(tl.int64)
+        if CONTIG:
+            slot = (slot0 - tok0 + offs).to(tl.int64)
+        else:
+            slot = next_slot.to(tl.int64)
+            ahead = offs + BLOCK_N
+            next_slot = tl.load(tok_slot + ahead, mask=ahead < tok1, other=0)
         kv_off = slot[:, None] * stride_kn + kvh * stride_kh + d[None, :]
         k = tl.load(K + kv_off, mask=tok_ok[:, None], other=0.0)
         if IEEE:
@@ -62,12 +76,14 @@ def tree_partial_kernel(
     Q, K, V, PO, PLSE,
     tok_slot, tok_lo, tok_hi, tok_off,
     work_tile, work_row0,
-    tile_tok, tile_qs, tile_qe, tile_p0, tile_full,
+    tile_tok, tile_qs, tile_qe, tile_p0, tile_full, tile_slot0,
     q_order, q_pre, q_len,
+    O, LSE, counts, merge_indptr, merge_partials,
     qk_scale,  # sm_scale * log2(e)
     stride_qn, stride_qh, stride_kn, stride_kh, stride_pn, stride_ph, stride_ln,
+    stride_on, stride_oh, num_heads,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_MASK: tl.constexpr, IEEE: tl.constexpr,
+    USE_MASK: tl.constexpr, CONTIG: tl.constexpr, FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr,
 ):
     w = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -80,6 +96,8 @@ def tree_partial_kernel(
     p0 = tl.load(tile_p0 + t)
     # A tile every group query sees whole needs no per-token mask (most prompt tiles).
     partial_vis = USE_MASK & (tl.load(tile_full + t) == 0)
+    # CONTIG: every tile's slots are consecutive from tile_slot0 (no slot loads at all).
+    slot0 = tl.load(tile_slot0 + t) if CONTIG else 0
 
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < (qe - qs) * G
@@ -99,14 +117,14 @@ def tree_partial_kernel(
     # Branch once per tile, not per block, so each loop body stays branch-free and pipelined.
     if partial_vis:
         m_i, l_i, acc = _tile_loop(
-            q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, kvh, pre, qlen, row_ok,
+            q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen, row_ok,
             m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-            D=D, BLOCK_N=BLOCK_N, MASKED=True, IEEE=IEEE)
+            D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, IEEE=IEEE)
     else:
         m_i, l_i, acc = _tile_loop(
-            q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, kvh, pre, qlen, row_ok,
+            q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen, row_ok,
             m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-            D=D, BLOCK_N=BLOCK_N, MASKED=False, IEEE=IEEE)
+            D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, IEEE=IEEE)
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -117,6 +135,58 @@ def tree_partial_kernel(
     tl.store(PO + pid[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :], o,
              mask=row_ok[:, None])
     tl.store(PLSE + pid * stride_ln + head, lse, mask=row_ok)
+    if FUSE_MERGE:
+        _merge_if_last(PO, PLSE, O, LSE, counts, merge_indptr, merge_partials, qorig, head,
+                       row_ok, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
+                       D=D)
+
+
+@triton.jit
+def _merge_if_last(
+    PO, PLSE, O, LSE, counts, merge_indptr, merge_partials, qorig, head, row_ok,
+    stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads, D: tl.constexpr,
+):
+    """Count this program's partial states per (query, head); the program that writes the
+    last one of a row merges that row's states into ``O``/``LSE`` and resets its count.
+
+    The count is a semaphore, not a reduction: each row is merged once, by one program, in
+    the reduction map's order, so results do not depend on which program finishes last.
+    """
+    cidx = qorig * num_heads + head
+    tl.debug_barrier()  # every thread's partial stores precede the release below
+    prev = tl.atomic_add(counts + cidx, 1, mask=row_ok, sem="acq_rel")
+    start = tl.load(merge_indptr + qorig, mask=row_ok, other=0)
+    end = tl.load(merge_indptr + qorig + 1, mask=row_ok, other=0)
+    last = row_ok & (prev + 1 == end - start)
+    if tl.sum(last.to(tl.int32), 0) > 0:
+        tl.debug_barrier()  # the acquire above precedes every thread's loads below
+        cnt = tl.where(last, end - start, 0)
+        d = tl.arange(0, D)
+        m = tl.full(cnt.shape, float("-inf"), tl.float32)
+        den = tl.zeros(cnt.shape, tl.float32)
+        acc = tl.zeros([cnt.shape[0], D], tl.float32)
+        for j in range(0, tl.max(cnt, 0)):
+            ok = j < cnt
+            p = tl.load(merge_partials + start + j, mask=ok, other=0).to(tl.int64)
+            # .cg: read other programs' states from L2, never a stale L1 line.
+            s = tl.load(PLSE + p * stride_ln + head, mask=ok, other=float("-inf"),
+                        cache_modifier=".cg")
+            o = tl.load(PO + p[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :],
+                        mask=ok[:, None], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, s)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            a = tl.exp(m - m_safe)
+            b = tl.exp(s - m_safe)
+            acc = acc * a[:, None] + o * b[:, None]
+            den = den * a + b
+            m = m_new
+        has = den > 0
+        out = acc / tl.where(has, den, 1.0)[:, None]
+        lse = tl.where(has, m + tl.log(tl.where(has, den, 1.0)), float("-inf"))
+        tl.store(O + qorig[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
+                 out.to(O.dtype.element_ty), mask=last[:, None])
+        tl.store(LSE + qorig * num_heads + head, lse, mask=last)
+        tl.store(counts + cidx, 0, mask=last)
 
 
 @triton.jit

@@ -1,0 +1,90 @@
+"""Sweep the triton backend's work split on the GPU suite (GPU only).
+
+For each tree and variant (kernel config, contiguous-slot path on/off, fixed coarsening
+factor ``u`` or the shipped ``refine_plan``), time a 32-layer step replayed as a CUDA graph
+(partial + merge kernels, one KV buffer per layer) and check layer 0 against the reference.
+
+Usage: python3 tools/coarsen_sweep.py [TREE ...]   (prints one line per (tree, variant))
+"""
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from deft import TreeAttention
+from deft.bench.gpu_bench import D, DTYPE, H_KV, H_Q, LAYERS, _time
+from deft.bench.trees import GPU_SUITE, build
+from deft.ops import triton_backend as tb
+from deft.ops.reference import reference_attention
+from deft.plan import coarsen_plan
+
+SHIPPED = tb.kernel_config(D)
+KC = tb.KernelConfig
+CONFIGS = {"shipped": SHIPPED, "fused": dataclasses.replace(SHIPPED, fuse_merge=True),
+           "unfused": dataclasses.replace(SHIPPED, fuse_merge=False),
+           "fused waves3": dataclasses.replace(SHIPPED, fuse_merge=True, waves=3.0),
+           "fused waves6": dataclasses.replace(SHIPPED, fuse_merge=True, waves=6.0),
+           "m64n64w4s2 fused": KC(64, 64, 4, 2, 4.0, fuse_merge=True)}
+# (label, config, fixed coarsening factor or None for the shipped refine_plan)
+VARIANTS = [(c, cfg, None) for c, cfg in CONFIGS.items()]
+TREES = GPU_SUITE
+
+workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
+names = sys.argv[1:] or TREES
+shipped_refine = tb.TritonBackend.refine_plan
+results = []
+print("tree | variant | tiles | partials | programs | µs/step graph | µs/layer | max|diff| vs ref")
+for name in names:
+    try:
+        layout = build(name, workloads)
+    except FileNotFoundError:
+        continue
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n = layout.num_tokens
+    ks = [torch.randn(n, H_KV, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(LAYERS)]
+    vs = [torch.randn(n, H_KV, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(LAYERS)]
+    q = torch.randn(layout.num_queries, H_Q, D, device="cuda", dtype=DTYPE, generator=gen)
+    ref, _ = reference_attention(q, ks[0], vs[0], layout, D**-0.5)
+    for label, cfg, u in VARIANTS:
+        tb._GPU_CONFIGS[D] = cfg
+        if u is None:
+            tb.TritonBackend.refine_plan = shipped_refine
+        else:
+            tb.TritonBackend.refine_plan = lambda self, plan, *a, u=u: coarsen_plan(plan, u)
+        attn = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda")
+        plan = attn.plan(layout)
+        try:
+            diff = float((attn.run(q, ks[0], vs[0]).double() - ref.double()).abs().max())
+
+            def step(attn=attn) -> None:
+                for layer in range(LAYERS):
+                    attn.run(q, ks[layer], vs[layer])
+
+            us = _time(step, graph=True)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report, go on
+            print(f"{name} | {label} | ERROR {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            continue
+        programs = attn._prepared.num_work * H_KV
+        row = dict(tree=name, variant=label, tiles=plan.num_tiles, partials=plan.num_partials,
+                   programs=programs, us=us, diff=diff)
+        results.append(row)
+        print(f"{name} | {label} | {plan.num_tiles} | {plan.num_partials} | {programs} | {us:.0f} | "
+              f"{us / LAYERS:.1f} | {diff:.2e}", flush=True)
+    del ks, vs
+    torch.cuda.empty_cache()
+tb._GPU_CONFIGS[D] = SHIPPED
+tb.TritonBackend.refine_plan = shipped_refine
+if os.environ.get("OUT"):
+    Path(os.environ["OUT"], "coarsen_sweep.json").write_text(json.dumps(results, indent=1))
+print("\nbest per tree:")
+for name in dict.fromkeys(r["tree"] for r in results):
+    rows = sorted((r for r in results if r["tree"] == name), key=lambda r: r["us"])
+    print(name, " | ".join(f"{r['variant']} {r['us'] / LAYERS:.1f}" for r in rows[:4]))
+for label, _, _ in VARIANTS:
+    rows = [r for r in results if r["variant"] == label]
+    best = {r["tree"]: min(x["us"] for x in results if x["tree"] == r["tree"]) for r in rows}
+    if rows:
+        print(f"{label}: mean slowdown vs per-tree best {sum(r['us'] / best[r['tree']] for r in rows) / len(rows):.3f}")
