@@ -24,10 +24,9 @@ from deft.plan import coarsen_plan
 SHIPPED = tb.kernel_config(D)
 KC = tb.KernelConfig
 CONFIGS = {"shipped": SHIPPED, "fused": dataclasses.replace(SHIPPED, fuse_merge=True),
-           "unfused": dataclasses.replace(SHIPPED, fuse_merge=False),
-           "fused waves3": dataclasses.replace(SHIPPED, fuse_merge=True, waves=3.0),
-           "fused waves6": dataclasses.replace(SHIPPED, fuse_merge=True, waves=6.0),
-           "m64n64w4s2 fused": KC(64, 64, 4, 2, 4.0, fuse_merge=True)}
+           "m64n32w4s2": KC(64, 32, 4, 2, 4.0), "m64n32w8s3": KC(64, 32, 8, 3, 4.0),
+           "m64n64w8s2": KC(64, 64, 8, 2, 4.0), "m128n32w8s3": KC(128, 32, 8, 3, 4.0),
+           "m64n16w4s4": KC(64, 16, 4, 4, 4.0)}
 # (label, config, fixed coarsening factor or None for the shipped refine_plan)
 VARIANTS = [(c, cfg, None) for c, cfg in CONFIGS.items()]
 TREES = GPU_SUITE
