@@ -4,8 +4,10 @@
 ``tree_partial_kernel``: one program per (work item, KV head). A work item is a query-row
 chunk of one tile: rows are (group query, GQA head) pairs, so every query head that shares
 the KV head is computed from the same K/V loads. The program streams the tile's tokens in
-blocks of ``BLOCK_N`` through the slot indices, applies the plan's compact visibility mask,
-keeps an online softmax, and writes one fp32 partial state per (query, head).
+blocks of ``BLOCK_N`` (K/V copies in flight two blocks ahead), applies the plan's compact
+visibility mask, keeps an online softmax, and writes one fp32 partial state per (query,
+head). With ``FUSE_MERGE`` the program that writes a row's last partial state also merges
+the row (measured slower on an H200, so off by default; see docs/benchmarks.md).
 
 ``merge_kernel``: one program per (query, head); merges the query's partial states through
 the reduction map (CSR), a block of them per step, into ``o`` (output dtype) and ``lse``
