@@ -1,7 +1,8 @@
 """The ``triton`` backend: checks, workspaces and launches for ``triton_kernels``.
 
 Per step (``refine_plan`` + ``prepare``, outside any CUDA graph): coarsen the DeFT-Flatten
-tiles so the launch has about ``waves`` programs per SM, list the work items (query-row
+tiles so every program streams about the same number of tokens, flag tiles whose slots
+are consecutive (no slot loads) or fully visible (no mask), list the work items (query-row
 chunks of each tile, largest tiles first, chunks of one tile adjacent so they share its KV
 through L2), upload the plan arrays as int32 and allocate the fp32 partial-state
 workspace. Per layer (``run``): two launches, no host synchronisation, no allocation
@@ -39,7 +40,8 @@ class KernelConfig:
     fuse_merge: bool = False  # the last program of a row merges it (no merge launch)
 
 
-# Tuned on an H200 (tools/coarsen_sweep.py, docs/benchmarks.md); keyed by head_dim.
+# Keyed by head_dim. 128 is tuned on an H200 (tools/coarsen_sweep.py, docs/benchmarks.md);
+# 64 follows it, 256 keeps 8 warps and 2 stages to fit its K/V blocks in shared memory.
 _GPU_CONFIGS = {
     64: KernelConfig(64, 32, 4, 3, 4.0),
     128: KernelConfig(64, 32, 4, 3, 4.0),
