@@ -74,6 +74,8 @@ class TreeAttention:
         self.device = torch.device(device)
         self.backend_name = resolve_backend(backend, self.device)
         self._backend = get_backend(self.backend_name)
+        # Optional backend method returning only ``o``: it may skip the log-sum-exp.
+        self._run_output = getattr(self._backend, "run_output", None)
         self.plan_kind = plan_kind
         self.block_kv = (
             _positive_int(block_kv, "block_kv")
@@ -140,6 +142,8 @@ class TreeAttention:
         """
         plan = self.current_plan
         k_flat, v_flat = self._check_inputs(q, k_cache, v_cache, plan)
+        if not return_lse and self._run_output is not None:
+            return self._run_output(self._prepared, q, k_flat, v_flat, self.sm_scale)
         o, lse = self._backend.run(self._prepared, q, k_flat, v_flat, self.sm_scale)
         return (o, lse) if return_lse else o
 

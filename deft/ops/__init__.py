@@ -3,7 +3,9 @@
 A backend executes a :class:`~deft.plan.TreePlan`. ``prepare`` runs once per step (at
 ``TreeAttention.plan``) and may build device tensors; ``run`` runs once per layer. A
 backend may also define ``refine_plan(plan, num_qo_heads, num_kv_heads, head_dim, device)``
-to reshape the plan for its kernels (e.g. coarser tiles) before ``prepare``.
+to reshape the plan for its kernels (e.g. coarser tiles) before ``prepare``, and
+``run_output(prepared, q, k_cache, v_cache, sm_scale) -> o``, which ``TreeAttention.run``
+calls instead of ``run`` when the caller does not want the log-sum-exp.
 New backends plug in with :func:`register_backend` without touching callers.
 """
 

@@ -1,11 +1,12 @@
 """Exact plan executor in plain PyTorch: the CPU path, also correct on CUDA tensors.
 
-``prepare`` sorts the plan's tiles into buckets of equal padded shape (tile length and
-group size rounded up to a power of two or 1.5 times one), so ``run`` is a handful of
-batched matmuls per bucket: every tile's K/V is gathered once and all queries of its
-group and all GQA heads of each KV head are computed against it. Partial states are
-merged through the plan's reduction map, padded to a dense ``[Q, S]`` index.
-Accumulation is float32 (float64 inputs stay float64).
+Small steps run as one tile: per layer one gather, a masked matmul, a softmax and a matmul,
+with the mask built once per plan. For larger steps ``prepare`` sorts the plan's tiles into
+buckets of equal padded shape (tile length and group size rounded up to a power of two or
+1.5 times one), so ``run`` is a handful of batched matmuls per bucket: every tile's K/V is
+gathered once and all queries of its group and all GQA heads of each KV head are computed
+against it. Partial states are merged through the plan's reduction map, padded to a dense
+``[Q, S]`` index. Accumulation is float32 (float64 inputs stay float64).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class _Dense:
 
     slots: torch.Tensor  # [N] cache slot of each plan token
     bias: torch.Tensor  # [Q * g, N] float32: 0 where visible, -inf elsewhere (rows: query, GQA head)
+    empty_rows: torch.Tensor | None  # bias rows that see no token (softmax gives NaN there)
 
 
 class TorchBackend:
@@ -61,12 +63,14 @@ class TorchBackend:
 
     Steps with at most ``dense_limit`` (query, token) pairs — single-sequence decoding,
     small trees — run as one tile: one gather and two matmuls, no merge. Larger steps run
-    tile by tile in padded buckets.
+    tile by tile in padded buckets. :meth:`run_output` skips the log-sum-exp where it can.
     """
 
     name = "torch"
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-    dense_limit = 1 << 17
+    # On one CPU core the one-tile path beats the tiled one up to ~2^18 pairs even when most
+    # pairs are masked (prompts in a forest); past that its wasted work dominates.
+    dense_limit = 1 << 18
 
     def prepare(self, plan: TreePlan, layout: TreeLayout, device: torch.device,
                 num_qo_heads: int, num_kv_heads: int, head_dim: int) -> _Prepared | _Dense:
@@ -123,7 +127,7 @@ class TorchBackend:
         sm_scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(prepared, _Dense):
-            return _dense_attention(prepared, q, k_cache, v_cache, sm_scale)
+            return _dense_attention(prepared, q, k_cache, v_cache, sm_scale, return_lse=True)
         h_q, d = q.shape[1], q.shape[2]
         h_kv = k_cache.shape[1]
         g = h_q // h_kv
@@ -136,12 +140,30 @@ class TorchBackend:
             for s in range(0, b.tok.shape[0], b.chunk):
                 sl = slice(s, s + b.chunk)
                 o, lse = _tile_attention(
-                    q[b.qry[sl]], k_cache[b.tok[sl]], v_cache[b.tok[sl]], b.mask[sl], g,
-                    sm_scale, acc,
+                    _rows(q, b.qry[sl]), _rows(k_cache, b.tok[sl]), _rows(v_cache, b.tok[sl]),
+                    b.mask[sl], g, sm_scale, acc,
                 )
                 po[b.pid[sl]] = o
                 plse[b.pid[sl]] = lse
         return _merge_partials(po, plse, prepared.merge_idx, q.dtype)
+
+    def run_output(
+        self,
+        prepared: _Prepared | _Dense,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        sm_scale: float,
+    ) -> torch.Tensor:
+        """Like :meth:`run` but only ``o``; one-tile steps then skip the log-sum-exp."""
+        if isinstance(prepared, _Dense):
+            return _dense_attention(prepared, q, k_cache, v_cache, sm_scale, return_lse=False)[0]
+        return self.run(prepared, q, k_cache, v_cache, sm_scale)[0]
+
+
+def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x[idx]`` for an index tensor of any shape, through ``index_select`` (faster on CPU)."""
+    return x.index_select(0, idx.reshape(-1)).view(*idx.shape, *x.shape[1:])
 
 
 def _dense(plan: TreePlan, g: int, device: torch.device) -> _Dense:
@@ -151,28 +173,42 @@ def _dense(plan: TreePlan, g: int, device: torch.device) -> _Dense:
     pre, qlen = plan.query_pre[inv][:, None], plan.query_len[inv][:, None]
     lo, hi, off = plan.token_lo[None, :], plan.token_hi[None, :], plan.token_off[None, :]
     vis = (lo <= pre) & (pre < hi) & ((pre != lo) | (off < qlen))  # [Q, N]
-    bias = np.where(np.repeat(vis, g, axis=0), 0.0, -np.inf).astype(np.float32)
+    rows = np.repeat(vis, g, axis=0)
+    bias = np.where(rows, 0.0, -np.inf).astype(np.float32)
+    empty = np.flatnonzero(~rows.any(axis=1))
     return _Dense(slots=torch.as_tensor(plan.token_slots.copy(), device=device),
-                  bias=torch.as_tensor(bias, device=device))
+                  bias=torch.as_tensor(bias, device=device),
+                  empty_rows=torch.as_tensor(empty, device=device) if empty.size else None)
 
 
 def _dense_attention(
     prepared: _Dense, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    sm_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    sm_scale: float, return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every query against every plan token: ``o [Q, H_q, D]`` and, if asked, ``lse [Q, H_q]``."""
     nq, h_q, d = q.shape
     h_kv = k_cache.shape[1]
     g = h_q // h_kv
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    k = k_cache[prepared.slots].to(acc).transpose(0, 1)  # [H_kv, N, D]
-    v = v_cache[prepared.slots].to(acc).transpose(0, 1)
+    out_dtype = q.dtype
+    k = k_cache.index_select(0, prepared.slots)  # [N, H_kv, D]
+    v = v_cache.index_select(0, prepared.slots)
+    bias = prepared.bias
+    if q.dtype not in (torch.float32, torch.float64):
+        q, k, v = q.float(), k.float(), v.float()
+    elif q.dtype == torch.float64:
+        bias = bias.double()
     # Rows of one KV head: (query, GQA head) pairs, matching the bias rows.
-    qh = q.to(acc).view(nq, h_kv, g, d).transpose(0, 1).reshape(h_kv, nq * g, d)
-    s = torch.baddbmm(prepared.bias.to(acc), qh, k.transpose(1, 2), alpha=sm_scale)
-    lse = torch.logsumexp(s, dim=-1)  # [H_kv, Q*g]
-    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
-    o = torch.bmm(p, v).view(h_kv, nq, g, d).transpose(0, 1).reshape(nq, h_q, d)
-    return o.to(q.dtype), lse.view(h_kv, nq, g).transpose(0, 1).reshape(nq, h_q).float()
+    qh = q.reshape(nq, h_kv, g, d).transpose(0, 1).reshape(h_kv, nq * g, d)
+    s = torch.baddbmm(bias, qh, k.permute(1, 2, 0), alpha=sm_scale)  # [H_kv, Q*g, N]
+    p = torch.softmax(s, dim=-1)
+    if prepared.empty_rows is not None:
+        p.index_fill_(1, prepared.empty_rows, 0.0)  # their NaN rows: output 0
+    o = torch.bmm(p, v.transpose(0, 1)).view(h_kv, nq, g, d).transpose(0, 1)
+    o = o.reshape(nq, h_q, d).to(out_dtype)
+    if not return_lse:
+        return o, None
+    lse = torch.logsumexp(s, dim=-1)  # [H_kv, Q*g]; -inf for empty rows
+    return o, lse.view(h_kv, nq, g).transpose(0, 1).reshape(nq, h_q).float()
 
 
 def _tile_attention(
