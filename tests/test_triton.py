@@ -229,3 +229,35 @@ def test_gpu_merge_modes_on_random_forests(merge_mode, seed):
     layout = random_forest(np.random.default_rng(100 + seed), 60, 400, max_tokens=20000,
                            shuffle=seed % 2 == 0)
     check(layout, 32, 8, 128, torch.bfloat16, seed=seed)
+
+
+def test_work_descriptors_describe_every_tile_chunk():
+    """Each program's row: its tile's token range, group, first partial, flags, first row."""
+    from deft import make_plan
+    from deft.ops.triton_backend import _full_tiles, _tile_slot0, _work_items
+
+    plan = make_plan(shuffle_slots(few_shot_layout(64, 5, 20), seed=2, num_slots=200), "flatten", 16)
+    g, block_m = 3, 4
+    work = _work_items(plan, g, block_m)
+    full, slot0 = _full_tiles(plan), _tile_slot0(plan)
+    seen = set()
+    for tok0, tok1, qs, qe, p0, f, s0, row0 in work:
+        (t,) = np.flatnonzero(plan.tile_indptr[:-1] == tok0)
+        assert (tok1, qs, qe, p0, f, s0) == (plan.tile_indptr[t + 1], plan.tile_q_start[t],
+                                             plan.tile_q_end[t], plan.partial_indptr[t], full[t], slot0[t])
+        assert row0 % block_m == 0 and row0 < (qe - qs) * g
+        seen.add((t, row0))
+    rows = (plan.tile_q_end - plan.tile_q_start) * g
+    assert len(seen) == len(work) == int((-(-rows // block_m)).sum())
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_query_order_flag(reverse):
+    """Queries already in plan order skip the q_order load; reversed ones use it. Both exact."""
+    base = few_shot_layout(30, 4, 5)
+    queries = base.query_nodes[::-1] if reverse else base.query_nodes
+    layout = TreeLayout(base.parents, base.node_kv_indptr, base.kv_indices, queries)
+    attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=None if CUDA else 8)
+    attn.plan(layout)
+    assert attn._prepared.sorted_queries == (not reverse)
+    check(layout, 4, 2, 32, torch.float16)

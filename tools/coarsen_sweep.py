@@ -23,9 +23,7 @@ from deft.plan import coarsen_plan
 
 SHIPPED = tb.kernel_config(D)
 KC = tb.KernelConfig
-CONFIGS = {"shipped": SHIPPED, "m16n32w2s3": KC(16, 32, 2, 3, 4.0), "m16n64w4s3": KC(16, 64, 4, 3, 4.0),
-           "m32n32w2s3": KC(32, 32, 2, 3, 4.0), "m32n64w4s3": KC(32, 64, 4, 3, 4.0),
-           "m16n32w2s3 waves8": KC(16, 32, 2, 3, 8.0)}
+CONFIGS = {"shipped": SHIPPED, "fused": dataclasses.replace(SHIPPED, fuse_merge=True)}
 # (label, config, fixed coarsening factor or None for the shipped refine_plan)
 VARIANTS = [(c, cfg, None) for c, cfg in CONFIGS.items()]
 TREES = GPU_SUITE

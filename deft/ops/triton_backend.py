@@ -72,7 +72,8 @@ class _Prepared:
     partial_o: torch.Tensor  # [P, H_q, D] fp32
     partial_lse: torch.Tensor  # [P, H_q] fp32
     needs_mask: bool
-    contiguous: bool  # every tile's slots are consecutive (tile_slot0 >= 0)
+    contiguous: bool  # every tile's slots are consecutive (slot0 >= 0)
+    sorted_queries: bool  # query_order is the identity
     counts: torch.Tensor | None  # [Q * H_q] int32 zeros when the merge is fused, else None
 
 
@@ -117,15 +118,20 @@ def _tile_slot0(plan: TreePlan) -> np.ndarray:
     return np.where(contig, slots[starts], -1)
 
 
-def _work_items(plan: TreePlan, g: int, block_m: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tile, first row) of every program, largest tiles first, chunks of a tile adjacent."""
+def _work_items(plan: TreePlan, g: int, block_m: int) -> np.ndarray:
+    """``[W, 8]`` descriptor of every program: the tile's ``tok0, tok1, q_start, q_end,
+    first partial, full flag, slot0`` and the program's first row. Largest tiles come first;
+    the row chunks of one tile are adjacent, so they share its K/V through L2."""
     rows = (plan.tile_q_end - plan.tile_q_start) * g
     chunks = -(-rows // block_m)
     order = np.argsort(-np.diff(plan.tile_indptr), kind="stable")
     tiles = np.repeat(order, chunks[order])
     first = np.cumsum(chunks[order]) - chunks[order]
     row0 = (np.arange(tiles.shape[0]) - np.repeat(first, chunks[order])) * block_m
-    return tiles, row0
+    per_tile = np.stack([plan.tile_indptr[:-1], plan.tile_indptr[1:], plan.tile_q_start,
+                         plan.tile_q_end, plan.partial_indptr[:-1], _full_tiles(plan),
+                         _tile_slot0(plan)], axis=1)
+    return np.concatenate([per_tile[tiles], row0[:, None]], axis=1)
 
 
 class TritonBackend:
@@ -161,15 +167,10 @@ class TritonBackend:
             raise ValueError(f"head_dim: the triton backend needs a power of two >= 16, got {head_dim}")
         cfg = kernel_config(head_dim)
         g = num_qo_heads // num_kv_heads
-        work_tile, work_row0 = _work_items(plan, g, cfg.block_m)
-        slot0 = _tile_slot0(plan)
-
+        work = _work_items(plan, g, cfg.block_m)
         host = {
             "tok_slot": plan.token_slots, "tok_lo": plan.token_lo, "tok_hi": plan.token_hi,
-            "tok_off": plan.token_off, "work_tile": work_tile, "work_row0": work_row0,
-            "tile_tok": plan.tile_indptr, "tile_qs": plan.tile_q_start,
-            "tile_qe": plan.tile_q_end, "tile_p0": plan.partial_indptr[:-1],
-            "tile_full": _full_tiles(plan), "tile_slot0": slot0,
+            "tok_off": plan.token_off, "work": work.reshape(-1),
             "q_order": plan.query_order, "q_pre": plan.query_pre, "q_len": plan.query_len,
             "merge_indptr": plan.merge_indptr, "merge_partials": plan.merge_partials,
         }
@@ -184,12 +185,13 @@ class TritonBackend:
         arrays = {name: buf[st:st + n] for name, st, n in zip(host, starts.tolist(), sizes)}
         p = max(plan.num_partials, 1)
         return _Prepared(
-            config=cfg, arrays=arrays, num_work=int(work_tile.shape[0]),
+            config=cfg, arrays=arrays, num_work=int(work.shape[0]),
             num_queries=plan.num_queries,
             partial_o=torch.empty(p, num_qo_heads, head_dim, dtype=torch.float32, device=device),
             partial_lse=torch.empty(p, num_qo_heads, dtype=torch.float32, device=device),
             needs_mask=plan.needs_mask,
-            contiguous=cfg.contig and bool((slot0 >= 0).all()),
+            contiguous=cfg.contig and bool((work[:, 6] >= 0).all()),
+            sorted_queries=bool((plan.query_order == np.arange(plan.num_queries)).all()),
             # Fused merge needs every query to own a partial (else nobody writes its row).
             counts=torch.zeros(plan.num_queries * num_qo_heads, dtype=torch.int32, device=device)
             if cfg.fuse_merge and plan.num_queries and bool((np.diff(plan.merge_indptr) > 0).all())
@@ -212,16 +214,15 @@ class TritonBackend:
             tree_partial_kernel[(prepared.num_work, h_kv)](
                 q, k_cache, v_cache, po, plse,
                 a["tok_slot"], a["tok_lo"], a["tok_hi"], a["tok_off"],
-                a["work_tile"], a["work_row0"],
-                a["tile_tok"], a["tile_qs"], a["tile_qe"], a["tile_p0"], a["tile_full"],
-                a["tile_slot0"], a["q_order"], a["q_pre"], a["q_len"],
+                a["work"], a["q_order"], a["q_pre"], a["q_len"],
                 o, lse, prepared.counts if fused else a["merge_indptr"],
                 a["merge_indptr"], a["merge_partials"],
                 sm_scale * math.log2(math.e),
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                 po.stride(0), po.stride(1), plse.stride(0), o.stride(0), o.stride(1), h_q,
                 G=h_q // h_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                USE_MASK=prepared.needs_mask, CONTIG=prepared.contiguous, FUSE_MERGE=fused,
+                USE_MASK=prepared.needs_mask, CONTIG=prepared.contiguous,
+                SORTED=prepared.sorted_queries, FUSE_MERGE=fused,
                 IEEE=q.dtype == torch.float32,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )

@@ -77,36 +77,41 @@ def _tile_loop(
 def tree_partial_kernel(
     Q, K, V, PO, PLSE,
     tok_slot, tok_lo, tok_hi, tok_off,
-    work_tile, work_row0,
-    tile_tok, tile_qs, tile_qe, tile_p0, tile_full, tile_slot0,
+    work,  # [W, 8] int32 per program: tok0, tok1, qs, qe, p0, full, slot0, row0
     q_order, q_pre, q_len,
     O, LSE, counts, merge_indptr, merge_partials,
     qk_scale,  # sm_scale * log2(e)
     stride_qn, stride_qh, stride_kn, stride_kh, stride_pn, stride_ph, stride_ln,
     stride_on, stride_oh, num_heads,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_MASK: tl.constexpr, CONTIG: tl.constexpr, FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr,
+    USE_MASK: tl.constexpr, CONTIG: tl.constexpr, SORTED: tl.constexpr,
+    FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr,
 ):
     w = tl.program_id(0)
     kvh = tl.program_id(1)
-    t = tl.load(work_tile + w)
-    row0 = tl.load(work_row0 + w)
-    tok0 = tl.load(tile_tok + t)
-    tok1 = tl.load(tile_tok + t + 1)
-    qs = tl.load(tile_qs + t)
-    qe = tl.load(tile_qe + t)
-    p0 = tl.load(tile_p0 + t)
+    # One row of independent loads (one memory round trip) describes the program's work.
+    desc = work + w * 8
+    tok0 = tl.load(desc)
+    tok1 = tl.load(desc + 1)
+    qs = tl.load(desc + 2)
+    qe = tl.load(desc + 3)
+    p0 = tl.load(desc + 4)
     # A tile every group query sees whole needs no per-token mask (most prompt tiles).
-    partial_vis = USE_MASK & (tl.load(tile_full + t) == 0)
-    # CONTIG: every tile's slots are consecutive from tile_slot0 (no slot loads at all).
-    slot0 = tl.load(tile_slot0 + t) if CONTIG else 0
+    partial_vis = USE_MASK & (tl.load(desc + 5) == 0)
+    # CONTIG: every tile's slots are consecutive from its slot0 (no slot loads at all).
+    slot0 = tl.load(desc + 6) if CONTIG else 0
+    row0 = tl.load(desc + 7)
 
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < (qe - qs) * G
     qi = rows // G  # query index within the group
     head = kvh * G + rows % G
     qpos = qs + qi
-    qorig = tl.load(q_order + qpos, mask=row_ok, other=0).to(tl.int64)
+    # SORTED: the queries are already in plan order, so Q rows need no q_order load first.
+    if SORTED:
+        qorig = qpos.to(tl.int64)
+    else:
+        qorig = tl.load(q_order + qpos, mask=row_ok, other=0).to(tl.int64)
     d = tl.arange(0, D)
     q = tl.load(Q + qorig[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
