@@ -123,6 +123,8 @@ class TreeAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         return_lse: bool = False,
+        out: torch.Tensor | None = None,
+        lse_out: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention output for the planned step.
 
@@ -135,17 +137,38 @@ class TreeAttention:
             ``[num_pages, page_size, num_kv_heads, head_dim]``; same dtype and device as ``q``.
         return_lse:
             Also return the float32 natural-log sum-exp ``[num_queries, num_qo_heads]``.
+        out, lse_out:
+            Contiguous tensors to write ``o`` (and, with ``return_lse``, ``lse``) into. With
+            the ``triton`` backend the kernels write there directly and ``run`` allocates
+            nothing (its workspaces are sized by :meth:`plan`), as CUDA-graph capture of a
+            whole decode step wants; other backends copy their result in.
 
         Returns
         -------
-        ``o`` ``[num_queries, num_qo_heads, head_dim]`` in ``q.dtype`` (and ``lse``).
+        ``o`` ``[num_queries, num_qo_heads, head_dim]`` in ``q.dtype`` (and ``lse``); ``out``
+        and ``lse_out`` themselves when given.
         """
         plan = self.current_plan
         k_flat, v_flat = self._check_inputs(q, k_cache, v_cache, plan)
+        if out is not None:
+            _check_out(out, "out", tuple(q.shape), q.dtype, q.device)
+        if lse_out is not None:
+            if not return_lse:
+                raise ValueError("lse_out: given but return_lse is False")
+            _check_out(lse_out, "lse_out", tuple(q.shape[:2]), torch.float32, q.device)
+        if getattr(self._backend, "writes_out", False):
+            if return_lse:
+                return self._backend.run(self._prepared, q, k_flat, v_flat, self.sm_scale,
+                                         out=out, lse_out=lse_out)
+            return self._run_output(self._prepared, q, k_flat, v_flat, self.sm_scale, out=out)
         if not return_lse and self._run_output is not None:
-            return self._run_output(self._prepared, q, k_flat, v_flat, self.sm_scale)
+            o = self._run_output(self._prepared, q, k_flat, v_flat, self.sm_scale)
+            return o if out is None else out.copy_(o)
         o, lse = self._backend.run(self._prepared, q, k_flat, v_flat, self.sm_scale)
-        return (o, lse) if return_lse else o
+        o = o if out is None else out.copy_(o)
+        if not return_lse:
+            return o
+        return o, (lse if lse_out is None else lse_out.copy_(lse))
 
     def _check_inputs(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TreePlan
@@ -183,6 +206,17 @@ class TreeAttention:
                 f"{k_flat.shape[0]} slots"
             )
         return k_flat, v_flat
+
+
+def _check_out(t: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+               device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
+        raise ValueError(f"{name}: expected a {dtype} tensor of shape {shape} on {device}, got "
+                         f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor")
 
 
 def tree_attention(

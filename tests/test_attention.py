@@ -177,3 +177,48 @@ class TestErrors:
     def test_plan_type(self):
         with pytest.raises(TypeError, match="layout: expected a deft.TreeLayout, got dict"):
             TreeAttention(4, 2, 64).plan({})
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference", "triton"])
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_run_writes_into_out(backend, return_lse):
+    """``out``/``lse_out`` receive the result and are what ``run`` returns, for every backend."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    layout = shuffle_slots(few_shot_layout(40, 3, 6), seed=3, num_slots=80)
+    dtype = torch.float16 if backend == "triton" else torch.float32
+    # The triton backend runs on the GPU if there is one, else interpreted on the CPU.
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    q, k, v = random_qkv(layout, 4, 2, 32, dtype, 1, device=dev)
+    ref_o, ref_lse = reference_attention(q, k, v, layout, 32**-0.5)
+    attn = TreeAttention(4, 2, 32, backend=backend, device=dev,
+                         block_kv=8 if backend == "triton" and dev == "cpu" else None)
+    attn.plan(layout)
+    out = torch.full_like(q, float("nan"))
+    lse_out = torch.full(q.shape[:2], float("nan"), device=dev) if return_lse else None
+    got = attn.run(q, k, v, return_lse=return_lse, out=out, lse_out=lse_out)
+    o, lse = got if return_lse else (got, None)
+    assert o is out
+    assert_close(out, ref_o, dtype, f"{backend} out")
+    if return_lse:
+        assert lse is lse_out
+        assert_lse_close(lse_out, ref_lse, f"{backend} lse_out")
+
+
+def test_out_errors():
+    layout = few_shot_layout(10, 2, 3)
+    q, k, v = random_qkv(layout, 4, 2, 16, torch.float32, 0)
+    attn = TreeAttention(4, 2, 16)
+    attn.plan(layout)
+    with pytest.raises(ValueError, match=r"out: expected a torch.float32 tensor of shape \(2, 4, 16\)"):
+        attn.run(q, k, v, out=torch.empty(2, 4, 8))
+    with pytest.raises(ValueError, match="out: expected a torch.float32 tensor"):
+        attn.run(q, k, v, out=torch.empty(2, 4, 16, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out: expected a contiguous tensor"):
+        attn.run(q, k, v, out=torch.empty(2, 16, 4).transpose(1, 2))
+    with pytest.raises(ValueError, match="lse_out: given but return_lse is False"):
+        attn.run(q, k, v, lse_out=torch.empty(2, 4))
+    with pytest.raises(ValueError, match=r"lse_out: expected a torch.float32 tensor of shape \(2, 4\)"):
+        attn.run(q, k, v, return_lse=True, lse_out=torch.empty(2, 5))
+    with pytest.raises(TypeError, match="out: expected a torch.Tensor"):
+        attn.run(q, k, v, out=[0.0])

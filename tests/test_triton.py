@@ -154,6 +154,43 @@ def test_gpu_cuda_graph_replay():
         assert_lse_close(static_lse.cpu(), ref_lse.cpu(), "graph replay")
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_gpu_run_into_out_allocates_nothing(return_lse):
+    """With ``out`` (and ``lse_out``) a layer's run allocates no device memory, and a
+    32-layer step of such runs replays from a CUDA graph with the right results."""
+    layout = shuffle_slots(few_shot_layout(2000, 20, 50), seed=6, num_slots=5000)
+    q, k, v = random_qkv(layout, 32, 8, 128, torch.bfloat16, device="cuda")
+    attn = TreeAttention(32, 8, 128, backend="triton", device="cuda")
+    attn.plan(layout)
+    outs = torch.empty(4, *q.shape, dtype=q.dtype, device="cuda")
+    lses = torch.empty(4, *q.shape[:2], device="cuda")
+
+    def step():
+        for layer in range(4):
+            attn.run(q, k, v, return_lse=return_lse, out=outs[layer],
+                     lse_out=lses[layer] if return_lse else None)
+
+    step()  # compiles the kernels
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    q.copy_(random_qkv(layout, 32, 8, 128, torch.bfloat16, seed=9, device="cuda")[0])
+    outs.zero_()
+    graph.replay()
+    ref_o, ref_lse = reference_attention(q, k, v, layout, 128**-0.5)
+    for layer in range(4):
+        assert_close(outs[layer].cpu(), ref_o.cpu(), torch.bfloat16, f"out, layer {layer}")
+        if return_lse:
+            assert_lse_close(lses[layer].cpu(), ref_lse.cpu(), "lse_out")
+
+
 def test_full_tile_flags_are_sound():
     """A tile flagged full must be entirely visible to its whole group (and prompt tiles are)."""
     from deft import make_plan

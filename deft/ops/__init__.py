@@ -5,7 +5,9 @@ A backend executes a :class:`~deft.plan.TreePlan`. ``prepare`` runs once per ste
 backend may also define ``refine_plan(plan, num_qo_heads, num_kv_heads, head_dim, device)``
 to reshape the plan for its kernels (e.g. coarser tiles) before ``prepare``, and
 ``run_output(prepared, q, k_cache, v_cache, sm_scale) -> o``, which ``TreeAttention.run``
-calls instead of ``run`` when the caller does not want the log-sum-exp.
+calls instead of ``run`` when the caller does not want the log-sum-exp. A backend with
+``writes_out = True`` takes ``out=`` (and ``run`` also ``lse_out=``) and writes there;
+``TreeAttention`` copies other backends' results into the caller's tensors.
 New backends plug in with :func:`register_backend` without touching callers.
 """
 

@@ -5,8 +5,8 @@ tiles so every program streams about the same number of tokens, flag tiles whose
 are consecutive (no slot loads) or fully visible (no mask), list the work items (query-row
 chunks of each tile, largest tiles first, chunks of one tile adjacent so they share its KV
 through L2), upload the plan arrays as int32 and allocate the fp32 partial-state
-workspace. Per layer (``run``): two launches, no host synchronisation, no allocation
-besides the returned tensors. Runs on CUDA tensors, or on CPU tensors under
+workspace. Per layer (``run``): two launches, no host synchronisation, and no allocation when the
+caller passes the output tensors. Runs on CUDA tensors, or on CPU tensors under
 ``TRITON_INTERPRET=1`` (with small blocks, for tests).
 """
 
@@ -71,6 +71,7 @@ class _Prepared:
     num_queries: int
     partial_o: torch.Tensor  # [P, H_q, D] fp32
     partial_lse: torch.Tensor  # [P, H_q] fp32
+    lse: torch.Tensor  # [Q, H_q] fp32 workspace for steps whose caller wants no lse
     needs_mask: bool
     contiguous: bool  # every tile's slots are consecutive (slot0 >= 0)
     sorted_queries: bool  # query_order is the identity
@@ -189,6 +190,7 @@ class TritonBackend:
             num_queries=plan.num_queries,
             partial_o=torch.empty(p, num_qo_heads, head_dim, dtype=torch.float32, device=device),
             partial_lse=torch.empty(p, num_qo_heads, dtype=torch.float32, device=device),
+            lse=torch.empty(plan.num_queries, num_qo_heads, dtype=torch.float32, device=device),
             needs_mask=plan.needs_mask,
             contiguous=cfg.contig and bool((work[:, 6] >= 0).all()),
             sorted_queries=bool((plan.query_order == np.arange(plan.num_queries)).all()),
@@ -198,14 +200,32 @@ class TritonBackend:
             else None,
         )
 
+    writes_out = True  # run/run_output write into caller-given tensors, allocating nothing
+
     def run(self, prepared: _Prepared, q: torch.Tensor, k_cache: torch.Tensor,
-            v_cache: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+            v_cache: torch.Tensor, sm_scale: float, out: torch.Tensor | None = None,
+            lse_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+        lse = (torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+               if lse_out is None else lse_out)
+        self._launch(prepared, q, k_cache, v_cache, sm_scale, o, lse)
+        return o, lse
+
+    def run_output(self, prepared: _Prepared, q: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, sm_scale: float,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """Like :meth:`run` but only ``o``; the lse goes to the plan's workspace."""
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+        self._launch(prepared, q, k_cache, v_cache, sm_scale, o, prepared.lse)
+        return o
+
+    def _launch(self, prepared: _Prepared, q: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, sm_scale: float, o: torch.Tensor, lse: torch.Tensor) -> None:
+        """The step's two launches (one when the merge is fused), writing ``o`` and ``lse``."""
         nq, h_q, d = q.shape
         h_kv = k_cache.shape[1]
-        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(nq, h_q, dtype=torch.float32, device=q.device)
         if nq == 0:
-            return o, lse
+            return
         q = q if q.stride(-1) == 1 else q.contiguous()
         a, cfg = prepared.arrays, prepared.config
         po, plse = prepared.partial_o, prepared.partial_lse
@@ -228,7 +248,6 @@ class TritonBackend:
             )
         if not fused:
             launch_merge(po, plse, o, lse, a["merge_indptr"], a["merge_partials"])
-        return o, lse
 
 
 def launch_merge(po: torch.Tensor, plse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
