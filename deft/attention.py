@@ -140,8 +140,9 @@ class TreeAttention:
         out, lse_out:
             Contiguous tensors to write ``o`` (and, with ``return_lse``, ``lse``) into. With
             the ``triton`` backend the kernels write there directly and ``run`` allocates
-            nothing (its workspaces are sized by :meth:`plan`), as CUDA-graph capture of a
-            whole decode step wants; other backends copy their result in.
+            nothing (its workspaces are sized by :meth:`plan`), so the layers of a step can
+            be captured in one CUDA graph; other backends copy their result in. A captured
+            graph reads this plan's buffers: replay it only until the next :meth:`plan`.
 
         Returns
         -------
@@ -157,10 +158,11 @@ class TreeAttention:
                 raise ValueError("lse_out: given but return_lse is False")
             _check_out(lse_out, "lse_out", tuple(q.shape[:2]), torch.float32, q.device)
         if getattr(self._backend, "writes_out", False):
-            if return_lse:
-                return self._backend.run(self._prepared, q, k_flat, v_flat, self.sm_scale,
-                                         out=out, lse_out=lse_out)
-            return self._run_output(self._prepared, q, k_flat, v_flat, self.sm_scale, out=out)
+            if not return_lse and self._run_output is not None:
+                return self._run_output(self._prepared, q, k_flat, v_flat, self.sm_scale, out=out)
+            o, lse = self._backend.run(self._prepared, q, k_flat, v_flat, self.sm_scale,
+                                       out=out, lse_out=lse_out)
+            return (o, lse) if return_lse else o
         if not return_lse and self._run_output is not None:
             o = self._run_output(self._prepared, q, k_flat, v_flat, self.sm_scale)
             return o if out is None else out.copy_(o)

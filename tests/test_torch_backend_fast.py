@@ -106,3 +106,18 @@ def test_tiled_steps_without_lse(monkeypatch):
     o = attn.run(q, k, v)
     assert_close(o, ref_o, torch.bfloat16, "tiled o without lse")
     assert torch.equal(o, attn.run(q, k, v, return_lse=True)[0])
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_bad_key_reaches_only_the_queries_that_see_it(bad):
+    """Two independent sequences in one step: an inf/NaN key of one must not touch the other
+    (the mask is applied after the matmul, as in the reference)."""
+    layout = TreeLayout.from_node_lengths([-1, -1], [4, 4], [0, 1])
+    q, k, v = random_qkv(layout, 4, 2, 16, torch.float16, 3)
+    k[5] = bad  # a token of the second sequence
+    attn = planned(layout, 4, 2, 16)
+    ref_o, ref_lse = reference_attention(q, k, v, layout, attn.sm_scale)
+    o, lse = attn.run(q, k, v, return_lse=True)
+    assert torch.isfinite(o[0]).all() and torch.isfinite(lse[0]).all()
+    assert_close(o[:1], ref_o[:1], torch.float16, "first sequence")
+    assert_lse_close(lse[:1], ref_lse[:1], "first sequence")

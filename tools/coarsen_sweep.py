@@ -1,10 +1,14 @@
-"""Sweep the triton backend's work split on the GPU suite (GPU only).
+"""Sweep the triton backend's kernel configs and work split on the GPU suite (GPU only).
 
-For each tree and variant (kernel config, contiguous-slot path on/off, fixed coarsening
-factor ``u`` or the shipped ``refine_plan``), time a 32-layer step replayed as a CUDA graph
-(partial + merge kernels, one KV buffer per layer) and check layer 0 against the reference.
+For each tree and variant, time a 32-layer step replayed as a CUDA graph (partial + merge
+kernels, one KV buffer per layer) and check layer 0 against the float64 reference.
+``SWEEP`` picks the variants (each against the shipped config and ``refine_plan``):
 
-Usage: python3 tools/coarsen_sweep.py [TREE ...]   (prints one line per (tree, variant))
+* ``merge`` (default): the merge fused into the partial kernel;
+* ``factors``: fixed coarsening factors 2..32 instead of ``refine_plan``;
+* ``shapes``: other block shapes (rows x tokens, warps, stages), and slot loads forced on.
+
+Usage: [SWEEP=factors] python3 tools/coarsen_sweep.py [TREE ...]   (one line per (tree, variant))
 """
 import dataclasses
 import json
@@ -23,9 +27,21 @@ from deft.plan import coarsen_plan
 
 SHIPPED = tb.kernel_config(D)
 KC = tb.KernelConfig
-CONFIGS = {"shipped": SHIPPED, "fused": dataclasses.replace(SHIPPED, fuse_merge=True)}
+SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 3),
+          (128, 64, 8, 2), (64, 16, 4, 4), (16, 32, 2, 3), (16, 64, 4, 3), (32, 32, 2, 3),
+          (32, 64, 4, 3)]
 # (label, config, fixed coarsening factor or None for the shipped refine_plan)
-VARIANTS = [(c, cfg, None) for c, cfg in CONFIGS.items()]
+VARIANTS = [("shipped", SHIPPED, None)]
+SWEEP = os.environ.get("SWEEP", "merge")
+if SWEEP == "merge":
+    VARIANTS.append(("fused merge", dataclasses.replace(SHIPPED, fuse_merge=True), None))
+elif SWEEP == "factors":
+    VARIANTS += [(f"u={u}", SHIPPED, u) for u in (2, 4, 8, 16, 32)]
+elif SWEEP == "shapes":
+    VARIANTS += [(f"m{m}n{n}w{w}s{st}", KC(m, n, w, st, SHIPPED.waves), None) for m, n, w, st in SHAPES]
+    VARIANTS.append(("slot loads", dataclasses.replace(SHIPPED, contig=False), None))
+else:
+    sys.exit(f"SWEEP: expected merge, factors or shapes, got {SWEEP!r}")
 TREES = GPU_SUITE
 
 workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))

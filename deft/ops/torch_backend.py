@@ -200,6 +200,10 @@ def _dense_attention(
     # Rows of one KV head: (query, GQA head) pairs, matching the bias rows.
     qh = q.reshape(nq, h_kv, g, d).transpose(0, 1).reshape(h_kv, nq * g, d)
     s = torch.baddbmm(bias, qh, k.permute(1, 2, 0), alpha=sm_scale)  # [H_kv, Q*g, N]
+    # An inf/NaN key a row cannot see gives -inf + inf = NaN there: make it -inf again, so
+    # one sequence's overflow never reaches another (a NaN key a row sees is then ignored
+    # rather than propagated; a masked fill would be exact but costs 2-3x on CPU).
+    s.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     p = torch.softmax(s, dim=-1)
     if prepared.empty_rows is not None:
         p.index_fill_(1, prepared.empty_rows, 0.0)  # their NaN rows: output 0

@@ -47,8 +47,9 @@ _GPU_CONFIGS = {
     128: KernelConfig(64, 32, 4, 3, 4.0),
     256: KernelConfig(64, 32, 8, 2, 4.0),
 }
-# Coarsened tiles are at least this many tokens: shorter loops cost more in prologue and
-# epilogue (loads of the work item and Q, partial-state stores) than they gain in balance.
+# Coarsened tiles are at least this many tokens (while the launch keeps one program per SM):
+# shorter loops cost more in prologue and epilogue (loads of the work item and Q,
+# partial-state stores) than they gain in balance.
 _MIN_TILE_TOKENS = 256
 _INTERPRET_CONFIG = KernelConfig(16, 16, 1, 1, 2.0)
 
@@ -146,9 +147,10 @@ class TritonBackend:
         """Merge same-group tiles into tiles of about ``work / (waves * SMs)`` tokens.
 
         ``work`` counts (token, query-row chunk, KV head) triples, so each program streams
-        about the same number of tokens; the length is at least ``_MIN_TILE_TOKENS`` and is
-        rounded down to a power of two of plan tiles (the rule that fit an H200 sweep of
-        the benchmark trees best, within 4% of the best fixed factor per tree on average).
+        about the same number of tokens. The length is at least ``_MIN_TILE_TOKENS`` unless
+        that would leave fewer programs than SMs (single-sequence decoding), and is rounded
+        down to a power of two of plan tiles: on an H200 sweep of the benchmark trees this
+        is within 3% of the best fixed factor per tree on average.
         """
         if plan.num_tiles == 0:
             return plan
@@ -156,9 +158,10 @@ class TritonBackend:
         g = num_qo_heads // num_kv_heads
         chunks = -(-(plan.tile_q_end - plan.tile_q_start) * g // cfg.block_m)
         work = num_kv_heads * float((np.diff(plan.tile_indptr) * chunks).sum())
+        sms = _num_sms(device)
         # Interpreted (tests): no floor, so tiny trees keep several tiles and merges.
-        floor = 0 if interpreting() else _MIN_TILE_TOKENS
-        length = max(floor, plan.block_kv, work / (cfg.waves * _num_sms(device)))
+        floor = 0 if interpreting() else min(_MIN_TILE_TOKENS, work / sms)
+        length = max(floor, plan.block_kv, work / (cfg.waves * sms))
         factor = 2 ** max(0, math.floor(math.log2(length / plan.block_kv)))
         return coarsen_plan(plan, min(factor, 1024))
 
