@@ -90,3 +90,24 @@ def workloads():
         return workloads_dir()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
+
+
+# ------------------------------------------------ SmolLM2-135M, loaded once per session
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """``(model, tokenizer)`` of the default model (SmolLM2-135M-Instruct GGUF, float32)."""
+    from deft.model import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def smol_ref():
+    """``transformers``' LlamaForCausalLM from the same GGUF: the reference."""
+    transformers = pytest.importorskip("transformers")
+    from deft.model.loader import DEFAULT_GGUF, default_model_path
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(default_model_path()), gguf_file=DEFAULT_GGUF, dtype=torch.float32).eval()

@@ -18,14 +18,8 @@ from deft.demo import engine_demo
 from deft.engine import SamplingParams, TreeEngine
 from deft.engine.beam import beam_search
 from deft.engine.strategies import generate
-from deft.model import load_model
 
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def smol():
-    return load_model()
 
 
 @pytest.fixture

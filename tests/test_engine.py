@@ -8,7 +8,6 @@ Float32 logits of the same sequence computed through different trees agree withi
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -19,25 +18,11 @@ from deft.engine.beam import beam_search
 from deft.engine.replay import load_trace, replay_trace
 from deft.engine.strategies import generate, sample
 from deft.engine.tree_search import Expansion, tree_search
-from deft.model import load_model
-from deft.model.loader import DEFAULT_GGUF, default_model_path
 
 transformers = pytest.importorskip("transformers")
 
 TREE_ATOL = 2e-4
 EOS = [0, 2]  # SmolLM2's <|endoftext|> and <|im_end|>, passed to transformers as well
-
-
-@pytest.fixture(scope="module")
-def smol():
-    return load_model()
-
-
-@pytest.fixture(scope="module")
-def smol_ref():
-    folder = os.path.dirname(default_model_path())
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=DEFAULT_GGUF, dtype=torch.float32).eval()
 
 
 @pytest.fixture

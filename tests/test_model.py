@@ -92,18 +92,6 @@ def reference_logits(ref, ids: list[int]) -> torch.Tensor:
 # ---------------------------------------------------------------- SmolLM2-135M (GGUF)
 
 
-@pytest.fixture(scope="module")
-def smol():
-    return load_model()
-
-
-@pytest.fixture(scope="module")
-def smol_ref():
-    folder = os.path.dirname(default_model_path())
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=DEFAULT_GGUF, dtype=torch.float32).eval()
-
-
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",

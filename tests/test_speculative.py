@@ -20,7 +20,7 @@ from deft.engine.drafters import DraftJob, ModelDrafter, NgramDrafter
 from deft.engine.sampling import probabilities
 from deft.engine.speculative import accept_greedy, accept_sampled, speculative_generate
 from deft.engine.trees import Candidates, DraftTree, TopKShape, TreeGrower, TreeShape, as_shape
-from deft.model import LlamaConfig, LlamaModel, Tokenizer, load_model
+from deft.model import LlamaConfig, LlamaModel, Tokenizer
 from deft.workloads import load_medusa_choices
 
 # ---------------------------------------------------------------- tree shapes
@@ -313,8 +313,9 @@ NEW = 32
 
 
 @pytest.fixture(scope="module")
-def smol():
-    model, tok = load_model()
+def smol(smol):
+    """An engine on the session's SmolLM2 (this module's ``smol`` is the engine)."""
+    model, tok = smol
     return TreeEngine(model, tok, num_pages=256)
 
 
