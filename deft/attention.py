@@ -106,12 +106,17 @@ class TreeAttention:
         if not isinstance(layout, TreeLayout):
             raise TypeError(f"layout: expected a deft.TreeLayout, got {type(layout).__name__}")
         t0 = time.perf_counter()
-        plan = make_plan(layout, self.plan_kind, self.block_kv)
         heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim)
-        refine = getattr(self._backend, "refine_plan", None)
-        if refine is not None and self.plan_kind in ("flatten", "per_query"):
-            plan = refine(plan, *heads, self.device)
-        self._prepared = self._backend.prepare(plan, layout, self.device, *heads)
+        fast = getattr(self._backend, "plan_fast", None)
+        done = fast(layout, self.plan_kind, self.block_kv, *heads, self.device) if fast else None
+        if done is not None:
+            plan, self._prepared = done
+        else:
+            plan = make_plan(layout, self.plan_kind, self.block_kv)
+            refine = getattr(self._backend, "refine_plan", None)
+            if refine is not None and self.plan_kind in ("flatten", "per_query"):
+                plan = refine(plan, *heads, self.device)
+            self._prepared = self._backend.prepare(plan, layout, self.device, *heads)
         self._plan = plan
         self._max_slot = int(layout.kv_indices.max(initial=-1))
         self.plan_seconds = time.perf_counter() - t0

@@ -68,8 +68,9 @@ def test_merge_states_triton_path():
     s[1, :2] = float("-inf")
     o = torch.empty(3, 2, 16, device=DEV)
     lse = torch.empty(3, 2, device=DEV)
-    indptr = torch.arange(0, 13, 4, dtype=torch.int32, device=DEV)
-    launch_merge(v.view(12, 2, 16), s.view(12, 2), o, lse, indptr, torch.arange(12, dtype=torch.int32, device=DEV))
+    # The CSR offsets sit at an offset of a larger int32 buffer, as in a packed plan.
+    meta = torch.cat([torch.full((4,), -7, dtype=torch.int32), torch.arange(0, 13, 4, dtype=torch.int32)]).to(DEV)
+    launch_merge(v.view(12, 2, 16), s.view(12, 2), o, lse, meta, 4)
     ref_o, ref_lse = merge_states(v, s)
     torch.testing.assert_close(o, ref_o)
     torch.testing.assert_close(lse, ref_lse)
@@ -309,3 +310,60 @@ def test_query_order_flag(reverse):
     attn.plan(layout)
     assert attn._prepared.sorted_queries == (not reverse)
     check(layout, 4, 2, 32, torch.float16)
+
+
+def _mixed_slots_layout() -> TreeLayout:
+    """A prompt and 3 branches with the last branch's slots reversed: TMA and gather tiles."""
+    base = few_shot_layout(70, 3, 21)
+    slots = base.kv_indices.copy()
+    slots[-21:] = slots[-21:][::-1]
+    return TreeLayout(base.parents, base.node_kv_indptr, slots, base.query_nodes, base.query_kv_lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("name", ["fan", "partial lens", "prompt and branches", "mixed slots"])
+def test_tma_path_matches_reference(monkeypatch, name, dtype):
+    """Consecutive slots with ``tma``: whole blocks by tensor descriptor, the tail by gather,
+    masked (branch) and unmasked (prompt) tiles; also with a KV head stride ``_tma_ok`` rejects."""
+    import dataclasses
+
+    from deft.ops import triton_backend as tb
+
+    monkeypatch.setattr(tb, "_INTERPRET_CONFIG", dataclasses.replace(tb._INTERPRET_CONFIG, tma=True))
+    for d, cfg in list(tb._GPU_CONFIGS.items()):
+        monkeypatch.setitem(tb._GPU_CONFIGS, d, dataclasses.replace(cfg, tma=True))
+    layout = {**TINY, "prompt and branches": few_shot_layout(70, 3, 21),
+              "mixed slots": _mixed_slots_layout()}[name]
+    q, k, v = random_qkv(layout, 4, 2, 32, dtype, 5, device=DEV)
+    ref_o, ref_lse = reference_attention(q, k, v, layout, 32**-0.5)
+    # NaN in the slots past the layout: a tail block's box reads them, and must not use them.
+    k, v = (torch.cat([x, torch.full_like(x[:40], float("nan"))]) for x in (k, v))
+    attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=None if CUDA else 32)
+    attn.plan(layout)
+    assert attn._prepared.contiguous == (name != "mixed slots") and attn._prepared.any_contiguous
+    calls = []
+    monkeypatch.setattr(tb, "_kv_descriptor", lambda *a, f=tb._kv_descriptor: calls.append(1) or f(*a))
+    o, lse = attn.run(q, k, v, return_lse=True)
+    assert calls, "the TMA path was not taken"
+    assert_close(o.cpu(), ref_o.cpu(), dtype, "tma")
+    assert_lse_close(lse.cpu(), ref_lse.cpu(), "tma")
+    # A cache whose KV heads are not adjacent rows cannot be one 2-D TMA tensor: gather path.
+    k2, v2 = (torch.stack([x, x], 2)[:, :, 0] for x in (k, v))
+    assert not tb._tma_ok(k2)
+    calls.clear()
+    assert_close(attn.run(q, k2, v2).cpu(), ref_o.cpu(), dtype, "tma fallback")
+    assert not calls
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("d,gqa", [(64, 1), (128, 4), (256, 8)])
+def test_gpu_tma_path(dtype, d, gqa):
+    """The shipped configs load consecutive-slot tiles by TMA: every head_dim, GQA, dtype,
+    with branch tails that end mid-block."""
+    layout = few_shot_layout(1500, 7, 77)
+    attn = TreeAttention(2 * gqa, 2, d, backend="triton", device="cuda")
+    attn.plan(layout)
+    assert attn._prepared.contiguous and attn._prepared.config.tma
+    check(layout, 2 * gqa, 2, d, dtype)

@@ -6,7 +6,9 @@ kernels, one KV buffer per layer) and check layer 0 against the float64 referenc
 
 * ``merge`` (default): the merge fused into the partial kernel;
 * ``factors``: fixed coarsening factors 2..32 instead of ``refine_plan``;
-* ``shapes``: other block shapes (rows x tokens, warps, stages), and slot loads forced on.
+* ``shapes``: other block shapes (rows x tokens, warps, stages), and slot loads forced on;
+* ``tma``: TMA loads of consecutive-slot tiles off (gathered loads), and TMA block shapes;
+* ``occupancy``: 2 stages, a 128-register cap (4 programs per SM instead of 3), other waves.
 
 Usage: [SWEEP=factors] python3 tools/coarsen_sweep.py [TREE ...]   (one line per (tree, variant))
 """
@@ -30,6 +32,7 @@ KC = tb.KernelConfig
 SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 3),
           (128, 64, 8, 2), (64, 16, 4, 4), (16, 32, 2, 3), (16, 64, 4, 3), (32, 32, 2, 3),
           (32, 64, 4, 3)]
+TMA_SHAPES = [(64, 32, 4, 4), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2)]
 # (label, config, fixed coarsening factor or None for the shipped refine_plan)
 VARIANTS = [("shipped", SHIPPED, None)]
 SWEEP = os.environ.get("SWEEP", "merge")
@@ -40,8 +43,19 @@ elif SWEEP == "factors":
 elif SWEEP == "shapes":
     VARIANTS += [(f"m{m}n{n}w{w}s{st}", KC(m, n, w, st, SHIPPED.waves), None) for m, n, w, st in SHAPES]
     VARIANTS.append(("slot loads", dataclasses.replace(SHIPPED, contig=False), None))
+elif SWEEP == "tma":
+    VARIANTS.append(("gather", dataclasses.replace(SHIPPED, tma=False), None))
+    VARIANTS += [(f"tma m{m}n{n}w{w}s{st}", KC(m, n, w, st, SHIPPED.waves, tma=True), None)
+                 for m, n, w, st in TMA_SHAPES]
+elif SWEEP == "occupancy":
+    VARIANTS += [
+        ("s2", dataclasses.replace(SHIPPED, num_stages=2), None),
+        ("s2 maxnreg 128", dataclasses.replace(SHIPPED, num_stages=2, maxnreg=128), None),
+        ("waves 3", dataclasses.replace(SHIPPED, waves=3.0), None),
+        ("s2 maxnreg 128 waves 6", dataclasses.replace(SHIPPED, num_stages=2, maxnreg=128, waves=6.0), None),
+    ]
 else:
-    sys.exit(f"SWEEP: expected merge, factors or shapes, got {SWEEP!r}")
+    sys.exit(f"SWEEP: expected merge, factors, shapes, tma or occupancy, got {SWEEP!r}")
 TREES = GPU_SUITE
 
 workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
@@ -66,6 +80,8 @@ for name in names:
             tb.TritonBackend.refine_plan = shipped_refine
         else:
             tb.TritonBackend.refine_plan = lambda self, plan, *a, u=u: coarsen_plan(plan, u)
+        # The compiled planner (deft.fastplan) coarsens as shipped: fixed factors plan with numpy.
+        os.environ["DEFT_FASTPLAN"] = "1" if u is None else "0"
         attn = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda")
         plan = attn.plan(layout)
         try:

@@ -5,7 +5,8 @@ tiles so every program streams about the same number of tokens, flag tiles whose
 are consecutive (no slot loads) or fully visible (no mask), list the work items (query-row
 chunks of each tile, largest tiles first, chunks of one tile adjacent so they share its KV
 through L2), upload the plan arrays as int32 and allocate the fp32 partial-state
-workspace. Per layer (``run``): two launches, no host synchronisation, and no allocation when the
+workspace. For ``flatten`` plans ``plan_fast`` does all of it, planning included, in
+compiled code (:mod:`deft.fastplan`), with identical results. Per layer (``run``): two launches, no host synchronisation, and no allocation when the
 caller passes the output tensors. Runs on CUDA tensors, or on CPU tensors under
 ``TRITON_INTERPRET=1`` (with small blocks, for tests).
 """
@@ -19,7 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .. import fastplan
 from ..layout import TreeLayout
 from ..plan import TreePlan, coarsen_plan
 from .triton_kernels import merge_kernel, tree_partial_kernel
@@ -37,20 +40,23 @@ class KernelConfig:
     num_stages: int
     waves: float  # programs per SM the coarsened launch aims for
     contig: bool = True  # when every tile's slots are consecutive, skip the slot loads
+    tma: bool = False  # ... and load whole K/V blocks of such tiles by TMA (tensor descriptors)
     fuse_merge: bool = False  # the last program of a row merges it (no merge launch)
+    maxnreg: int | None = None  # register cap per thread (more programs per SM, maybe spills)
 
 
 # Keyed by head_dim. 128 is tuned on an H200 (tools/coarsen_sweep.py, docs/benchmarks.md);
 # 64 follows it, 256 keeps 8 warps and 2 stages to fit its K/V blocks in shared memory.
 _GPU_CONFIGS = {
-    64: KernelConfig(64, 32, 4, 3, 4.0),
-    128: KernelConfig(64, 32, 4, 3, 4.0),
-    256: KernelConfig(64, 32, 8, 2, 4.0),
+    64: KernelConfig(64, 32, 4, 3, 4.0, tma=True),
+    128: KernelConfig(64, 32, 4, 3, 4.0, tma=True),
+    256: KernelConfig(64, 32, 8, 2, 4.0, tma=True),
 }
 # Coarsened tiles are at least this many tokens (while the launch keeps one program per SM):
 # shorter loops cost more in prologue and epilogue (loads of the work item and Q,
 # partial-state stores) than they gain in balance.
 _MIN_TILE_TOKENS = 256
+_MAX_COARSEN = 1024  # at most this many plan tiles per coarsened tile
 _INTERPRET_CONFIG = KernelConfig(16, 16, 1, 1, 2.0)
 
 
@@ -67,7 +73,8 @@ def kernel_config(head_dim: int) -> KernelConfig:
 @dataclass(frozen=True)
 class _Prepared:
     config: KernelConfig
-    arrays: dict[str, torch.Tensor]
+    meta: torch.Tensor  # the packed int32 plan on the device: segments ``_SEGMENTS``
+    offsets: dict[str, int]  # where each segment starts in ``meta``
     num_work: int
     num_queries: int
     partial_o: torch.Tensor  # [P, H_q, D] fp32
@@ -75,6 +82,7 @@ class _Prepared:
     lse: torch.Tensor  # [Q, H_q] fp32 workspace for steps whose caller wants no lse
     needs_mask: bool
     contiguous: bool  # every tile's slots are consecutive (slot0 >= 0)
+    any_contiguous: bool  # some tile's slots are
     sorted_queries: bool  # query_order is the identity
     counts: torch.Tensor | None  # [Q * H_q] int32 zeros when the merge is fused, else None
 
@@ -120,6 +128,14 @@ def _tile_slot0(plan: TreePlan) -> np.ndarray:
     return np.where(contig, slots[starts], -1)
 
 
+def _partial_dest(plan: TreePlan) -> np.ndarray:
+    """``[P]`` the workspace row of each partial state: the inverse of ``merge_partials``, so
+    each query's states are adjacent and the merge reads them without an index load."""
+    dest = np.empty(plan.num_partials, np.int64)
+    dest[plan.merge_partials] = np.arange(plan.num_partials)
+    return dest
+
+
 def _work_items(plan: TreePlan, g: int, block_m: int) -> np.ndarray:
     """``[W, 8]`` descriptor of every program: the tile's ``tok0, tok1, q_start, q_end,
     first partial, full flag, slot0`` and the program's first row. Largest tiles come first;
@@ -134,6 +150,56 @@ def _work_items(plan: TreePlan, g: int, block_m: int) -> np.ndarray:
                          plan.tile_q_end, plan.partial_indptr[:-1], _full_tiles(plan),
                          _tile_slot0(plan)], axis=1)
     return np.concatenate([per_tile[tiles], row0[:, None]], axis=1)
+
+
+_SEGMENTS = ("tok_slot", "tok_lo", "tok_hi", "tok_off", "work", "q_order", "q_pre", "q_len",
+             "merge_indptr", "p_dest")
+
+
+def _checked_config(head_dim: int) -> KernelConfig:
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"head_dim: the triton backend needs a power of two >= 16, got {head_dim}")
+    return kernel_config(head_dim)
+
+
+def _segment_starts(sizes: list[int]) -> list[int]:
+    """Offsets of the packed segments of ``sizes`` (in ``_SEGMENTS`` order), then the total.
+    Segments start at multiples of 4 elements, keeping every device view 16-byte aligned."""
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + -(-n // 4) * 4)
+    return starts
+
+
+def _host_buffer(n: int, device: torch.device) -> torch.Tensor:
+    """The int32 host buffer of the packed plan. Pinned for CUDA, so the upload is
+    asynchronous (torch's caching host allocator keeps the block until the copy is done)."""
+    return torch.empty(n, dtype=torch.int32, pin_memory=device.type == "cuda")
+
+
+def _finish(cfg: KernelConfig, host: torch.Tensor, sizes: list[int], starts: list[int],
+            device: torch.device, num_qo_heads: int, head_dim: int, num_partials: int, *,
+            num_work: int, needs_mask: bool, all_contiguous: bool, any_contiguous: bool,
+            sorted_queries: bool, every_query_merged: bool) -> _Prepared:
+    """Upload the packed plan (one copy; the kernels get it with segment offsets, no views)
+    and allocate the workspaces."""
+    meta = host.to(device, non_blocking=True)
+    num_queries = sizes[5]
+    p = max(num_partials, 1)
+    return _Prepared(
+        config=cfg, meta=meta, offsets=dict(zip(_SEGMENTS, starts)), num_work=num_work,
+        num_queries=num_queries,
+        partial_o=torch.empty(p, num_qo_heads, head_dim, dtype=torch.float32, device=device),
+        partial_lse=torch.empty(p, num_qo_heads, dtype=torch.float32, device=device),
+        lse=torch.empty(num_queries, num_qo_heads, dtype=torch.float32, device=device),
+        needs_mask=needs_mask,
+        contiguous=cfg.contig and all_contiguous,
+        any_contiguous=any_contiguous,
+        sorted_queries=sorted_queries,
+        # Fused merge needs every query to own a partial (else nobody writes its row).
+        counts=torch.zeros(num_queries * num_qo_heads, dtype=torch.int32, device=device)
+        if cfg.fuse_merge and num_queries and every_query_merged else None,
+    )
 
 
 class TritonBackend:
@@ -163,45 +229,53 @@ class TritonBackend:
         floor = 0 if interpreting() else min(_MIN_TILE_TOKENS, work / sms)
         length = max(floor, plan.block_kv, work / (cfg.waves * sms))
         factor = 2 ** max(0, math.floor(math.log2(length / plan.block_kv)))
-        return coarsen_plan(plan, min(factor, 1024))
+        return coarsen_plan(plan, min(factor, _MAX_COARSEN))
 
     def prepare(self, plan: TreePlan, layout: TreeLayout, device: torch.device,
                 num_qo_heads: int, num_kv_heads: int, head_dim: int) -> _Prepared:
-        if head_dim & (head_dim - 1) or head_dim < 16:
-            raise ValueError(f"head_dim: the triton backend needs a power of two >= 16, got {head_dim}")
-        cfg = kernel_config(head_dim)
-        g = num_qo_heads // num_kv_heads
-        work = _work_items(plan, g, cfg.block_m)
-        host = {
-            "tok_slot": plan.token_slots, "tok_lo": plan.token_lo, "tok_hi": plan.token_hi,
-            "tok_off": plan.token_off, "work": work.reshape(-1),
-            "q_order": plan.query_order, "q_pre": plan.query_pre, "q_len": plan.query_len,
-            "merge_indptr": plan.merge_indptr, "merge_partials": plan.merge_partials,
-        }
-        # One int32 buffer, one host-to-device copy; the kernels get views into it.
-        # Segments start at multiples of 4 elements, keeping every view 16-byte aligned.
-        sizes = [a.shape[0] for a in host.values()]
-        starts = np.cumsum([0] + [-(-n // 4) * 4 for n in sizes])
-        packed = np.zeros(int(starts[-1]), np.int32)
-        for a, st in zip(host.values(), starts):
+        cfg = _checked_config(head_dim)
+        work = _work_items(plan, num_qo_heads // num_kv_heads, cfg.block_m)
+        host = (plan.token_slots, plan.token_lo, plan.token_hi, plan.token_off, work.reshape(-1),
+                plan.query_order, plan.query_pre, plan.query_len, plan.merge_indptr,
+                _partial_dest(plan))
+        sizes = [a.shape[0] for a in host]
+        starts = _segment_starts(sizes)
+        buf = _host_buffer(starts[-1], device)
+        packed = buf.numpy()
+        packed.fill(0)
+        for a, st in zip(host, starts):
             packed[st:st + a.shape[0]] = a
-        buf = torch.from_numpy(packed).to(device)
-        arrays = {name: buf[st:st + n] for name, st, n in zip(host, starts.tolist(), sizes)}
-        p = max(plan.num_partials, 1)
-        return _Prepared(
-            config=cfg, arrays=arrays, num_work=int(work.shape[0]),
-            num_queries=plan.num_queries,
-            partial_o=torch.empty(p, num_qo_heads, head_dim, dtype=torch.float32, device=device),
-            partial_lse=torch.empty(p, num_qo_heads, dtype=torch.float32, device=device),
-            lse=torch.empty(plan.num_queries, num_qo_heads, dtype=torch.float32, device=device),
-            needs_mask=plan.needs_mask,
-            contiguous=cfg.contig and bool((work[:, 6] >= 0).all()),
+        return _finish(
+            cfg, buf, sizes, starts, device, num_qo_heads, head_dim, plan.num_partials,
+            num_work=int(work.shape[0]), needs_mask=plan.needs_mask,
+            all_contiguous=bool((work[:, 6] >= 0).all()),
+            any_contiguous=bool((work[:, 6] >= 0).any()),
             sorted_queries=bool((plan.query_order == np.arange(plan.num_queries)).all()),
-            # Fused merge needs every query to own a partial (else nobody writes its row).
-            counts=torch.zeros(plan.num_queries * num_qo_heads, dtype=torch.int32, device=device)
-            if cfg.fuse_merge and plan.num_queries and bool((np.diff(plan.merge_indptr) > 0).all())
-            else None,
-        )
+            every_query_merged=bool((np.diff(plan.merge_indptr) > 0).all()))
+
+    def plan_fast(self, layout: TreeLayout, plan_kind: str, block_kv: int, num_qo_heads: int,
+                  num_kv_heads: int, head_dim: int,
+                  device: torch.device) -> tuple[TreePlan, _Prepared] | None:
+        """``refine_plan(make_plan(...))`` and ``prepare`` in one compiled pass
+        (:mod:`deft.fastplan`), with identical results; ``None`` when it does not apply
+        (a plan kind other than ``flatten``, or no compiled planner)."""
+        if plan_kind != "flatten":
+            return None
+        cfg = _checked_config(head_dim)
+        fast = fastplan.flatten_plan(
+            layout, block_kv, g=num_qo_heads // num_kv_heads, block_m=cfg.block_m,
+            num_kv_heads=num_kv_heads, sms=_num_sms(device), waves=cfg.waves,
+            min_tile_tokens=0 if interpreting() else _MIN_TILE_TOKENS, max_factor=_MAX_COARSEN,
+            host_buffer=lambda n: _host_buffer(n, device))
+        if fast is None:
+            return None
+        plan = fast.plan
+        return plan, _finish(
+            cfg, fast.packed, fast.sizes, fast.starts, device, num_qo_heads, head_dim,
+            plan.num_partials, num_work=fast.num_work, needs_mask=True,
+            all_contiguous=fast.all_contiguous, any_contiguous=fast.any_contiguous,
+            sorted_queries=fast.sorted_queries,
+            every_query_merged=fast.every_query_merged)
 
     writes_out = True  # run/run_output write into caller-given tensors, allocating nothing
 
@@ -230,35 +304,52 @@ class TritonBackend:
         if nq == 0:
             return
         q = q if q.stride(-1) == 1 else q.contiguous()
-        a, cfg = prepared.arrays, prepared.config
+        meta, a, cfg = prepared.meta, prepared.offsets, prepared.config
         po, plse = prepared.partial_o, prepared.partial_lse
         fused = prepared.counts is not None
+        tma = prepared.any_contiguous and cfg.tma and _tma_ok(k_cache) and _tma_ok(v_cache)
+        desc_k, desc_v = ((_kv_descriptor(k_cache, cfg.block_n), _kv_descriptor(v_cache, cfg.block_n))
+                          if tma else (k_cache, v_cache))
         if prepared.num_work:
             tree_partial_kernel[(prepared.num_work, h_kv)](
-                q, k_cache, v_cache, po, plse,
+                q, k_cache, v_cache, desc_k, desc_v, po, plse, meta,
                 a["tok_slot"], a["tok_lo"], a["tok_hi"], a["tok_off"],
-                a["work"], a["q_order"], a["q_pre"], a["q_len"],
-                o, lse, prepared.counts if fused else a["merge_indptr"],
-                a["merge_indptr"], a["merge_partials"],
+                a["work"], a["q_order"], a["q_pre"], a["q_len"], a["merge_indptr"], a["p_dest"],
+                o, lse, prepared.counts if fused else meta,
                 sm_scale * math.log2(math.e),
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                 po.stride(0), po.stride(1), plse.stride(0), o.stride(0), o.stride(1), h_q,
                 G=h_q // h_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                USE_MASK=prepared.needs_mask, CONTIG=prepared.contiguous,
+                USE_MASK=prepared.needs_mask, CONTIG=prepared.contiguous, TMA=tma,
                 SORTED=prepared.sorted_queries, FUSE_MERGE=fused,
                 IEEE=q.dtype == torch.float32,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
             )
         if not fused:
-            launch_merge(po, plse, o, lse, a["merge_indptr"], a["merge_partials"])
+            launch_merge(po, plse, o, lse, meta, a["merge_indptr"])
+
+
+def _tma_ok(cache: torch.Tensor) -> bool:
+    """Whether ``cache [slots, H_kv, D]`` can be read as one 2-D TMA tensor of rows ``H_kv * D``."""
+    elem = cache.element_size()
+    return (cache.stride(2) == 1 and cache.stride(1) == cache.shape[2]
+            and (cache.stride(0) * elem) % 16 == 0 and cache.data_ptr() % 16 == 0)
+
+
+def _kv_descriptor(cache: torch.Tensor, block_n: int) -> TensorDescriptor:
+    """TMA descriptor of ``cache`` as ``[slots, H_kv * D]``, loading ``[block_n, D]`` boxes."""
+    slots, h, d = cache.shape
+    return TensorDescriptor(cache, [slots, h * d], [cache.stride(0), 1], [block_n, d])
 
 
 def launch_merge(po: torch.Tensor, plse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                 indptr: torch.Tensor, indices: torch.Tensor) -> None:
-    """Merge states ``po [P, H, D]``, ``plse [P, H]`` into ``o [N, H, D]``, ``lse [N, H]`` (CSR)."""
+                 meta: torch.Tensor, indptr_at: int = 0) -> None:
+    """Merge states ``po [P, H, D]``, ``plse [P, H]`` into ``o [N, H, D]``, ``lse [N, H]``:
+    row ``n`` merges states ``indptr[n]:indptr[n + 1]``, ``indptr`` being the ``N + 1`` int32
+    of ``meta`` from ``indptr_at``."""
     n, h, d = o.shape
     merge_kernel[(n, h)](
-        po, plse, o, lse, indptr, indices, h,
+        po, plse, o, lse, meta, indptr_at, h,
         po.stride(0), po.stride(1), plse.stride(0), o.stride(0), o.stride(1),
         D=d, BLOCK_S=4 if interpreting() else 16, num_warps=1 if interpreting() else 2,
     )

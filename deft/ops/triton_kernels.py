@@ -4,14 +4,15 @@
 ``tree_partial_kernel``: one program per (work item, KV head). A work item is a query-row
 chunk of one tile: rows are (group query, GQA head) pairs, so every query head that shares
 the KV head is computed from the same K/V loads. The program streams the tile's tokens in
-blocks of ``BLOCK_N`` (K/V copies in flight two blocks ahead), applies the plan's compact
-visibility mask, keeps an online softmax, and writes one fp32 partial state per (query,
-head). With ``FUSE_MERGE`` the program that writes a row's last partial state also merges
+blocks of ``BLOCK_N`` (K/V copies in flight ahead of use; by TMA when the tile's slots are
+consecutive), applies the plan's compact visibility mask, keeps an online softmax, and
+writes one fp32 partial state per (query, head), at its query's rows of the workspace. With ``FUSE_MERGE`` the program that writes a row's last partial state also merges
 the row (measured slower on an H200, so off by default; see docs/benchmarks.md).
 
-``merge_kernel``: one program per (query, head); merges the query's partial states through
-the reduction map (CSR), a block of them per step, into ``o`` (output dtype) and ``lse``
-(natural log).
+``merge_kernel``: one program per (query, head); merges the query's partial states, which
+the partial kernel stored next to each other (rows ``indptr[n]:indptr[n + 1]`` of the
+workspace, so no index load sits between the CSR offsets and the states), a block of them
+per step, into ``o`` (output dtype) and ``lse`` (natural log).
 """
 
 import triton
@@ -65,30 +66,128 @@ def _tile_loop(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + kv_off, mask=tok_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None]
         if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
     return m_i, l_i, acc
 
 
 @triton.jit
+def _tma_block(
+    q, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, slot, kvh, pre, qlen,
+    m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    TAIL: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One online-softmax step over the ``BLOCK_N`` consecutive slots from ``slot``, loaded
+    by TMA. ``TAIL``: only tokens before ``tok1`` count; the box's rows past it (another
+    node's KV, or unwritten cache) are masked out of the scores and zeroed in V, so even
+    NaN/inf there cannot leak in."""
+    k = desc_k.load([slot, kvh * D])
+    if IEEE:
+        s = tl.dot(q, k.T, input_precision="ieee") * qk_scale
+    else:
+        s = tl.dot(q, k.T) * qk_scale
+    if MASKED or TAIL:
+        offs = start + tl.arange(0, BLOCK_N)
+        tok_ok = offs < tok1
+        if MASKED:
+            lo = tl.load(tok_lo + offs, mask=tok_ok, other=0)
+            hi = tl.load(tok_hi + offs, mask=tok_ok, other=0)
+            off = tl.load(tok_off + offs, mask=tok_ok, other=0)
+            vis = (lo[None, :] <= pre[:, None]) & (pre[:, None] < hi[None, :])
+            vis = vis & ((pre[:, None] != lo[None, :]) | (off[None, :] < qlen[:, None]))
+            vis = vis & tok_ok[None, :]
+        else:
+            vis = tok_ok[None, :]
+        s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = desc_v.load([slot, kvh * D])
+    if TAIL:
+        v = tl.where((start + tl.arange(0, BLOCK_N) < tok1)[:, None], v, 0.0)
+    acc = acc * alpha[:, None]
+    if IEEE:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _tma_tile(
+    q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
+    m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """``_tile_loop`` for a tile of consecutive slots from ``slot0``, every block by TMA: no
+    per-element addresses, masks or slot loads, which frees registers and issue slots."""
+    whole = tok0 + (tok1 - tok0) // BLOCK_N * BLOCK_N
+    for start in range(tok0, whole, BLOCK_N):
+        m_i, l_i, acc = _tma_block(
+            q, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, slot0 + (start - tok0), kvh,
+            pre, qlen, m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, TAIL=False,
+            IEEE=IEEE)
+    if whole < tok1:
+        m_i, l_i, acc = _tma_block(
+            q, desc_k, desc_v, tok_lo, tok_hi, tok_off, whole, tok1, slot0 + (whole - tok0), kvh,
+            pre, qlen, m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, TAIL=True,
+            IEEE=IEEE)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _tile(
+    q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre,
+    qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
+    TMA: tl.constexpr, IEEE: tl.constexpr,
+):
+    """The tile's online softmax. ``TMA``: a tile of consecutive slots (``slot0 >= 0``; all
+    tiles when ``CONTIG``) loads by TMA, any other by gathered loads."""
+    if TMA and (CONTIG or slot0 >= 0):
+        m_i, l_i, acc = _tma_tile(
+            q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
+            m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, IEEE=IEEE)
+    else:
+        m_i, l_i, acc = _tile_loop(
+            q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
+            row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+            D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, CONTIG=CONTIG, IEEE=IEEE)
+    return m_i, l_i, acc
+
+
+# The plan arrays are segments of one int32 buffer ``meta``, passed with their offsets
+# (cheaper on the host than one tensor view each); offsets are not specialised, so a new
+# plan never recompiles.
+_PLAN_OFFSETS = ["at_slot", "at_lo", "at_hi", "at_off", "at_work", "at_order", "at_pre", "at_len",
+                 "at_indptr", "at_dest"]
+
+
+@triton.jit(do_not_specialize=_PLAN_OFFSETS)
 def tree_partial_kernel(
-    Q, K, V, PO, PLSE,
-    tok_slot, tok_lo, tok_hi, tok_off,
-    work,  # [W, 8] int32 per program: tok0, tok1, qs, qe, p0, full, slot0, row0
-    q_order, q_pre, q_len,
-    O, LSE, counts, merge_indptr, merge_partials,
+    Q, K, V, desc_k, desc_v, PO, PLSE, meta,
+    # segments of meta: token slots, lo, hi, off [N]; work items [W, 8] (tok0, tok1, qs, qe,
+    # p0, full, slot0, row0 per program); query order, pre, len [Q]; merge CSR offsets
+    # [Q + 1]; p_dest [P], the workspace row of each partial (rows grouped by query)
+    at_slot, at_lo, at_hi, at_off, at_work, at_order, at_pre, at_len, at_indptr, at_dest,
+    O, LSE, counts,
     qk_scale,  # sm_scale * log2(e)
     stride_qn, stride_qh, stride_kn, stride_kh, stride_pn, stride_ph, stride_ln,
     stride_on, stride_oh, num_heads,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_MASK: tl.constexpr, CONTIG: tl.constexpr, SORTED: tl.constexpr,
+    USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr,
 ):
     w = tl.program_id(0)
     kvh = tl.program_id(1)
+    tok_slot, tok_lo, tok_hi, tok_off = meta + at_slot, meta + at_lo, meta + at_hi, meta + at_off
+    work, q_order, q_pre, q_len = meta + at_work, meta + at_order, meta + at_pre, meta + at_len
+    merge_indptr, p_dest = meta + at_indptr, meta + at_dest
     # One row of independent loads (one memory round trip) describes the program's work.
     desc = work + w * 8
     tok0 = tl.load(desc)
@@ -98,8 +197,9 @@ def tree_partial_kernel(
     p0 = tl.load(desc + 4)
     # A tile every group query sees whole needs no per-token mask (most prompt tiles).
     partial_vis = USE_MASK & (tl.load(desc + 5) == 0)
-    # CONTIG: every tile's slots are consecutive from its slot0 (no slot loads at all).
-    slot0 = tl.load(desc + 6) if CONTIG else 0
+    # slot0 >= 0: the tile's slots are consecutive from slot0. CONTIG: every tile's are (no
+    # slot loads at all).
+    slot0 = tl.load(desc + 6) if CONTIG or TMA else 0
     row0 = tl.load(desc + 7)
 
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -116,6 +216,7 @@ def tree_partial_kernel(
     q = tl.load(Q + qorig[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
     pre = tl.load(q_pre + qpos, mask=row_ok, other=-1)
+    pid = tl.load(p_dest + p0 + qi, mask=row_ok, other=0).to(tl.int64)
     qlen = tl.load(q_len + qpos, mask=row_ok, other=0)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -123,34 +224,33 @@ def tree_partial_kernel(
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     # Branch once per tile, not per block, so each loop body stays branch-free and pipelined.
     if partial_vis:
-        m_i, l_i, acc = _tile_loop(
-            q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen, row_ok,
-            m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-            D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, IEEE=IEEE)
+        m_i, l_i, acc = _tile(
+            q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh,
+            pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+            D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE)
     else:
-        m_i, l_i, acc = _tile_loop(
-            q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen, row_ok,
-            m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-            D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, IEEE=IEEE)
+        m_i, l_i, acc = _tile(
+            q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh,
+            pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+            D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE)
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     # Natural-log lse from the base-2 running max and sum.
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
-    pid = (p0 + qi).to(tl.int64)
     tl.store(PO + pid[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :], o,
              mask=row_ok[:, None])
     tl.store(PLSE + pid * stride_ln + head, lse, mask=row_ok)
     if FUSE_MERGE:
-        _merge_if_last(PO, PLSE, O, LSE, counts, merge_indptr, merge_partials, qorig, head,
+        _merge_if_last(PO, PLSE, O, LSE, counts, merge_indptr, qorig, head,
                        row_ok, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
                        D=D)
 
 
 @triton.jit
 def _merge_if_last(
-    PO, PLSE, O, LSE, counts, merge_indptr, merge_partials, qorig, head, row_ok,
+    PO, PLSE, O, LSE, counts, merge_indptr, qorig, head, row_ok,
     stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads, D: tl.constexpr,
 ):
     """Count this program's partial states per (query, head); the program that writes the
@@ -174,7 +274,7 @@ def _merge_if_last(
         acc = tl.zeros([cnt.shape[0], D], tl.float32)
         for j in range(0, tl.max(cnt, 0)):
             ok = j < cnt
-            p = tl.load(merge_partials + start + j, mask=ok, other=0).to(tl.int64)
+            p = (start + j).to(tl.int64)
             # .cg: read other programs' states from L2, never a stale L1 line.
             s = tl.load(PLSE + p * stride_ln + head, mask=ok, other=float("-inf"),
                         cache_modifier=".cg")
@@ -196,9 +296,9 @@ def _merge_if_last(
         tl.store(counts + cidx, 0, mask=last)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["at_indptr"])
 def merge_kernel(
-    PO, PLSE, O, LSE, indptr, indices,
+    PO, PLSE, O, LSE, meta, at_indptr,
     num_heads,
     stride_pn, stride_ph, stride_ln, stride_on, stride_oh,
     D: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -206,8 +306,8 @@ def merge_kernel(
     n = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D)
-    start = tl.load(indptr + n)
-    end = tl.load(indptr + n + 1)
+    start = tl.load(meta + at_indptr + n)
+    end = tl.load(meta + at_indptr + n + 1)
     m = float("-inf")
     den = 0.0
     acc = tl.zeros([D], tl.float32)
@@ -215,7 +315,7 @@ def merge_kernel(
     for c in range(start, end, BLOCK_S):
         idx = c + tl.arange(0, BLOCK_S)
         ok = idx < end
-        p = tl.load(indices + idx, mask=ok, other=0).to(tl.int64)
+        p = idx.to(tl.int64)
         s = tl.load(PLSE + p * stride_ln + h, mask=ok, other=float("-inf"))
         o = tl.load(PO + p[:, None] * stride_pn + h * stride_ph + d[None, :],
                     mask=ok[:, None], other=0.0).to(tl.float32)

@@ -1,0 +1,384 @@
+/* DeFT-Flatten planning for the triton backend, in a few linear passes.
+ *
+ * Computes exactly what deft.plan.make_plan(layout, "flatten", block_kv), then
+ * TritonBackend.refine_plan (coarsening) and TritonBackend.prepare (work items, tile flags,
+ * reduction map, int32 packing) compute with numpy, without any sort: orders come from
+ * counting sorts and walks over the nodes in DFS preorder. Plain C99, no Python API.
+ *
+ * Two calls share a workspace `ws` (int64) that the caller keeps between steps:
+ *   deft_flatten_plan  orders nodes and queries, cuts and coarsens the tiles and sizes
+ *                      everything; the header of ws then holds the sizes below;
+ *   deft_flatten_fill  writes the plan arrays into `out` (int64) and the device buffer into
+ *                      `packed` (int32), which the caller allocated from those sizes.
+ * Arrays come as numpy's documented __array_struct__ interface (PyArrayInterface), cheaper
+ * for a Python caller to get than a data address; they must be 1-D contiguous int64.
+ * The layout is assumed valid (deft.TreeLayout checks it); a malformed forest returns -1.
+ *
+ * `out` holds, one after the other: token slots, lo, hi, off [N each], tile_indptr [T + 1],
+ * tile_q_start, tile_q_end [T each], partial_indptr [T + 1], query_order, query_pre,
+ * query_len [Q each], merge_indptr [Q + 1], merge_partials [P]: the TreePlan arrays.
+ * `packed` holds the segments token slots, lo, hi, off, work items (8 per item), query
+ * order, pre, len, merge indptr, p_dest (the inverse of merge_partials: the row of the
+ * partial-state workspace each partial goes to, so each query's states are adjacent), each starting at a multiple of 4 elements
+ * (offsets in the header), gaps zeroed.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef int64_t i64;
+typedef int32_t i32;
+
+/* numpy's PyArrayInterface (the __array_struct__ protocol). */
+typedef struct {
+    int two, nd;
+    char typekind;
+    int itemsize, flags;
+    intptr_t *shape, *strides;
+    void *data;
+    void *descr;
+} ArrayInterface;
+
+enum { C_CONTIGUOUS = 0x1, ALIGNED = 0x100, NOTSWAPPED = 0x200, WRITEABLE = 0x400 };
+
+/* Header slots of ws. Keep in sync with deft/fastplan.py. */
+enum {
+    H_N, H_T, H_P, H_W, H_Q, H_SORTED, H_ALL_MERGED, H_OUT_SIZE,
+    H_SEG, /* 11 offsets of the packed segments; the last is the buffer's length */
+    H_NODES = H_SEG + 11, H_TOKENS, H_BLOCK_KV, H_MAX_FACTOR, H_G, H_BLOCK_M, /* for fill */
+    H_SIZE
+};
+
+/* Offsets (in int64 elements) of the arrays inside ws. */
+typedef struct {
+    i64 order, hi, fstart, cnt_lt, min_len, child_ptr, children, stack;  /* [nodes + 3] */
+    i64 q_order, q_pre, q_len, merge_indptr, cursor;                     /* [queries + 1] */
+    i64 kept, kept_qs, kept_qe, cstart, tile_indptr, tile_qs, tile_qe;  /* [tiles + 1] */
+    i64 partial_indptr, full, slot0, by_len;
+    i64 bucket;                                                          /* [max_factor + 2] */
+    i64 total;
+} Ws;
+
+static i64 ceil_div(i64 a, i64 b) { return (a + b - 1) / b; }
+
+static Ws ws_layout(i64 nodes, i64 tokens, i64 queries, i64 block_kv, i64 max_factor) {
+    Ws w;
+    i64 off = H_SIZE, nn = nodes + 3, nq = queries + 1, nt = ceil_div(tokens, block_kv) + 1;
+#define PLACE(field, size) (w.field = off, off += (size))
+    PLACE(order, nn); PLACE(hi, nn); PLACE(fstart, nn); PLACE(cnt_lt, nn); PLACE(min_len, nn);
+    PLACE(child_ptr, nn); PLACE(children, nn); PLACE(stack, nn);
+    PLACE(q_order, nq); PLACE(q_pre, nq); PLACE(q_len, nq); PLACE(merge_indptr, nq);
+    PLACE(cursor, nq);
+    PLACE(kept, nt); PLACE(kept_qs, nt); PLACE(kept_qe, nt); PLACE(cstart, nt);
+    PLACE(tile_indptr, nt); PLACE(tile_qs, nt); PLACE(tile_qe, nt); PLACE(partial_indptr, nt);
+    PLACE(full, nt); PLACE(slot0, nt); PLACE(by_len, nt);
+    PLACE(bucket, max_factor + 2);
+#undef PLACE
+    w.total = off;
+    return w;
+}
+
+static const i64 *int64_data(const ArrayInterface *a) {
+    int need = C_CONTIGUOUS | ALIGNED | NOTSWAPPED;
+    if (a->two != 2 || a->nd != 1 || a->typekind != 'i' || a->itemsize != 8 ||
+        (a->flags & need) != need)
+        return NULL;
+    return (const i64 *)a->data;
+}
+
+/* DFS preorder (roots, then children, in index order): order[k]; hi[k], the end of k's
+ * subtree interval in preorder; fstart[k], the flattened offset of k's first token; and
+ * pre[node] in `pre`. */
+static int preorder(const i64 *parents, const i64 *indptr, i64 n, i64 *x, const Ws *w,
+                    i64 *pre) {
+    i64 *ptr = x + w->child_ptr, *children = x + w->children, *stack = x + w->stack;
+    i64 *order = x + w->order, *hi = x + w->hi, *fstart = x + w->fstart;
+    i64 sp = 0, k = 0;
+    /* Children CSR by counting sort (stable); roots are the children of n. */
+    memset(ptr, 0, (size_t)(n + 3) * sizeof(i64));
+    for (i64 i = 0; i < n; i++) ptr[(parents[i] < 0 ? n : parents[i]) + 2]++;
+    for (i64 j = 2; j < n + 3; j++) ptr[j] += ptr[j - 1];
+    for (i64 i = 0; i < n; i++) children[ptr[(parents[i] < 0 ? n : parents[i]) + 1]++] = i;
+    for (i64 j = ptr[n + 1] - 1; j >= ptr[n]; j--) stack[sp++] = children[j];
+    while (sp) {
+        i64 node = stack[--sp];
+        if (k == n) return -1;
+        order[k] = node;
+        pre[node] = k++;
+        for (i64 j = ptr[node + 1] - 1; j >= ptr[node]; j--) stack[sp++] = children[j];
+    }
+    if (k != n) return -1;
+    /* Subtree sizes per node (in `stack`), children before parents. */
+    for (i64 i = 0; i < n; i++) stack[i] = 1;
+    for (k = n - 1; k >= 0; k--) {
+        i64 node = order[k];
+        hi[k] = k + stack[node];
+        if (parents[node] >= 0) stack[parents[node]] += stack[node];
+    }
+    fstart[0] = 0;
+    for (k = 0; k < n; k++) fstart[k + 1] = fstart[k] + indptr[order[k] + 1] - indptr[order[k]];
+    return 0;
+}
+
+/* Returns 0; the workspace size needed if ws_size is smaller; -1 for a malformed forest;
+ * -2 for an array that is not 1-D contiguous int64. */
+i64 deft_flatten_plan(const ArrayInterface *parents_a, const ArrayInterface *indptr_a,
+                      const ArrayInterface *query_nodes_a, const ArrayInterface *query_kv_lens_a,
+                      i64 block_kv, i64 g, i64 block_m, i64 num_kv_heads, i64 sms, double waves,
+                      i64 min_tile_tokens, i64 max_factor, i64 *x, i64 ws_size) {
+    const i64 *parents = int64_data(parents_a), *indptr = int64_data(indptr_a);
+    const i64 *query_nodes = int64_data(query_nodes_a), *query_kv_lens = int64_data(query_kv_lens_a);
+    i64 n, nl, nq, t0, nk = 0, ntok = 0, work = 0, factor = 1, nt = 0, sorted = 1;
+    i64 all_merged = 1, nwork = 0, run_start = 0, np_;
+    i64 *pre, *hi, *fstart, *cnt_lt, *min_len, *cursor, *q_order, *q_pre, *q_len;
+    i64 *kept, *kqs, *kqe, *cstart, *tile_indptr, *tqs, *tqe, *partial_indptr, *merge_indptr;
+    i64 *diff, *seg;
+    Ws w;
+    if (!parents || !indptr || !query_nodes || !query_kv_lens) return -2;
+    n = parents_a->shape[0];
+    nl = indptr[n];
+    nq = query_nodes_a->shape[0];
+    t0 = ceil_div(nl, block_kv);
+    w = ws_layout(n, nl, nq, block_kv, max_factor);
+    if (w.total > ws_size) return w.total;
+    hi = x + w.hi; fstart = x + w.fstart; cnt_lt = x + w.cnt_lt;
+    min_len = x + w.min_len; q_order = x + w.q_order; q_pre = x + w.q_pre; q_len = x + w.q_len;
+    kept = x + w.kept; kqs = x + w.kept_qs; kqe = x + w.kept_qe; cstart = x + w.cstart;
+    tile_indptr = x + w.tile_indptr; tqs = x + w.tile_qs; tqe = x + w.tile_qe;
+    partial_indptr = x + w.partial_indptr; merge_indptr = x + w.merge_indptr;
+    pre = x + w.min_len;  /* pre[node] lives there until the queries are sorted */
+    cursor = x + w.children;  /* free after the preorder */
+    diff = x + w.cursor;
+
+    fstart[0] = 0;
+    if (n > 0 && preorder(parents, indptr, n, x, &w, pre)) return -1;
+
+    /* Queries, stably sorted by the preorder index of their node (counting sort). */
+    memset(cnt_lt, 0, (size_t)(n + 1) * sizeof(i64));
+    for (i64 i = 0; i < nq; i++) cnt_lt[pre[query_nodes[i]] + 1]++;
+    for (i64 k = 0; k < n; k++) cnt_lt[k + 1] += cnt_lt[k];  /* queries with pre < k */
+    memcpy(cursor, cnt_lt, (size_t)n * sizeof(i64));
+    for (i64 i = 0; i < nq; i++) {
+        i64 k = pre[query_nodes[i]], pos = cursor[k]++;
+        q_order[pos] = i;
+        q_pre[pos] = k;
+        q_len[pos] = query_kv_lens[i];
+        sorted &= pos == i;
+    }
+    /* Smallest query_kv_len of the queries on each node (preorder index). */
+    for (i64 k = 0; k < n; k++) min_len[k] = INT64_MAX;
+    for (i64 pos = 0; pos < nq; pos++)
+        if (q_len[pos] < min_len[q_pre[pos]]) min_len[q_pre[pos]] = q_len[pos];
+
+    /* Tiles of block_kv flattened tokens; a tile's group is the queries whose node lies in
+     * [lo of its first token, max hi of its tokens). Tiles nobody sees are dropped. */
+    for (i64 t = 0, k = 0; t < t0; t++) {
+        i64 s = t * block_kv, e = s + block_kv < nl ? s + block_kv : nl, ghi, qs, qe;
+        while (fstart[k + 1] <= s) k++;
+        ghi = hi[k];
+        for (i64 j = k + 1; j < n && fstart[j] < e; j++)
+            if (fstart[j + 1] > fstart[j] && hi[j] > ghi) ghi = hi[j];
+        qs = cnt_lt[k];
+        qe = cnt_lt[ghi];
+        if (qe > qs) {
+            kept[nk] = t;
+            kqs[nk] = qs;
+            kqe[nk] = qe;
+            nk++;
+            ntok += e - s;
+            work += (e - s) * ceil_div((qe - qs) * g, block_m);
+        }
+    }
+
+    /* Coarsening factor (TritonBackend.refine_plan), then coarsen_plan: runs of tiles with
+     * the same group are cut into tiles of `factor` plan tiles. */
+    if (nk > 0) {
+        double wk = (double)num_kv_heads * (double)work, length = (double)block_kv;
+        double floor_len = fmin((double)min_tile_tokens, wk / (double)sms);
+        double balanced = wk / (waves * (double)sms);
+        double e;
+        if (floor_len > length) length = floor_len;
+        if (balanced > length) length = balanced;
+        e = floor(log2(length / (double)block_kv));
+        for (; e >= 1 && factor < max_factor; e -= 1) factor *= 2;
+        if (factor > max_factor) factor = max_factor;
+    }
+    for (i64 i = 0; i < nk; i++) {
+        int new_run = i == 0 || kqs[i] != kqs[i - 1] || kqe[i] != kqe[i - 1];
+        if (new_run) run_start = i;
+        if (new_run || (i - run_start) % factor == 0) cstart[nt++] = i;
+    }
+    cstart[nt] = nk;
+    /* Only the last flattened tile may be short, so kept tile i starts at i * block_kv. */
+    partial_indptr[0] = 0;
+    for (i64 ct = 0; ct < nt; ct++) {
+        tile_indptr[ct] = cstart[ct] * block_kv;
+        tqs[ct] = kqs[cstart[ct]];
+        tqe[ct] = kqe[cstart[ct]];
+        partial_indptr[ct + 1] = partial_indptr[ct] + tqe[ct] - tqs[ct];
+        nwork += ceil_div((tqe[ct] - tqs[ct]) * g, block_m);
+    }
+    tile_indptr[nt] = ntok;
+    np_ = partial_indptr[nt];
+
+    /* Partials per query: group coverage of each sorted position, then CSR by query. */
+    memset(diff, 0, (size_t)(nq + 1) * sizeof(i64));
+    for (i64 ct = 0; ct < nt; ct++) { diff[tqs[ct]]++; diff[tqe[ct]]--; }
+    merge_indptr[0] = 0;
+    for (i64 pos = 0, run = 0; pos < nq; pos++) {
+        run += diff[pos];
+        merge_indptr[q_order[pos] + 1] = run;
+        all_merged &= run > 0;
+    }
+    for (i64 i = 0; i < nq; i++) merge_indptr[i + 1] += merge_indptr[i];
+
+    x[H_N] = ntok; x[H_T] = nt; x[H_P] = np_; x[H_W] = nwork; x[H_Q] = nq;
+    x[H_SORTED] = sorted; x[H_ALL_MERGED] = all_merged;
+    x[H_OUT_SIZE] = 4 * ntok + 4 * nt + 2 + 4 * nq + 1 + np_;
+    {
+        i64 sizes[10] = {ntok, ntok, ntok, ntok, 8 * nwork, nq, nq, nq, nq + 1, np_};
+        seg = x + H_SEG;
+        seg[0] = 0;
+        for (int j = 0; j < 10; j++) seg[j + 1] = seg[j] + ceil_div(sizes[j], 4) * 4;
+    }
+    x[H_NODES] = n; x[H_TOKENS] = nl; x[H_BLOCK_KV] = block_kv; x[H_MAX_FACTOR] = max_factor;
+    x[H_G] = g; x[H_BLOCK_M] = block_m;
+    return 0;
+}
+
+/* One node segment of plan tokens, as int64 (the plan) and int32 (the device buffer); one
+ * simple loop per array so that each vectorises. Returns 1 if the slots are consecutive. */
+static int write_tokens(const i64 *restrict src, i64 len, i64 k, i64 h, i64 o,
+                        i64 *restrict slot, i64 *restrict lo, i64 *restrict hi,
+                        i64 *restrict off, i32 *restrict slot32, i32 *restrict lo32,
+                        i32 *restrict hi32, i32 *restrict off32) {
+    i64 gaps = 0;
+    memcpy(slot, src, (size_t)len * sizeof(i64));
+    slot32[0] = (i32)src[0];
+    for (i64 j = 1; j < len; j++) {
+        slot32[j] = (i32)src[j];
+        gaps |= src[j] - src[j - 1] - 1;
+    }
+    for (i64 j = 0; j < len; j++) lo[j] = k;
+    for (i64 j = 0; j < len; j++) hi[j] = h;
+    for (i64 j = 0; j < len; j++) off[j] = o + j;
+    for (i64 j = 0; j < len; j++) lo32[j] = (i32)k;
+    for (i64 j = 0; j < len; j++) hi32[j] = (i32)h;
+    for (i64 j = 0; j < len; j++) off32[j] = (i32)(o + j);
+    return gaps == 0;
+}
+
+/* Writes int64 src[0:n] at out (unless NULL) and as int32 at packed[start:], zeroing the
+ * packed gap up to `end`. */
+static void emit(i64 *out, i32 *packed, i64 start, i64 end, const i64 *src, i64 n) {
+    if (out) memcpy(out, src, (size_t)n * sizeof(i64));
+    for (i64 i = 0; i < n; i++) packed[start + i] = (i32)src[i];
+    for (i64 i = start + n; i < end; i++) packed[i] = 0;
+}
+
+/* Returns flags: 1 if every tile's slots are consecutive, | 2 if some tile's are; -2 for a
+ * bad array. */
+i64 deft_flatten_fill(const ArrayInterface *indptr_a, const ArrayInterface *kv_a, i64 *x,
+                      const ArrayInterface *out_a, i32 *packed) {
+    const i64 *indptr = int64_data(indptr_a), *kv_indices = int64_data(kv_a);
+    i64 *out = (i64 *)int64_data(out_a);
+    i64 n = x[H_NODES], nl = x[H_TOKENS], nq = x[H_Q], block_kv = x[H_BLOCK_KV];
+    i64 g = x[H_G], block_m = x[H_BLOCK_M], ntok = x[H_N], nt = x[H_T], np_ = x[H_P];
+    i64 nwork = x[H_W], p = 0, all_contig = 1, any_contig = 0, nbucket = 0;
+    const i64 *seg = x + H_SEG;
+    Ws w = ws_layout(n, nl, nq, block_kv, x[H_MAX_FACTOR]);
+    const i64 *order = x + w.order, *hi = x + w.hi, *fstart = x + w.fstart;
+    const i64 *cnt_lt = x + w.cnt_lt, *min_len = x + w.min_len, *kept = x + w.kept;
+    const i64 *cstart = x + w.cstart, *tile_indptr = x + w.tile_indptr;
+    const i64 *tqs = x + w.tile_qs, *tqe = x + w.tile_qe, *partial_indptr = x + w.partial_indptr;
+    const i64 *q_order = x + w.q_order, *merge_indptr = x + w.merge_indptr;
+    i64 *full = x + w.full, *slot0 = x + w.slot0, *by_len = x + w.by_len;
+    i64 *bucket = x + w.bucket, *cursor = x + w.cursor;
+    i64 *slot, *lo, *hi_out, *off, *tiles, *queries, *merge_partials;
+    i32 *slot32 = packed + seg[0], *lo32 = packed + seg[1], *hi32 = packed + seg[2];
+    i32 *off32 = packed + seg[3], *work = packed + seg[4];
+    if (!indptr || !kv_indices || !out || !(out_a->flags & WRITEABLE)) return -2;
+    slot = out; lo = out + ntok; hi_out = out + 2 * ntok; off = out + 3 * ntok;
+    tiles = out + 4 * ntok;
+    queries = tiles + 4 * nt + 2;
+    merge_partials = queries + 4 * nq + 1;
+
+    /* Plan tokens, tile by tile, node segment by node segment, with each tile's flags:
+     * full (_full_tiles: the group sees every token, checked per segment against the
+     * smallest query_kv_len on its node) and slot0 (_tile_slot0: consecutive slots). */
+    for (i64 ct = 0, k = 0; ct < nt; ct++) {
+        i64 qs = tqs[ct], qe = tqe[ct], is_full = 1, contig = 1, prev = 0;
+        for (i64 i = cstart[ct]; i < cstart[ct + 1]; i++) {
+            i64 s = kept[i] * block_kv, e = s + block_kv < nl ? s + block_kv : nl;
+            while (s < e) {
+                i64 seg_end, len, o, h;
+                const i64 *src;
+                while (fstart[k + 1] <= s) k++;
+                seg_end = fstart[k + 1] < e ? fstart[k + 1] : e;
+                len = seg_end - s;
+                o = s - fstart[k];
+                h = hi[k];
+                src = kv_indices + indptr[order[k]] + o;
+                is_full &= cnt_lt[k] <= qs && cnt_lt[h] >= qe && min_len[k] > o + len - 1;
+                if (p > tile_indptr[ct]) contig &= src[0] == prev + 1;
+                contig &= write_tokens(src, len, k, h, o, slot + p, lo + p, hi_out + p,
+                                       off + p, slot32 + p, lo32 + p, hi32 + p, off32 + p);
+                prev = src[len - 1];
+                p += len;
+                s = seg_end;
+            }
+        }
+        full[ct] = is_full;
+        slot0[ct] = contig ? slot[tile_indptr[ct]] : -1;
+        all_contig &= contig;
+        any_contig |= contig;
+    }
+    for (int j = 0; j < 4; j++)
+        for (i64 i = seg[j] + ntok; i < seg[j + 1]; i++) packed[i] = 0;
+
+    /* Work items: tiles by decreasing length, stably (counting sort on the number of
+     * block_kv blocks: only the last tile can be short, and it sorts last among equals),
+     * each cut into chunks of block_m query rows. */
+    for (i64 ct = 0; ct < nt; ct++) {
+        i64 b = ceil_div(tile_indptr[ct + 1] - tile_indptr[ct], block_kv);
+        for (; nbucket <= b; nbucket++) bucket[nbucket] = 0;
+        bucket[b]++;
+    }
+    for (i64 j = nbucket - 1, acc = 0; j >= 0; j--) {
+        i64 cnt = bucket[j];
+        bucket[j] = acc;
+        acc += cnt;
+    }
+    for (i64 ct = 0; ct < nt; ct++)
+        by_len[bucket[ceil_div(tile_indptr[ct + 1] - tile_indptr[ct], block_kv)]++] = ct;
+    for (i64 r = 0, item = 0; r < nt; r++) {
+        i64 ct = by_len[r], rows = (tqe[ct] - tqs[ct]) * g;
+        for (i64 row0 = 0; row0 < rows; row0 += block_m, item++) {
+            i32 *d = work + 8 * item;
+            d[0] = (i32)tile_indptr[ct]; d[1] = (i32)tile_indptr[ct + 1];
+            d[2] = (i32)tqs[ct]; d[3] = (i32)tqe[ct]; d[4] = (i32)partial_indptr[ct];
+            d[5] = (i32)full[ct]; d[6] = (i32)slot0[ct]; d[7] = (i32)row0;
+        }
+    }
+    for (i64 i = seg[4] + 8 * nwork; i < seg[5]; i++) packed[i] = 0;
+
+    /* Tile arrays, then the reduction map: each query's partials in increasing id. */
+    memcpy(tiles, tile_indptr, (size_t)(nt + 1) * sizeof(i64));
+    memcpy(tiles + nt + 1, tqs, (size_t)nt * sizeof(i64));
+    memcpy(tiles + 2 * nt + 1, tqe, (size_t)nt * sizeof(i64));
+    memcpy(tiles + 3 * nt + 1, partial_indptr, (size_t)(nt + 1) * sizeof(i64));
+    memcpy(cursor, merge_indptr, (size_t)nq * sizeof(i64));
+    for (i64 ct = 0, pid = 0; ct < nt; ct++)
+        for (i64 pos = tqs[ct]; pos < tqe[ct]; pos++, pid++) {
+            i64 at = cursor[q_order[pos]]++;
+            merge_partials[at] = pid;
+            packed[seg[9] + pid] = (i32)at; /* p_dest: where the kernel stores partial pid */
+        }
+    for (i64 i = seg[9] + np_; i < seg[10]; i++) packed[i] = 0;
+    emit(queries, packed, seg[5], seg[6], q_order, nq);
+    emit(queries + nq, packed, seg[6], seg[7], x + w.q_pre, nq);
+    emit(queries + 2 * nq, packed, seg[7], seg[8], x + w.q_len, nq);
+    emit(queries + 3 * nq, packed, seg[8], seg[9], merge_indptr, nq + 1);
+    return all_contig | any_contig << 1;
+}
