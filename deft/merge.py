@@ -108,6 +108,7 @@ def _merge_states_triton(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor
     o = torch.empty(n, h, d, dtype=v.dtype, device=v.device)
     lse = torch.empty(n, h, dtype=torch.float32, device=v.device)
     indptr = torch.arange(0, n * k + 1, k, dtype=torch.int32, device=v.device)
+    indices = torch.arange(n * k, dtype=torch.int32, device=v.device)
     launch_merge(v.reshape(n * k, h, d).contiguous(), s.reshape(n * k, h).float().contiguous(),
-                 o, lse, indptr)
+                 o, lse, indptr, indices)
     return o, lse

@@ -72,8 +72,10 @@ def assert_same(layout, block_kv=64, h_q=32, h_kv=8, d=128):
             np.testing.assert_array_equal(b, a, err_msg=f)
         else:
             assert a == b, f
-    assert torch.equal(prep.meta, ref.meta), "packed buffer"
-    for f in ("offsets", "config", "num_work", "num_queries", "needs_mask", "contiguous", "any_contiguous",
+    assert torch.equal(prep.arrays["tok_slot"]._base, ref.arrays["tok_slot"]._base), "packed buffer"
+    for name, t in ref.arrays.items():
+        assert torch.equal(prep.arrays[name], t), name
+    for f in ("config", "num_work", "num_queries", "needs_mask", "contiguous", "any_contiguous",
               "sorted_queries"):
         assert getattr(prep, f) == getattr(ref, f), f
     assert (prep.counts is None) == (ref.counts is None)

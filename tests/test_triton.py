@@ -68,9 +68,8 @@ def test_merge_states_triton_path():
     s[1, :2] = float("-inf")
     o = torch.empty(3, 2, 16, device=DEV)
     lse = torch.empty(3, 2, device=DEV)
-    # The CSR offsets sit at an offset of a larger int32 buffer, as in a packed plan.
-    meta = torch.cat([torch.full((4,), -7, dtype=torch.int32), torch.arange(0, 13, 4, dtype=torch.int32)]).to(DEV)
-    launch_merge(v.view(12, 2, 16), s.view(12, 2), o, lse, meta, 4)
+    indptr = torch.arange(0, 13, 4, dtype=torch.int32, device=DEV)
+    launch_merge(v.view(12, 2, 16), s.view(12, 2), o, lse, indptr, torch.arange(12, dtype=torch.int32, device=DEV))
     ref_o, ref_lse = merge_states(v, s)
     torch.testing.assert_close(o, ref_o)
     torch.testing.assert_close(lse, ref_lse)

@@ -18,8 +18,7 @@
  * tile_q_start, tile_q_end [T each], partial_indptr [T + 1], query_order, query_pre,
  * query_len [Q each], merge_indptr [Q + 1], merge_partials [P]: the TreePlan arrays.
  * `packed` holds the segments token slots, lo, hi, off, work items (8 per item), query
- * order, pre, len, merge indptr, p_dest (the inverse of merge_partials: the row of the
- * partial-state workspace each partial goes to, so each query's states are adjacent), each starting at a multiple of 4 elements
+ * order, pre, len, merge indptr, merge partials, each starting at a multiple of 4 elements
  * (offsets in the header), gaps zeroed.
  */
 #include <math.h>
@@ -370,15 +369,11 @@ i64 deft_flatten_fill(const ArrayInterface *indptr_a, const ArrayInterface *kv_a
     memcpy(tiles + 3 * nt + 1, partial_indptr, (size_t)(nt + 1) * sizeof(i64));
     memcpy(cursor, merge_indptr, (size_t)nq * sizeof(i64));
     for (i64 ct = 0, pid = 0; ct < nt; ct++)
-        for (i64 pos = tqs[ct]; pos < tqe[ct]; pos++, pid++) {
-            i64 at = cursor[q_order[pos]]++;
-            merge_partials[at] = pid;
-            packed[seg[9] + pid] = (i32)at; /* p_dest: where the kernel stores partial pid */
-        }
-    for (i64 i = seg[9] + np_; i < seg[10]; i++) packed[i] = 0;
+        for (i64 pos = tqs[ct]; pos < tqe[ct]; pos++) merge_partials[cursor[q_order[pos]]++] = pid++;
     emit(queries, packed, seg[5], seg[6], q_order, nq);
     emit(queries + nq, packed, seg[6], seg[7], x + w.q_pre, nq);
     emit(queries + 2 * nq, packed, seg[7], seg[8], x + w.q_len, nq);
     emit(queries + 3 * nq, packed, seg[8], seg[9], merge_indptr, nq + 1);
+    emit(NULL, packed, seg[9], seg[10], merge_partials, np_);
     return all_contig | any_contig << 1;
 }

@@ -73,8 +73,7 @@ def kernel_config(head_dim: int) -> KernelConfig:
 @dataclass(frozen=True)
 class _Prepared:
     config: KernelConfig
-    meta: torch.Tensor  # the packed int32 plan on the device: segments ``_SEGMENTS``
-    offsets: dict[str, int]  # where each segment starts in ``meta``
+    arrays: dict[str, torch.Tensor]  # views of one int32 device buffer, named by ``_SEGMENTS``
     num_work: int
     num_queries: int
     partial_o: torch.Tensor  # [P, H_q, D] fp32
@@ -128,14 +127,6 @@ def _tile_slot0(plan: TreePlan) -> np.ndarray:
     return np.where(contig, slots[starts], -1)
 
 
-def _partial_dest(plan: TreePlan) -> np.ndarray:
-    """``[P]`` the workspace row of each partial state: the inverse of ``merge_partials``, so
-    each query's states are adjacent and the merge reads them without an index load."""
-    dest = np.empty(plan.num_partials, np.int64)
-    dest[plan.merge_partials] = np.arange(plan.num_partials)
-    return dest
-
-
 def _work_items(plan: TreePlan, g: int, block_m: int) -> np.ndarray:
     """``[W, 8]`` descriptor of every program: the tile's ``tok0, tok1, q_start, q_end,
     first partial, full flag, slot0`` and the program's first row. Largest tiles come first;
@@ -153,7 +144,7 @@ def _work_items(plan: TreePlan, g: int, block_m: int) -> np.ndarray:
 
 
 _SEGMENTS = ("tok_slot", "tok_lo", "tok_hi", "tok_off", "work", "q_order", "q_pre", "q_len",
-             "merge_indptr", "p_dest")
+             "merge_indptr", "merge_partials")
 
 
 def _checked_config(head_dim: int) -> KernelConfig:
@@ -181,14 +172,15 @@ def _finish(cfg: KernelConfig, host: torch.Tensor, sizes: list[int], starts: lis
             device: torch.device, num_qo_heads: int, head_dim: int, num_partials: int, *,
             num_work: int, needs_mask: bool, all_contiguous: bool, any_contiguous: bool,
             sorted_queries: bool, every_query_merged: bool) -> _Prepared:
-    """Upload the packed plan (one copy; the kernels get it with segment offsets, no views)
-    and allocate the workspaces."""
-    meta = host.to(device, non_blocking=True)
+    """Upload the packed plan (one copy; the kernels get views of it, each padded to its
+    segment's 4-element boundary) and allocate the workspaces."""
+    buf = host.to(device, non_blocking=True)
+    padded = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    arrays = dict(zip(_SEGMENTS, buf.split_with_sizes(padded)))  # one call for all views
     num_queries = sizes[5]
     p = max(num_partials, 1)
     return _Prepared(
-        config=cfg, meta=meta, offsets=dict(zip(_SEGMENTS, starts)), num_work=num_work,
-        num_queries=num_queries,
+        config=cfg, arrays=arrays, num_work=num_work, num_queries=num_queries,
         partial_o=torch.empty(p, num_qo_heads, head_dim, dtype=torch.float32, device=device),
         partial_lse=torch.empty(p, num_qo_heads, dtype=torch.float32, device=device),
         lse=torch.empty(num_queries, num_qo_heads, dtype=torch.float32, device=device),
@@ -237,7 +229,7 @@ class TritonBackend:
         work = _work_items(plan, num_qo_heads // num_kv_heads, cfg.block_m)
         host = (plan.token_slots, plan.token_lo, plan.token_hi, plan.token_off, work.reshape(-1),
                 plan.query_order, plan.query_pre, plan.query_len, plan.merge_indptr,
-                _partial_dest(plan))
+                plan.merge_partials)
         sizes = [a.shape[0] for a in host]
         starts = _segment_starts(sizes)
         buf = _host_buffer(starts[-1], device)
@@ -304,7 +296,7 @@ class TritonBackend:
         if nq == 0:
             return
         q = q if q.stride(-1) == 1 else q.contiguous()
-        meta, a, cfg = prepared.meta, prepared.offsets, prepared.config
+        a, cfg = prepared.arrays, prepared.config
         po, plse = prepared.partial_o, prepared.partial_lse
         fused = prepared.counts is not None
         tma = prepared.any_contiguous and cfg.tma and _tma_ok(k_cache) and _tma_ok(v_cache)
@@ -312,10 +304,11 @@ class TritonBackend:
                           if tma else (k_cache, v_cache))
         if prepared.num_work:
             tree_partial_kernel[(prepared.num_work, h_kv)](
-                q, k_cache, v_cache, desc_k, desc_v, po, plse, meta,
+                q, k_cache, v_cache, desc_k, desc_v, po, plse,
                 a["tok_slot"], a["tok_lo"], a["tok_hi"], a["tok_off"],
-                a["work"], a["q_order"], a["q_pre"], a["q_len"], a["merge_indptr"], a["p_dest"],
-                o, lse, prepared.counts if fused else meta,
+                a["work"], a["q_order"], a["q_pre"], a["q_len"],
+                o, lse, prepared.counts if fused else a["merge_indptr"],
+                a["merge_indptr"], a["merge_partials"],
                 sm_scale * math.log2(math.e),
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                 po.stride(0), po.stride(1), plse.stride(0), o.stride(0), o.stride(1), h_q,
@@ -326,7 +319,7 @@ class TritonBackend:
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
             )
         if not fused:
-            launch_merge(po, plse, o, lse, meta, a["merge_indptr"])
+            launch_merge(po, plse, o, lse, a["merge_indptr"], a["merge_partials"])
 
 
 def _tma_ok(cache: torch.Tensor) -> bool:
@@ -343,13 +336,11 @@ def _kv_descriptor(cache: torch.Tensor, block_n: int) -> TensorDescriptor:
 
 
 def launch_merge(po: torch.Tensor, plse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                 meta: torch.Tensor, indptr_at: int = 0) -> None:
-    """Merge states ``po [P, H, D]``, ``plse [P, H]`` into ``o [N, H, D]``, ``lse [N, H]``:
-    row ``n`` merges states ``indptr[n]:indptr[n + 1]``, ``indptr`` being the ``N + 1`` int32
-    of ``meta`` from ``indptr_at``."""
+                 indptr: torch.Tensor, indices: torch.Tensor) -> None:
+    """Merge states ``po [P, H, D]``, ``plse [P, H]`` into ``o [N, H, D]``, ``lse [N, H]`` (CSR)."""
     n, h, d = o.shape
     merge_kernel[(n, h)](
-        po, plse, o, lse, meta, indptr_at, h,
+        po, plse, o, lse, indptr, indices, h,
         po.stride(0), po.stride(1), plse.stride(0), o.stride(0), o.stride(1),
         D=d, BLOCK_S=4 if interpreting() else 16, num_warps=1 if interpreting() else 2,
     )

@@ -6,13 +6,13 @@ chunk of one tile: rows are (group query, GQA head) pairs, so every query head t
 the KV head is computed from the same K/V loads. The program streams the tile's tokens in
 blocks of ``BLOCK_N`` (K/V copies in flight ahead of use; by TMA when the tile's slots are
 consecutive), applies the plan's compact visibility mask, keeps an online softmax, and
-writes one fp32 partial state per (query, head), at its query's rows of the workspace. With ``FUSE_MERGE`` the program that writes a row's last partial state also merges
+writes one fp32 partial state per (query, head). With ``FUSE_MERGE`` the program that
+writes a row's last partial state also merges
 the row (measured slower on an H200, so off by default; see docs/benchmarks.md).
 
-``merge_kernel``: one program per (query, head); merges the query's partial states, which
-the partial kernel stored next to each other (rows ``indptr[n]:indptr[n + 1]`` of the
-workspace, so no index load sits between the CSR offsets and the states), a block of them
-per step, into ``o`` (output dtype) and ``lse`` (natural log).
+``merge_kernel``: one program per (query, head); merges the query's partial states through
+the reduction map (CSR), a block of them per step, into ``o`` (output dtype) and ``lse``
+(natural log).
 """
 
 import triton
@@ -161,21 +161,13 @@ def _tile(
     return m_i, l_i, acc
 
 
-# The plan arrays are segments of one int32 buffer ``meta``, passed with their offsets
-# (cheaper on the host than one tensor view each); offsets are not specialised, so a new
-# plan never recompiles.
-_PLAN_OFFSETS = ["at_slot", "at_lo", "at_hi", "at_off", "at_work", "at_order", "at_pre", "at_len",
-                 "at_indptr", "at_dest"]
-
-
-@triton.jit(do_not_specialize=_PLAN_OFFSETS)
+@triton.jit
 def tree_partial_kernel(
-    Q, K, V, desc_k, desc_v, PO, PLSE, meta,
-    # segments of meta: token slots, lo, hi, off [N]; work items [W, 8] (tok0, tok1, qs, qe,
-    # p0, full, slot0, row0 per program); query order, pre, len [Q]; merge CSR offsets
-    # [Q + 1]; p_dest [P], the workspace row of each partial (rows grouped by query)
-    at_slot, at_lo, at_hi, at_off, at_work, at_order, at_pre, at_len, at_indptr, at_dest,
-    O, LSE, counts,
+    Q, K, V, desc_k, desc_v, PO, PLSE,
+    tok_slot, tok_lo, tok_hi, tok_off,
+    work,  # [W, 8] int32 per program: tok0, tok1, qs, qe, p0, full, slot0, row0
+    q_order, q_pre, q_len,
+    O, LSE, counts, merge_indptr, merge_partials,
     qk_scale,  # sm_scale * log2(e)
     stride_qn, stride_qh, stride_kn, stride_kh, stride_pn, stride_ph, stride_ln,
     stride_on, stride_oh, num_heads,
@@ -185,9 +177,6 @@ def tree_partial_kernel(
 ):
     w = tl.program_id(0)
     kvh = tl.program_id(1)
-    tok_slot, tok_lo, tok_hi, tok_off = meta + at_slot, meta + at_lo, meta + at_hi, meta + at_off
-    work, q_order, q_pre, q_len = meta + at_work, meta + at_order, meta + at_pre, meta + at_len
-    merge_indptr, p_dest = meta + at_indptr, meta + at_dest
     # One row of independent loads (one memory round trip) describes the program's work.
     desc = work + w * 8
     tok0 = tl.load(desc)
@@ -216,7 +205,6 @@ def tree_partial_kernel(
     q = tl.load(Q + qorig[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
     pre = tl.load(q_pre + qpos, mask=row_ok, other=-1)
-    pid = tl.load(p_dest + p0 + qi, mask=row_ok, other=0).to(tl.int64)
     qlen = tl.load(q_len + qpos, mask=row_ok, other=0)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -239,18 +227,19 @@ def tree_partial_kernel(
     # Natural-log lse from the base-2 running max and sum.
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
+    pid = (p0 + qi).to(tl.int64)
     tl.store(PO + pid[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :], o,
              mask=row_ok[:, None])
     tl.store(PLSE + pid * stride_ln + head, lse, mask=row_ok)
     if FUSE_MERGE:
-        _merge_if_last(PO, PLSE, O, LSE, counts, merge_indptr, qorig, head,
+        _merge_if_last(PO, PLSE, O, LSE, counts, merge_indptr, merge_partials, qorig, head,
                        row_ok, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
                        D=D)
 
 
 @triton.jit
 def _merge_if_last(
-    PO, PLSE, O, LSE, counts, merge_indptr, qorig, head, row_ok,
+    PO, PLSE, O, LSE, counts, merge_indptr, merge_partials, qorig, head, row_ok,
     stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads, D: tl.constexpr,
 ):
     """Count this program's partial states per (query, head); the program that writes the
@@ -274,7 +263,7 @@ def _merge_if_last(
         acc = tl.zeros([cnt.shape[0], D], tl.float32)
         for j in range(0, tl.max(cnt, 0)):
             ok = j < cnt
-            p = (start + j).to(tl.int64)
+            p = tl.load(merge_partials + start + j, mask=ok, other=0).to(tl.int64)
             # .cg: read other programs' states from L2, never a stale L1 line.
             s = tl.load(PLSE + p * stride_ln + head, mask=ok, other=float("-inf"),
                         cache_modifier=".cg")
@@ -296,9 +285,9 @@ def _merge_if_last(
         tl.store(counts + cidx, 0, mask=last)
 
 
-@triton.jit(do_not_specialize=["at_indptr"])
+@triton.jit
 def merge_kernel(
-    PO, PLSE, O, LSE, meta, at_indptr,
+    PO, PLSE, O, LSE, indptr, indices,
     num_heads,
     stride_pn, stride_ph, stride_ln, stride_on, stride_oh,
     D: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -306,8 +295,8 @@ def merge_kernel(
     n = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D)
-    start = tl.load(meta + at_indptr + n)
-    end = tl.load(meta + at_indptr + n + 1)
+    start = tl.load(indptr + n)
+    end = tl.load(indptr + n + 1)
     m = float("-inf")
     den = 0.0
     acc = tl.zeros([D], tl.float32)
@@ -315,7 +304,7 @@ def merge_kernel(
     for c in range(start, end, BLOCK_S):
         idx = c + tl.arange(0, BLOCK_S)
         ok = idx < end
-        p = idx.to(tl.int64)
+        p = tl.load(indices + idx, mask=ok, other=0).to(tl.int64)
         s = tl.load(PLSE + p * stride_ln + h, mask=ok, other=float("-inf"))
         o = tl.load(PO + p[:, None] * stride_pn + h * stride_ph + d[None, :],
                     mask=ok[:, None], other=0.0).to(tl.float32)
