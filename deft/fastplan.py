@@ -3,10 +3,11 @@
 ``csrc/flatten_plan.c`` computes in a few linear passes exactly what :func:`deft.plan.make_plan`
 (kind ``"flatten"``), the triton backend's coarsening and its host-side ``prepare`` compute
 with numpy (about 150 small numpy calls, 0.5–1 ms per step). It is compiled with the system C
-compiler on first use into a cache directory (``$DEFT_CACHE_DIR``, else ``~/.cache/deft``, else
-a temporary directory) under a name keyed by a hash of the source, and loaded with ctypes.
-Without a compiler, or with ``DEFT_FASTPLAN=0``, :func:`flatten_plan` returns ``None`` and
-callers use the numpy planner.
+compiler (``$CC``, else ``cc``) on first use into a cache directory (``$DEFT_CACHE_DIR``, else
+``~/.cache/deft``, else a private temporary directory) under a name keyed by a hash of the
+source, compiler, flags and machine, and loaded with ctypes. Without a working compiler (a
+warning, once), or with ``DEFT_FASTPLAN=0``, :func:`flatten_plan` returns ``None`` and callers
+use the numpy planner.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
+import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -55,15 +59,31 @@ def _cache_dir() -> Path:
             continue
         if os.access(cand, os.W_OK):
             return cand
-    fallback = Path(tempfile.gettempdir()) / f"deft-{os.getuid() if hasattr(os, 'getuid') else 0}"
-    fallback.mkdir(parents=True, exist_ok=True)
-    return fallback
+    return _private_temp_dir()
 
 
-def _compile(compiler: str) -> Path:
-    """Build the shared library, or reuse a cached build of the same source and flags."""
+def _private_temp_dir() -> Path:
+    """``$TMPDIR/deft-<uid>``, made private; a fresh private directory instead when that path
+    is not a directory of ours closed to others (a library planted there would be loaded)."""
+    if not hasattr(os, "getuid"):
+        return Path(tempfile.mkdtemp(prefix="deft-"))
+    path = Path(tempfile.gettempdir()) / f"deft-{os.getuid()}"
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        st = path.lstat()
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022:
+            return path
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix="deft-"))
+
+
+def _compile(cc: list[str]) -> Path:
+    """Build the shared library with the command ``cc`` (compiler, then its own flags), or
+    reuse a cached build of the same source, command, flags and machine."""
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *_CFLAGS]).encode()).hexdigest()[:16]
+    config = " ".join([*cc, *_CFLAGS, platform.machine()])
+    key = hashlib.sha256(source + config.encode()).hexdigest()[:16]
     suffix = ".dylib" if sys.platform == "darwin" else ".so"
     target = _cache_dir() / f"flatten_plan-{key}{suffix}"
     if target.exists():
@@ -71,7 +91,7 @@ def _compile(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=suffix, dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_CFLAGS, "-o", tmp, "-x", "c", "-", "-lm"], input=source,
+        subprocess.run([*cc, *_CFLAGS, "-o", tmp, "-x", "c", "-", "-lm"], input=source,
                        check=True, capture_output=True)
         os.replace(tmp, target)  # atomic: a concurrent build of the same key is identical
     finally:
@@ -84,12 +104,13 @@ def _compile(compiler: str) -> Path:
 def load_library() -> ctypes.CDLL | None:
     """The compiled planner, built on first use; ``None`` (with a warning) if that fails."""
     with _LOCK:
-        compiler = shutil.which(os.environ.get("CC", "cc"))
         try:
+            cc = shlex.split(os.environ.get("CC") or "cc")  # e.g. CC="ccache gcc"
+            compiler = shutil.which(cc[0]) if cc else None
             if compiler is None:
                 raise OSError(f"no C compiler ({os.environ.get('CC', 'cc')!r} not found)")
-            lib = ctypes.CDLL(str(_compile(compiler)))
-        except (OSError, subprocess.CalledProcessError) as exc:
+            lib = ctypes.CDLL(str(_compile([compiler, *cc[1:]])))
+        except (OSError, ValueError, subprocess.CalledProcessError) as exc:
             stderr = getattr(exc, "stderr", None)
             detail = stderr.decode(errors="replace").strip() if stderr else exc
             warnings.warn(f"deft: the compiled planner is unavailable, planning with numpy "
@@ -178,7 +199,7 @@ def flatten_plan(
     if rc > 0:
         ws, ws_p = _workspace(rc)
         rc = lib.deft_flatten_plan(*args, ws_p, ws.shape[0])
-    if rc < 0:
+    if rc != 0:  # a malformed forest or array (TreeLayout rules both out)
         return None
     head = ws[:_H_END].tolist()
     ntok, ntiles, npart, nwork, nq = head[:5]

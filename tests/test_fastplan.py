@@ -7,7 +7,7 @@ import shutil
 import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -134,6 +134,12 @@ def test_recorded_workloads(setting, workloads):
 
 
 @needs_cc
+def test_huge_block_kv(setting):
+    """A tile size near 2**63 must not overflow the C planner's tile arithmetic."""
+    assert_same(SPECIAL["partial lens, several per node"], 2**63 - 1)
+
+
+@needs_cc
 def test_fused_merge_flag(setting, monkeypatch):
     monkeypatch.setattr(tb, "_INTERPRET_CONFIG", dataclasses.replace(tb._INTERPRET_CONFIG, fuse_merge=True))
     for d, cfg in list(tb._GPU_CONFIGS.items()):
@@ -158,6 +164,24 @@ def test_threads_keep_their_own_workspace():
             np.testing.assert_array_equal(plan.merge_partials, ref.merge_partials)
 
 
+def _unchecked_layout(parents, dtype):
+    """What TreeLayout would reject: two nodes of 2 tokens, a query on each, as ``dtype``."""
+    fields = dict(parents=parents, node_kv_indptr=[0, 2, 4], kv_indices=[0, 1, 2, 3],
+                  query_nodes=[0, 1], query_kv_lens=[2, 2])
+    return SimpleNamespace(num_tokens=4, **{k: np.asarray(v, dtype) for k, v in fields.items()})
+
+
+@needs_cc
+@pytest.mark.parametrize("parents,dtype", [([1, 0], np.int64), ([-1, 0], np.int32)],
+                         ids=["cycle", "int32 arrays"])
+def test_malformed_input_returns_none(parents, dtype):
+    """The C planner's error codes (malformed forest, arrays not int64) give ``None``."""
+    assert fastplan.flatten_plan(
+        _unchecked_layout(parents, dtype), 8, g=1, block_m=16, num_kv_heads=1, sms=4,
+        waves=2.0, min_tile_tokens=0, max_factor=1024,
+        host_buffer=lambda n: torch.zeros(n, dtype=torch.int32)) is None
+
+
 def test_other_plan_kinds_are_not_fast():
     assert tb.TritonBackend().plan_fast(SPECIAL["one node"], "node", 8, 2, 1, 16, CPU) is None
 
@@ -180,7 +204,7 @@ def fresh_library(monkeypatch, tmp_path):
     fastplan.load_library.cache_clear()
 
 
-@pytest.mark.parametrize("cc", ["false", "no-such-compiler-xyz"])
+@pytest.mark.parametrize("cc", ["false", "no-such-compiler-xyz", "'unbalanced quote"])
 def test_failing_compiler_falls_back_to_numpy(fresh_library, monkeypatch, cc):
     monkeypatch.setenv("CC", cc)
     layout = SPECIAL["partial lens, several per node"]
@@ -203,14 +227,48 @@ def test_build_is_cached_by_source_hash(fresh_library, monkeypatch):
     edited = fresh_library / "flatten_plan.c"
     edited.write_bytes(fastplan._SOURCE.read_bytes() + b"/* edited */\n")
     monkeypatch.setattr(fastplan, "_SOURCE", edited)
-    assert fastplan._compile(shutil.which("cc")) not in (built, None)  # an edit rebuilds
+    cc = [shutil.which("cc")]
+    edited_build = fastplan._compile(cc)
+    assert edited_build != built  # an edit rebuilds
+    monkeypatch.setattr(fastplan.platform, "machine", lambda: "another-arch")
+    assert fastplan._compile(cc) not in (built, edited_build)  # so does another machine
+
+
+@needs_cc
+def test_compiler_command_with_flags(fresh_library, monkeypatch):
+    """``CC`` may carry flags (``CC="ccache gcc"``, ``CC="cc -m64"``); they key the build."""
+    monkeypatch.setenv("CC", "cc -O1")
+    assert fastplan.load_library() is not None
+    (built,) = (fresh_library / "cache").glob("flatten_plan-*")
+    assert built != fastplan._compile([shutil.which("cc")])
 
 
 def test_cache_dir_falls_back_to_a_temp_dir(monkeypatch, tmp_path):
     (tmp_path / "file").write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setenv("DEFT_CACHE_DIR", str(tmp_path / "file"))  # not a directory
     monkeypatch.setenv("HOME", str(tmp_path / "file"))  # nor is ~/.cache/deft possible
-    assert fastplan._cache_dir() == Path(tempfile.gettempdir()) / f"deft-{os.getuid()}"
+    assert fastplan._cache_dir() == tmp_path / f"deft-{os.getuid()}"
+    assert (tmp_path / f"deft-{os.getuid()}").stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("kind", ["world-writable", "symlink", "file"])
+def test_temp_dir_others_could_write_is_not_used(monkeypatch, tmp_path, kind):
+    """A predictable temp path another user could have made (and planted a library in) is
+    skipped for a fresh private directory."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    shared = tmp_path / f"deft-{os.getuid()}"
+    if kind == "world-writable":
+        shared.mkdir()
+        shared.chmod(0o777)
+    elif kind == "symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        shared.symlink_to(tmp_path / "elsewhere")
+    else:
+        shared.write_text("")
+    got = fastplan._private_temp_dir()
+    assert got.parent == tmp_path and got.name.startswith("deft-") and got != shared
+    assert got.stat().st_mode & 0o777 == 0o700
 
 
 @needs_cc

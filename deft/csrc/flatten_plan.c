@@ -59,7 +59,11 @@ typedef struct {
     i64 total;
 } Ws;
 
-static i64 ceil_div(i64 a, i64 b) { return (a + b - 1) / b; }
+/* For a >= 0, b > 0, without the overflow of (a + b - 1) / b when b is near INT64_MAX. */
+static i64 ceil_div(i64 a, i64 b) { return a / b + (a % b != 0); }
+
+/* End of the flattened tile that starts at token s, without overflowing s + block_kv. */
+static i64 tile_end(i64 s, i64 block_kv, i64 nl) { return block_kv < nl - s ? s + block_kv : nl; }
 
 static Ws ws_layout(i64 nodes, i64 tokens, i64 queries, i64 block_kv, i64 max_factor) {
     Ws w;
@@ -173,7 +177,7 @@ i64 deft_flatten_plan(const ArrayInterface *parents_a, const ArrayInterface *ind
     /* Tiles of block_kv flattened tokens; a tile's group is the queries whose node lies in
      * [lo of its first token, max hi of its tokens). Tiles nobody sees are dropped. */
     for (i64 t = 0, k = 0; t < t0; t++) {
-        i64 s = t * block_kv, e = s + block_kv < nl ? s + block_kv : nl, ghi, qs, qe;
+        i64 s = t * block_kv, e = tile_end(s, block_kv, nl), ghi, qs, qe;
         while (fstart[k + 1] <= s) k++;
         ghi = hi[k];
         for (i64 j = k + 1; j < n && fstart[j] < e; j++)
@@ -309,7 +313,7 @@ i64 deft_flatten_fill(const ArrayInterface *indptr_a, const ArrayInterface *kv_a
     for (i64 ct = 0, k = 0; ct < nt; ct++) {
         i64 qs = tqs[ct], qe = tqe[ct], is_full = 1, contig = 1, prev = 0;
         for (i64 i = cstart[ct]; i < cstart[ct + 1]; i++) {
-            i64 s = kept[i] * block_kv, e = s + block_kv < nl ? s + block_kv : nl;
+            i64 s = kept[i] * block_kv, e = tile_end(s, block_kv, nl);
             while (s < e) {
                 i64 seg_end, len, o, h;
                 const i64 *src;
