@@ -75,7 +75,7 @@ def assert_same(layout, block_kv=64, h_q=32, h_kv=8, d=128):
     assert torch.equal(prep.arrays["tok_slot"]._base, ref.arrays["tok_slot"]._base), "packed buffer"
     for name, t in ref.arrays.items():
         assert torch.equal(prep.arrays[name], t), name
-    for f in ("config", "num_work", "num_queries", "needs_mask", "contiguous", "any_contiguous",
+    for f in ("config", "num_work", "num_queries", "needs_mask", "contiguous", "tma",
               "sorted_queries"):
         assert getattr(prep, f) == getattr(ref, f), f
     assert (prep.counts is None) == (ref.counts is None)

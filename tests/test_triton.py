@@ -322,8 +322,9 @@ def _mixed_slots_layout() -> TreeLayout:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("name", ["fan", "partial lens", "prompt and branches", "mixed slots"])
 def test_tma_path_matches_reference(monkeypatch, name, dtype):
-    """Consecutive slots with ``tma``: whole blocks by tensor descriptor, the tail by gather,
-    masked (branch) and unmasked (prompt) tiles; also with a KV head stride ``_tma_ok`` rejects."""
+    """Consecutive slots with ``tma``: every block by tensor descriptor, the last one masked
+    (NaN past it, or past the cache end), masked (branch) and unmasked (prompt) tiles, tiles
+    of consecutive and scattered slots in one launch; a cache ``_tma_ok`` rejects gathers."""
     import dataclasses
 
     from deft.ops import triton_backend as tb
@@ -339,13 +340,16 @@ def test_tma_path_matches_reference(monkeypatch, name, dtype):
     k, v = (torch.cat([x, torch.full_like(x[:40], float("nan"))]) for x in (k, v))
     attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=None if CUDA else 32)
     attn.plan(layout)
-    assert attn._prepared.contiguous == (name != "mixed slots") and attn._prepared.any_contiguous
+    assert attn._prepared.contiguous == (name != "mixed slots") and attn._prepared.tma
     calls = []
     monkeypatch.setattr(tb, "_kv_descriptor", lambda *a, f=tb._kv_descriptor: calls.append(1) or f(*a))
     o, lse = attn.run(q, k, v, return_lse=True)
     assert calls, "the TMA path was not taken"
     assert_close(o.cpu(), ref_o.cpu(), dtype, "tma")
     assert_lse_close(lse.cpu(), ref_lse.cpu(), "tma")
+    # A cache of exactly the layout's slots: the last box reads past its end (zero fill).
+    exact = layout.num_tokens
+    assert_close(attn.run(q, k[:exact], v[:exact]).cpu(), ref_o.cpu(), dtype, "tma, exact cache")
     # A cache whose KV heads are not adjacent rows cannot be one 2-D TMA tensor: gather path.
     k2, v2 = (torch.stack([x, x], 2)[:, :, 0] for x in (k, v))
     assert not tb._tma_ok(k2)

@@ -28,7 +28,6 @@ from deft.ops.reference import reference_attention
 from deft.plan import coarsen_plan
 
 SHIPPED = tb.kernel_config(D)
-KC = tb.KernelConfig
 SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 3),
           (128, 64, 8, 2), (64, 16, 4, 4), (16, 32, 2, 3), (16, 64, 4, 3), (32, 32, 2, 3),
           (32, 64, 4, 3)]
@@ -41,11 +40,14 @@ if SWEEP == "merge":
 elif SWEEP == "factors":
     VARIANTS += [(f"u={u}", SHIPPED, u) for u in (2, 4, 8, 16, 32)]
 elif SWEEP == "shapes":
-    VARIANTS += [(f"m{m}n{n}w{w}s{st}", KC(m, n, w, st, SHIPPED.waves), None) for m, n, w, st in SHAPES]
+    VARIANTS += [(f"m{m}n{n}w{w}s{st}", dataclasses.replace(SHIPPED, block_m=m, block_n=n, num_warps=w,
+                                                            num_stages=st), None)
+                 for m, n, w, st in SHAPES]
     VARIANTS.append(("slot loads", dataclasses.replace(SHIPPED, contig=False), None))
 elif SWEEP == "tma":
     VARIANTS.append(("gather", dataclasses.replace(SHIPPED, tma=False), None))
-    VARIANTS += [(f"tma m{m}n{n}w{w}s{st}", KC(m, n, w, st, SHIPPED.waves, tma=True), None)
+    VARIANTS += [(f"tma m{m}n{n}w{w}s{st}", dataclasses.replace(SHIPPED, block_m=m, block_n=n,
+                                                                num_warps=w, num_stages=st), None)
                  for m, n, w, st in TMA_SHAPES]
 elif SWEEP == "occupancy":
     VARIANTS += [

@@ -6,20 +6,21 @@ are consecutive (no slot loads) or fully visible (no mask), list the work items 
 chunks of each tile, largest tiles first, chunks of one tile adjacent so they share its KV
 through L2), upload the plan arrays as int32 and allocate the fp32 partial-state
 workspace. For ``flatten`` plans ``plan_fast`` does all of it, planning included, in
-compiled code (:mod:`deft.fastplan`), with identical results. Per layer (``run``): two launches, no host synchronisation, and no allocation when the
-caller passes the output tensors. Runs on CUDA tensors, or on CPU tensors under
+compiled code (:mod:`deft.fastplan`), with identical results. Per layer (``run``): two
+launches, no host synchronisation, and no allocation when the caller passes the output
+tensors. Runs on CUDA tensors, or on CPU tensors under
 ``TRITON_INTERPRET=1`` (with small blocks, for tests).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import fastplan
@@ -40,7 +41,7 @@ class KernelConfig:
     num_stages: int
     waves: float  # programs per SM the coarsened launch aims for
     contig: bool = True  # when every tile's slots are consecutive, skip the slot loads
-    tma: bool = False  # ... and load whole K/V blocks of such tiles by TMA (tensor descriptors)
+    tma: bool = False  # with contig: load such tiles' K/V by TMA (tensor descriptors; sm_90+)
     fuse_merge: bool = False  # the last program of a row merges it (no merge launch)
     maxnreg: int | None = None  # register cap per thread (more programs per SM, maybe spills)
 
@@ -81,7 +82,7 @@ class _Prepared:
     lse: torch.Tensor  # [Q, H_q] fp32 workspace for steps whose caller wants no lse
     needs_mask: bool
     contiguous: bool  # every tile's slots are consecutive (slot0 >= 0)
-    any_contiguous: bool  # some tile's slots are
+    tma: bool  # some tile's slots are consecutive and the config and device allow TMA for it
     sorted_queries: bool  # query_order is the identity
     counts: torch.Tensor | None  # [Q * H_q] int32 zeros when the merge is fused, else None
 
@@ -177,7 +178,7 @@ def _finish(cfg: KernelConfig, host: torch.Tensor, sizes: list[int], starts: lis
     buf = host.to(device, non_blocking=True)
     padded = [b - a for a, b in zip(starts[:-1], starts[1:])]
     arrays = dict(zip(_SEGMENTS, buf.split_with_sizes(padded)))  # one call for all views
-    num_queries = sizes[5]
+    num_queries = sizes[_SEGMENTS.index("q_order")]
     p = max(num_partials, 1)
     return _Prepared(
         config=cfg, arrays=arrays, num_work=num_work, num_queries=num_queries,
@@ -186,7 +187,7 @@ def _finish(cfg: KernelConfig, host: torch.Tensor, sizes: list[int], starts: lis
         lse=torch.empty(num_queries, num_qo_heads, dtype=torch.float32, device=device),
         needs_mask=needs_mask,
         contiguous=cfg.contig and all_contiguous,
-        any_contiguous=any_contiguous,
+        tma=cfg.contig and cfg.tma and any_contiguous and _has_tma(device),
         sorted_queries=sorted_queries,
         # Fused merge needs every query to own a partial (else nobody writes its row).
         counts=torch.zeros(num_queries * num_qo_heads, dtype=torch.int32, device=device)
@@ -299,7 +300,7 @@ class TritonBackend:
         a, cfg = prepared.arrays, prepared.config
         po, plse = prepared.partial_o, prepared.partial_lse
         fused = prepared.counts is not None
-        tma = prepared.any_contiguous and cfg.tma and _tma_ok(k_cache) and _tma_ok(v_cache)
+        tma = prepared.tma and _tma_ok(k_cache) and _tma_ok(v_cache)
         desc_k, desc_v = ((_kv_descriptor(k_cache, cfg.block_n), _kv_descriptor(v_cache, cfg.block_n))
                           if tma else (k_cache, v_cache))
         if prepared.num_work:
@@ -324,9 +325,19 @@ class TritonBackend:
 
 def _tma_ok(cache: torch.Tensor) -> bool:
     """Whether ``cache [slots, H_kv, D]`` can be read as one 2-D TMA tensor of rows ``H_kv * D``."""
-    elem = cache.element_size()
-    return (cache.stride(2) == 1 and cache.stride(1) == cache.shape[2]
-            and (cache.stride(0) * elem) % 16 == 0 and cache.data_ptr() % 16 == 0)
+    _, h, d = cache.shape
+    return (cache.stride(2) == 1 and cache.stride(1) == d and cache.stride(0) >= h * d
+            and (cache.stride(0) * cache.element_size()) % 16 == 0 and cache.data_ptr() % 16 == 0)
+
+
+def _has_tma(device: torch.device) -> bool:
+    """TMA copies exist from sm_90 (Hopper); the interpreter emulates them."""
+    return interpreting() or (device.type == "cuda" and _capability(device)[0] >= 9)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def _kv_descriptor(cache: torch.Tensor, block_n: int) -> TensorDescriptor:
