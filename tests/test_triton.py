@@ -368,5 +368,5 @@ def test_gpu_tma_path(dtype, d, gqa):
     layout = few_shot_layout(1500, 7, 77)
     attn = TreeAttention(2 * gqa, 2, d, backend="triton", device="cuda")
     attn.plan(layout)
-    assert attn._prepared.contiguous and attn._prepared.config.tma
+    assert attn._prepared.contiguous and attn._prepared.tma
     check(layout, 2 * gqa, 2, d, dtype)

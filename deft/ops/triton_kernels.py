@@ -7,8 +7,8 @@ the KV head is computed from the same K/V loads. The program streams the tile's 
 blocks of ``BLOCK_N`` (K/V copies in flight ahead of use; by TMA when the tile's slots are
 consecutive), applies the plan's compact visibility mask, keeps an online softmax, and
 writes one fp32 partial state per (query, head). With ``FUSE_MERGE`` the program that
-writes a row's last partial state also merges
-the row (measured slower on an H200, so off by default; see docs/benchmarks.md).
+writes a row's last partial state also merges the row (measured slower on an H200, so off
+by default; see docs/benchmarks.md).
 
 ``merge_kernel``: one program per (query, head); merges the query's partial states through
 the reduction map (CSR), a block of them per step, into ``o`` (output dtype) and ``lse``
