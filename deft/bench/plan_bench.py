@@ -1,9 +1,15 @@
-"""``deft bench plan``: planning time of every plan kind on the benchmark trees (CPU)."""
+"""``deft bench plan``: planning time of every plan kind on the benchmark trees (CPU), and
+the triton backend's whole host-side step planning (flatten plan, coarsening, kernel
+metadata) with numpy and with the compiled planner (:mod:`deft.fastplan`)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import torch
+
+from ..layout import TreeLayout
 from ..plan import PLAN_KINDS, make_plan
 from .report import markdown_table
 from .timing import median_seconds
@@ -11,10 +17,37 @@ from .trees import PLAN_SUITE, build
 
 __all__ = ["plan_table"]
 
+# Llama-3-8B attention shape, as in the GPU benchmark.
+_HEADS = (32, 8, 128)
+
+
+def _triton_host_ms(layout: TreeLayout, block_kv: int, reps: int) -> tuple[float, float]:
+    """Median ms of the triton backend's step planning on the host (device ``cpu``: no
+    upload), with numpy and compiled; the second is NaN without a compiled planner."""
+    from ..ops.triton_backend import TritonBackend
+
+    be, cpu = TritonBackend(), torch.device("cpu")
+
+    def numpy_path() -> None:
+        plan = be.refine_plan(make_plan(layout, "flatten", block_kv), *_HEADS, cpu)
+        be.prepare(plan, layout, cpu, *_HEADS)
+
+    def compiled() -> object:
+        return be.plan_fast(layout, "flatten", block_kv, *_HEADS, cpu)
+
+    fast = median_seconds(compiled, reps=reps) * 1e3 if compiled() is not None else math.nan
+    return median_seconds(numpy_path, reps=reps) * 1e3, fast
+
 
 def plan_table(names: list[str] | None = None, workloads: Path | None = None,
                block_kv: int = 64, reps: int = 50) -> str:
-    """Markdown table of median planning time (ms) per plan kind, with the flatten plan's shape."""
+    """Markdown table of median planning time (ms) per plan kind, with the flatten plan's
+    shape, then the triton backend's host planning (numpy, compiled) when triton imports."""
+    try:
+        import triton  # noqa: F401
+        with_triton = True
+    except ImportError:
+        with_triton = False
     rows = []
     for name in names or PLAN_SUITE:
         try:
@@ -24,8 +57,11 @@ def plan_table(names: list[str] | None = None, workloads: Path | None = None,
         plan = make_plan(layout, "flatten", block_kv)
         times = [median_seconds(lambda k=k: make_plan(layout, k, block_kv), reps=reps) * 1e3
                  for k in PLAN_KINDS]
+        extra = list(_triton_host_ms(layout, block_kv, reps)) if with_triton else []
         rows.append([name, layout.num_nodes, layout.num_tokens, layout.num_queries,
-                     plan.num_tiles, plan.max_group, *times])
+                     plan.num_tiles, plan.max_group, *times, *extra])
     headers = ["workload", "nodes", "tokens", "queries", "tiles", "max group",
                *(f"{k} (ms)" for k in PLAN_KINDS)]
+    if with_triton:
+        headers += ["triton step, numpy (ms)", "triton step, compiled (ms)"]
     return markdown_table(headers, rows)
