@@ -343,8 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--workload", action="append", metavar="NAME",
                         help="run only this workload (repeatable); see deft.bench.trees.WORKLOADS")
 
-    plan = bsub.add_parser("plan", parents=[common], help="planning time per plan kind",
-                           description="Median planning time of every plan kind on the benchmark trees.")
+    plan = bsub.add_parser("plan", parents=[common],
+                           help="planning time per plan kind and of the triton step",
+                           description="Median planning time of every plan kind on the benchmark "
+                                       "trees, and of the triton backend's host-side step planning "
+                                       "with numpy and with the compiled planner.")
     plan.add_argument("--block-kv", type=int, default=64, help="tile size in tokens (default 64)")
     plan.add_argument("--reps", type=int, default=50, help="timed repetitions (default 50)")
     plan.set_defaults(func=cmd_bench_plan)
