@@ -352,10 +352,12 @@ def test_tma_path_matches_reference(monkeypatch, name, dtype):
     assert_close(attn.run(q, k[:exact], v[:exact]).cpu(), ref_o.cpu(), dtype, "tma, exact cache")
     # A cache whose KV heads are not adjacent rows cannot be one 2-D TMA tensor: gather path.
     k2, v2 = (torch.stack([x, x], 2)[:, :, 0] for x in (k, v))
-    assert not tb._tma_ok(k2)
+    assert not tb._tma_ok(k2, k2.stride())
     calls.clear()
     assert_close(attn.run(q, k2, v2).cpu(), ref_o.cpu(), dtype, "tma fallback")
     assert not calls
+    # K and V with different strides (the kernels address both with K's): still exact.
+    assert_close(attn.run(q, k, v2).cpu(), ref_o.cpu(), dtype, "k and v strides differ")
 
 
 @pytest.mark.gpu

@@ -296,13 +296,18 @@ class TritonBackend:
         h_kv = k_cache.shape[1]
         if nq == 0:
             return
+        # Each stride tuple is read once: this runs per layer, and host time adds up eagerly.
         q = q if q.stride(-1) == 1 else q.contiguous()
+        qs, ks, os_ = q.stride(), k_cache.stride(), o.stride()
+        if v_cache.stride() != ks:  # the kernels address V with K's strides
+            k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+            ks = k_cache.stride()
         a, cfg = prepared.arrays, prepared.config
         po, plse = prepared.partial_o, prepared.partial_lse
         fused = prepared.counts is not None
-        tma = prepared.tma and _tma_ok(k_cache) and _tma_ok(v_cache)
-        desc_k, desc_v = ((_kv_descriptor(k_cache, cfg.block_n), _kv_descriptor(v_cache, cfg.block_n))
-                          if tma else (k_cache, v_cache))
+        tma = prepared.tma and _tma_ok(k_cache, ks) and _tma_ok(v_cache, ks)
+        desc_k, desc_v = ((_kv_descriptor(k_cache, ks, cfg.block_n),
+                           _kv_descriptor(v_cache, ks, cfg.block_n)) if tma else (k_cache, v_cache))
         if prepared.num_work:
             tree_partial_kernel[(prepared.num_work, h_kv)](
                 q, k_cache, v_cache, desc_k, desc_v, po, plse,
@@ -311,8 +316,7 @@ class TritonBackend:
                 o, lse, prepared.counts if fused else a["merge_indptr"],
                 a["merge_indptr"], a["merge_partials"],
                 sm_scale * math.log2(math.e),
-                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-                po.stride(0), po.stride(1), plse.stride(0), o.stride(0), o.stride(1), h_q,
+                qs[0], qs[1], ks[0], ks[1], *po.stride()[:2], plse.stride(0), os_[0], os_[1], h_q,
                 G=h_q // h_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 USE_MASK=prepared.needs_mask, CONTIG=prepared.contiguous, TMA=tma,
                 SORTED=prepared.sorted_queries, FUSE_MERGE=fused,
@@ -323,11 +327,12 @@ class TritonBackend:
             launch_merge(po, plse, o, lse, a["merge_indptr"], a["merge_partials"])
 
 
-def _tma_ok(cache: torch.Tensor) -> bool:
-    """Whether ``cache [slots, H_kv, D]`` can be read as one 2-D TMA tensor of rows ``H_kv * D``."""
+def _tma_ok(cache: torch.Tensor, stride: tuple[int, ...]) -> bool:
+    """Whether ``cache [slots, H_kv, D]`` (strides ``stride``) can be read as one 2-D TMA
+    tensor of rows ``H_kv * D``."""
     _, h, d = cache.shape
-    return (cache.stride(2) == 1 and cache.stride(1) == d and cache.stride(0) >= h * d
-            and (cache.stride(0) * cache.element_size()) % 16 == 0 and cache.data_ptr() % 16 == 0)
+    return (stride[2] == 1 and stride[1] == d and stride[0] >= h * d
+            and (stride[0] * cache.element_size()) % 16 == 0 and cache.data_ptr() % 16 == 0)
 
 
 def _has_tma(device: torch.device) -> bool:
@@ -340,18 +345,18 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def _kv_descriptor(cache: torch.Tensor, block_n: int) -> TensorDescriptor:
+def _kv_descriptor(cache: torch.Tensor, stride: tuple[int, ...], block_n: int) -> TensorDescriptor:
     """TMA descriptor of ``cache`` as ``[slots, H_kv * D]``, loading ``[block_n, D]`` boxes."""
     slots, h, d = cache.shape
-    return TensorDescriptor(cache, [slots, h * d], [cache.stride(0), 1], [block_n, d])
+    return TensorDescriptor(cache, [slots, h * d], [stride[0], 1], [block_n, d])
 
 
 def launch_merge(po: torch.Tensor, plse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                  indptr: torch.Tensor, indices: torch.Tensor) -> None:
     """Merge states ``po [P, H, D]``, ``plse [P, H]`` into ``o [N, H, D]``, ``lse [N, H]`` (CSR)."""
     n, h, d = o.shape
+    small = interpreting()
     merge_kernel[(n, h)](
-        po, plse, o, lse, indptr, indices, h,
-        po.stride(0), po.stride(1), plse.stride(0), o.stride(0), o.stride(1),
-        D=d, BLOCK_S=4 if interpreting() else 16, num_warps=1 if interpreting() else 2,
+        po, plse, o, lse, indptr, indices, h, *po.stride()[:2], plse.stride(0), *o.stride()[:2],
+        D=d, BLOCK_S=4 if small else 16, num_warps=1 if small else 2,
     )
