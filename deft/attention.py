@@ -106,6 +106,11 @@ class TreeAttention:
         if not isinstance(layout, TreeLayout):
             raise TypeError(f"layout: expected a deft.TreeLayout, got {type(layout).__name__}")
         t0 = time.perf_counter()
+        max_slot = int(layout.kv_indices.max(initial=-1))
+        limit = getattr(self._backend, "max_slot", None)
+        if limit is not None and max_slot > limit:
+            raise ValueError(f"layout: slot {max_slot} is beyond the {self.backend_name} backend's "
+                             f"largest addressable slot {limit}")
         heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim)
         fast = getattr(self._backend, "plan_fast", None)
         done = fast(layout, self.plan_kind, self.block_kv, *heads, self.device) if fast else None
@@ -118,7 +123,7 @@ class TreeAttention:
                 plan = refine(plan, *heads, self.device)
             self._prepared = self._backend.prepare(plan, layout, self.device, *heads)
         self._plan = plan
-        self._max_slot = int(layout.kv_indices.max(initial=-1))
+        self._max_slot = max_slot
         self.plan_seconds = time.perf_counter() - t0
         return plan
 

@@ -372,3 +372,12 @@ def test_gpu_tma_path(dtype, d, gqa):
     attn.plan(layout)
     assert attn._prepared.contiguous and attn._prepared.tma
     check(layout, 2 * gqa, 2, d, dtype)
+
+
+def test_slots_beyond_int32_are_rejected_at_plan():
+    """The triton backend's plan arrays are int32: a larger slot is an error, not a wrap."""
+    layout = TreeLayout.from_node_lengths([-1], [3], [0], slots=[0, 1, 2**31])
+    attn = TreeAttention(2, 1, 16, backend="triton", device=DEV)
+    with pytest.raises(ValueError, match="slot 2147483648 is beyond"):
+        attn.plan(layout)
+    attn.plan(TreeLayout.from_node_lengths([-1], [3], [0], slots=[0, 1, 2**31 - 1]))

@@ -10,7 +10,8 @@ those three steps, or ``None`` to use them (e.g. a compiled planner for one plan
 ``run_output(prepared, q, k_cache, v_cache, sm_scale) -> o``, which ``TreeAttention.run``
 calls instead of ``run`` when the caller does not want the log-sum-exp. A backend with
 ``writes_out = True`` takes ``out=`` (and ``run`` also ``lse_out=``) and writes there;
-``TreeAttention`` copies other backends' results into the caller's tensors.
+``TreeAttention`` copies other backends' results into the caller's tensors. A backend with
+a ``max_slot`` attribute rejects layouts that use a larger slot (at ``plan``).
 New backends plug in with :func:`register_backend` without touching callers.
 """
 

@@ -200,6 +200,7 @@ class TritonBackend:
 
     name = "triton"
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    max_slot = 2**31 - 1  # plan arrays are int32 on the device
 
     def refine_plan(self, plan: TreePlan, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                     device: torch.device) -> TreePlan:
