@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..layout import TreeLayout
+from ..ops import Backend, get_backend
 from ..plan import PLAN_KINDS, make_plan
 from .report import markdown_table
 from .timing import median_seconds
@@ -21,12 +22,11 @@ __all__ = ["plan_table"]
 _HEADS = (32, 8, 128)
 
 
-def _triton_host_ms(layout: TreeLayout, block_kv: int, reps: int) -> tuple[float, float]:
-    """Median ms of the triton backend's step planning on the host (device ``cpu``: no
+def _triton_host_ms(be: Backend, layout: TreeLayout, block_kv: int,
+                    reps: int) -> tuple[float, float]:
+    """Median ms of the triton backend ``be``'s step planning on the host (device ``cpu``: no
     upload), with numpy and compiled; the second is NaN without a compiled planner."""
-    from ..ops.triton_backend import TritonBackend
-
-    be, cpu = TritonBackend(), torch.device("cpu")
+    cpu = torch.device("cpu")
 
     def numpy_path() -> None:
         plan = be.refine_plan(make_plan(layout, "flatten", block_kv), *_HEADS, cpu)
@@ -44,10 +44,9 @@ def plan_table(names: list[str] | None = None, workloads: Path | None = None,
     """Markdown table of median planning time (ms) per plan kind, with the flatten plan's
     shape, then the triton backend's host planning (numpy, compiled) when triton imports."""
     try:
-        import triton  # noqa: F401
-        with_triton = True
+        triton_be: Backend | None = get_backend("triton")
     except ImportError:
-        with_triton = False
+        triton_be = None
     rows = []
     for name in names or PLAN_SUITE:
         try:
@@ -57,11 +56,11 @@ def plan_table(names: list[str] | None = None, workloads: Path | None = None,
         plan = make_plan(layout, "flatten", block_kv)
         times = [median_seconds(lambda k=k: make_plan(layout, k, block_kv), reps=reps) * 1e3
                  for k in PLAN_KINDS]
-        extra = list(_triton_host_ms(layout, block_kv, reps)) if with_triton else []
+        extra = list(_triton_host_ms(triton_be, layout, block_kv, reps)) if triton_be else []
         rows.append([name, layout.num_nodes, layout.num_tokens, layout.num_queries,
                      plan.num_tiles, plan.max_group, *times, *extra])
     headers = ["workload", "nodes", "tokens", "queries", "tiles", "max group",
                *(f"{k} (ms)" for k in PLAN_KINDS)]
-    if with_triton:
+    if triton_be:
         headers += ["triton step, numpy (ms)", "triton step, compiled (ms)"]
     return markdown_table(headers, rows)
