@@ -364,14 +364,33 @@ def test_tma_path_matches_reference(monkeypatch, name, dtype):
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("d,gqa", [(64, 1), (128, 4), (256, 8)])
-def test_gpu_tma_path(dtype, d, gqa):
-    """The shipped configs load consecutive-slot tiles by TMA: every head_dim, GQA, dtype,
-    with branch tails that end mid-block."""
+def test_gpu_tma_path(monkeypatch, dtype, d, gqa):
+    """The shipped configs load consecutive-slot tiles by TMA inside CUDA-graph capture
+    (every head_dim, GQA, dtype, branch tails that end mid-block), and by gathered loads
+    when launched eagerly, building no descriptors after the first launch."""
+    from deft.ops import triton_backend as tb
+
     layout = few_shot_layout(1500, 7, 77)
+    q, k, v = random_qkv(layout, 2 * gqa, 2, d, dtype, 1, device="cuda")
+    ref_o, _ = reference_attention(q, k, v, layout, d**-0.5)
     attn = TreeAttention(2 * gqa, 2, d, backend="triton", device="cuda")
     attn.plan(layout)
     assert attn._prepared.contiguous and attn._prepared.tma
-    check(layout, 2 * gqa, 2, d, dtype)
+    out = torch.empty_like(q)
+    attn.run(q, k, v, out=out)  # eager: gathered loads; compiles the TMA variant once
+    assert_close(out.cpu(), ref_o.cpu(), dtype, "eager")
+    calls = []
+    monkeypatch.setattr(tb, "_kv_descriptor", lambda *a, f=tb._kv_descriptor: calls.append(1) or f(*a))
+    attn.run(q, k, v, out=out)
+    assert not calls, "an eager launch built tensor descriptors"
+    out.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.run(q, k, v, out=out)
+    assert calls, "the captured launch did not take the TMA path"
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out.cpu(), ref_o.cpu(), dtype, "tma in a CUDA graph")
 
 
 def test_slots_beyond_int32_are_rejected_at_plan():

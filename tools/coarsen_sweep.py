@@ -8,7 +8,11 @@ kernels, one KV buffer per layer) and check layer 0 against the float64 referenc
 * ``factors``: fixed coarsening factors 2..32 instead of ``refine_plan``;
 * ``shapes``: other block shapes (rows x tokens, warps, stages), and slot loads forced on;
 * ``tma``: TMA loads of consecutive-slot tiles off (gathered loads), and TMA block shapes;
-* ``occupancy``: 2 stages, a 128-register cap (4 programs per SM instead of 3), other waves.
+* ``occupancy``: 2 stages, a 128-register cap (4 programs per SM instead of 3), other waves;
+* ``pdl``: programmatic dependent launch off.
+
+``EAGER=1`` times the step launched from Python instead of replayed; ``ONLY=label,...``
+keeps just those variants.
 
 Usage: [SWEEP=factors] python3 tools/coarsen_sweep.py [TREE ...]   (one line per (tree, variant))
 """
@@ -56,15 +60,20 @@ elif SWEEP == "occupancy":
         ("waves 3", dataclasses.replace(SHIPPED, waves=3.0), None),
         ("s2 maxnreg 128 waves 6", dataclasses.replace(SHIPPED, num_stages=2, maxnreg=128, waves=6.0), None),
     ]
+elif SWEEP == "pdl":
+    VARIANTS.append(("no pdl", dataclasses.replace(SHIPPED, pdl=False), None))
 else:
-    sys.exit(f"SWEEP: expected merge, factors, shapes, tma or occupancy, got {SWEEP!r}")
+    sys.exit(f"SWEEP: expected merge, factors, shapes, tma, occupancy or pdl, got {SWEEP!r}")
+if os.environ.get("ONLY"):  # comma-separated labels: run just these variants
+    VARIANTS = [v for v in VARIANTS if v[0] in os.environ["ONLY"].split(",")]
 TREES = GPU_SUITE
 
 workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
 names = sys.argv[1:] or TREES
 shipped_refine = tb.TritonBackend.refine_plan
 results = []
-print("tree | variant | tiles | partials | programs | µs/step graph | µs/layer | max|diff| vs ref")
+mode = "eager" if os.environ.get("EAGER") == "1" else "graph"
+print(f"tree | variant | tiles | partials | programs | µs/step {mode} | µs/layer | max|diff| vs ref")
 for name in names:
     try:
         layout = build(name, workloads)
@@ -93,7 +102,7 @@ for name in names:
                 for layer in range(LAYERS):
                     attn.run(q, ks[layer], vs[layer])
 
-            us = _time(step, graph=True)
+            us = _time(step, graph=os.environ.get("EAGER") != "1")
         except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report, go on
             print(f"{name} | {label} | ERROR {type(exc).__name__}: {str(exc)[:120]}", flush=True)
             continue

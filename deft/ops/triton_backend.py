@@ -44,14 +44,15 @@ class KernelConfig:
     tma: bool = False  # with contig: load such tiles' K/V by TMA (tensor descriptors; sm_90+)
     fuse_merge: bool = False  # the last program of a row merges it (no merge launch)
     maxnreg: int | None = None  # register cap per thread (more programs per SM, maybe spills)
+    pdl: bool = False  # programmatic dependent launch (sm_90+): a launch starts before the last ends
 
 
 # Keyed by head_dim. 128 is tuned on an H200 (tools/coarsen_sweep.py, docs/benchmarks.md);
 # 64 follows it, 256 keeps 8 warps and 2 stages to fit its K/V blocks in shared memory.
 _GPU_CONFIGS = {
-    64: KernelConfig(64, 32, 4, 3, 4.0, tma=True),
-    128: KernelConfig(64, 32, 4, 3, 4.0, tma=True),
-    256: KernelConfig(64, 32, 8, 2, 4.0, tma=True),
+    64: KernelConfig(64, 32, 4, 3, 4.0, tma=True, pdl=True),
+    128: KernelConfig(64, 32, 4, 3, 4.0, tma=True, pdl=True),
+    256: KernelConfig(64, 32, 8, 2, 4.0, tma=True, pdl=True),
 }
 # Coarsened tiles are at least this many tokens (while the launch keeps one program per SM):
 # shorter loops cost more in prologue and epilogue (loads of the work item and Q,
@@ -306,26 +307,45 @@ class TritonBackend:
         a, cfg = prepared.arrays, prepared.config
         po, plse = prepared.partial_o, prepared.partial_lse
         fused = prepared.counts is not None
-        tma = prepared.tma and _tma_ok(k_cache, ks) and _tma_ok(v_cache, ks)
-        desc_k, desc_v = ((_kv_descriptor(k_cache, ks, cfg.block_n),
-                           _kv_descriptor(v_cache, ks, cfg.block_n)) if tma else (k_cache, v_cache))
+        pdl = cfg.pdl and _has_pdl(q.device)
         if prepared.num_work:
-            tree_partial_kernel[(prepared.num_work, h_kv)](
-                q, k_cache, v_cache, desc_k, desc_v, po, plse,
-                a["tok_slot"], a["tok_lo"], a["tok_hi"], a["tok_off"],
-                a["work"], a["q_order"], a["q_pre"], a["q_len"],
-                o, lse, prepared.counts if fused else a["merge_indptr"],
-                a["merge_indptr"], a["merge_partials"],
-                sm_scale * math.log2(math.e),
-                qs[0], qs[1], ks[0], ks[1], *po.stride()[:2], plse.stride(0), os_[0], os_[1], h_q,
-                G=h_q // h_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                USE_MASK=prepared.needs_mask, CONTIG=prepared.contiguous, TMA=tma,
-                SORTED=prepared.sorted_queries, FUSE_MERGE=fused,
-                IEEE=q.dtype == torch.float32,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
-            )
+            grid = (prepared.num_work, h_kv)
+            args = [q, k_cache, v_cache, k_cache, v_cache, po, plse,
+                    a["tok_slot"], a["tok_lo"], a["tok_hi"], a["tok_off"],
+                    a["work"], a["q_order"], a["q_pre"], a["q_len"],
+                    o, lse, prepared.counts if fused else a["merge_indptr"],
+                    a["merge_indptr"], a["merge_partials"],
+                    sm_scale * math.log2(math.e),
+                    qs[0], qs[1], ks[0], ks[1], *po.stride()[:2], plse.stride(0), os_[0], os_[1], h_q]
+            kw = dict(G=h_q // h_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      USE_MASK=prepared.needs_mask, CONTIG=prepared.contiguous, TMA=False,
+                      SORTED=prepared.sorted_queries, FUSE_MERGE=fused,
+                      IEEE=q.dtype == torch.float32, PDL=pdl,
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+                      launch_pdl=pdl)
+            tma = prepared.tma and _tma_ok(k_cache, ks) and _tma_ok(v_cache, ks)
+            # TMA only inside CUDA-graph capture: launched eagerly, Triton's per-launch handling
+            # of the tensor descriptors costs more host time (about 60 µs per layer on an H200
+            # host) than TMA saves on the GPU. Eager launches compile the TMA variant once
+            # (``warmup``), since a capture cannot compile.
+            capturing = q.device.type != "cuda" or torch.cuda.is_current_stream_capturing()
+            key = (tuple(kw.values()), q.dtype, qs, ks, os_) if tma and not capturing else None
+            if tma and (capturing or key not in _TMA_COMPILED):
+                tma_args = list(args)
+                tma_args[3:5] = (_kv_descriptor(k_cache, ks, cfg.block_n),
+                                 _kv_descriptor(v_cache, ks, cfg.block_n))
+                if capturing:
+                    args = tma_args
+                    kw["TMA"] = True
+                else:
+                    tree_partial_kernel.warmup(*tma_args, grid=grid, **{**kw, "TMA": True})
+                    _TMA_COMPILED.add(key)
+            tree_partial_kernel[grid](*args, **kw)
         if not fused:
-            launch_merge(po, plse, o, lse, a["merge_indptr"], a["merge_partials"])
+            launch_merge(po, plse, o, lse, a["merge_indptr"], a["merge_partials"], pdl=pdl)
+
+
+_TMA_COMPILED: set[tuple] = set()  # launch keys whose TMA variant an eager launch compiled
 
 
 def _tma_ok(cache: torch.Tensor, stride: tuple[int, ...]) -> bool:
@@ -341,6 +361,11 @@ def _has_tma(device: torch.device) -> bool:
     return interpreting() or (device.type == "cuda" and _capability(device)[0] >= 9)
 
 
+def _has_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch exists from sm_90; the interpreter has no ``griddepcontrol``."""
+    return not interpreting() and device.type == "cuda" and _capability(device)[0] >= 9
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
@@ -353,11 +378,12 @@ def _kv_descriptor(cache: torch.Tensor, stride: tuple[int, ...], block_n: int) -
 
 
 def launch_merge(po: torch.Tensor, plse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                 indptr: torch.Tensor, indices: torch.Tensor) -> None:
-    """Merge states ``po [P, H, D]``, ``plse [P, H]`` into ``o [N, H, D]``, ``lse [N, H]`` (CSR)."""
+                 indptr: torch.Tensor, indices: torch.Tensor, pdl: bool = False) -> None:
+    """Merge states ``po [P, H, D]``, ``plse [P, H]`` into ``o [N, H, D]``, ``lse [N, H]`` (CSR).
+    ``pdl``: launched to start before the previous launch ends (see ``_has_pdl``)."""
     n, h, d = o.shape
     small = interpreting()
     merge_kernel[(n, h)](
         po, plse, o, lse, indptr, indices, h, *po.stride()[:2], plse.stride(0), *o.stride()[:2],
-        D=d, BLOCK_S=4 if small else 16, num_warps=1 if small else 2,
+        D=d, BLOCK_S=4 if small else 16, PDL=pdl, num_warps=1 if small else 2, launch_pdl=pdl,
     )

@@ -17,6 +17,7 @@ the reduction map (CSR), a block of them per step, into ``o`` (output dtype) and
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -173,7 +174,7 @@ def tree_partial_kernel(
     stride_on, stride_oh, num_heads,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
-    FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr,
+    FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     w = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -190,6 +191,11 @@ def tree_partial_kernel(
     # slot loads at all).
     slot0 = tl.load(desc + 6) if CONTIG or TMA else 0
     row0 = tl.load(desc + 7)
+    if PDL:
+        # The plan arrays above come from an upload long done; Q and the partial workspace
+        # (read by the previous launch's merge) wait for the previous launch to finish.
+        gdc_launch_dependents()
+        gdc_wait()
 
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < (qe - qs) * G
@@ -290,13 +296,20 @@ def merge_kernel(
     PO, PLSE, O, LSE, indptr, indices,
     num_heads,
     stride_pn, stride_ph, stride_ln, stride_on, stride_oh,
-    D: tl.constexpr, BLOCK_S: tl.constexpr,
+    D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     n = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D)
     start = tl.load(indptr + n)
     end = tl.load(indptr + n + 1)
+    # State indices are loaded one block ahead, so the state loads never wait on them.
+    first = start + tl.arange(0, BLOCK_S)
+    next_p = tl.load(indices + first, mask=first < end, other=0)
+    if PDL:
+        # The CSR map is the plan's; the partial states wait for the partial launch to end.
+        gdc_launch_dependents()
+        gdc_wait()
     m = float("-inf")
     den = 0.0
     acc = tl.zeros([D], tl.float32)
@@ -304,7 +317,9 @@ def merge_kernel(
     for c in range(start, end, BLOCK_S):
         idx = c + tl.arange(0, BLOCK_S)
         ok = idx < end
-        p = tl.load(indices + idx, mask=ok, other=0).to(tl.int64)
+        p = next_p.to(tl.int64)
+        ahead = idx + BLOCK_S
+        next_p = tl.load(indices + ahead, mask=ahead < end, other=0)
         s = tl.load(PLSE + p * stride_ln + h, mask=ok, other=float("-inf"))
         o = tl.load(PO + p[:, None] * stride_pn + h * stride_ph + d[None, :],
                     mask=ok[:, None], other=0.0).to(tl.float32)
