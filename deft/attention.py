@@ -113,7 +113,10 @@ class TreeAttention:
                              f"largest addressable slot {limit}")
         heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim)
         fast = getattr(self._backend, "plan_fast", None)
-        done = fast(layout, self.plan_kind, self.block_kv, *heads, self.device) if fast else None
+        # The last plan's prepared value: its device buffers may be reused (its CUDA graphs
+        # are invalid after this plan anyway).
+        done = (fast(layout, self.plan_kind, self.block_kv, *heads, self.device,
+                     previous=self._prepared) if fast else None)
         if done is not None:
             plan, self._prepared = done
         else:

@@ -400,3 +400,27 @@ def test_slots_beyond_int32_are_rejected_at_plan():
     with pytest.raises(ValueError, match="slot 2147483648 is beyond"):
         attn.plan(layout)
     attn.plan(TreeLayout.from_node_lengths([-1], [3], [0], slots=[0, 1, 2**31 - 1]))
+
+
+def test_replanning_reuses_device_buffers():
+    """A plan reuses the last plan's device buffers when they are large enough, and
+    allocates larger ones when not; every step stays exact."""
+    from deft import fastplan
+
+    if fastplan.flatten_plan(TINY["fan"], 8, g=1, block_m=16, num_kv_heads=1, sms=4, waves=2.0,
+                             min_tile_tokens=0, max_factor=8, host_buffer=torch.empty) is None:
+        pytest.skip("no compiled planner (reuse is its path's)")
+    big, small = TINY["branches"], TINY["partial lens"]
+    attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=None if CUDA else 8)
+    ptrs = []
+    for layout in (big, small, big, few_shot_layout(300, 6, 40)):
+        attn.plan(layout)
+        prep = attn._prepared
+        ptrs.append((prep.plan_buffer.data_ptr(), prep.scratch.data_ptr()))
+        q, k, v = random_qkv(layout, 4, 2, 32, torch.float16, 7, device=DEV)
+        ref_o, ref_lse = reference_attention(q, k, v, layout, 32**-0.5)
+        o, lse = attn.run(q, k, v, return_lse=True)
+        assert_close(o.cpu(), ref_o.cpu(), torch.float16, "replanned")
+        assert_lse_close(lse.cpu(), ref_lse.cpu(), "replanned")
+    assert ptrs[0] == ptrs[1] == ptrs[2]
+    assert ptrs[3][0] != ptrs[0][0] and ptrs[3][1] != ptrs[0][1]

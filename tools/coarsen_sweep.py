@@ -5,7 +5,8 @@ kernels, one KV buffer per layer) and check layer 0 against the float64 referenc
 ``SWEEP`` picks the variants (each against the shipped config and ``refine_plan``):
 
 * ``merge`` (default): the merge fused into the partial kernel;
-* ``factors``: fixed coarsening factors 2..32 instead of ``refine_plan``;
+* ``factors``: fixed coarsening factors (``FACTORS``, default 2,4,8,16,32) instead of
+  ``refine_plan``;
 * ``shapes``: other block shapes (rows x tokens, warps, stages), and slot loads forced on;
 * ``tma``: TMA loads of consecutive-slot tiles off (gathered loads), and TMA block shapes;
 * ``occupancy``: 2 stages, a 128-register cap (4 programs per SM instead of 3), other waves;
@@ -42,7 +43,8 @@ SWEEP = os.environ.get("SWEEP", "merge")
 if SWEEP == "merge":
     VARIANTS.append(("fused merge", dataclasses.replace(SHIPPED, fuse_merge=True), None))
 elif SWEEP == "factors":
-    VARIANTS += [(f"u={u}", SHIPPED, u) for u in (2, 4, 8, 16, 32)]
+    FACTORS = os.environ.get("FACTORS", "2,4,8,16,32")
+    VARIANTS += [(f"u={u}", SHIPPED, int(u)) for u in FACTORS.split(",")]
 elif SWEEP == "shapes":
     VARIANTS += [(f"m{m}n{n}w{w}s{st}", dataclasses.replace(SHIPPED, block_m=m, block_n=n, num_warps=w,
                                                             num_stages=st), None)

@@ -4,9 +4,11 @@ A backend executes a :class:`~deft.plan.TreePlan`. ``prepare`` runs once per ste
 ``TreeAttention.plan``) and may build device tensors; ``run`` runs once per layer. A
 backend may also define ``refine_plan(plan, num_qo_heads, num_kv_heads, head_dim, device)``
 to reshape the plan for its kernels (e.g. coarser tiles) before ``prepare``;
-``plan_fast(layout, plan_kind, block_kv, num_qo_heads, num_kv_heads, head_dim, device)``,
-which ``TreeAttention.plan`` tries first and which returns ``(plan, prepared)`` equal to
-those three steps, or ``None`` to use them (e.g. a compiled planner for one plan kind); and
+``plan_fast(layout, plan_kind, block_kv, num_qo_heads, num_kv_heads, head_dim, device,
+previous)``, which ``TreeAttention.plan`` tries first and which returns ``(plan, prepared)``
+equal to those three steps, or ``None`` to use them (e.g. a compiled planner for one plan
+kind); ``previous`` is the caller's last prepared value (or ``None``), whose device buffers
+it may reuse, since a plan invalidates the last one's CUDA graphs; and
 ``run_output(prepared, q, k_cache, v_cache, sm_scale) -> o``, which ``TreeAttention.run``
 calls instead of ``run`` when the caller does not want the log-sum-exp. A backend with
 ``writes_out = True`` takes ``out=`` (and ``run`` also ``lse_out=``) and writes there;

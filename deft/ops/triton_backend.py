@@ -62,8 +62,13 @@ _MAX_COARSEN = 1024  # at most this many plan tiles per coarsened tile
 _INTERPRET_CONFIG = KernelConfig(16, 16, 1, 1, 2.0)
 
 
+# Triton picks interpreted or compiled kernels when they are decorated (at import), so the
+# mode is read once; planning asks for it several times per step.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return _INTERPRETING
 
 
 def kernel_config(head_dim: int) -> KernelConfig:
@@ -75,7 +80,9 @@ def kernel_config(head_dim: int) -> KernelConfig:
 @dataclass(frozen=True)
 class _Prepared:
     config: KernelConfig
-    arrays: dict[str, torch.Tensor]  # views of one int32 device buffer, named by ``_SEGMENTS``
+    arrays: dict[str, torch.Tensor]  # views of ``plan_buffer``, named by ``_SEGMENTS``
+    plan_buffer: torch.Tensor  # int32 device buffer of the packed plan (may be larger)
+    scratch: torch.Tensor  # fp32 device buffer holding partial_o, partial_lse, lse (may be larger)
     num_work: int
     num_queries: int
     partial_o: torch.Tensor  # [P, H_q, D] fp32
@@ -88,6 +95,7 @@ class _Prepared:
     counts: torch.Tensor | None  # [Q * H_q] int32 zeros when the merge is fused, else None
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -170,22 +178,43 @@ def _host_buffer(n: int, device: torch.device) -> torch.Tensor:
     return torch.empty(n, dtype=torch.int32, pin_memory=device.type == "cuda")
 
 
+def _buffer(previous: torch.Tensor | None, n: int, dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """``previous`` if it holds ``n`` elements, else a new buffer with a quarter to spare
+    (trees grow a little every decode step)."""
+    if previous is not None and previous.numel() >= n:
+        return previous
+    return torch.empty(n + n // 4, dtype=dtype, device=device)
+
+
 def _finish(cfg: KernelConfig, host: torch.Tensor, sizes: list[int], starts: list[int],
             device: torch.device, num_qo_heads: int, head_dim: int, num_partials: int, *,
             num_work: int, needs_mask: bool, all_contiguous: bool, any_contiguous: bool,
-            sorted_queries: bool, every_query_merged: bool) -> _Prepared:
+            sorted_queries: bool, every_query_merged: bool,
+            previous: _Prepared | None = None) -> _Prepared:
     """Upload the packed plan (one copy; the kernels get views of it, each padded to its
-    segment's 4-element boundary) and allocate the workspaces."""
-    buf = host.to(device, non_blocking=True)
+    segment's 4-element boundary) and carve the workspaces out of one fp32 buffer. Both
+    buffers are ``previous``'s when large enough: copies and kernels run in stream order,
+    so the new plan's upload waits for the old plan's launches."""
+    n = starts[-1]
+    plan_buffer = _buffer(previous.plan_buffer if previous else None, n, torch.int32, device)
+    buf = plan_buffer[:n]
+    buf.copy_(host, non_blocking=True)
     padded = [b - a for a, b in zip(starts[:-1], starts[1:])]
     arrays = dict(zip(_SEGMENTS, buf.split_with_sizes(padded)))  # one call for all views
     num_queries = sizes[_SEGMENTS.index("q_order")]
-    p = max(num_partials, 1)
+    p, h, d = max(num_partials, 1), num_qo_heads, head_dim
+    # Each piece starts 16-byte aligned (the kernels are specialised on it).
+    o_end = p * h * d
+    lse_start = o_end + -(-p * h // 4) * 4
+    scratch = _buffer(previous.scratch if previous else None, lse_start + num_queries * h,
+                      torch.float32, device)
     return _Prepared(
-        config=cfg, arrays=arrays, num_work=num_work, num_queries=num_queries,
-        partial_o=torch.empty(p, num_qo_heads, head_dim, dtype=torch.float32, device=device),
-        partial_lse=torch.empty(p, num_qo_heads, dtype=torch.float32, device=device),
-        lse=torch.empty(num_queries, num_qo_heads, dtype=torch.float32, device=device),
+        config=cfg, arrays=arrays, plan_buffer=plan_buffer, scratch=scratch,
+        num_work=num_work, num_queries=num_queries,
+        partial_o=scratch[:o_end].view(p, h, d),
+        partial_lse=scratch[o_end:o_end + p * h].view(p, h),
+        lse=scratch[lse_start:lse_start + num_queries * h].view(num_queries, h),
         needs_mask=needs_mask,
         contiguous=cfg.contig and all_contiguous,
         tma=cfg.contig and cfg.tma and any_contiguous and _has_tma(device),
@@ -249,11 +278,12 @@ class TritonBackend:
             every_query_merged=bool((np.diff(plan.merge_indptr) > 0).all()))
 
     def plan_fast(self, layout: TreeLayout, plan_kind: str, block_kv: int, num_qo_heads: int,
-                  num_kv_heads: int, head_dim: int,
-                  device: torch.device) -> tuple[TreePlan, _Prepared] | None:
+                  num_kv_heads: int, head_dim: int, device: torch.device,
+                  previous: _Prepared | None = None) -> tuple[TreePlan, _Prepared] | None:
         """``refine_plan(make_plan(...))`` and ``prepare`` in one compiled pass
         (:mod:`deft.fastplan`), with identical results; ``None`` when it does not apply
-        (a plan kind other than ``flatten``, or no compiled planner)."""
+        (a plan kind other than ``flatten``, or no compiled planner). The device buffers of
+        ``previous`` (the same caller's last plan) are reused when large enough."""
         if plan_kind != "flatten":
             return None
         cfg = _checked_config(head_dim)
@@ -270,7 +300,8 @@ class TritonBackend:
             plan.num_partials, num_work=fast.num_work, needs_mask=True,
             all_contiguous=fast.all_contiguous, any_contiguous=fast.any_contiguous,
             sorted_queries=fast.sorted_queries,
-            every_query_merged=fast.every_query_merged)
+            every_query_merged=fast.every_query_merged,
+            previous=previous if isinstance(previous, _Prepared) else None)
 
     writes_out = True  # run/run_output write into caller-given tensors, allocating nothing
 
