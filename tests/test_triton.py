@@ -191,22 +191,32 @@ def test_gpu_run_into_out_allocates_nothing(return_lse):
             assert_lse_close(lses[layer].cpu(), ref_lse.cpu(), "lse_out")
 
 
-def test_full_tile_flags_are_sound():
-    """A tile flagged full must be entirely visible to its whole group (and prompt tiles are)."""
+def test_mask_from_is_sound_and_tight():
+    """Every group query sees every token of a tile before its ``mask_from``; the token at
+    ``mask_from`` is missed by a query of the group or by one on its node with the smallest
+    ``query_kv_len`` (the conservative check); prompt tiles need no mask at all."""
     from deft import make_plan
-    from deft.ops.triton_backend import _full_tiles
+    from deft.ops.triton_backend import _mask_from
 
     rng = np.random.default_rng(11)
     for _ in range(20):
         plan = make_plan(random_forest(rng, int(rng.integers(1, 80)), 100, max_tokens=2000), "flatten", 8)
-        for t in np.flatnonzero(_full_tiles(plan)):
-            toks = np.arange(plan.tile_indptr[t], plan.tile_indptr[t + 1])
+        mask_from = _mask_from(plan)
+        for t in range(plan.num_tiles):
+            t0, t1 = plan.tile_indptr[t], plan.tile_indptr[t + 1]
+            assert t0 <= mask_from[t] <= t1
+            toks = np.arange(t0, t1)
             pre = plan.query_pre[plan.tile_q_start[t]:plan.tile_q_end[t], None]
             qlen = plan.query_len[plan.tile_q_start[t]:plan.tile_q_end[t], None]
             lo, hi, off = plan.token_lo[toks], plan.token_hi[toks], plan.token_off[toks]
-            assert np.all((lo <= pre) & (pre < hi) & ((pre != lo) | (off < qlen)))
+            seen = ((lo <= pre) & (pre < hi) & ((pre != lo) | (off < qlen))).all(axis=0)
+            assert seen[:mask_from[t] - t0].all()
+            if mask_from[t] < t1:
+                j = mask_from[t] - t0
+                on_node = plan.query_pre == lo[j]
+                assert not seen[j] or off[j] >= plan.query_len[on_node].min()
     fan = make_plan(few_shot_layout(640, 20, 64), "flatten", 64)
-    assert _full_tiles(fan)[:10].all()
+    assert (_mask_from(fan)[:10] == fan.tile_indptr[1:11]).all()
 
 
 def test_tile_slot0_marks_exactly_the_consecutive_tiles():
@@ -280,19 +290,19 @@ def test_gpu_merge_modes_on_consecutive_slots(merge_mode):
 
 
 def test_work_descriptors_describe_every_tile_chunk():
-    """Each program's row: its tile's token range, group, first partial, flags, first row."""
+    """Each program's row: its tile's token range, group, first partial, mask start, slot0, first row."""
     from deft import make_plan
-    from deft.ops.triton_backend import _full_tiles, _tile_slot0, _work_items
+    from deft.ops.triton_backend import _mask_from, _tile_slot0, _work_items
 
     plan = make_plan(shuffle_slots(few_shot_layout(64, 5, 20), seed=2, num_slots=200), "flatten", 16)
     g, block_m = 3, 4
     work = _work_items(plan, g, block_m)
-    full, slot0 = _full_tiles(plan), _tile_slot0(plan)
+    mask_from, slot0 = _mask_from(plan), _tile_slot0(plan)
     seen = set()
-    for tok0, tok1, qs, qe, p0, f, s0, row0 in work:
+    for tok0, tok1, qs, qe, p0, m, s0, row0 in work:
         (t,) = np.flatnonzero(plan.tile_indptr[:-1] == tok0)
-        assert (tok1, qs, qe, p0, f, s0) == (plan.tile_indptr[t + 1], plan.tile_q_start[t],
-                                             plan.tile_q_end[t], plan.partial_indptr[t], full[t], slot0[t])
+        assert (tok1, qs, qe, p0, m, s0) == (plan.tile_indptr[t + 1], plan.tile_q_start[t],
+                                             plan.tile_q_end[t], plan.partial_indptr[t], mask_from[t], slot0[t])
         assert row0 % block_m == 0 and row0 < (qe - qs) * g
         seen.add((t, row0))
     rows = (plan.tile_q_end - plan.tile_q_start) * g
@@ -424,3 +434,27 @@ def test_replanning_reuses_device_buffers():
         assert_lse_close(lse.cpu(), ref_lse.cpu(), "replanned")
     assert ptrs[0] == ptrs[1] == ptrs[2]
     assert ptrs[3][0] != ptrs[0][0] and ptrs[3][1] != ptrs[0][1]
+
+
+def test_tile_split_into_unmasked_and_masked_parts(monkeypatch):
+    """A coarsened prompt tile that ends in tokens shared with a branch runs its prompt part
+    without the mask and the rest with it: still exact, also with slot loads and TMA."""
+    import dataclasses
+
+    from deft.ops import triton_backend as tb
+    from deft.plan import coarsen_plan
+
+    layout = few_shot_layout(70, 3, 21)
+    q, k, v = random_qkv(layout, 4, 2, 32, torch.float16, 3, device=DEV)
+    ref_o, ref_lse = reference_attention(q, k, v, layout, 32**-0.5)
+    monkeypatch.setattr(tb.TritonBackend, "refine_plan", lambda self, plan, *a: coarsen_plan(plan, 4))
+    monkeypatch.setenv("DEFT_FASTPLAN", "0")  # the compiled planner coarsens its own way
+    for tma in (False, True):
+        monkeypatch.setattr(tb, "_INTERPRET_CONFIG", dataclasses.replace(tb._INTERPRET_CONFIG, tma=tma))
+        attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=8)
+        attn.plan(layout)
+        work = attn._prepared.arrays["work"].view(-1, 8).cpu().numpy()
+        assert ((work[:, 0] < work[:, 5]) & (work[:, 5] < work[:, 1])).any()
+        o, lse = attn.run(q, k, v, return_lse=True)
+        assert_close(o.cpu(), ref_o.cpu(), torch.float16, f"split tile, tma={tma}")
+        assert_lse_close(lse.cpu(), ref_lse.cpu(), "split tile")

@@ -54,7 +54,7 @@ typedef struct {
     i64 order, hi, fstart, cnt_lt, min_len, child_ptr, children, stack;  /* [nodes + 3] */
     i64 q_order, q_pre, q_len, merge_indptr, cursor;                     /* [queries + 1] */
     i64 kept, kept_qs, kept_qe, cstart, tile_indptr, tile_qs, tile_qe;  /* [tiles + 1] */
-    i64 partial_indptr, full, slot0, by_len;
+    i64 partial_indptr, mask_from, slot0, by_len;
     i64 bucket;                                                          /* [max_factor + 2] */
     i64 total;
 } Ws;
@@ -75,7 +75,7 @@ static Ws ws_layout(i64 nodes, i64 tokens, i64 queries, i64 block_kv, i64 max_fa
     PLACE(cursor, nq);
     PLACE(kept, nt); PLACE(kept_qs, nt); PLACE(kept_qe, nt); PLACE(cstart, nt);
     PLACE(tile_indptr, nt); PLACE(tile_qs, nt); PLACE(tile_qe, nt); PLACE(partial_indptr, nt);
-    PLACE(full, nt); PLACE(slot0, nt); PLACE(by_len, nt);
+    PLACE(mask_from, nt); PLACE(slot0, nt); PLACE(by_len, nt);
     PLACE(bucket, max_factor + 2);
 #undef PLACE
     w.total = off;
@@ -296,7 +296,7 @@ i64 deft_flatten_fill(const ArrayInterface *indptr_a, const ArrayInterface *kv_a
     const i64 *cstart = x + w.cstart, *tile_indptr = x + w.tile_indptr;
     const i64 *tqs = x + w.tile_qs, *tqe = x + w.tile_qe, *partial_indptr = x + w.partial_indptr;
     const i64 *q_order = x + w.q_order, *merge_indptr = x + w.merge_indptr;
-    i64 *full = x + w.full, *slot0 = x + w.slot0, *by_len = x + w.by_len;
+    i64 *mask_from = x + w.mask_from, *slot0 = x + w.slot0, *by_len = x + w.by_len;
     i64 *bucket = x + w.bucket, *cursor = x + w.cursor;
     i64 *slot, *lo, *hi_out, *off, *tiles, *queries, *merge_partials;
     i32 *slot32 = packed + seg[0], *lo32 = packed + seg[1], *hi32 = packed + seg[2];
@@ -307,11 +307,12 @@ i64 deft_flatten_fill(const ArrayInterface *indptr_a, const ArrayInterface *kv_a
     queries = tiles + 4 * nt + 2;
     merge_partials = queries + 4 * nq + 1;
 
-    /* Plan tokens, tile by tile, node segment by node segment, with each tile's flags:
-     * full (_full_tiles: the group sees every token, checked per segment against the
-     * smallest query_kv_len on its node) and slot0 (_tile_slot0: consecutive slots). */
+    /* Plan tokens, tile by tile, node segment by node segment, with each tile's
+     * mask_from (_mask_from: the first token some group query may not see, checked per
+     * segment against the smallest query_kv_len on its node) and slot0 (_tile_slot0:
+     * consecutive slots). */
     for (i64 ct = 0, k = 0; ct < nt; ct++) {
-        i64 qs = tqs[ct], qe = tqe[ct], is_full = 1, contig = 1, prev = 0;
+        i64 qs = tqs[ct], qe = tqe[ct], first_bad = tile_indptr[ct + 1], contig = 1, prev = 0;
         for (i64 i = cstart[ct]; i < cstart[ct + 1]; i++) {
             i64 s = kept[i] * block_kv, e = tile_end(s, block_kv, nl);
             while (s < e) {
@@ -323,7 +324,11 @@ i64 deft_flatten_fill(const ArrayInterface *indptr_a, const ArrayInterface *kv_a
                 o = s - fstart[k];
                 h = hi[k];
                 src = kv_indices + indptr[order[k]] + o;
-                is_full &= cnt_lt[k] <= qs && cnt_lt[h] >= qe && min_len[k] > o + len - 1;
+                if (first_bad == tile_indptr[ct + 1]) {
+                    if (!(cnt_lt[k] <= qs && cnt_lt[h] >= qe)) first_bad = p;
+                    else if (min_len[k] <= o + len - 1)  /* offsets >= min_len are not seen */
+                        first_bad = p + (min_len[k] > o ? min_len[k] - o : 0);
+                }
                 if (p > tile_indptr[ct]) contig &= src[0] == prev + 1;
                 contig &= write_tokens(src, len, k, h, o, slot + p, lo + p, hi_out + p,
                                        off + p, slot32 + p, lo32 + p, hi32 + p, off32 + p);
@@ -332,7 +337,7 @@ i64 deft_flatten_fill(const ArrayInterface *indptr_a, const ArrayInterface *kv_a
                 s = seg_end;
             }
         }
-        full[ct] = is_full;
+        mask_from[ct] = first_bad;
         slot0[ct] = contig ? slot[tile_indptr[ct]] : -1;
         all_contig &= contig;
         any_contig |= contig;
@@ -361,7 +366,7 @@ i64 deft_flatten_fill(const ArrayInterface *indptr_a, const ArrayInterface *kv_a
             i32 *d = work + 8 * item;
             d[0] = (i32)tile_indptr[ct]; d[1] = (i32)tile_indptr[ct + 1];
             d[2] = (i32)tqs[ct]; d[3] = (i32)tqe[ct]; d[4] = (i32)partial_indptr[ct];
-            d[5] = (i32)full[ct]; d[6] = (i32)slot0[ct]; d[7] = (i32)row0;
+            d[5] = (i32)mask_from[ct]; d[6] = (i32)slot0[ct]; d[7] = (i32)row0;
         }
     }
     for (i64 i = seg[4] + 8 * nwork; i < seg[5]; i++) packed[i] = 0;

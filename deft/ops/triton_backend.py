@@ -102,17 +102,20 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def _full_tiles(plan: TreePlan) -> np.ndarray:
-    """``[T]`` 1 where every query of the tile's group sees every token of the tile.
+def _mask_from(plan: TreePlan) -> np.ndarray:
+    """``[T]`` per tile, the first plan token some query of its group may not see (the
+    tile's end if they all see all of it): tokens before it need no per-token mask.
 
     Token ``j`` is seen by the sorted queries whose node lies in ``[lo_j, hi_j)`` (a range
     ``[a_j, b_j)``), except queries on node ``lo_j`` itself with ``query_kv_len <= off_j``;
     the latter is checked against the smallest ``query_kv_len`` on that node (conservative).
+    Coarsened tiles often end in a few partly visible tokens (a prompt's last tokens share a
+    plan tile with the first branch's), so the split keeps the rest of the tile mask-free.
     """
     if plan.num_tiles == 0:
         return np.zeros(0, np.int64)
     if not plan.needs_mask:
-        return np.ones(plan.num_tiles, np.int64)
+        return plan.tile_indptr[1:].copy()
     num_nodes = int(plan.token_hi.max()) + 1
     first_q = np.searchsorted(plan.query_pre, np.arange(num_nodes + 1), side="left")
     a, b = first_q[plan.token_lo], first_q[plan.token_hi]
@@ -121,7 +124,9 @@ def _full_tiles(plan: TreePlan) -> np.ndarray:
     tile = np.repeat(np.arange(plan.num_tiles), np.diff(plan.tile_indptr))
     ok = (a <= plan.tile_q_start[tile]) & (b >= plan.tile_q_end[tile])
     ok &= min_len[plan.token_lo] > plan.token_off
-    return np.logical_and.reduceat(ok, plan.tile_indptr[:-1]).astype(np.int64)
+    n = ok.shape[0]
+    first_bad = np.where(ok, n, np.arange(n))
+    return np.minimum(np.minimum.reduceat(first_bad, plan.tile_indptr[:-1]), plan.tile_indptr[1:])
 
 
 def _tile_slot0(plan: TreePlan) -> np.ndarray:
@@ -139,7 +144,7 @@ def _tile_slot0(plan: TreePlan) -> np.ndarray:
 
 def _work_items(plan: TreePlan, g: int, block_m: int) -> np.ndarray:
     """``[W, 8]`` descriptor of every program: the tile's ``tok0, tok1, q_start, q_end,
-    first partial, full flag, slot0`` and the program's first row. Largest tiles come first;
+    first partial, mask_from, slot0`` and the program's first row. Largest tiles come first;
     the row chunks of one tile are adjacent, so they share its K/V through L2."""
     rows = (plan.tile_q_end - plan.tile_q_start) * g
     chunks = -(-rows // block_m)
@@ -148,7 +153,7 @@ def _work_items(plan: TreePlan, g: int, block_m: int) -> np.ndarray:
     first = np.cumsum(chunks[order]) - chunks[order]
     row0 = (np.arange(tiles.shape[0]) - np.repeat(first, chunks[order])) * block_m
     per_tile = np.stack([plan.tile_indptr[:-1], plan.tile_indptr[1:], plan.tile_q_start,
-                         plan.tile_q_end, plan.partial_indptr[:-1], _full_tiles(plan),
+                         plan.tile_q_end, plan.partial_indptr[:-1], _mask_from(plan),
                          _tile_slot0(plan)], axis=1)
     return np.concatenate([per_tile[tiles], row0[:, None]], axis=1)
 

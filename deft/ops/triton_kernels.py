@@ -166,7 +166,7 @@ def _tile(
 def tree_partial_kernel(
     Q, K, V, desc_k, desc_v, PO, PLSE,
     tok_slot, tok_lo, tok_hi, tok_off,
-    work,  # [W, 8] int32 per program: tok0, tok1, qs, qe, p0, full, slot0, row0
+    work,  # [W, 8] int32 per program: tok0, tok1, qs, qe, p0, mask_from, slot0, row0
     q_order, q_pre, q_len,
     O, LSE, counts, merge_indptr, merge_partials,
     qk_scale,  # sm_scale * log2(e)
@@ -185,8 +185,9 @@ def tree_partial_kernel(
     qs = tl.load(desc + 2)
     qe = tl.load(desc + 3)
     p0 = tl.load(desc + 4)
-    # A tile every group query sees whole needs no per-token mask (most prompt tiles).
-    partial_vis = USE_MASK & (tl.load(desc + 5) == 0)
+    # Every group query sees the tile's tokens before mask_from: no per-token mask there
+    # (most prompt tiles, and the bulk of a coarsened tile that ends in partly seen tokens).
+    mask_from = tl.load(desc + 5) if USE_MASK else tok1
     # slot0 >= 0: the tile's slots are consecutive from slot0. CONTIG: every tile's are (no
     # slot loads at all).
     slot0 = tl.load(desc + 6) if CONTIG or TMA else 0
@@ -216,17 +217,19 @@ def tree_partial_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    # Branch once per tile, not per block, so each loop body stays branch-free and pipelined.
-    if partial_vis:
+    # Two loops, each branch-free and pipelined: unmasked tokens, then masked ones.
+    if tok0 < mask_from:
         m_i, l_i, acc = _tile(
-            q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh,
-            pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-            D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE)
-    else:
-        m_i, l_i, acc = _tile(
-            q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh,
-            pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+            q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, mask_from, slot0,
+            kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
             D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE)
+    if USE_MASK:
+        if mask_from < tok1:
+            slot_m = tl.where(slot0 >= 0, slot0 + (mask_from - tok0), -1)
+            m_i, l_i, acc = _tile(
+                q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, mask_from, tok1,
+                slot_m, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+                D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE)
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
