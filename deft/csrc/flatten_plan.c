@@ -203,8 +203,11 @@ i64 deft_flatten_plan(const ArrayInterface *parents_a, const ArrayInterface *ind
         double e;
         if (floor_len > length) length = floor_len;
         if (balanced > length) length = balanced;
+        /* _factor: the largest 2^k or 3 * 2^k plan tiles within the length. */
         e = floor(log2(length / (double)block_kv));
         for (; e >= 1 && factor < max_factor; e -= 1) factor *= 2;
+        if (factor >= 2 && factor < max_factor && 1.5 * (double)factor <= length / (double)block_kv)
+            factor += factor / 2;
         if (factor > max_factor) factor = max_factor;
     }
     for (i64 i = 0; i < nk; i++) {

@@ -57,7 +57,7 @@ _GPU_CONFIGS = {
 # Coarsened tiles are at least this many tokens (while the launch keeps one program per SM):
 # shorter loops cost more in prologue and epilogue (loads of the work item and Q,
 # partial-state stores) than they gain in balance.
-_MIN_TILE_TOKENS = 256
+_MIN_TILE_TOKENS = 384
 _MAX_COARSEN = 1024  # at most this many plan tiles per coarsened tile
 _INTERPRET_CONFIG = KernelConfig(16, 16, 1, 1, 2.0)
 
@@ -230,6 +230,12 @@ def _finish(cfg: KernelConfig, host: torch.Tensor, sizes: list[int], starts: lis
     )
 
 
+def _factor(ratio: float) -> int:
+    """The largest ``2^k`` or ``3 * 2^k`` (k >= 0) at most ``ratio``, at least 1."""
+    p = 2 ** max(0, math.floor(math.log2(ratio)))
+    return 3 * p // 2 if p >= 2 and 1.5 * p <= ratio else p
+
+
 class TritonBackend:
     """DeFT-Flatten on GPU: one partial-attention launch and one merge launch per layer."""
 
@@ -244,8 +250,9 @@ class TritonBackend:
         ``work`` counts (token, query-row chunk, KV head) triples, so each program streams
         about the same number of tokens. The length is at least ``_MIN_TILE_TOKENS`` unless
         that would leave fewer programs than SMs (single-sequence decoding), and is rounded
-        down to a power of two of plan tiles: on an H200 sweep of the benchmark trees this
-        is within 3% of the best fixed factor per tree on average.
+        down to a factor of ``2^k`` or ``3 * 2^k`` plan tiles. Fixed factors 3..16 swept on an
+        H200 over the benchmark trees (docs/benchmarks.md): this rule is 3% off the best
+        factor per tree on average (powers of two only, with a 256-token floor: 11%).
         """
         if plan.num_tiles == 0:
             return plan
@@ -257,8 +264,7 @@ class TritonBackend:
         # Interpreted (tests): no floor, so tiny trees keep several tiles and merges.
         floor = 0 if interpreting() else min(_MIN_TILE_TOKENS, work / sms)
         length = max(floor, plan.block_kv, work / (cfg.waves * sms))
-        factor = 2 ** max(0, math.floor(math.log2(length / plan.block_kv)))
-        return coarsen_plan(plan, min(factor, _MAX_COARSEN))
+        return coarsen_plan(plan, min(_factor(length / plan.block_kv), _MAX_COARSEN))
 
     def prepare(self, plan: TreePlan, layout: TreeLayout, device: torch.device,
                 num_qo_heads: int, num_kv_heads: int, head_dim: int) -> _Prepared:
