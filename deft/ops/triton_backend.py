@@ -2,13 +2,14 @@
 
 Per step (``refine_plan`` + ``prepare``, outside any CUDA graph): coarsen the DeFT-Flatten
 tiles so every program streams about the same number of tokens, flag tiles whose slots
-are consecutive (no slot loads) or fully visible (no mask), list the work items (query-row
-chunks of each tile, largest tiles first, chunks of one tile adjacent so they share its KV
-through L2), upload the plan arrays as int32 and allocate the fp32 partial-state
-workspace. For ``flatten`` plans ``plan_fast`` does all of it, planning included, in
-compiled code (:mod:`deft.fastplan`), with identical results. Per layer (``run``): two
-launches, no host synchronisation, and no allocation when the caller passes the output
-tensors. Runs on CUDA tensors, or on CPU tensors under
+are consecutive (no slot loads) and find where each tile's tokens stop being seen by its
+whole group (no mask before that), list the work items (query-row chunks of each tile,
+largest tiles first, chunks of one tile adjacent so they share its KV through L2), upload
+the plan arrays as int32 and size the fp32 partial-state workspace (reusing the last
+plan's buffers when they suffice). For ``flatten`` plans ``plan_fast`` does all of it,
+planning included, in compiled code (:mod:`deft.fastplan`), with identical results. Per
+layer (``run``): two launches (with programmatic dependent launch on sm_90+), no host
+synchronisation, and no allocation when the caller passes the output tensors. Runs on CUDA tensors, or on CPU tensors under
 ``TRITON_INTERPRET=1`` (with small blocks, for tests).
 """
 
