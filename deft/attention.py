@@ -102,7 +102,11 @@ class TreeAttention:
         return self._plan
 
     def plan(self, layout: TreeLayout) -> TreePlan:
-        """Plan one step over ``layout``; the result is reused by every later :meth:`run`."""
+        """Plan one step over ``layout``; the result is reused by every later :meth:`run`.
+
+        Plan and run on one CUDA stream: a plan may reuse the last plan's device buffers,
+        which the stream orders after the last plan's launches. CUDA graphs captured
+        before this call must not be replayed after it."""
         if not isinstance(layout, TreeLayout):
             raise TypeError(f"layout: expected a deft.TreeLayout, got {type(layout).__name__}")
         t0 = time.perf_counter()
@@ -113,10 +117,11 @@ class TreeAttention:
                              f"largest addressable slot {limit}")
         heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim)
         fast = getattr(self._backend, "plan_fast", None)
-        # The last plan's prepared value: its device buffers may be reused (its CUDA graphs
-        # are invalid after this plan anyway).
+        # The last plan's device buffers may be reused (its CUDA graphs are invalid after this
+        # plan anyway); until this plan succeeds, there is no current plan.
+        previous, self._plan, self._prepared = self._prepared, None, None
         done = (fast(layout, self.plan_kind, self.block_kv, *heads, self.device,
-                     previous=self._prepared) if fast else None)
+                     previous=previous) if fast else None)
         if done is not None:
             plan, self._prepared = done
         else:

@@ -458,3 +458,22 @@ def test_tile_split_into_unmasked_and_masked_parts(monkeypatch):
         o, lse = attn.run(q, k, v, return_lse=True)
         assert_close(o.cpu(), ref_o.cpu(), torch.float16, f"split tile, tma={tma}")
         assert_lse_close(lse.cpu(), ref_lse.cpu(), "split tile")
+
+
+def test_failed_replan_leaves_no_plan(monkeypatch):
+    """A plan that fails (here: its workspace allocation) leaves no current plan, rather
+    than the last plan reading buffers the failed one overwrote."""
+    from deft.ops import triton_backend as tb
+
+    attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=None if CUDA else 8)
+    attn.plan(TINY["branches"])
+
+    def fail(*args):
+        raise MemoryError("no room")
+
+    monkeypatch.setattr(tb, "_buffer", fail)
+    with pytest.raises(MemoryError):
+        attn.plan(TINY["partial lens"])
+    q, k, v = random_qkv(TINY["branches"], 4, 2, 32, torch.float16, 1, device=DEV)
+    with pytest.raises(RuntimeError, match="must be called before run"):
+        attn.run(q, k, v)

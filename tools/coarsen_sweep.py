@@ -10,7 +10,8 @@ kernels, one KV buffer per layer) and check layer 0 against the float64 referenc
 * ``shapes``: other block shapes (rows x tokens, warps, stages), and slot loads forced on;
 * ``tma``: TMA loads of consecutive-slot tiles off (gathered loads), and TMA block shapes;
 * ``occupancy``: 2 stages, a 128-register cap (4 programs per SM instead of 3), other waves;
-* ``pdl``: programmatic dependent launch off.
+* ``pdl``: programmatic dependent launch off;
+* ``mergecfg``: other merge-kernel blocks (partial states per step) and warps.
 
 ``EAGER=1`` times the step launched from Python instead of replayed; ``ONLY=label,...``
 keeps just those variants.
@@ -62,10 +63,13 @@ elif SWEEP == "occupancy":
         ("waves 3", dataclasses.replace(SHIPPED, waves=3.0), None),
         ("s2 maxnreg 128 waves 6", dataclasses.replace(SHIPPED, num_stages=2, maxnreg=128, waves=6.0), None),
     ]
+elif SWEEP == "mergecfg":
+    VARIANTS += [(f"merge b{b} w{w}", dataclasses.replace(SHIPPED, merge_block=b, merge_warps=w), None)
+                 for b, w in ((16, 4), (8, 2), (8, 4), (32, 4), (4, 1))]
 elif SWEEP == "pdl":
     VARIANTS.append(("no pdl", dataclasses.replace(SHIPPED, pdl=False), None))
 else:
-    sys.exit(f"SWEEP: expected merge, factors, shapes, tma, occupancy or pdl, got {SWEEP!r}")
+    sys.exit(f"SWEEP: expected merge, factors, shapes, tma, occupancy, mergecfg or pdl, got {SWEEP!r}")
 if os.environ.get("ONLY"):  # comma-separated labels: run just these variants
     VARIANTS = [v for v in VARIANTS if v[0] in os.environ["ONLY"].split(",")]
 TREES = GPU_SUITE

@@ -1,7 +1,10 @@
 """Run one layer of DeFT-Flatten on a few benchmark trees, for a profiler (GPU only).
 
-Usage: ncu --clock-control none -k regex:tree_partial --section SpeedOfLight ... \
-           python3 tools/profile_step.py [TREE ...]
+Per tree: one eager run (2 launches), then 3 replays of the layer captured in a CUDA graph
+(TMA loads, as in the benchmark's graph column), 2 kernels each.
+
+Usage: ncu --clock-control none -k regex:"tree_partial|merge_kernel" --launch-skip 4 \
+           --launch-count 2 --section SpeedOfLight ... python3 tools/profile_step.py TREE
 """
 import sys
 
@@ -18,7 +21,12 @@ for name in sys.argv[1:] or ["few-shot b=20", "long prompt 20k x64"]:
     q = torch.randn(layout.num_queries, H_Q, D, device="cuda", dtype=torch.bfloat16)
     attn = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda")
     attn.plan(layout)
+    out = torch.empty_like(q)
+    attn.run(q, k, v, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.run(q, k, v, out=out)
     for _ in range(3):
-        attn.run(q, k, v)
+        graph.replay()
     torch.cuda.synchronize()
     print(name, "done", flush=True)

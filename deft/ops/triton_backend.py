@@ -5,10 +5,10 @@ tiles so every program streams about the same number of tokens, flag tiles whose
 are consecutive (no slot loads) and find where each tile's tokens stop being seen by its
 whole group (no mask before that), list the work items (query-row chunks of each tile,
 largest tiles first, chunks of one tile adjacent so they share its KV through L2), upload
-the plan arrays as int32 and size the fp32 partial-state workspace (reusing the last
-plan's buffers when they suffice). For ``flatten`` plans ``plan_fast`` does all of it,
-planning included, in compiled code (:mod:`deft.fastplan`), with identical results. Per
-layer (``run``): two launches (with programmatic dependent launch on sm_90+), no host
+the plan arrays as int32 and size the fp32 partial-state workspace. For ``flatten`` plans
+``plan_fast`` does all of it, planning included, in compiled code (:mod:`deft.fastplan`),
+with identical results, reusing the last plan's device buffers when they fit. Per layer
+(``run``): two launches (with programmatic dependent launch on sm_90+), no host
 synchronisation, and no allocation when the caller passes the output tensors. Runs on CUDA tensors, or on CPU tensors under
 ``TRITON_INTERPRET=1`` (with small blocks, for tests).
 """
@@ -42,10 +42,12 @@ class KernelConfig:
     num_stages: int
     waves: float  # programs per SM the coarsened launch aims for
     contig: bool = True  # when every tile's slots are consecutive, skip the slot loads
-    tma: bool = False  # with contig: load such tiles' K/V by TMA (tensor descriptors; sm_90+)
+    tma: bool = False  # with contig: such tiles' K/V by TMA (sm_90+, in CUDA-graph capture only)
     fuse_merge: bool = False  # the last program of a row merges it (no merge launch)
     maxnreg: int | None = None  # register cap per thread (more programs per SM, maybe spills)
     pdl: bool = False  # programmatic dependent launch (sm_90+): a launch starts before the last ends
+    merge_block: int = 16  # partial states per step of the merge kernel
+    merge_warps: int = 2  # warps per merge program (one (query, head) row)
 
 
 # Keyed by head_dim. 128 is tuned on an H200 (tools/coarsen_sweep.py, docs/benchmarks.md);
@@ -55,7 +57,8 @@ _GPU_CONFIGS = {
     128: KernelConfig(64, 32, 4, 3, 4.0, tma=True, pdl=True),
     256: KernelConfig(64, 32, 8, 2, 4.0, tma=True, pdl=True),
 }
-# Coarsened tiles are at least this many tokens (while the launch keeps one program per SM):
+# Coarsened tiles aim at this many tokens at least (while the launch keeps one program per SM;
+# the factor rounds down to whole plan tiles):
 # shorter loops cost more in prologue and epilogue (loads of the work item and Q,
 # partial-state stores) than they gain in balance.
 _MIN_TILE_TOKENS = 384
@@ -186,9 +189,9 @@ def _host_buffer(n: int, device: torch.device) -> torch.Tensor:
 
 def _buffer(previous: torch.Tensor | None, n: int, dtype: torch.dtype,
             device: torch.device) -> torch.Tensor:
-    """``previous`` if it holds ``n`` elements, else a new buffer with a quarter to spare
-    (trees grow a little every decode step)."""
-    if previous is not None and previous.numel() >= n:
+    """``previous`` if it is on ``device`` and holds ``n`` elements without being four times
+    too large, else a new buffer with a quarter to spare (trees grow every decode step)."""
+    if previous is not None and n <= previous.numel() <= 4 * n + 64 and previous.device == device:
         return previous
     return torch.empty(n + n // 4, dtype=dtype, device=device)
 
@@ -200,14 +203,12 @@ def _finish(cfg: KernelConfig, host: torch.Tensor, sizes: list[int], starts: lis
             previous: _Prepared | None = None) -> _Prepared:
     """Upload the packed plan (one copy; the kernels get views of it, each padded to its
     segment's 4-element boundary) and carve the workspaces out of one fp32 buffer. Both
-    buffers are ``previous``'s when large enough: copies and kernels run in stream order,
-    so the new plan's upload waits for the old plan's launches."""
+    buffers are ``previous``'s when they fit: the upload and the kernels are ordered by
+    the stream (``plan`` and ``run`` on one stream), so the upload waits for the old plan's
+    launches. Allocations come first, so a failure leaves ``previous`` intact."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     n = starts[-1]
-    plan_buffer = _buffer(previous.plan_buffer if previous else None, n, torch.int32, device)
-    buf = plan_buffer[:n]
-    buf.copy_(host, non_blocking=True)
-    padded = [b - a for a, b in zip(starts[:-1], starts[1:])]
-    arrays = dict(zip(_SEGMENTS, buf.split_with_sizes(padded)))  # one call for all views
     num_queries = sizes[_SEGMENTS.index("q_order")]
     p, h, d = max(num_partials, 1), num_qo_heads, head_dim
     # Each piece starts 16-byte aligned (the kernels are specialised on it).
@@ -215,6 +216,14 @@ def _finish(cfg: KernelConfig, host: torch.Tensor, sizes: list[int], starts: lis
     lse_start = o_end + -(-p * h // 4) * 4
     scratch = _buffer(previous.scratch if previous else None, lse_start + num_queries * h,
                       torch.float32, device)
+    # Fused merge needs every query to own a partial (else nobody writes its row).
+    counts = (torch.zeros(num_queries * num_qo_heads, dtype=torch.int32, device=device)
+              if cfg.fuse_merge and num_queries and every_query_merged else None)
+    plan_buffer = _buffer(previous.plan_buffer if previous else None, n, torch.int32, device)
+    buf = plan_buffer[:n]
+    buf.copy_(host, non_blocking=True)
+    padded = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    arrays = dict(zip(_SEGMENTS, buf.split_with_sizes(padded)))  # one call for all views
     return _Prepared(
         config=cfg, arrays=arrays, plan_buffer=plan_buffer, scratch=scratch,
         num_work=num_work, num_queries=num_queries,
@@ -224,10 +233,7 @@ def _finish(cfg: KernelConfig, host: torch.Tensor, sizes: list[int], starts: lis
         needs_mask=needs_mask,
         contiguous=cfg.contig and all_contiguous,
         tma=cfg.contig and cfg.tma and any_contiguous and _has_tma(device),
-        sorted_queries=sorted_queries,
-        # Fused merge needs every query to own a partial (else nobody writes its row).
-        counts=torch.zeros(num_queries * num_qo_heads, dtype=torch.int32, device=device)
-        if cfg.fuse_merge and num_queries and every_query_merged else None,
+        sorted_queries=sorted_queries, counts=counts,
     )
 
 
@@ -370,9 +376,10 @@ class TritonBackend:
             # TMA only inside CUDA-graph capture: launched eagerly, Triton's per-launch handling
             # of the tensor descriptors costs more host time (about 60 µs per layer on an H200
             # host) than TMA saves on the GPU. Eager launches compile the TMA variant once
-            # (``warmup``), since a capture cannot compile.
+            # (``warmup``), so that a capture does not run the compiler.
             capturing = q.device.type != "cuda" or torch.cuda.is_current_stream_capturing()
-            key = (tuple(kw.values()), q.dtype, qs, ks, os_) if tma and not capturing else None
+            key = ((tuple(kw.values()), q.device, q.dtype, qs, ks, os_)
+                   if tma and not capturing else None)
             if tma and (capturing or key not in _TMA_COMPILED):
                 tma_args = list(args)
                 tma_args[3:5] = (_kv_descriptor(k_cache, ks, cfg.block_n),
@@ -385,7 +392,8 @@ class TritonBackend:
                     _TMA_COMPILED.add(key)
             tree_partial_kernel[grid](*args, **kw)
         if not fused:
-            launch_merge(po, plse, o, lse, a["merge_indptr"], a["merge_partials"], pdl=pdl)
+            launch_merge(po, plse, o, lse, a["merge_indptr"], a["merge_partials"], pdl=pdl,
+                         block=cfg.merge_block, warps=cfg.merge_warps)
 
 
 _TMA_COMPILED: set[tuple] = set()  # launch keys whose TMA variant an eager launch compiled
@@ -421,12 +429,15 @@ def _kv_descriptor(cache: torch.Tensor, stride: tuple[int, ...], block_n: int) -
 
 
 def launch_merge(po: torch.Tensor, plse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                 indptr: torch.Tensor, indices: torch.Tensor, pdl: bool = False) -> None:
-    """Merge states ``po [P, H, D]``, ``plse [P, H]`` into ``o [N, H, D]``, ``lse [N, H]`` (CSR).
-    ``pdl``: launched to start before the previous launch ends (see ``_has_pdl``)."""
+                 indptr: torch.Tensor, indices: torch.Tensor, pdl: bool = False, block: int = 16,
+                 warps: int = 2) -> None:
+    """Merge states ``po [P, H, D]``, ``plse [P, H]`` into ``o [N, H, D]``, ``lse [N, H]`` (CSR),
+    ``block`` states per step, ``warps`` per (row, head) program. ``pdl``: launched to start
+    before the previous launch ends (see ``_has_pdl``)."""
     n, h, d = o.shape
     small = interpreting()
     merge_kernel[(n, h)](
         po, plse, o, lse, indptr, indices, h, *po.stride()[:2], plse.stride(0), *o.stride()[:2],
-        D=d, BLOCK_S=4 if small else 16, PDL=pdl, num_warps=1 if small else 2, launch_pdl=pdl,
+        D=d, BLOCK_S=4 if small else block, PDL=pdl, num_warps=1 if small else warps,
+        launch_pdl=pdl,
     )

@@ -5,7 +5,8 @@
 chunk of one tile: rows are (group query, GQA head) pairs, so every query head that shares
 the KV head is computed from the same K/V loads. The program streams the tile's tokens in
 blocks of ``BLOCK_N`` (K/V copies in flight ahead of use; by TMA when the tile's slots are
-consecutive), applies the plan's compact visibility mask, keeps an online softmax, and
+consecutive and the launcher passes tensor descriptors), applies the plan's compact
+visibility mask from the tile's ``mask_from`` on, keeps an online softmax, and
 writes one fp32 partial state per (query, head). With ``FUSE_MERGE`` the program that
 writes a row's last partial state also merges the row (measured slower on an H200, so off
 by default; see docs/benchmarks.md).
@@ -193,8 +194,10 @@ def tree_partial_kernel(
     slot0 = tl.load(desc + 6) if CONTIG or TMA else 0
     row0 = tl.load(desc + 7)
     if PDL:
-        # The plan arrays above come from an upload long done; Q and the partial workspace
-        # (read by the previous launch's merge) wait for the previous launch to finish.
+        # The plan arrays above come from a stream-ordered upload (PDL does not overlap a
+        # copy); Q and the partial workspace (read by the previous launch's merge) wait for
+        # the previous launch. Every program waits, with no return before: so this launch
+        # ends after the previous one, and the next launch's wait covers both.
         gdc_launch_dependents()
         gdc_wait()
 
@@ -310,7 +313,8 @@ def merge_kernel(
     first = start + tl.arange(0, BLOCK_S)
     next_p = tl.load(indices + first, mask=first < end, other=0)
     if PDL:
-        # The CSR map is the plan's; the partial states wait for the partial launch to end.
+        # The CSR map is the plan's; the partial states wait for the partial launch to end
+        # (every program waits, with no return before).
         gdc_launch_dependents()
         gdc_wait()
     m = float("-inf")
