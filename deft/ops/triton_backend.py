@@ -9,8 +9,8 @@ the plan arrays as int32 and size the fp32 partial-state workspace. For ``flatte
 ``plan_fast`` does all of it, planning included, in compiled code (:mod:`deft.fastplan`),
 with identical results, reusing the last plan's device buffers when they fit. Per layer
 (``run``): two launches (with programmatic dependent launch on sm_90+), no host
-synchronisation, and no allocation when the caller passes the output tensors. Runs on CUDA tensors, or on CPU tensors under
-``TRITON_INTERPRET=1`` (with small blocks, for tests).
+synchronisation, and no allocation when the caller passes the output tensors. Runs on CUDA
+tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (with small blocks, for tests).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class KernelConfig:
     tma: bool = False  # with contig: such tiles' K/V by TMA (sm_90+, in CUDA-graph capture only)
     fuse_merge: bool = False  # the last program of a row merges it (no merge launch)
     maxnreg: int | None = None  # register cap per thread (more programs per SM, maybe spills)
-    pdl: bool = False  # programmatic dependent launch (sm_90+): a launch starts before the last ends
+    pdl: bool = False  # programmatic dependent launch (sm_90+): starts before the last launch ends
     merge_block: int = 16  # partial states per step of the merge kernel
     merge_warps: int = 2  # warps per merge program (one (query, head) row)
 
@@ -57,10 +57,9 @@ _GPU_CONFIGS = {
     128: KernelConfig(64, 32, 4, 3, 4.0, tma=True, pdl=True),
     256: KernelConfig(64, 32, 8, 2, 4.0, tma=True, pdl=True),
 }
-# Coarsened tiles aim at this many tokens at least (while the launch keeps one program per SM;
-# the factor rounds down to whole plan tiles):
-# shorter loops cost more in prologue and epilogue (loads of the work item and Q,
-# partial-state stores) than they gain in balance.
+# Coarsened tiles aim at this many tokens at least, while the launch keeps one program per SM
+# (the factor then rounds down to whole plan tiles): shorter loops cost more in prologue and
+# epilogue (loads of the work item and Q, partial-state stores) than they gain in balance.
 _MIN_TILE_TOKENS = 384
 _MAX_COARSEN = 1024  # at most this many plan tiles per coarsened tile
 _INTERPRET_CONFIG = KernelConfig(16, 16, 1, 1, 2.0)
@@ -365,7 +364,8 @@ class TritonBackend:
                     o, lse, prepared.counts if fused else a["merge_indptr"],
                     a["merge_indptr"], a["merge_partials"],
                     sm_scale * math.log2(math.e),
-                    qs[0], qs[1], ks[0], ks[1], *po.stride()[:2], plse.stride(0), os_[0], os_[1], h_q]
+                    qs[0], qs[1], ks[0], ks[1], *po.stride()[:2], plse.stride(0), os_[0], os_[1],
+                    h_q]
             kw = dict(G=h_q // h_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       USE_MASK=prepared.needs_mask, CONTIG=prepared.contiguous, TMA=False,
                       SORTED=prepared.sorted_queries, FUSE_MERGE=fused,
@@ -413,7 +413,7 @@ def _has_tma(device: torch.device) -> bool:
 
 
 def _has_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch exists from sm_90; the interpreter has no ``griddepcontrol``."""
+    """Programmatic dependent launch exists from sm_90; the interpreter lacks ``griddepcontrol``."""
     return not interpreting() and device.type == "cuda" and _capability(device)[0] >= 9
 
 
