@@ -477,3 +477,22 @@ def test_failed_replan_leaves_no_plan(monkeypatch):
     q, k, v = random_qkv(TINY["branches"], 4, 2, 32, torch.float16, 1, device=DEV)
     with pytest.raises(RuntimeError, match="must be called before run"):
         attn.run(q, k, v)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_coarsened_random_forests_interpreted(monkeypatch, seed):
+    """Random forests coarsened by 3 (tiles that merge node boundaries, split at
+    ``mask_from``), shuffled or in-order slots: exact against the reference."""
+    from deft.ops import triton_backend as tb
+    from deft.plan import coarsen_plan
+
+    monkeypatch.setattr(tb.TritonBackend, "refine_plan", lambda self, plan, *a: coarsen_plan(plan, 3))
+    monkeypatch.setenv("DEFT_FASTPLAN", "0")  # the compiled planner coarsens its own way
+    from deft import make_plan
+
+    layout = random_forest(np.random.default_rng(40 + seed), 10, 24, max_tokens=120,
+                           shuffle=seed % 2 == 0)
+    plan = coarsen_plan(make_plan(layout, "flatten", 8), 3)
+    mask_from = tb._mask_from(plan)
+    assert ((plan.tile_indptr[:-1] < mask_from) & (mask_from < plan.tile_indptr[1:])).any()
+    check(layout, 4, 2, 16, torch.float16, seed=seed)
