@@ -163,6 +163,7 @@ def _work_items(plan: TreePlan, g: int, block_m: int) -> np.ndarray:
 
 _SEGMENTS = ("tok_slot", "tok_lo", "tok_hi", "tok_off", "work", "q_order", "q_pre", "q_len",
              "merge_indptr", "merge_partials")
+_Q_ORDER = _SEGMENTS.index("q_order")
 
 
 def _checked_config(head_dim: int) -> KernelConfig:
@@ -208,7 +209,7 @@ def _finish(cfg: KernelConfig, host: torch.Tensor, sizes: list[int], starts: lis
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     n = starts[-1]
-    num_queries = sizes[_SEGMENTS.index("q_order")]
+    num_queries = sizes[_Q_ORDER]
     p, h, d = max(num_partials, 1), num_qo_heads, head_dim
     # Each piece starts 16-byte aligned (the kernels are specialised on it).
     o_end = p * h * d
@@ -223,17 +224,22 @@ def _finish(cfg: KernelConfig, host: torch.Tensor, sizes: list[int], starts: lis
     buf.copy_(host, non_blocking=True)
     padded = [b - a for a, b in zip(starts[:-1], starts[1:])]
     arrays = dict(zip(_SEGMENTS, buf.split_with_sizes(padded)))  # one call for all views
-    return _Prepared(
+    # Built without the frozen dataclass's ``__init__`` (one ``object.__setattr__`` per
+    # field), and the views by ``as_strided`` (``scratch`` starts its storage): this runs
+    # every step, and both save about 10 µs. ``_Prepared`` has no ``__post_init__``.
+    prepared = object.__new__(_Prepared)
+    prepared.__dict__.update(
         config=cfg, arrays=arrays, plan_buffer=plan_buffer, scratch=scratch,
         num_work=num_work, num_queries=num_queries,
-        partial_o=scratch[:o_end].view(p, h, d),
-        partial_lse=scratch[o_end:o_end + p * h].view(p, h),
-        lse=scratch[lse_start:lse_start + num_queries * h].view(num_queries, h),
+        partial_o=scratch.as_strided((p, h, d), (h * d, d, 1), 0),
+        partial_lse=scratch.as_strided((p, h), (h, 1), o_end),
+        lse=scratch.as_strided((num_queries, h), (h, 1), lse_start),
         needs_mask=needs_mask,
         contiguous=cfg.contig and all_contiguous,
         tma=cfg.contig and cfg.tma and any_contiguous and _has_tma(device),
         sorted_queries=sorted_queries, counts=counts,
     )
+    return prepared
 
 
 def _factor(ratio: float) -> int:
