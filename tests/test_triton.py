@@ -436,19 +436,31 @@ def test_replanning_reuses_device_buffers():
     assert ptrs[3][0] != ptrs[0][0] and ptrs[3][1] != ptrs[0][1]
 
 
-def test_tile_split_into_unmasked_and_masked_parts(monkeypatch):
+@pytest.fixture
+def fixed_coarsening(monkeypatch):
+    """``fixed_coarsening(u)``: the triton backend coarsens every plan by ``u`` (numpy
+    planner; the compiled one coarsens its own way)."""
+    from deft.ops import triton_backend as tb
+    from deft.plan import coarsen_plan
+
+    def use(u: int) -> None:
+        monkeypatch.setattr(tb.TritonBackend, "refine_plan", lambda self, plan, *a: coarsen_plan(plan, u))
+        monkeypatch.setenv("DEFT_FASTPLAN", "0")
+
+    return use
+
+
+def test_tile_split_into_unmasked_and_masked_parts(monkeypatch, fixed_coarsening):
     """A coarsened prompt tile that ends in tokens shared with a branch runs its prompt part
     without the mask and the rest with it: still exact, also with slot loads and TMA."""
     import dataclasses
 
     from deft.ops import triton_backend as tb
-    from deft.plan import coarsen_plan
 
     layout = few_shot_layout(70, 3, 21)
     q, k, v = random_qkv(layout, 4, 2, 32, torch.float16, 3, device=DEV)
     ref_o, ref_lse = reference_attention(q, k, v, layout, 32**-0.5)
-    monkeypatch.setattr(tb.TritonBackend, "refine_plan", lambda self, plan, *a: coarsen_plan(plan, 4))
-    monkeypatch.setenv("DEFT_FASTPLAN", "0")  # the compiled planner coarsens its own way
+    fixed_coarsening(4)
     for tma in (False, True):
         monkeypatch.setattr(tb, "_INTERPRET_CONFIG", dataclasses.replace(tb._INTERPRET_CONFIG, tma=tma))
         attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=8)
@@ -480,16 +492,14 @@ def test_failed_replan_leaves_no_plan(monkeypatch):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_coarsened_random_forests_interpreted(monkeypatch, seed):
+def test_coarsened_random_forests_interpreted(fixed_coarsening, seed):
     """Random forests coarsened by 3 (tiles that merge node boundaries, split at
     ``mask_from``), shuffled or in-order slots: exact against the reference."""
+    from deft import make_plan
     from deft.ops import triton_backend as tb
     from deft.plan import coarsen_plan
 
-    monkeypatch.setattr(tb.TritonBackend, "refine_plan", lambda self, plan, *a: coarsen_plan(plan, 3))
-    monkeypatch.setenv("DEFT_FASTPLAN", "0")  # the compiled planner coarsens its own way
-    from deft import make_plan
-
+    fixed_coarsening(3)
     layout = random_forest(np.random.default_rng(40 + seed), 10, 24, max_tokens=120,
                            shuffle=seed % 2 == 0)
     plan = coarsen_plan(make_plan(layout, "flatten", 8), 3)

@@ -8,13 +8,12 @@ import cProfile
 import os
 import pstats
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from deft import TreeAttention
+from deft.bench.timing import median_seconds
 from deft.bench.trees import build
 
 H_Q, H_KV, D = 32, 8, 128
@@ -23,12 +22,7 @@ workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
 
 
 def median_us(fn, n: int) -> float:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e6
+    return median_seconds(fn, reps=n, max_seconds=60.0) * 1e6
 
 
 for name in sys.argv[1:] or ["few-shot b=20", "speculative t=32", "long prompt 20k x64"]:
