@@ -136,7 +136,8 @@ class FlattenPlan(NamedTuple):
     plan: TreePlan  # equal to refine_plan(make_plan(layout, "flatten", block_kv))
     packed: Any  # the int32 host buffer ``host_buffer`` returned, filled
     starts: list[int]  # offsets of its 10 segments, then its length
-    sizes: list[int]  # lengths of its 10 segments
+    num_queries: int
+    num_partials: int
     num_work: int  # work items (rows of 8 in the ``work`` segment)
     all_contiguous: bool  # every tile's slots are consecutive
     any_contiguous: bool  # some tile's slots are
@@ -153,12 +154,50 @@ def _workspace(size: int) -> tuple[np.ndarray, int]:
     return ws
 
 
-def _tree_plan(fields: dict[str, Any]) -> TreePlan:
-    """A TreePlan from its fields without the frozen dataclass ``__init__`` (one
-    ``object.__setattr__`` per field, ~5 us); TreePlan has no ``__post_init__``."""
-    plan = object.__new__(TreePlan)
-    plan.__dict__.update(fields)
-    return plan
+class _CompiledPlan(TreePlan):
+    """A ``flatten`` plan from the compiled planner: sizes at once, arrays on first access.
+
+    Running a plan needs only the packed device buffer, so ``plan()`` skips the int64 plan
+    arrays (for a 20,000-token prompt, about a third of the planner's time). The first
+    access to any of them plans the same layout again, with the same parameters, and keeps
+    the result. TreePlan has no ``__post_init__``: instances are built without ``__init__``.
+    """
+
+    def _arrays(self) -> dict[str, Any]:
+        d = self.__dict__
+        if "token_slots" not in d:
+            layout, block_kv, params = d["_source"]
+            flat = _plan(layout, block_kv, params, None)
+            if flat is None:  # only if the compiler's library vanished since the plan
+                raise RuntimeError("deft: the compiled planner is no longer available")
+            d.update(vars(flat.plan))
+        return d
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for attributes missing from the instance: the arrays before first use.
+        if name in _PLAN_FIELDS:
+            return self._arrays()[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def _reduction_map(self) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[override]
+        return self._arrays()["_reduction_map"]
+
+    @property
+    def num_tiles(self) -> int:
+        return self.__dict__["_counts"][0]
+
+    @property
+    def num_queries(self) -> int:
+        return self.__dict__["_counts"][1]
+
+    @property
+    def num_partials(self) -> int:
+        return self.__dict__["_counts"][2]
+
+    @property
+    def num_plan_tokens(self) -> int:
+        return self.__dict__["_counts"][3]
 
 
 def flatten_plan(
@@ -180,10 +219,19 @@ def flatten_plan(
     ``block_m`` and ``waves``, the SM count, the coarsened-tile floor, 0 when interpreting,
     and the largest coarsening factor). ``host_buffer(n)`` allocates the int32 buffer of
     ``n`` elements (anything with ``data_ptr()``) for the segments token slots, lo, hi, off,
-    work items, query order, pre, len, merge indptr and merge partials.
+    work items, query order, pre, len, merge indptr and merge partials. The returned plan
+    computes its arrays on first access (see ``_CompiledPlan``).
     """
     if os.environ.get("DEFT_FASTPLAN") == "0":
         return None
+    params = (g, block_m, num_kv_heads, sms, waves, min_tile_tokens, max_factor)
+    return _plan(layout, block_kv, params, host_buffer)
+
+
+def _plan(layout: TreeLayout, block_kv: int, params: tuple,
+          host_buffer: Callable[[int], Any] | None) -> FlattenPlan | None:
+    """Run the compiled planner. With ``host_buffer``, the plan is a ``_CompiledPlan``
+    (no arrays yet); without, a TreePlan with its arrays, packed into a numpy buffer."""
     lib = load_library()
     if lib is None:
         return None
@@ -193,8 +241,7 @@ def flatten_plan(
         layout.kv_indices)]
     parents_p, indptr_p, nodes_p, qlens_p, kv_p = (_capsule_pointer(c, None) for c in caps)
     ws, ws_p = _workspace(0)
-    args = (parents_p, indptr_p, nodes_p, qlens_p, block_kv, g, block_m, num_kv_heads, sms,
-            waves, min_tile_tokens, max_factor)
+    args = (parents_p, indptr_p, nodes_p, qlens_p, block_kv, *params)
     rc = lib.deft_flatten_plan(*args, ws_p, ws.shape[0])
     if rc > 0:
         ws, ws_p = _workspace(rc)
@@ -204,23 +251,31 @@ def flatten_plan(
     head = ws[:_H_END].tolist()
     ntok, ntiles, npart, nwork, nq = head[:5]
     starts = head[_H_SEG:_H_END]
-    packed = host_buffer(starts[-1])
-    out = np.empty(head[_H_OUT_SIZE], np.int64)
-    out_cap = out.__array_struct__
-    flags = lib.deft_flatten_fill(indptr_p, kv_p, ws_p, _capsule_pointer(out_cap, None),
-                                   packed.data_ptr())
+    if host_buffer is not None:
+        packed = host_buffer(starts[-1])
+        flags = lib.deft_flatten_fill(indptr_p, kv_p, ws_p, None, packed.data_ptr())
+        plan = object.__new__(_CompiledPlan)
+        plan.__dict__.update(kind="flatten", block_kv=block_kv,
+                             num_layout_tokens=layout.num_tokens, needs_mask=True,
+                             _counts=(ntiles, nq, npart, ntok), _source=(layout, block_kv, params))
+    else:
+        packed = np.empty(starts[-1], np.int32)
+        out = np.empty(head[_H_OUT_SIZE], np.int64)
+        out_cap = out.__array_struct__
+        flags = lib.deft_flatten_fill(indptr_p, kv_p, ws_p, _capsule_pointer(out_cap, None),
+                                       packed.ctypes.data)
+        out.setflags(write=False)  # so every view below is read-only
+        lengths = (ntok, ntok, ntok, ntok, ntiles + 1, ntiles, ntiles, ntiles + 1, nq, nq, nq,
+                   nq + 1, npart)
+        views, o = [], 0
+        for m in lengths:
+            views.append(out[o:o + m])
+            o += m
+        plan = object.__new__(TreePlan)
+        plan.__dict__.update(zip(_PLAN_FIELDS, views), kind="flatten", block_kv=block_kv,
+                             num_layout_tokens=layout.num_tokens, needs_mask=True,
+                             _reduction_map=(views[11], views[12]))
     if flags < 0:
         return None
-    out.setflags(write=False)  # so every view below is read-only
-    lengths = (ntok, ntok, ntok, ntok, ntiles + 1, ntiles, ntiles, ntiles + 1, nq, nq, nq,
-               nq + 1, npart)
-    views, o = [], 0
-    for m in lengths:
-        views.append(out[o:o + m])
-        o += m
-    fields = dict(zip(_PLAN_FIELDS, views), kind="flatten", block_kv=block_kv,
-                  num_layout_tokens=layout.num_tokens, needs_mask=True,
-                  _reduction_map=(views[11], views[12]))
-    sizes = [ntok, ntok, ntok, ntok, 8 * nwork, nq, nq, nq, nq + 1, npart]
-    return FlattenPlan(_tree_plan(fields), packed, starts, sizes, nwork, bool(flags & 1),
+    return FlattenPlan(plan, packed, starts, nq, npart, nwork, bool(flags & 1),
                        bool(flags & 2), bool(head[_H_SORTED]), bool(head[_H_ALL_MERGED]))

@@ -64,7 +64,11 @@ def assert_same(layout, block_kv=64, h_q=32, h_kv=8, d=128):
     """The fast path's plan, reduction map, packed buffer and flags equal the numpy path's."""
     ref_plan, ref = numpy_plan(layout, block_kv, h_q, h_kv, d)
     plan, prep = tb.TritonBackend().plan_fast(layout, "flatten", block_kv, h_q, h_kv, d, CPU)
-    assert type(plan) is TreePlan and "_reduction_map" in vars(plan)
+    assert isinstance(plan, TreePlan) and "token_slots" not in vars(plan)
+    # The sizes come without the arrays; the arrays then come on first access.
+    for f in ("num_tiles", "num_queries", "num_partials", "num_plan_tokens"):
+        assert getattr(plan, f) == getattr(ref_plan, f), f
+    assert "token_slots" not in vars(plan)
     for f in [f.name for f in dataclasses.fields(TreePlan)] + ["merge_indptr", "merge_partials"]:
         a, b = getattr(ref_plan, f), getattr(plan, f)
         if isinstance(a, np.ndarray):
@@ -72,14 +76,13 @@ def assert_same(layout, block_kv=64, h_q=32, h_kv=8, d=128):
             np.testing.assert_array_equal(b, a, err_msg=f)
         else:
             assert a == b, f
-    last = ref.arrays["merge_partials"]
-    n = last.storage_offset() + last.numel()
-    assert prep.arrays["merge_partials"].storage_offset() + prep.arrays["merge_partials"].numel() == n
+    assert prep.offsets == ref.offsets and all(o % 16 == 0 for o in prep.offsets)
+    n = ref.offsets[-1]
     assert torch.equal(prep.plan_buffer[:n], ref.plan_buffer[:n]), "packed buffer"
-    for name, t in ref.arrays.items():
-        assert torch.equal(prep.arrays[name], t), name
-    for f in ("config", "num_work", "num_queries", "needs_mask", "contiguous", "tma",
-              "sorted_queries"):
+    for name in tb._SEGMENTS:
+        assert torch.equal(prep.segment(name), ref.segment(name)), name
+    for f in ("config", "num_work", "num_queries", "num_partials", "plse_off", "lse_off",
+              "needs_mask", "contiguous", "tma", "sorted_queries"):
         assert getattr(prep, f) == getattr(ref, f), f
     assert (prep.counts is None) == (ref.counts is None)
     for f in ("partial_o", "partial_lse", "lse"):

@@ -465,7 +465,7 @@ def test_tile_split_into_unmasked_and_masked_parts(monkeypatch, fixed_coarsening
         monkeypatch.setattr(tb, "_INTERPRET_CONFIG", dataclasses.replace(tb._INTERPRET_CONFIG, tma=tma))
         attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=8)
         attn.plan(layout)
-        work = attn._prepared.arrays["work"].view(-1, 8).cpu().numpy()
+        work = attn._prepared.segment("work").view(-1, 8).cpu().numpy()
         assert ((work[:, 0] < work[:, 5]) & (work[:, 5] < work[:, 1])).any()
         o, lse = attn.run(q, k, v, return_lse=True)
         assert_close(o.cpu(), ref_o.cpu(), torch.float16, f"split tile, tma={tma}")

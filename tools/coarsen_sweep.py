@@ -11,7 +11,8 @@ kernels, one KV buffer per layer) and check layer 0 against the float64 referenc
 * ``tma``: TMA loads of consecutive-slot tiles off (gathered loads), and TMA block shapes;
 * ``occupancy``: 2 stages, a 128-register cap (4 programs per SM instead of 3), other waves;
 * ``pdl``: programmatic dependent launch off;
-* ``mergecfg``: other merge-kernel blocks (partial states per step) and warps.
+* ``mergecfg``: one merge-kernel shape (partial states per step, warps) for every grid size,
+  instead of the shipped rule (``KernelConfig.merge_shape``).
 
 ``EAGER=1`` times the step launched from Python instead of replayed; ``ONLY=label,...``
 keeps just those variants.
@@ -64,8 +65,9 @@ elif SWEEP == "occupancy":
         ("s2 maxnreg 128 waves 6", dataclasses.replace(SHIPPED, num_stages=2, maxnreg=128, waves=6.0), None),
     ]
 elif SWEEP == "mergecfg":
-    VARIANTS += [(f"merge b{b} w{w}", dataclasses.replace(SHIPPED, merge_block=b, merge_warps=w), None)
-                 for b, w in ((16, 4), (8, 2), (8, 4), (32, 4), (4, 1))]
+    VARIANTS += [(f"merge b{b} w{w}", dataclasses.replace(
+        SHIPPED, merge_block=b, merge_warps=w, merge_wide_block=b, merge_wide_warps=w), None)
+                 for b, w in ((16, 2), (8, 2), (32, 4), (4, 1))]
 elif SWEEP == "pdl":
     VARIANTS.append(("no pdl", dataclasses.replace(SHIPPED, pdl=False), None))
 else:

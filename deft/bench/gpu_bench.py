@@ -82,6 +82,10 @@ def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
                         ("DeFT-Node-Chunk", "node_chunk"), ("per-query", "per_query")):
         attn = TreeAttention(H_Q, H_KV, D, backend="triton", plan_kind=kind, device="cuda")
         plan = attn.plan(layout)
+        # Planned with the GPU idle, as in decoding, where the next tree waits for the
+        # sampled tokens (a host sync); behind queued work (here the KV set-up), every plan's
+        # pinned upload buffer is still in use and the next is a fresh cudaHostAlloc.
+        torch.cuda.synchronize()
         plan_times = []
         for _ in range(21):
             attn.plan(layout)

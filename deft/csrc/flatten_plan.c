@@ -18,7 +18,7 @@
  * tile_q_start, tile_q_end [T each], partial_indptr [T + 1], query_order, query_pre,
  * query_len [Q each], merge_indptr [Q + 1], merge_partials [P]: the TreePlan arrays.
  * `packed` holds the segments token slots, lo, hi, off, work items (8 per item), query
- * order, pre, len, merge indptr, merge partials, each starting at a multiple of 4 elements
+ * order, pre, len, merge indptr, merge partials, each starting at a multiple of 16 elements
  * (offsets in the header), gaps zeroed.
  */
 #include <math.h>
@@ -246,29 +246,32 @@ i64 deft_flatten_plan(const ArrayInterface *parents_a, const ArrayInterface *ind
         i64 sizes[10] = {ntok, ntok, ntok, ntok, 8 * nwork, nq, nq, nq, nq + 1, np_};
         seg = x + H_SEG;
         seg[0] = 0;
-        for (int j = 0; j < 10; j++) seg[j + 1] = seg[j] + ceil_div(sizes[j], 4) * 4;
+        for (int j = 0; j < 10; j++) seg[j + 1] = seg[j] + ceil_div(sizes[j], 16) * 16;
     }
     x[H_NODES] = n; x[H_TOKENS] = nl; x[H_BLOCK_KV] = block_kv; x[H_MAX_FACTOR] = max_factor;
     x[H_G] = g; x[H_BLOCK_M] = block_m;
     return 0;
 }
 
-/* One node segment of plan tokens, as int64 (the plan) and int32 (the device buffer); one
- * simple loop per array so that each vectorises. Returns 1 if the slots are consecutive. */
+/* One node segment of plan tokens, as int64 (the plan, unless `slot` is NULL) and int32
+ * (the device buffer); one simple loop per array so that each vectorises. Returns 1 if the
+ * slots are consecutive. */
 static int write_tokens(const i64 *restrict src, i64 len, i64 k, i64 h, i64 o,
                         i64 *restrict slot, i64 *restrict lo, i64 *restrict hi,
                         i64 *restrict off, i32 *restrict slot32, i32 *restrict lo32,
                         i32 *restrict hi32, i32 *restrict off32) {
     i64 gaps = 0;
-    memcpy(slot, src, (size_t)len * sizeof(i64));
     slot32[0] = (i32)src[0];
     for (i64 j = 1; j < len; j++) {
         slot32[j] = (i32)src[j];
         gaps |= src[j] - src[j - 1] - 1;
     }
-    for (i64 j = 0; j < len; j++) lo[j] = k;
-    for (i64 j = 0; j < len; j++) hi[j] = h;
-    for (i64 j = 0; j < len; j++) off[j] = o + j;
+    if (slot) {
+        memcpy(slot, src, (size_t)len * sizeof(i64));
+        for (i64 j = 0; j < len; j++) lo[j] = k;
+        for (i64 j = 0; j < len; j++) hi[j] = h;
+        for (i64 j = 0; j < len; j++) off[j] = o + j;
+    }
     for (i64 j = 0; j < len; j++) lo32[j] = (i32)k;
     for (i64 j = 0; j < len; j++) hi32[j] = (i32)h;
     for (i64 j = 0; j < len; j++) off32[j] = (i32)(o + j);
@@ -284,11 +287,12 @@ static void emit(i64 *out, i32 *packed, i64 start, i64 end, const i64 *src, i64 
 }
 
 /* Returns flags: 1 if every tile's slots are consecutive, | 2 if some tile's are; -2 for a
- * bad array. */
+ * bad array. With `out_a` NULL, writes the device buffer only (the plan arrays are not
+ * needed to run it). */
 i64 deft_flatten_fill(const ArrayInterface *indptr_a, const ArrayInterface *kv_a, i64 *x,
                       const ArrayInterface *out_a, i32 *packed) {
     const i64 *indptr = int64_data(indptr_a), *kv_indices = int64_data(kv_a);
-    i64 *out = (i64 *)int64_data(out_a);
+    i64 *out = out_a ? (i64 *)int64_data(out_a) : NULL;
     i64 n = x[H_NODES], nl = x[H_TOKENS], nq = x[H_Q], block_kv = x[H_BLOCK_KV];
     i64 g = x[H_G], block_m = x[H_BLOCK_M], ntok = x[H_N], nt = x[H_T], np_ = x[H_P];
     i64 nwork = x[H_W], p = 0, all_contig = 1, any_contig = 0, nbucket = 0;
@@ -301,14 +305,15 @@ i64 deft_flatten_fill(const ArrayInterface *indptr_a, const ArrayInterface *kv_a
     const i64 *q_order = x + w.q_order, *merge_indptr = x + w.merge_indptr;
     i64 *mask_from = x + w.mask_from, *slot0 = x + w.slot0, *by_len = x + w.by_len;
     i64 *bucket = x + w.bucket, *cursor = x + w.cursor;
-    i64 *slot, *lo, *hi_out, *off, *tiles, *queries, *merge_partials;
+    i64 *slot = NULL, *lo = NULL, *hi_out = NULL, *off = NULL, *tiles = NULL, *queries = NULL;
     i32 *slot32 = packed + seg[0], *lo32 = packed + seg[1], *hi32 = packed + seg[2];
-    i32 *off32 = packed + seg[3], *work = packed + seg[4];
-    if (!indptr || !kv_indices || !out || !(out_a->flags & WRITEABLE)) return -2;
-    slot = out; lo = out + ntok; hi_out = out + 2 * ntok; off = out + 3 * ntok;
-    tiles = out + 4 * ntok;
-    queries = tiles + 4 * nt + 2;
-    merge_partials = queries + 4 * nq + 1;
+    i32 *off32 = packed + seg[3], *work = packed + seg[4], *partials32 = packed + seg[9];
+    if (!indptr || !kv_indices || (out_a && (!out || !(out_a->flags & WRITEABLE)))) return -2;
+    if (out) {
+        slot = out; lo = out + ntok; hi_out = out + 2 * ntok; off = out + 3 * ntok;
+        tiles = out + 4 * ntok;
+        queries = tiles + 4 * nt + 2;
+    }
 
     /* Plan tokens, tile by tile, node segment by node segment, with each tile's
      * mask_from (_mask_from: the first token some group query may not see, checked per
@@ -316,6 +321,7 @@ i64 deft_flatten_fill(const ArrayInterface *indptr_a, const ArrayInterface *kv_a
      * consecutive slots). */
     for (i64 ct = 0, k = 0; ct < nt; ct++) {
         i64 qs = tqs[ct], qe = tqe[ct], first_bad = tile_indptr[ct + 1], contig = 1, prev = 0;
+        i64 first = -1;
         for (i64 i = cstart[ct]; i < cstart[ct + 1]; i++) {
             i64 s = kept[i] * block_kv, e = tile_end(s, block_kv, nl);
             while (s < e) {
@@ -333,15 +339,18 @@ i64 deft_flatten_fill(const ArrayInterface *indptr_a, const ArrayInterface *kv_a
                         first_bad = p + (min_len[k] > o ? min_len[k] - o : 0);
                 }
                 if (p > tile_indptr[ct]) contig &= src[0] == prev + 1;
-                contig &= write_tokens(src, len, k, h, o, slot + p, lo + p, hi_out + p,
-                                       off + p, slot32 + p, lo32 + p, hi32 + p, off32 + p);
+                else first = src[0];
+                contig &= write_tokens(src, len, k, h, o, out ? slot + p : NULL,
+                                       out ? lo + p : NULL, out ? hi_out + p : NULL,
+                                       out ? off + p : NULL, slot32 + p, lo32 + p, hi32 + p,
+                                       off32 + p);
                 prev = src[len - 1];
                 p += len;
                 s = seg_end;
             }
         }
         mask_from[ct] = first_bad;
-        slot0[ct] = contig ? slot[tile_indptr[ct]] : -1;
+        slot0[ct] = contig ? first : -1;
         all_contig &= contig;
         any_contig |= contig;
     }
@@ -375,17 +384,23 @@ i64 deft_flatten_fill(const ArrayInterface *indptr_a, const ArrayInterface *kv_a
     for (i64 i = seg[4] + 8 * nwork; i < seg[5]; i++) packed[i] = 0;
 
     /* Tile arrays, then the reduction map: each query's partials in increasing id. */
-    memcpy(tiles, tile_indptr, (size_t)(nt + 1) * sizeof(i64));
-    memcpy(tiles + nt + 1, tqs, (size_t)nt * sizeof(i64));
-    memcpy(tiles + 2 * nt + 1, tqe, (size_t)nt * sizeof(i64));
-    memcpy(tiles + 3 * nt + 1, partial_indptr, (size_t)(nt + 1) * sizeof(i64));
+    if (out) {
+        memcpy(tiles, tile_indptr, (size_t)(nt + 1) * sizeof(i64));
+        memcpy(tiles + nt + 1, tqs, (size_t)nt * sizeof(i64));
+        memcpy(tiles + 2 * nt + 1, tqe, (size_t)nt * sizeof(i64));
+        memcpy(tiles + 3 * nt + 1, partial_indptr, (size_t)(nt + 1) * sizeof(i64));
+    }
     memcpy(cursor, merge_indptr, (size_t)nq * sizeof(i64));
     for (i64 ct = 0, pid = 0; ct < nt; ct++)
-        for (i64 pos = tqs[ct]; pos < tqe[ct]; pos++) merge_partials[cursor[q_order[pos]]++] = pid++;
+        for (i64 pos = tqs[ct]; pos < tqe[ct]; pos++) partials32[cursor[q_order[pos]]++] = (i32)pid++;
+    for (i64 i = seg[9] + np_; i < seg[10]; i++) packed[i] = 0;
+    if (out) {
+        i64 *merge_partials = queries + 4 * nq + 1;
+        for (i64 i = 0; i < np_; i++) merge_partials[i] = partials32[i];
+    }
     emit(queries, packed, seg[5], seg[6], q_order, nq);
-    emit(queries + nq, packed, seg[6], seg[7], x + w.q_pre, nq);
-    emit(queries + 2 * nq, packed, seg[7], seg[8], x + w.q_len, nq);
-    emit(queries + 3 * nq, packed, seg[8], seg[9], merge_indptr, nq + 1);
-    emit(NULL, packed, seg[9], seg[10], merge_partials, np_);
+    emit(queries ? queries + nq : NULL, packed, seg[6], seg[7], x + w.q_pre, nq);
+    emit(queries ? queries + 2 * nq : NULL, packed, seg[7], seg[8], x + w.q_len, nq);
+    emit(queries ? queries + 3 * nq : NULL, packed, seg[8], seg[9], merge_indptr, nq + 1);
     return all_contig | any_contig << 1;
 }

@@ -48,6 +48,18 @@ class KernelConfig:
     pdl: bool = False  # programmatic dependent launch (sm_90+): starts before the last launch ends
     merge_block: int = 16  # partial states per step of the merge kernel
     merge_warps: int = 2  # warps per merge program (one (query, head) row)
+    # From this many merge programs (queries x query heads) on, the merge takes
+    # ``merge_wide_block`` states per step with ``merge_wide_warps``: many small programs
+    # beat fewer large ones once the grid fills the GPU several times (SWEEP=mergecfg).
+    merge_wide_from: int = 2048
+    merge_wide_block: int = 4
+    merge_wide_warps: int = 1
+
+    def merge_shape(self, programs: int) -> tuple[int, int]:
+        """States per step and warps of a merge launch of ``programs`` programs."""
+        if programs >= self.merge_wide_from:
+            return self.merge_wide_block, self.merge_wide_warps
+        return self.merge_block, self.merge_warps
 
 
 # Keyed by head_dim. 128 is tuned on an H200 (tools/coarsen_sweep.py, docs/benchmarks.md);
@@ -82,20 +94,45 @@ def kernel_config(head_dim: int) -> KernelConfig:
 
 @dataclass(frozen=True)
 class _Prepared:
+    """A step's device data. The kernels take the two buffers and offsets into them, not a
+    view per array: views cost about 1 µs each to make, and this is made every step."""
+
     config: KernelConfig
-    arrays: dict[str, torch.Tensor]  # views of ``plan_buffer``, named by ``_SEGMENTS``
     plan_buffer: torch.Tensor  # int32 device buffer of the packed plan (may be larger)
-    scratch: torch.Tensor  # fp32 device buffer holding partial_o, partial_lse, lse (may be larger)
+    offsets: tuple[int, ...]  # start of each ``_SEGMENTS`` segment in it, then the end
+    scratch: torch.Tensor  # fp32 device buffer of the workspaces below (may be larger)
+    plse_off: int  # partial lse [P, H_q] starts here (partial o [P, H_q, D] at 0)
+    lse_off: int  # lse [Q, H_q] for steps whose caller wants no lse starts here
     num_work: int
     num_queries: int
-    partial_o: torch.Tensor  # [P, H_q, D] fp32
-    partial_lse: torch.Tensor  # [P, H_q] fp32
-    lse: torch.Tensor  # [Q, H_q] fp32 workspace for steps whose caller wants no lse
+    num_partials: int  # at least 1, for the workspace shapes
+    num_qo_heads: int
+    head_dim: int
     needs_mask: bool
     contiguous: bool  # every tile's slots are consecutive (slot0 >= 0)
     tma: bool  # some tile's slots are consecutive and the config and device allow TMA for it
     sorted_queries: bool  # query_order is the identity
     counts: torch.Tensor | None  # [Q * H_q] int32 zeros when the merge is fused, else None
+
+    def segment(self, name: str) -> torch.Tensor:
+        """The device view of one ``_SEGMENTS`` segment, padding included."""
+        i = _SEGMENTS.index(name)
+        return self.plan_buffer[self.offsets[i]:self.offsets[i + 1]]
+
+    @property
+    def partial_o(self) -> torch.Tensor:
+        p, h, d = self.num_partials, self.num_qo_heads, self.head_dim
+        return self.scratch[:p * h * d].view(p, h, d)
+
+    @property
+    def partial_lse(self) -> torch.Tensor:
+        p, h = self.num_partials, self.num_qo_heads
+        return self.scratch[self.plse_off:self.plse_off + p * h].view(p, h)
+
+    @property
+    def lse(self) -> torch.Tensor:
+        q, h = self.num_queries, self.num_qo_heads
+        return self.scratch[self.lse_off:self.lse_off + q * h].view(q, h)
 
 
 @functools.lru_cache(maxsize=None)
@@ -174,10 +211,11 @@ def _checked_config(head_dim: int) -> KernelConfig:
 
 def _segment_starts(sizes: list[int]) -> list[int]:
     """Offsets of the packed segments of ``sizes`` (in ``_SEGMENTS`` order), then the total.
-    Segments start at multiples of 4 elements, keeping every device view 16-byte aligned."""
+    Segments start at multiples of 16 elements: the kernels, specialised on offsets that
+    are, then know every segment is 64-byte aligned."""
     starts = [0]
     for n in sizes:
-        starts.append(starts[-1] + -(-n // 4) * 4)
+        starts.append(starts[-1] + -(-n // 16) * 16)
     return starts
 
 
@@ -196,45 +234,36 @@ def _buffer(previous: torch.Tensor | None, n: int, dtype: torch.dtype,
     return torch.empty(n + n // 4, dtype=dtype, device=device)
 
 
-def _finish(cfg: KernelConfig, host: torch.Tensor, sizes: list[int], starts: list[int],
-            device: torch.device, num_qo_heads: int, head_dim: int, num_partials: int, *,
+def _finish(cfg: KernelConfig, host: torch.Tensor, num_queries: int, starts: list[int],
+            device: torch.device, num_qo_heads: int, head_dim: int, num_partials: int,
             num_work: int, needs_mask: bool, all_contiguous: bool, any_contiguous: bool,
             sorted_queries: bool, every_query_merged: bool,
-            previous: _Prepared | None = None) -> _Prepared:
-    """Upload the packed plan (one copy; the kernels get views of it, each padded to its
-    segment's 4-element boundary) and carve the workspaces out of one fp32 buffer. Both
-    buffers are ``previous``'s when they fit: the upload and the kernels are ordered by
-    the stream (``plan`` and ``run`` on one stream), so the upload waits for the old plan's
-    launches. Allocations come first, so a failure leaves ``previous`` intact."""
+            previous: _Prepared | None) -> _Prepared:
+    """Upload the packed plan (one copy) and size the fp32 workspace. Both buffers are
+    ``previous``'s when they fit: the upload and the kernels are ordered by the stream
+    (``plan`` and ``run`` on one stream), so the upload waits for the old plan's launches.
+    Allocations come first, so a failure leaves ``previous`` intact."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     n = starts[-1]
-    num_queries = sizes[_Q_ORDER]
-    p, h, d = max(num_partials, 1), num_qo_heads, head_dim
-    # Each piece starts 16-byte aligned (the kernels are specialised on it).
-    o_end = p * h * d
-    lse_start = o_end + -(-p * h // 4) * 4
-    scratch = _buffer(previous.scratch if previous else None, lse_start + num_queries * h,
+    p, h = max(num_partials, 1), num_qo_heads
+    # Each workspace starts at a multiple of 16 elements (the kernels are specialised on it).
+    plse_off = p * h * head_dim
+    lse_off = plse_off + -(-p * h // 16) * 16
+    scratch = _buffer(previous.scratch if previous else None, lse_off + num_queries * h,
                       torch.float32, device)
     # Fused merge needs every query to own a partial (else nobody writes its row).
     counts = (torch.zeros(num_queries * num_qo_heads, dtype=torch.int32, device=device)
               if cfg.fuse_merge and num_queries and every_query_merged else None)
     plan_buffer = _buffer(previous.plan_buffer if previous else None, n, torch.int32, device)
-    buf = plan_buffer[:n]
-    buf.copy_(host, non_blocking=True)
-    padded = [b - a for a, b in zip(starts[:-1], starts[1:])]
-    arrays = dict(zip(_SEGMENTS, buf.split_with_sizes(padded)))  # one call for all views
+    plan_buffer[:n].copy_(host, non_blocking=True)
     # Built without the frozen dataclass's ``__init__`` (one ``object.__setattr__`` per
-    # field), and the views by ``as_strided`` (``scratch`` starts its storage): this runs
-    # every step, and both save about 10 µs. ``_Prepared`` has no ``__post_init__``.
+    # field, about 5 µs): this runs every step. ``_Prepared`` has no ``__post_init__``.
     prepared = object.__new__(_Prepared)
     prepared.__dict__.update(
-        config=cfg, arrays=arrays, plan_buffer=plan_buffer, scratch=scratch,
-        num_work=num_work, num_queries=num_queries,
-        partial_o=scratch.as_strided((p, h, d), (h * d, d, 1), 0),
-        partial_lse=scratch.as_strided((p, h), (h, 1), o_end),
-        lse=scratch.as_strided((num_queries, h), (h, 1), lse_start),
-        needs_mask=needs_mask,
+        config=cfg, plan_buffer=plan_buffer, offsets=tuple(starts), scratch=scratch,
+        plse_off=plse_off, lse_off=lse_off, num_work=num_work, num_queries=num_queries,
+        num_partials=p, num_qo_heads=h, head_dim=head_dim, needs_mask=needs_mask,
         contiguous=cfg.contig and all_contiguous,
         tma=cfg.contig and cfg.tma and any_contiguous and _has_tma(device),
         sorted_queries=sorted_queries, counts=counts,
@@ -293,12 +322,11 @@ class TritonBackend:
         for a, st in zip(host, starts):
             packed[st:st + a.shape[0]] = a
         return _finish(
-            cfg, buf, sizes, starts, device, num_qo_heads, head_dim, plan.num_partials,
-            num_work=int(work.shape[0]), needs_mask=plan.needs_mask,
-            all_contiguous=bool((work[:, 6] >= 0).all()),
-            any_contiguous=bool((work[:, 6] >= 0).any()),
-            sorted_queries=bool((plan.query_order == np.arange(plan.num_queries)).all()),
-            every_query_merged=bool((np.diff(plan.merge_indptr) > 0).all()))
+            cfg, buf, plan.num_queries, starts, device, num_qo_heads, head_dim,
+            plan.num_partials, int(work.shape[0]), plan.needs_mask,
+            bool((work[:, 6] >= 0).all()), bool((work[:, 6] >= 0).any()),
+            bool((plan.query_order == np.arange(plan.num_queries)).all()),
+            bool((np.diff(plan.merge_indptr) > 0).all()), None)
 
     def plan_fast(self, layout: TreeLayout, plan_kind: str, block_kv: int, num_qo_heads: int,
                   num_kv_heads: int, head_dim: int, device: torch.device,
@@ -319,12 +347,10 @@ class TritonBackend:
             return None
         plan = fast.plan
         return plan, _finish(
-            cfg, fast.packed, fast.sizes, fast.starts, device, num_qo_heads, head_dim,
-            plan.num_partials, num_work=fast.num_work, needs_mask=True,
-            all_contiguous=fast.all_contiguous, any_contiguous=fast.any_contiguous,
-            sorted_queries=fast.sorted_queries,
-            every_query_merged=fast.every_query_merged,
-            previous=previous if isinstance(previous, _Prepared) else None)
+            cfg, fast.packed, fast.num_queries, fast.starts, device, num_qo_heads, head_dim,
+            fast.num_partials, fast.num_work, True, fast.all_contiguous, fast.any_contiguous,
+            fast.sorted_queries, fast.every_query_merged,
+            previous if isinstance(previous, _Prepared) else None)
 
     writes_out = True  # run/run_output write into caller-given tensors, allocating nothing
 
@@ -342,12 +368,14 @@ class TritonBackend:
                    out: torch.Tensor | None = None) -> torch.Tensor:
         """Like :meth:`run` but only ``o``; the lse goes to the plan's workspace."""
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-        self._launch(prepared, q, k_cache, v_cache, sm_scale, o, prepared.lse)
+        self._launch(prepared, q, k_cache, v_cache, sm_scale, o, None)
         return o
 
     def _launch(self, prepared: _Prepared, q: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, sm_scale: float, o: torch.Tensor, lse: torch.Tensor) -> None:
-        """The step's two launches (one when the merge is fused), writing ``o`` and ``lse``."""
+                v_cache: torch.Tensor, sm_scale: float, o: torch.Tensor,
+                lse: torch.Tensor | None) -> None:
+        """The step's two launches (one when the merge is fused), writing ``o`` and ``lse``
+        (``None``: the plan's lse workspace)."""
         nq, h_q, d = q.shape
         h_kv = k_cache.shape[1]
         if nq == 0:
@@ -358,20 +386,17 @@ class TritonBackend:
         if v_cache.stride() != ks:  # the kernels address V with K's strides
             k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
             ks = k_cache.stride()
-        a, cfg = prepared.arrays, prepared.config
-        po, plse = prepared.partial_o, prepared.partial_lse
+        cfg, plan, scratch, offs = (prepared.config, prepared.plan_buffer, prepared.scratch,
+                                    prepared.offsets)
+        lse, lse_off = (scratch, prepared.lse_off) if lse is None else (lse, 0)
         fused = prepared.counts is not None
         pdl = cfg.pdl and _has_pdl(q.device)
         if prepared.num_work:
             grid = (prepared.num_work, h_kv)
-            args = [q, k_cache, v_cache, k_cache, v_cache, po, plse,
-                    a["tok_slot"], a["tok_lo"], a["tok_hi"], a["tok_off"],
-                    a["work"], a["q_order"], a["q_pre"], a["q_len"],
-                    o, lse, prepared.counts if fused else a["merge_indptr"],
-                    a["merge_indptr"], a["merge_partials"],
-                    sm_scale * math.log2(math.e),
-                    qs[0], qs[1], ks[0], ks[1], *po.stride()[:2], plse.stride(0), os_[0], os_[1],
-                    h_q]
+            args = [q, k_cache, v_cache, k_cache, v_cache, scratch, plan, o, lse,
+                    prepared.counts if fused else plan, sm_scale * math.log2(math.e),
+                    *offs[:10], prepared.plse_off, lse_off,
+                    qs[0], qs[1], ks[0], ks[1], os_[0], os_[1], h_q]
             kw = dict(G=h_q // h_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       USE_MASK=prepared.needs_mask, CONTIG=prepared.contiguous, TMA=False,
                       SORTED=prepared.sorted_queries, FUSE_MERGE=fused,
@@ -398,8 +423,8 @@ class TritonBackend:
                     _TMA_COMPILED.add(key)
             tree_partial_kernel[grid](*args, **kw)
         if not fused:
-            launch_merge(po, plse, o, lse, a["merge_indptr"], a["merge_partials"], pdl=pdl,
-                         block=cfg.merge_block, warps=cfg.merge_warps)
+            _merge(scratch, scratch, o, lse, plan, offs[8], offs[9], prepared.plse_off, lse_off,
+                   pdl, *cfg.merge_shape(nq * h_q))
 
 
 _TMA_COMPILED: set[tuple] = set()  # launch keys whose TMA variant an eager launch compiled
@@ -435,15 +460,25 @@ def _kv_descriptor(cache: torch.Tensor, stride: tuple[int, ...], block_n: int) -
 
 
 def launch_merge(po: torch.Tensor, plse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                 indptr: torch.Tensor, indices: torch.Tensor, pdl: bool = False, block: int = 16,
-                 warps: int = 2) -> None:
-    """Merge states ``po [P, H, D]``, ``plse [P, H]`` into ``o [N, H, D]``, ``lse [N, H]`` (CSR),
-    ``block`` states per step, ``warps`` per (row, head) program. ``pdl``: launched to start
-    before the previous launch ends (see ``_has_pdl``)."""
+                 indptr: torch.Tensor, indices: torch.Tensor) -> None:
+    """Merge states ``po [P, H, D]``, ``plse [P, H]`` into ``o [N, H, D]`` and the contiguous
+    ``lse [N, H]`` through the CSR map ``indptr [N + 1]``, ``indices`` (int32)."""
+    n, h, d = o.shape
+    _merge(po.contiguous(), plse.contiguous(), o, lse, torch.cat([indptr, indices]), 0,
+           indptr.numel(), 0, 0, False, *kernel_config(d).merge_shape(n * h))
+
+
+def _merge(po: torch.Tensor, plse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+           csr: torch.Tensor, indptr_off: int, indices_off: int, plse_off: int, lse_off: int,
+           pdl: bool, block: int, warps: int) -> None:
+    """The merge launch: ``block`` states per step, ``warps`` per (row, head) program; the
+    CSR map and partial lse start at offsets into ``csr`` and ``plse``, the lse at
+    ``lse_off`` into ``lse``. ``pdl``: launched to start before the previous launch ends
+    (see ``_has_pdl``)."""
     n, h, d = o.shape
     small = interpreting()
     merge_kernel[(n, h)](
-        po, plse, o, lse, indptr, indices, h, *po.stride()[:2], plse.stride(0), *o.stride()[:2],
+        po, plse, o, lse, csr, indptr_off, indices_off, plse_off, lse_off, h, *o.stride()[:2],
         D=d, BLOCK_S=4 if small else block, PDL=pdl, num_warps=1 if small else warps,
         launch_pdl=pdl,
     )
