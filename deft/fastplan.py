@@ -239,7 +239,7 @@ def _plan(layout: TreeLayout, block_kv: int, params: tuple,
     caps = [np.ascontiguousarray(a).__array_struct__ for a in (
         layout.parents, layout.node_kv_indptr, layout.query_nodes, layout.query_kv_lens,
         layout.kv_indices)]
-    parents_p, indptr_p, nodes_p, qlens_p, kv_p = (_capsule_pointer(c, None) for c in caps)
+    parents_p, indptr_p, nodes_p, qlens_p, kv_p = [_capsule_pointer(c, None) for c in caps]
     ws, ws_p = _workspace(0)
     args = (parents_p, indptr_p, nodes_p, qlens_p, block_kv, *params)
     rc = lib.deft_flatten_plan(*args, ws_p, ws.shape[0])

@@ -92,17 +92,33 @@ def kernel_config(head_dim: int) -> KernelConfig:
     return _GPU_CONFIGS.get(head_dim, _GPU_CONFIGS[128])
 
 
+class _Pointer:
+    """A device address for a Triton pointer argument: what a launch reads of a tensor
+    (``data_ptr()`` and ``dtype``), about five times cheaper to make than a tensor view. A
+    plan makes 13 of them every step; its buffers keep the memory alive."""
+
+    __slots__ = ("address", "dtype")
+
+    def __init__(self, address: int, dtype: torch.dtype) -> None:
+        self.address = address
+        self.dtype = dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
 @dataclass(frozen=True)
 class _Prepared:
-    """A step's device data. The kernels take the two buffers and offsets into them, not a
-    view per array: views cost about 1 µs each to make, and this is made every step."""
+    """A step's device data: two buffers, and the kernels' pointers into them."""
 
     config: KernelConfig
     plan_buffer: torch.Tensor  # int32 device buffer of the packed plan (may be larger)
     offsets: tuple[int, ...]  # start of each ``_SEGMENTS`` segment in it, then the end
-    scratch: torch.Tensor  # fp32 device buffer of the workspaces below (may be larger)
+    arrays: list  # the segments, in ``_SEGMENTS`` order, for the kernels (views or _Pointer)
+    scratch: torch.Tensor  # fp32 device buffer of the workspaces (may be larger)
     plse_off: int  # partial lse [P, H_q] starts here (partial o [P, H_q, D] at 0)
     lse_off: int  # lse [Q, H_q] for steps whose caller wants no lse starts here
+    workspaces: tuple  # partial o, partial lse, lse, for the kernels (views or _Pointer)
     num_work: int
     num_queries: int
     num_partials: int  # at least 1, for the workspace shapes
@@ -257,12 +273,23 @@ def _finish(cfg: KernelConfig, host: torch.Tensor, num_queries: int, starts: lis
               if cfg.fuse_merge and num_queries and every_query_merged else None)
     plan_buffer = _buffer(previous.plan_buffer if previous else None, n, torch.int32, device)
     plan_buffer[:n].copy_(host, non_blocking=True)
+    if interpreting():  # the interpreter takes tensors only
+        padded = [b - a for a, b in zip(starts[:-1], starts[1:])]
+        arrays = plan_buffer[:n].split_with_sizes(padded)
+        workspaces = tuple(scratch[a:b] for a, b in ((0, plse_off), (plse_off, plse_off + p * h),
+                                                      (lse_off, lse_off + num_queries * h)))
+    else:
+        base, fbase, i32, f32 = plan_buffer.data_ptr(), scratch.data_ptr(), torch.int32, torch.float32
+        arrays = [_Pointer(base + 4 * a, i32) for a in starts[:-1]]
+        workspaces = (_Pointer(fbase, f32), _Pointer(fbase + 4 * plse_off, f32),
+                      _Pointer(fbase + 4 * lse_off, f32))
     # Built without the frozen dataclass's ``__init__`` (one ``object.__setattr__`` per
     # field, about 5 µs): this runs every step. ``_Prepared`` has no ``__post_init__``.
     prepared = object.__new__(_Prepared)
     prepared.__dict__.update(
-        config=cfg, plan_buffer=plan_buffer, offsets=tuple(starts), scratch=scratch,
-        plse_off=plse_off, lse_off=lse_off, num_work=num_work, num_queries=num_queries,
+        config=cfg, plan_buffer=plan_buffer, offsets=tuple(starts), arrays=arrays,
+        scratch=scratch, plse_off=plse_off, lse_off=lse_off, workspaces=workspaces,
+        num_work=num_work, num_queries=num_queries,
         num_partials=p, num_qo_heads=h, head_dim=head_dim, needs_mask=needs_mask,
         contiguous=cfg.contig and all_contiguous,
         tma=cfg.contig and cfg.tma and any_contiguous and _has_tma(device),
@@ -386,17 +413,18 @@ class TritonBackend:
         if v_cache.stride() != ks:  # the kernels address V with K's strides
             k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
             ks = k_cache.stride()
-        cfg, plan, scratch, offs = (prepared.config, prepared.plan_buffer, prepared.scratch,
-                                    prepared.offsets)
-        lse, lse_off = (scratch, prepared.lse_off) if lse is None else (lse, 0)
+        cfg, a = prepared.config, prepared.arrays
+        po, plse, lse_ws = prepared.workspaces
+        h, d_ = prepared.num_qo_heads, prepared.head_dim
+        lse = lse_ws if lse is None else lse
         fused = prepared.counts is not None
         pdl = cfg.pdl and _has_pdl(q.device)
         if prepared.num_work:
             grid = (prepared.num_work, h_kv)
-            args = [q, k_cache, v_cache, k_cache, v_cache, scratch, plan, o, lse,
-                    prepared.counts if fused else plan, sm_scale * math.log2(math.e),
-                    *offs[:10], prepared.plse_off, lse_off,
-                    qs[0], qs[1], ks[0], ks[1], os_[0], os_[1], h_q]
+            args = [q, k_cache, v_cache, k_cache, v_cache, po, plse, *a[:8],
+                    o, lse, prepared.counts if fused else a[8], a[8], a[9],
+                    sm_scale * math.log2(math.e),
+                    qs[0], qs[1], ks[0], ks[1], h * d_, d_, h, os_[0], os_[1], h_q]
             kw = dict(G=h_q // h_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       USE_MASK=prepared.needs_mask, CONTIG=prepared.contiguous, TMA=False,
                       SORTED=prepared.sorted_queries, FUSE_MERGE=fused,
@@ -423,8 +451,8 @@ class TritonBackend:
                     _TMA_COMPILED.add(key)
             tree_partial_kernel[grid](*args, **kw)
         if not fused:
-            _merge(scratch, scratch, o, lse, plan, offs[8], offs[9], prepared.plse_off, lse_off,
-                   pdl, *cfg.merge_shape(nq * h_q))
+            launch_merge(po, plse, o, lse, a[8], a[9], pdl, *cfg.merge_shape(nq * h_q),
+                         strides=(h * d_, d_, h))
 
 
 _TMA_COMPILED: set[tuple] = set()  # launch keys whose TMA variant an eager launch compiled
@@ -459,26 +487,23 @@ def _kv_descriptor(cache: torch.Tensor, stride: tuple[int, ...], block_n: int) -
     return TensorDescriptor(cache, [slots, h * d], [stride[0], 1], [block_n, d])
 
 
-def launch_merge(po: torch.Tensor, plse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                 indptr: torch.Tensor, indices: torch.Tensor) -> None:
+def launch_merge(po, plse, o: torch.Tensor, lse, indptr, indices, pdl: bool = False,
+                 block: int | None = None, warps: int | None = None,
+                 strides: tuple[int, int, int] | None = None) -> None:
     """Merge states ``po [P, H, D]``, ``plse [P, H]`` into ``o [N, H, D]`` and the contiguous
-    ``lse [N, H]`` through the CSR map ``indptr [N + 1]``, ``indices`` (int32)."""
+    ``lse [N, H]`` through the CSR map ``indptr [N + 1]``, ``indices`` (int32), ``block``
+    states per step with ``warps`` per (row, head) program (by default the config's shape
+    for this grid). ``strides``: those of ``po`` (rows, heads) and ``plse`` (rows) when they
+    are raw pointers. ``pdl``: launched to start before the previous launch ends (see
+    ``_has_pdl``)."""
     n, h, d = o.shape
-    _merge(po.contiguous(), plse.contiguous(), o, lse, torch.cat([indptr, indices]), 0,
-           indptr.numel(), 0, 0, False, *kernel_config(d).merge_shape(n * h))
-
-
-def _merge(po: torch.Tensor, plse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-           csr: torch.Tensor, indptr_off: int, indices_off: int, plse_off: int, lse_off: int,
-           pdl: bool, block: int, warps: int) -> None:
-    """The merge launch: ``block`` states per step, ``warps`` per (row, head) program; the
-    CSR map and partial lse start at offsets into ``csr`` and ``plse``, the lse at
-    ``lse_off`` into ``lse``. ``pdl``: launched to start before the previous launch ends
-    (see ``_has_pdl``)."""
-    n, h, d = o.shape
+    if block is None or warps is None:
+        block, warps = kernel_config(d).merge_shape(n * h)
+    if strides is None:
+        strides = (*po.stride()[:2], plse.stride(0))
     small = interpreting()
     merge_kernel[(n, h)](
-        po, plse, o, lse, csr, indptr_off, indices_off, plse_off, lse_off, h, *o.stride()[:2],
+        po, plse, o, lse, indptr, indices, h, *strides, *o.stride()[:2],
         D=d, BLOCK_S=4 if small else block, PDL=pdl, num_warps=1 if small else warps,
         launch_pdl=pdl,
     )

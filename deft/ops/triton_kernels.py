@@ -165,34 +165,20 @@ def _tile(
 
 @triton.jit
 def tree_partial_kernel(
-    Q, K, V, desc_k, desc_v,
-    S,  # fp32 workspace: partial o [P, num_heads, D] from 0, partial lse [P, num_heads] from plse_off
-    PLAN,  # int32 plan buffer; its segments start at the offsets below
-    O, LSE, counts,
+    Q, K, V, desc_k, desc_v, PO, PLSE,
+    tok_slot, tok_lo, tok_hi, tok_off,
+    work,  # [W, 8] int32 per program: tok0, tok1, qs, qe, p0, mask_from, slot0, row0
+    q_order, q_pre, q_len,
+    O, LSE, counts, merge_indptr, merge_partials,
     qk_scale,  # sm_scale * log2(e)
-    off_slot, off_lo, off_hi, off_off,  # per plan token: slot, lo, hi, off
-    off_work,  # [W, 8] per program: tok0, tok1, qs, qe, p0, mask_from, slot0, row0
-    off_q_order, off_q_pre, off_q_len,  # per sorted query
-    off_merge_indptr, off_merge_partials,  # the reduction map (CSR by original query)
-    plse_off, lse_off,
-    stride_qn, stride_qh, stride_kn, stride_kh, stride_on, stride_oh, num_heads,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_pn, stride_ph, stride_ln,
+    stride_on, stride_oh, num_heads,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     w = tl.program_id(0)
     kvh = tl.program_id(1)
-    # One buffer and offsets instead of a view per segment: cheaper to make every step.
-    tok_slot = PLAN + off_slot
-    tok_lo = PLAN + off_lo
-    tok_hi = PLAN + off_hi
-    tok_off = PLAN + off_off
-    work = PLAN + off_work
-    q_order = PLAN + off_q_order
-    q_pre = PLAN + off_q_pre
-    q_len = PLAN + off_q_len
-    stride_ph = D
-    stride_pn = num_heads * D
     # One row of independent loads (one memory round trip) describes the program's work.
     desc = work + w * 8
     tok0 = tl.load(desc)
@@ -254,13 +240,13 @@ def tree_partial_kernel(
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
     pid = (p0 + qi).to(tl.int64)
-    tl.store(S + pid[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :], o,
+    tl.store(PO + pid[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :], o,
              mask=row_ok[:, None])
-    tl.store(S + plse_off + pid * num_heads + head, lse, mask=row_ok)
+    tl.store(PLSE + pid * stride_ln + head, lse, mask=row_ok)
     if FUSE_MERGE:
-        _merge_if_last(S, S + plse_off, O, LSE + lse_off, counts, PLAN + off_merge_indptr,
-                       PLAN + off_merge_partials, qorig, head, row_ok, stride_pn, stride_ph,
-                       num_heads, stride_on, stride_oh, num_heads, D=D)
+        _merge_if_last(PO, PLSE, O, LSE, counts, merge_indptr, merge_partials, qorig, head,
+                       row_ok, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
+                       D=D)
 
 
 @triton.jit
@@ -313,23 +299,13 @@ def _merge_if_last(
 
 @triton.jit
 def merge_kernel(
-    PO,  # [P, num_heads, D] fp32, contiguous
-    PLSE,  # [P, num_heads] fp32 from plse_off, contiguous
-    O, LSE,  # LSE [N, num_heads] fp32 from lse_off
-    MAP,  # int32: CSR indptr [N + 1] from indptr_off, state indices from indices_off
-    indptr_off, indices_off, plse_off, lse_off,
-    num_heads, stride_on, stride_oh,
+    PO, PLSE, O, LSE, indptr, indices,
+    num_heads,
+    stride_pn, stride_ph, stride_ln, stride_on, stride_oh,
     D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     n = tl.program_id(0)
     h = tl.program_id(1)
-    indptr = MAP + indptr_off
-    indices = MAP + indices_off
-    PLSE = PLSE + plse_off
-    LSE = LSE + lse_off
-    stride_ln = num_heads
-    stride_ph = D
-    stride_pn = num_heads * D
     d = tl.arange(0, D)
     start = tl.load(indptr + n)
     end = tl.load(indptr + n + 1)
