@@ -506,3 +506,35 @@ def test_coarsened_random_forests_interpreted(fixed_coarsening, seed):
     mask_from = tb._mask_from(plan)
     assert ((plan.tile_indptr[:-1] < mask_from) & (mask_from < plan.tile_indptr[1:])).any()
     check(layout, 4, 2, 16, torch.float16, seed=seed)
+
+
+def test_wide_steps_store_narrow_partials(monkeypatch):
+    """A step of at least ``wide_from`` rows runs the ``wide`` config: partial o is stored in
+    q's dtype (fp16 here; fp32 inputs keep fp32) and merged as exactly as before."""
+    import dataclasses
+
+    from deft.ops import triton_backend as tb
+
+    base = tb._INTERPRET_CONFIG
+    layout = few_shot_layout(50, 4, 9)
+    rows = layout.num_queries * 4
+    for dtype in (torch.float16, torch.float32):
+        q, k, v = random_qkv(layout, 4, 2, 32, dtype, 5, device=DEV)
+        ref_o, ref_lse = reference_attention(q, k, v, layout, 32**-0.5)
+        partials = {}
+        for wide_from in (rows + 1, rows):  # just below the threshold, then at it
+            wide = dataclasses.replace(base, narrow_partials=True, merge_block=8)
+            monkeypatch.setattr(tb, "_INTERPRET_CONFIG",
+                                dataclasses.replace(base, wide=wide, wide_from=wide_from))
+            attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=8)
+            attn.plan(layout)
+            o, lse = attn.run(q, k, v, return_lse=True)
+            assert_close(o.cpu(), ref_o.cpu(), dtype, f"wide_from={wide_from}")
+            assert_lse_close(lse.cpu(), ref_lse.cpu(), f"wide_from={wide_from}")
+            prep = attn._prepared
+            n = prep.num_partials * 4 * 32
+            stored = torch.float32 if wide_from > rows or dtype == torch.float32 else dtype
+            partials[wide_from] = prep.scratch[:n].view(stored)[:n].float().cpu()
+        assert prep.num_partials > layout.num_queries  # the plan has states to merge
+        tol = 2e-3 if dtype == torch.float16 else 0.0  # one fp16 rounding, else bit-exact
+        torch.testing.assert_close(partials[rows], partials[rows + 1], atol=tol, rtol=tol)

@@ -11,8 +11,10 @@ kernels, one KV buffer per layer) and check layer 0 against the float64 referenc
 * ``tma``: TMA loads of consecutive-slot tiles off (gathered loads), and TMA block shapes;
 * ``occupancy``: 2 stages, a 128-register cap (4 programs per SM instead of 3), other waves;
 * ``pdl``: programmatic dependent launch off;
-* ``mergecfg``: one merge-kernel shape (partial states per step, warps) for every grid size,
-  instead of the shipped rule (``KernelConfig.merge_shape``).
+* ``partials``: partial o in fp32, or in q's dtype with and without a register cap, for
+  every step (shipped: q's dtype with the cap in the ``wide`` regime only);
+* ``mergecfg``: one merge-kernel shape (partial states per step, warps) for every step,
+  instead of the shipped one per regime (``KernelConfig.for_rows``).
 
 ``EAGER=1`` times the step launched from Python instead of replayed; ``ONLY=label,...``
 keeps just those variants.
@@ -39,39 +41,51 @@ SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 
           (128, 64, 8, 2), (64, 16, 4, 4), (16, 32, 2, 3), (16, 64, 4, 3), (32, 32, 2, 3),
           (32, 64, 4, 3)]
 TMA_SHAPES = [(64, 32, 4, 4), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2)]
+
+
+def variant(**changes) -> tb.KernelConfig:
+    """The shipped config with ``changes``, in its ``wide`` variant (many queries) too."""
+    wide = SHIPPED.wide and dataclasses.replace(SHIPPED.wide, **changes)
+    return dataclasses.replace(SHIPPED, **changes, wide=wide)
+
+
 # (label, config, fixed coarsening factor or None for the shipped refine_plan)
 VARIANTS = [("shipped", SHIPPED, None)]
 SWEEP = os.environ.get("SWEEP", "merge")
 if SWEEP == "merge":
-    VARIANTS.append(("fused merge", dataclasses.replace(SHIPPED, fuse_merge=True), None))
+    VARIANTS.append(("fused merge", variant(fuse_merge=True), None))
 elif SWEEP == "factors":
     FACTORS = os.environ.get("FACTORS", "2,4,8,16,32")
     VARIANTS += [(f"u={u}", SHIPPED, int(u)) for u in FACTORS.split(",")]
 elif SWEEP == "shapes":
-    VARIANTS += [(f"m{m}n{n}w{w}s{st}", dataclasses.replace(SHIPPED, block_m=m, block_n=n, num_warps=w,
-                                                            num_stages=st), None)
+    VARIANTS += [(f"m{m}n{n}w{w}s{st}",
+                  variant(block_m=m, block_n=n, num_warps=w, num_stages=st), None)
                  for m, n, w, st in SHAPES]
-    VARIANTS.append(("slot loads", dataclasses.replace(SHIPPED, contig=False), None))
+    VARIANTS.append(("slot loads", variant(contig=False), None))
 elif SWEEP == "tma":
-    VARIANTS.append(("gather", dataclasses.replace(SHIPPED, tma=False), None))
-    VARIANTS += [(f"tma m{m}n{n}w{w}s{st}", dataclasses.replace(SHIPPED, block_m=m, block_n=n,
-                                                                num_warps=w, num_stages=st), None)
+    VARIANTS.append(("gather", variant(tma=False), None))
+    VARIANTS += [(f"tma m{m}n{n}w{w}s{st}",
+                  variant(block_m=m, block_n=n, num_warps=w, num_stages=st), None)
                  for m, n, w, st in TMA_SHAPES]
 elif SWEEP == "occupancy":
     VARIANTS += [
-        ("s2", dataclasses.replace(SHIPPED, num_stages=2), None),
-        ("s2 maxnreg 128", dataclasses.replace(SHIPPED, num_stages=2, maxnreg=128), None),
-        ("waves 3", dataclasses.replace(SHIPPED, waves=3.0), None),
-        ("s2 maxnreg 128 waves 6", dataclasses.replace(SHIPPED, num_stages=2, maxnreg=128, waves=6.0), None),
+        ("s2", variant(num_stages=2), None),
+        ("s2 maxnreg 128", variant(num_stages=2, maxnreg=128), None),
+        ("waves 3", variant(waves=3.0), None),
+        ("s2 maxnreg 128 waves 6", variant(num_stages=2, maxnreg=128, waves=6.0), None),
     ]
 elif SWEEP == "mergecfg":
-    VARIANTS += [(f"merge b{b} w{w}", dataclasses.replace(
-        SHIPPED, merge_block=b, merge_warps=w, merge_wide_block=b, merge_wide_warps=w), None)
+    VARIANTS += [(f"merge b{b} w{w}", variant(merge_block=b, merge_warps=w), None)
                  for b, w in ((16, 2), (8, 2), (32, 4), (4, 1))]
 elif SWEEP == "pdl":
-    VARIANTS.append(("no pdl", dataclasses.replace(SHIPPED, pdl=False), None))
+    VARIANTS.append(("no pdl", variant(pdl=False), None))
+elif SWEEP == "partials":
+    VARIANTS += [("fp32 partials", variant(narrow_partials=False, maxnreg=None), None),
+                 ("narrow partials", variant(narrow_partials=True, maxnreg=None), None),
+                 ("narrow maxnreg 168", variant(narrow_partials=True, maxnreg=168), None)]
 else:
-    sys.exit(f"SWEEP: expected merge, factors, shapes, tma, occupancy, mergecfg or pdl, got {SWEEP!r}")
+    sys.exit(f"SWEEP: expected merge, factors, shapes, tma, occupancy, mergecfg, pdl or partials, "
+             f"got {SWEEP!r}")
 if os.environ.get("ONLY"):  # comma-separated labels: run just these variants
     VARIANTS = [v for v in VARIANTS if v[0] in os.environ["ONLY"].split(",")]
 TREES = GPU_SUITE

@@ -48,25 +48,32 @@ class KernelConfig:
     pdl: bool = False  # programmatic dependent launch (sm_90+): starts before the last launch ends
     merge_block: int = 16  # partial states per step of the merge kernel
     merge_warps: int = 2  # warps per merge program (one (query, head) row)
-    # From this many merge programs (queries x query heads) on, the merge takes
-    # ``merge_wide_block`` states per step with ``merge_wide_warps``: many small programs
-    # beat fewer large ones once the grid fills the GPU several times (SWEEP=mergecfg).
-    merge_wide_from: int = 2048
-    merge_wide_block: int = 4
-    merge_wide_warps: int = 1
+    # Partial o stored in q's dtype for fp16/bf16 (fp32 for fp32): half the bytes the partial
+    # kernel writes and the merge reads; lse stays fp32. Each partial is a weighted mean of V
+    # rows, so rounding it costs about one more rounding of the output.
+    narrow_partials: bool = False
+    # Steps of at least ``wide_from`` (query, query head) rows run with ``wide`` instead.
+    wide_from: int = 2048
+    wide: KernelConfig | None = None
 
-    def merge_shape(self, programs: int) -> tuple[int, int]:
-        """States per step and warps of a merge launch of ``programs`` programs."""
-        if programs >= self.merge_wide_from:
-            return self.merge_wide_block, self.merge_wide_warps
-        return self.merge_block, self.merge_warps
+    def for_rows(self, rows: int) -> KernelConfig:
+        """The config of a step of ``rows`` (query, query head) rows."""
+        return self.wide if self.wide is not None and rows >= self.wide_from else self
 
 
 # Keyed by head_dim. 128 is tuned on an H200 (tools/coarsen_sweep.py, docs/benchmarks.md);
 # 64 follows it, 256 keeps 8 warps and 2 stages to fit its K/V blocks in shared memory.
+# Steps of many queries (2,048 (query, head) rows: speculative and Medusa trees of 64+ nodes,
+# 64 leaves on a long prompt) move more partial-state bytes and merge larger grids: their
+# merge takes 4 states per step with 1 warp, and the partial kernel writes narrow partials
+# under a 168-register cap (converting them costs registers; uncapped, only 2 programs fit
+# per SM instead of 3). Both measured with SWEEP=mergecfg and SWEEP=partials: 4-9% faster on
+# those trees, and 2-12% slower on the trees below the threshold.
+_WIDE = dict(merge_block=4, merge_warps=1, narrow_partials=True, maxnreg=168)
 _GPU_CONFIGS = {
     64: KernelConfig(64, 32, 4, 3, 4.0, tma=True, pdl=True),
-    128: KernelConfig(64, 32, 4, 3, 4.0, tma=True, pdl=True),
+    128: KernelConfig(64, 32, 4, 3, 4.0, tma=True, pdl=True,
+                      wide=KernelConfig(64, 32, 4, 3, 4.0, tma=True, pdl=True, **_WIDE)),
     256: KernelConfig(64, 32, 8, 2, 4.0, tma=True, pdl=True),
 }
 # Coarsened tiles aim at this many tokens at least, while the launch keeps one program per SM
@@ -413,8 +420,10 @@ class TritonBackend:
         if v_cache.stride() != ks:  # the kernels address V with K's strides
             k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
             ks = k_cache.stride()
-        cfg, a = prepared.config, prepared.arrays
+        cfg, a = prepared.config.for_rows(nq * h_q), prepared.arrays
         po, plse, lse_ws = prepared.workspaces
+        if cfg.narrow_partials and q.dtype != torch.float32:  # same memory, read as q's dtype
+            po = _Pointer(po.address, q.dtype) if isinstance(po, _Pointer) else po.view(q.dtype)
         h, d_ = prepared.num_qo_heads, prepared.head_dim
         lse = lse_ws if lse is None else lse
         fused = prepared.counts is not None
@@ -451,7 +460,7 @@ class TritonBackend:
                     _TMA_COMPILED.add(key)
             tree_partial_kernel[grid](*args, **kw)
         if not fused:
-            launch_merge(po, plse, o, lse, a[8], a[9], pdl, *cfg.merge_shape(nq * h_q),
+            launch_merge(po, plse, o, lse, a[8], a[9], pdl, cfg.merge_block, cfg.merge_warps,
                          strides=(h * d_, d_, h))
 
 
@@ -498,7 +507,8 @@ def launch_merge(po, plse, o: torch.Tensor, lse, indptr, indices, pdl: bool = Fa
     ``_has_pdl``)."""
     n, h, d = o.shape
     if block is None or warps is None:
-        block, warps = kernel_config(d).merge_shape(n * h)
+        cfg = kernel_config(d).for_rows(n * h)
+        block, warps = cfg.merge_block, cfg.merge_warps
     if strides is None:
         strides = (*po.stride()[:2], plse.stride(0))
     small = interpreting()

@@ -6,10 +6,10 @@ chunk of one tile: rows are (group query, GQA head) pairs, so every query head t
 the KV head is computed from the same K/V loads. The program streams the tile's tokens in
 blocks of ``BLOCK_N`` (K/V copies in flight ahead of use; by TMA when the tile's slots are
 consecutive and the launcher passes tensor descriptors), applies the plan's compact
-visibility mask from the tile's ``mask_from`` on, keeps an online softmax, and
-writes one fp32 partial state per (query, head). With ``FUSE_MERGE`` the program that
-writes a row's last partial state also merges the row (measured slower on an H200, so off
-by default; see docs/benchmarks.md).
+visibility mask from the tile's ``mask_from`` on, keeps an online softmax, and writes one
+partial state per (query, head): ``o`` in ``PO``'s dtype (q's for fp16/bf16), ``lse`` in
+fp32. With ``FUSE_MERGE`` the program that writes a row's last partial state also merges
+the row (measured slower on an H200, so off by default; see docs/benchmarks.md).
 
 ``merge_kernel``: one program per (query, head); merges the query's partial states through
 the reduction map (CSR), a block of them per step, into ``o`` (output dtype) and ``lse``
@@ -240,8 +240,8 @@ def tree_partial_kernel(
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
     pid = (p0 + qi).to(tl.int64)
-    tl.store(PO + pid[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :], o,
-             mask=row_ok[:, None])
+    tl.store(PO + pid[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :],
+             o.to(PO.dtype.element_ty), mask=row_ok[:, None])
     tl.store(PLSE + pid * stride_ln + head, lse, mask=row_ok)
     if FUSE_MERGE:
         _merge_if_last(PO, PLSE, O, LSE, counts, merge_indptr, merge_partials, qorig, head,
@@ -280,7 +280,7 @@ def _merge_if_last(
             s = tl.load(PLSE + p * stride_ln + head, mask=ok, other=float("-inf"),
                         cache_modifier=".cg")
             o = tl.load(PO + p[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :],
-                        mask=ok[:, None], other=0.0, cache_modifier=".cg")
+                        mask=ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
             m_new = tl.maximum(m, s)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             a = tl.exp(m - m_safe)
