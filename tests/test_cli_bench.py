@@ -69,26 +69,3 @@ def test_markdown_table():
 def test_few_shot_layout_shape():
     layout = few_shot_layout(40, 3, 5)
     assert layout.node_lens.tolist() == [40, 5, 5, 5] and layout.query_nodes.tolist() == [1, 2, 3]
-
-
-def test_gpu_bench_times_plans_in_rounds():
-    """Plan times come from rounds over every (tree, plan kind): each gets the median of
-    its own samples, taken from the rounds."""
-    from deft import TreeAttention
-    from deft.bench.gpu_bench import _time_plans
-    from deft.workloads import few_shot_layout
-
-    planners, rows = [], []
-    for n in (30, 300):
-        row = {"impls": {"DeFT-Flatten": {}}}
-        attn = TreeAttention(4, 2, 16, backend="torch")
-        planners.append((row, "DeFT-Flatten", attn, few_shot_layout(n, 3, 5)))
-        rows.append(row)
-    calls = []
-    for _, _, attn, _ in planners:
-        plan = attn.plan
-        attn.plan = lambda layout, plan=plan: calls.append(layout.num_tokens) or plan(layout)
-    _time_plans(planners, rounds=3, per_round=2)
-    assert planners == [] and calls == ([45] * 2 + [315] * 2) * 3
-    for row in rows:
-        assert 0 < row["impls"]["DeFT-Flatten"]["plan_ms"] < 1e3

@@ -7,15 +7,13 @@ on the same Triton kernels; FlexAttention with the tree mask; PyTorch SDPA on ma
 per-query KV. Each layer has its own KV buffer so L2 cannot hold it across layers. Times
 are ``triton.testing.do_bench`` medians (L2 flushed between repetitions), plain and as
 CUDA-graph replays. The roofline floor is the larger of the unique KV bytes over the HBM
-read bandwidth and the attention FLOPs over the bf16 matmul rate, both measured here. Plan
-times are host times of ``TreeAttention.plan``, taken at the end in rounds over all trees.
+read bandwidth and the attention FLOPs over the bf16 matmul rate, both measured here.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import statistics
 from pathlib import Path
 from typing import Callable
 
@@ -65,9 +63,7 @@ def _time(step: Callable[[], object], graph: bool) -> float:
 
 
 def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
-                progress: Callable[[str], None] | None, planners: list) -> dict:
-    """One tree's row; its ``(row, label, attention, layout)`` go to ``planners``, whose
-    plan times :func:`_time_plans` fills in later."""
+                progress: Callable[[str], None] | None) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     n = layout.num_tokens
     ks = [torch.randn(n, H_KV, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(LAYERS)]
@@ -86,8 +82,16 @@ def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
                         ("DeFT-Node-Chunk", "node_chunk"), ("per-query", "per_query")):
         attn = TreeAttention(H_Q, H_KV, D, backend="triton", plan_kind=kind, device="cuda")
         plan = attn.plan(layout)
-        planners.append((row, label, attn, layout))
-        row["impls"][label] = {"tiles": plan.num_tiles, "partials": plan.num_partials}
+        # Planned with the GPU idle, as in decoding, where the next tree waits for the
+        # sampled tokens (a host sync); behind queued work (here the KV set-up), every plan's
+        # pinned upload buffer is still in use and the next is a fresh cudaHostAlloc.
+        torch.cuda.synchronize()
+        plan_times = []
+        for _ in range(21):
+            attn.plan(layout)
+            plan_times.append(attn.plan_seconds)
+        row["impls"][label] = {"plan_ms": sorted(plan_times)[10] * 1e3, "tiles": plan.num_tiles,
+                               "partials": plan.num_partials}
         impls[label] = lambda l, a=attn: a.run(q, ks[l], vs[l])
     sm_scale = D**-0.5
     try:
@@ -127,39 +131,18 @@ def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
     return row
 
 
-def _time_plans(planners: list, rounds: int = 7, per_round: int = 3) -> None:
-    """Each planner's ``plan_ms``: the median of ``rounds * per_round`` plans, taken in rounds
-    over all trees, so that a burst of host noise (seconds long on a shared host) spreads over
-    the trees instead of covering one tree's samples. The GPU is idle, as when decoding
-    plans the next tree after a host sync for the sampled tokens (behind queued work, every
-    pinned upload buffer would still be in use and each plan would allocate a new one)."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    times: dict[int, list[float]] = {i: [] for i in range(len(planners))}
-    for _ in range(rounds):
-        for i, (_, _, attn, layout) in enumerate(planners):
-            for _ in range(per_round):
-                attn.plan(layout)
-                times[i].append(attn.plan_seconds)
-    for i, (row, label, _, _) in enumerate(planners):
-        row["impls"][label]["plan_ms"] = statistics.median(times[i]) * 1e3
-    planners.clear()
-
-
 def gpu_attention_report(names: list[str] | None = None, workloads: Path | None = None,
                          out: str | None = None, progress=None) -> str:  # noqa: ANN001
     """Run the GPU suite; return a Markdown report (and write JSON details under ``out``)."""
     bw, flops = measure_ceilings()
     cfg = kernel_config(D)
-    rows: list[dict] = []
-    planners: list = []
+    rows = []
     for name in names or GPU_SUITE:
         try:
             layout = build(name, workloads)
         except FileNotFoundError:
             continue
-        rows.append(_bench_tree(name, layout, bw, flops, progress, planners))
-    _time_plans(planners)
+        rows.append(_bench_tree(name, layout, bw, flops, progress))
     header = (f"GPU: {torch.cuda.get_device_name()}; measured HBM read {bw / 1e12:.2f} TB/s, "
               f"bf16 matmul {flops / 1e12:.0f} TFLOP/s. Kernel config (head_dim {D}): {cfg}.")
     table = []
