@@ -154,6 +154,12 @@ def _workspace(size: int) -> tuple[np.ndarray, int]:
     return ws
 
 
+def _count(i: int) -> Any:
+    """A property reading entry ``i`` of a ``_CompiledPlan``'s sizes, in place of TreePlan's,
+    which read the arrays."""
+    return property(lambda self: self.__dict__["_counts"][i])
+
+
 class _CompiledPlan(TreePlan):
     """A ``flatten`` plan from the compiled planner: sizes at once, arrays on first access.
 
@@ -183,21 +189,10 @@ class _CompiledPlan(TreePlan):
     def _reduction_map(self) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[override]
         return self._arrays()["_reduction_map"]
 
-    @property
-    def num_tiles(self) -> int:
-        return self.__dict__["_counts"][0]
-
-    @property
-    def num_queries(self) -> int:
-        return self.__dict__["_counts"][1]
-
-    @property
-    def num_partials(self) -> int:
-        return self.__dict__["_counts"][2]
-
-    @property
-    def num_plan_tokens(self) -> int:
-        return self.__dict__["_counts"][3]
+    num_tiles = _count(0)
+    num_queries = _count(1)
+    num_partials = _count(2)
+    num_plan_tokens = _count(3)
 
 
 def flatten_plan(

@@ -170,6 +170,22 @@ def test_threads_keep_their_own_workspace():
             np.testing.assert_array_equal(plan.merge_partials, ref.merge_partials)
 
 
+@needs_cc
+def test_plan_arrays_come_later_and_stay_right():
+    """A compiled plan's arrays, first read after other plans reused the workspace, are
+    still its own layout's (they are planned again on first access)."""
+    rng = np.random.default_rng(11)
+    first, other = (random_forest(rng, 60, 200, max_tokens=5000) for _ in range(2))
+    be = tb.TritonBackend()
+    plan, _ = be.plan_fast(first, "flatten", 16, 8, 2, 64, CPU)
+    be.plan_fast(other, "flatten", 16, 8, 2, 64, CPU)
+    ref = numpy_plan(first, 16, 8, 2, 64)[0]
+    assert "tiles=" in repr(plan)  # repr reads an array: the first access
+    for f in ("token_slots", "tile_indptr", "query_order", "merge_indptr", "merge_partials"):
+        np.testing.assert_array_equal(getattr(plan, f), getattr(ref, f), err_msg=f)
+    assert dataclasses.replace(plan).max_tile_len == ref.max_tile_len
+
+
 def _unchecked_layout(parents, dtype):
     """What TreeLayout would reject: two nodes of 2 tokens, a query on each, as ``dtype``."""
     fields = dict(parents=parents, node_kv_indptr=[0, 2, 4], kv_indices=[0, 1, 2, 3],

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import Sequence, Union
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,8 +68,8 @@ class KernelConfig:
 # 64 leaves on a long prompt) move more partial-state bytes and merge larger grids: their
 # merge takes 4 states per step with 1 warp, and the partial kernel writes narrow partials
 # under a 168-register cap (converting them costs registers; uncapped, only 2 programs fit
-# per SM instead of 3). Both measured with SWEEP=mergecfg and SWEEP=partials: 4-9% faster on
-# those trees, and 2-12% slower on the trees below the threshold.
+# per SM instead of 3). Measured with SWEEP=mergecfg and SWEEP=partials: 4-10% faster on the
+# trees above the threshold, and 2-12% slower than the base config on most trees below it.
 _WIDE = dict(merge_block=4, merge_warps=1, narrow_partials=True, maxnreg=168)
 _GPU_CONFIGS = {
     64: KernelConfig(64, 32, 4, 3, 4.0, tma=True, pdl=True),
@@ -114,6 +115,9 @@ class _Pointer:
         return self.address
 
 
+_Ptr = Union[torch.Tensor, _Pointer]  # a kernel pointer argument (tensors when interpreting)
+
+
 @dataclass(frozen=True)
 class _Prepared:
     """A step's device data: two buffers, and the kernels' pointers into them."""
@@ -121,11 +125,11 @@ class _Prepared:
     config: KernelConfig
     plan_buffer: torch.Tensor  # int32 device buffer of the packed plan (may be larger)
     offsets: tuple[int, ...]  # start of each ``_SEGMENTS`` segment in it, then the end
-    arrays: list  # the segments, in ``_SEGMENTS`` order, for the kernels (views or _Pointer)
+    arrays: Sequence[_Ptr]  # the segments, in ``_SEGMENTS`` order, for the kernels
     scratch: torch.Tensor  # fp32 device buffer of the workspaces (may be larger)
     plse_off: int  # partial lse [P, H_q] starts here (partial o [P, H_q, D] at 0)
     lse_off: int  # lse [Q, H_q] for steps whose caller wants no lse starts here
-    workspaces: tuple  # partial o, partial lse, lse, for the kernels (views or _Pointer)
+    workspaces: tuple[_Ptr, _Ptr, _Ptr]  # partial o, partial lse, lse, for the kernels
     num_work: int
     num_queries: int
     num_partials: int  # at least 1, for the workspace shapes
@@ -223,7 +227,6 @@ def _work_items(plan: TreePlan, g: int, block_m: int) -> np.ndarray:
 
 _SEGMENTS = ("tok_slot", "tok_lo", "tok_hi", "tok_off", "work", "q_order", "q_pre", "q_len",
              "merge_indptr", "merge_partials")
-_Q_ORDER = _SEGMENTS.index("q_order")
 
 
 def _checked_config(head_dim: int) -> KernelConfig:
@@ -234,8 +237,8 @@ def _checked_config(head_dim: int) -> KernelConfig:
 
 def _segment_starts(sizes: list[int]) -> list[int]:
     """Offsets of the packed segments of ``sizes`` (in ``_SEGMENTS`` order), then the total.
-    Segments start at multiples of 16 elements: the kernels, specialised on offsets that
-    are, then know every segment is 64-byte aligned."""
+    Segments start at multiples of 16 elements (64 bytes), so every segment's pointer has
+    the 16-byte alignment the kernels are specialised on."""
     starts = [0]
     for n in sizes:
         starts.append(starts[-1] + -(-n // 16) * 16)
@@ -496,9 +499,9 @@ def _kv_descriptor(cache: torch.Tensor, stride: tuple[int, ...], block_n: int) -
     return TensorDescriptor(cache, [slots, h * d], [stride[0], 1], [block_n, d])
 
 
-def launch_merge(po, plse, o: torch.Tensor, lse, indptr, indices, pdl: bool = False,
-                 block: int | None = None, warps: int | None = None,
-                 strides: tuple[int, int, int] | None = None) -> None:
+def launch_merge(po: _Ptr, plse: _Ptr, o: torch.Tensor, lse: _Ptr, indptr: _Ptr,
+                 indices: _Ptr, pdl: bool = False, block: int | None = None,
+                 warps: int | None = None, strides: tuple[int, int, int] | None = None) -> None:
     """Merge states ``po [P, H, D]``, ``plse [P, H]`` into ``o [N, H, D]`` and the contiguous
     ``lse [N, H]`` through the CSR map ``indptr [N + 1]``, ``indices`` (int32), ``block``
     states per step with ``warps`` per (row, head) program (by default the config's shape
