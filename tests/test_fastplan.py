@@ -308,3 +308,19 @@ def test_attention_output_matches_numpy_path(monkeypatch, dtype):
     assert calls[0] is not None and calls[1] is None
     assert torch.equal(attn.run(q, k, v), o_fast)
     assert_close(o_fast, reference_attention(q, k, v, layout, 32**-0.5)[0], dtype, "fast plan")
+
+
+def test_kernel_pointers_match_the_buffers(monkeypatch):
+    """Compiled (not interpreted), the kernels get ``_Pointer`` objects instead of views:
+    each must carry the address and dtype of the segment or workspace it stands for."""
+    monkeypatch.setattr(tb, "interpreting", lambda: False)
+    layout = few_shot_layout(300, 6, 40)
+    _, prep = numpy_plan(layout, 16, 8, 2, 64)  # the compiled planner ends in the same _finish
+    assert len(prep.arrays) == len(tb._SEGMENTS)
+    for ptr, name in zip(prep.arrays, tb._SEGMENTS):
+        assert isinstance(ptr, tb._Pointer) and ptr.dtype == torch.int32, name
+        assert ptr.data_ptr() == prep.segment(name).data_ptr(), name
+    for ptr, view in zip(prep.workspaces, (prep.partial_o, prep.partial_lse, prep.lse)):
+        assert ptr.dtype == torch.float32 and ptr.data_ptr() == view.data_ptr()
+    assert prep.partial_o.data_ptr() + 4 * prep.partial_o.numel() <= prep.partial_lse.data_ptr()
+    assert prep.partial_lse.data_ptr() + 4 * prep.partial_lse.numel() <= prep.lse.data_ptr()
