@@ -538,3 +538,18 @@ def test_wide_steps_store_narrow_partials(monkeypatch):
         assert prep.num_partials > layout.num_queries  # the plan has states to merge
         tol = 2e-3 if dtype == torch.float16 else 0.0  # one fp16 rounding, else bit-exact
         torch.testing.assert_close(partials[rows], partials[rows + 1], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("value,expected", [("true", True), ("0", False)])
+def test_interpreter_flag_read_as_triton_reads_it(value, expected):
+    """The backend picks its interpreter config exactly when Triton interprets, whatever
+    spelling of ``TRITON_INTERPRET`` turned it on."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from deft.ops import triton_backend as tb; print(tb.interpreting())"
+    env = {**os.environ, "TRITON_INTERPRET": value}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == str(expected)

@@ -85,9 +85,18 @@ _MAX_COARSEN = 1024  # at most this many plan tiles per coarsened tile
 _INTERPRET_CONFIG = KernelConfig(16, 16, 1, 1, 2.0)
 
 
+def _triton_interprets() -> bool:
+    """Triton's own reading of ``TRITON_INTERPRET`` (it takes 1, true, on, yes)."""
+    try:
+        from triton import knobs
+    except ImportError:  # Triton before 3.4 read only "1"
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return bool(knobs.runtime.interpret)
+
+
 # Triton picks interpreted or compiled kernels when they are decorated (at import), so the
 # mode is read once; planning asks for it several times per step.
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRETING = _triton_interprets()
 
 
 def interpreting() -> bool:
