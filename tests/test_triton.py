@@ -554,3 +554,43 @@ def test_interpreter_flag_read_as_triton_reads_it(value, expected):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == str(expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_small_groups_take_small_row_blocks(monkeypatch, dtype):
+    """With ``small_m``, tiles whose group fits in ``small_m`` rows run the small-block path
+    of the same kernel; others the ``block_m`` path. Exact either way, one-query branches,
+    wide groups and masked tiles alike."""
+    import dataclasses
+
+    from deft.ops import triton_backend as tb
+
+    base = dataclasses.replace(tb._INTERPRET_CONFIG, block_m=32, small_m=16)
+    monkeypatch.setattr(tb, "_INTERPRET_CONFIG", base)
+    layout = few_shot_layout(60, 20, 9)  # prompt: 20 queries x 2 heads = 40 rows; branches: 2
+    q, k, v = random_qkv(layout, 4, 2, 32, dtype, 8, device=DEV)
+    ref_o, ref_lse = reference_attention(q, k, v, layout, 32**-0.5)
+    attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=8)
+    plan = attn.plan(layout)
+    rows = (plan.tile_q_end - plan.tile_q_start) * 2
+    assert (rows <= 16).any() and (rows > 16).any()  # both paths run
+    o, lse = attn.run(q, k, v, return_lse=True)
+    assert_close(o.cpu(), ref_o.cpu(), dtype, "small row blocks")
+    assert_lse_close(lse.cpu(), ref_lse.cpu(), "small row blocks")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("seed", range(3))
+def test_gpu_small_row_blocks(monkeypatch, seed):
+    """The compiled small-block path (16-row mma blocks beside the 64-row wgmma path, under
+    a 144-register cap) on random forests and a few-shot fan, bf16, GQA 4."""
+    import dataclasses
+
+    from deft.ops import triton_backend as tb
+
+    for d, cfg in list(tb._GPU_CONFIGS.items()):
+        monkeypatch.setitem(tb._GPU_CONFIGS, d, dataclasses.replace(cfg, small_m=16, maxnreg=144))
+    layout = (few_shot_layout(3000, 40, 70) if seed == 0 else
+              random_forest(np.random.default_rng(200 + seed), 60, 400, max_tokens=20000))
+    check(layout, 32, 8, 128, torch.bfloat16, seed=seed)
