@@ -13,8 +13,6 @@ kernels, one KV buffer per layer) and check layer 0 against the float64 referenc
 * ``pdl``: programmatic dependent launch off;
 * ``partials``: partial o in fp32, or in q's dtype with and without a register cap, for
   every step (shipped: q's dtype with the cap in the ``wide`` regime only);
-* ``small``: tiles of small groups in 16- or 32-row blocks (``small_m``), with and without a
-  register cap;
 * ``mergecfg``: one merge-kernel shape (partial states per step, warps) for every step,
   instead of the shipped one per regime (``KernelConfig.for_rows``).
 
@@ -85,12 +83,9 @@ elif SWEEP == "partials":
     VARIANTS += [("fp32 partials", variant(narrow_partials=False, maxnreg=None), None),
                  ("narrow partials", variant(narrow_partials=True, maxnreg=None), None),
                  ("narrow maxnreg 168", variant(narrow_partials=True, maxnreg=168), None)]
-elif SWEEP == "small":
-    VARIANTS += [(f"small {m}{' cap ' + str(r) if r else ''}", variant(small_m=m, maxnreg=r), None)
-                 for m, r in ((16, 144), (16, None), (32, 168))]
 else:
-    sys.exit(f"SWEEP: expected merge, factors, shapes, tma, occupancy, mergecfg, pdl, partials "
-             f"or small, got {SWEEP!r}")
+    sys.exit(f"SWEEP: expected merge, factors, shapes, tma, occupancy, mergecfg, pdl or partials, "
+             f"got {SWEEP!r}")
 if os.environ.get("ONLY"):  # comma-separated labels: run just these variants
     VARIANTS = [v for v in VARIANTS if v[0] in os.environ["ONLY"].split(",")]
 TREES = GPU_SUITE

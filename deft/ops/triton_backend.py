@@ -53,11 +53,6 @@ class KernelConfig:
     # kernel writes and the merge reads; lse stays fp32. Each partial is a weighted mean of V
     # rows, so rounding it costs about one more rounding of the output.
     narrow_partials: bool = False
-    # Tiles whose group fits in ``small_m`` query rows (0: off) take ``small_m``-row blocks
-    # instead of ``block_m`` (fewer padding rows for one-query branch tiles). Not measured yet
-    # (SWEEP=small): with both paths in one kernel ptxas uses 218 registers for small_m=16
-    # (144 without spills under maxnreg=144), 228 for 32 (168 with 16 bytes of spills).
-    small_m: int = 0
     # Steps of at least ``wide_from`` (query, query head) rows run with ``wide`` instead.
     wide_from: int = 2048
     wide: KernelConfig | None = None
@@ -454,7 +449,7 @@ class TritonBackend:
             kw = dict(G=h_q // h_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       USE_MASK=prepared.needs_mask, CONTIG=prepared.contiguous, TMA=False,
                       SORTED=prepared.sorted_queries, FUSE_MERGE=fused,
-                      IEEE=q.dtype == torch.float32, PDL=pdl, SMALL_M=cfg.small_m,
+                      IEEE=q.dtype == torch.float32, PDL=pdl,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
                       launch_pdl=pdl)
             tma = prepared.tma and _tma_ok(k_cache, ks) and _tma_ok(v_cache, ks)

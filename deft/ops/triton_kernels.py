@@ -8,10 +8,8 @@ blocks of ``BLOCK_N`` (K/V copies in flight ahead of use; by TMA when the tile's
 consecutive and the launcher passes tensor descriptors), applies the plan's compact
 visibility mask from the tile's ``mask_from`` on, keeps an online softmax, and writes one
 partial state per (query, head): ``o`` in ``PO``'s dtype (q's for fp16/bf16), ``lse`` in
-fp32. With ``SMALL_M`` a tile whose group fits in ``SMALL_M`` rows takes ``SMALL_M``-row
-blocks (same code, another constexpr instance) instead of ``BLOCK_M``-row ones. With
-``FUSE_MERGE`` the program that writes a row's last partial state also merges the row
-(measured slower on an H200, so off by default; see docs/benchmarks.md).
+fp32. With ``FUSE_MERGE`` the program that writes a row's last partial state also merges
+the row (measured slower on an H200, so off by default; see docs/benchmarks.md).
 
 ``merge_kernel``: one program per (query, head); merges the query's partial states through
 the reduction map (CSR), a block of them per step, into ``o`` (output dtype) and ``lse``
@@ -177,7 +175,7 @@ def tree_partial_kernel(
     stride_on, stride_oh, num_heads,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
-    FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, SMALL_M: tl.constexpr = 0,
+    FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     w = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -203,35 +201,6 @@ def tree_partial_kernel(
         gdc_launch_dependents()
         gdc_wait()
 
-    args = (Q, K, V, desc_k, desc_v, PO, PLSE, tok_slot, tok_lo, tok_hi, tok_off, q_order, q_pre,
-            q_len, O, LSE, counts, merge_indptr, merge_partials, qk_scale, stride_qn, stride_qh,
-            stride_kn, stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh,
-            num_heads, kvh, tok0, tok1, qs, qe, p0, mask_from, slot0, row0)
-    # SMALL_M: tiles whose group fits in SMALL_M rows (one query, or a few, times the GQA
-    # heads) take SMALL_M-row blocks instead of padding BLOCK_M rows.
-    if SMALL_M == 0:
-        _rows(*args, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK,
-              CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE)
-    elif (qe - qs) * G <= SMALL_M:
-        _rows(*args, G=G, D=D, BLOCK_M=SMALL_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK,
-              CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE)
-    else:
-        _rows(*args, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK,
-              CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE)
-
-
-@triton.jit
-def _rows(
-    Q, K, V, desc_k, desc_v, PO, PLSE, tok_slot, tok_lo, tok_hi, tok_off, q_order, q_pre,
-    q_len, O, LSE, counts, merge_indptr, merge_partials, qk_scale, stride_qn, stride_qh,
-    stride_kn, stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh,
-    num_heads, kvh, tok0, tok1, qs, qe, p0, mask_from, slot0, row0,
-    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
-    FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr,
-):
-    """The program's work after its descriptor: ``BLOCK_M`` query rows from ``row0`` of the
-    tile's group against the tile's tokens, written as partial states."""
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < (qe - qs) * G
     qi = rows // G  # query index within the group
