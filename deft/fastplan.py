@@ -136,8 +136,6 @@ class FlattenPlan(NamedTuple):
     plan: TreePlan  # equal to refine_plan(make_plan(layout, "flatten", block_kv))
     packed: Any  # the int32 host buffer ``host_buffer`` returned, filled
     starts: list[int]  # offsets of its 10 segments, then its length
-    num_queries: int
-    num_partials: int
     num_work: int  # work items (rows of 8 in the ``work`` segment)
     all_contiguous: bool  # every tile's slots are consecutive
     any_contiguous: bool  # some tile's slots are
@@ -272,5 +270,5 @@ def _plan(layout: TreeLayout, block_kv: int, params: tuple,
                              _reduction_map=(views[11], views[12]))
     if flags < 0:
         return None
-    return FlattenPlan(plan, packed, starts, nq, npart, nwork, bool(flags & 1),
+    return FlattenPlan(plan, packed, starts, nwork, bool(flags & 1),
                        bool(flags & 2), bool(head[_H_SORTED]), bool(head[_H_ALL_MERGED]))

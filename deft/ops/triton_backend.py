@@ -292,28 +292,27 @@ def _finish(cfg: KernelConfig, host: torch.Tensor, num_queries: int, starts: lis
               if cfg.fuse_merge and num_queries and every_query_merged else None)
     plan_buffer = _buffer(previous.plan_buffer if previous else None, n, torch.int32, device)
     plan_buffer[:n].copy_(host, non_blocking=True)
-    if interpreting():  # the interpreter takes tensors only
-        padded = [b - a for a, b in zip(starts[:-1], starts[1:])]
-        arrays = plan_buffer[:n].split_with_sizes(padded)
-        workspaces = tuple(scratch[a:b] for a, b in ((0, plse_off), (plse_off, plse_off + p * h),
-                                                      (lse_off, lse_off + num_queries * h)))
-    else:
-        base, fbase, i32, f32 = plan_buffer.data_ptr(), scratch.data_ptr(), torch.int32, torch.float32
-        arrays = [_Pointer(base + 4 * a, i32) for a in starts[:-1]]
-        workspaces = (_Pointer(fbase, f32), _Pointer(fbase + 4 * plse_off, f32),
-                      _Pointer(fbase + 4 * lse_off, f32))
     # Built without the frozen dataclass's ``__init__`` (one ``object.__setattr__`` per
     # field, about 5 µs): this runs every step. ``_Prepared`` has no ``__post_init__``.
     prepared = object.__new__(_Prepared)
     prepared.__dict__.update(
-        config=cfg, plan_buffer=plan_buffer, offsets=tuple(starts), arrays=arrays,
-        scratch=scratch, plse_off=plse_off, lse_off=lse_off, workspaces=workspaces,
-        num_work=num_work, num_queries=num_queries,
+        config=cfg, plan_buffer=plan_buffer, offsets=tuple(starts), scratch=scratch,
+        plse_off=plse_off, lse_off=lse_off, num_work=num_work, num_queries=num_queries,
         num_partials=p, num_qo_heads=h, head_dim=head_dim, needs_mask=needs_mask,
         contiguous=cfg.contig and all_contiguous,
         tma=cfg.contig and cfg.tma and any_contiguous and _has_tma(device),
         sorted_queries=sorted_queries, counts=counts,
     )
+    if interpreting():  # the interpreter takes tensors only: views, not pointers
+        padded = [b - a for a, b in zip(starts[:-1], starts[1:])]
+        arrays = plan_buffer[:n].split_with_sizes(padded)
+        workspaces = (prepared.partial_o, prepared.partial_lse, prepared.lse)
+    else:
+        base, fbase, i32, f32 = plan_buffer.data_ptr(), scratch.data_ptr(), torch.int32, torch.float32
+        arrays = [_Pointer(base + 4 * a, i32) for a in starts[:-1]]
+        workspaces = (_Pointer(fbase, f32), _Pointer(fbase + 4 * plse_off, f32),
+                      _Pointer(fbase + 4 * lse_off, f32))
+    prepared.__dict__.update(arrays=arrays, workspaces=workspaces)
     return prepared
 
 
@@ -360,6 +359,7 @@ class TritonBackend:
         host = (plan.token_slots, plan.token_lo, plan.token_hi, plan.token_off, work.reshape(-1),
                 plan.query_order, plan.query_pre, plan.query_len, plan.merge_indptr,
                 plan.merge_partials)
+        consecutive = work[:, 6] >= 0
         sizes = [a.shape[0] for a in host]
         starts = _segment_starts(sizes)
         buf = _host_buffer(starts[-1], device)
@@ -370,7 +370,7 @@ class TritonBackend:
         return _finish(
             cfg, buf, plan.num_queries, starts, device, num_qo_heads, head_dim,
             plan.num_partials, int(work.shape[0]), plan.needs_mask,
-            bool((work[:, 6] >= 0).all()), bool((work[:, 6] >= 0).any()),
+            bool(consecutive.all()), bool(consecutive.any()),
             bool((plan.query_order == np.arange(plan.num_queries)).all()),
             bool((np.diff(plan.merge_indptr) > 0).all()), None)
 
@@ -393,8 +393,8 @@ class TritonBackend:
             return None
         plan = fast.plan
         return plan, _finish(
-            cfg, fast.packed, fast.num_queries, fast.starts, device, num_qo_heads, head_dim,
-            fast.num_partials, fast.num_work, True, fast.all_contiguous, fast.any_contiguous,
+            cfg, fast.packed, plan.num_queries, fast.starts, device, num_qo_heads, head_dim,
+            plan.num_partials, fast.num_work, True, fast.all_contiguous, fast.any_contiguous,
             fast.sorted_queries, fast.every_query_merged,
             previous if isinstance(previous, _Prepared) else None)
 
