@@ -33,6 +33,7 @@ from deft import TreeAttention
 from deft.bench.gpu_bench import D, DTYPE, H_KV, H_Q, LAYERS, _time
 from deft.bench.trees import GPU_SUITE, build
 from deft.ops import triton_backend as tb
+from deft.ops import triton_kernels as tk
 from deft.ops.reference import reference_attention
 from deft.plan import coarsen_plan
 
@@ -93,6 +94,13 @@ TREES = GPU_SUITE
 workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
 names = sys.argv[1:] or TREES
 shipped_refine = tb.TritonBackend.refine_plan
+registers: dict[str, set] = {}
+
+
+def compiled() -> dict:
+    """The partial kernel's compiled instances on this device, by cache key."""
+    caches = tk.tree_partial_kernel.device_caches
+    return dict(caches[torch.cuda.current_device()][0]) if caches else {}
 results = []
 mode = "eager" if os.environ.get("EAGER") == "1" else "graph"
 print(f"tree | variant | tiles | partials | programs | µs/step {mode} | µs/layer | max|diff| vs ref")
@@ -117,6 +125,7 @@ for name in names:
         os.environ["DEFT_FASTPLAN"] = "1" if u is None else "0"
         attn = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda")
         plan = attn.plan(layout)
+        before = compiled()
         try:
             diff = float((attn.run(q, ks[0], vs[0]).double() - ref.double()).abs().max())
 
@@ -129,6 +138,8 @@ for name in names:
             print(f"{name} | {label} | ERROR {type(exc).__name__}: {str(exc)[:120]}", flush=True)
             continue
         programs = attn._prepared.num_work * H_KV
+        registers.setdefault(label, set()).update(
+            (k.n_regs, k.n_spills) for key, k in compiled().items() if key not in before)
         row = dict(tree=name, variant=label, tiles=plan.num_tiles, partials=plan.num_partials,
                    programs=programs, us=us, diff=diff)
         results.append(row)
@@ -140,6 +151,9 @@ tb._GPU_CONFIGS[D] = SHIPPED
 tb.TritonBackend.refine_plan = shipped_refine
 if os.environ.get("OUT"):
     Path(os.environ["OUT"], "coarsen_sweep.json").write_text(json.dumps(results, indent=1))
+print("\npartial kernel (registers, spills) compiled per variant:")
+for label, regs in registers.items():
+    print(f"{label}: {sorted(regs)}")
 print("\nbest per tree:")
 for name in dict.fromkeys(r["tree"] for r in results):
     rows = sorted((r for r in results if r["tree"] == name), key=lambda r: r["us"])

@@ -6,7 +6,9 @@ Per tree: one eager run (2 launches), then 3 replays of the layer captured in a 
 Usage: ncu --clock-control none -k regex:"tree_partial|merge_kernel" --launch-skip 4 \
            --launch-count 2 --section SpeedOfLight ... python3 tools/profile_step.py TREE
 """
+import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -14,8 +16,9 @@ from deft import TreeAttention
 from deft.bench.trees import build
 
 H_Q, H_KV, D = 32, 8, 128
+workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
 for name in sys.argv[1:] or ["few-shot b=20", "long prompt 20k x64"]:
-    layout = build(name, None)
+    layout = build(name, workloads)
     k = torch.randn(layout.num_tokens, H_KV, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     q = torch.randn(layout.num_queries, H_Q, D, device="cuda", dtype=torch.bfloat16)
