@@ -441,7 +441,7 @@ class TritonBackend:
         fused = prepared.counts is not None
         pdl = cfg.pdl and _has_pdl(q.device)
         if prepared.num_work:
-            grid = (prepared.num_work, h_kv)
+            grid = (prepared.num_work * h_kv,)
             args = [q, k_cache, v_cache, k_cache, v_cache, po, plse, *a[:8],
                     o, lse, prepared.counts if fused else a[8], a[8], a[9],
                     sm_scale * math.log2(math.e),

@@ -1,9 +1,9 @@
 """Triton kernels of the ``triton`` backend (``@triton.jit`` code only; launchers live in
 ``triton_backend.py``).
 
-``tree_partial_kernel``: one program per (work item, KV head). A work item is a query-row
-chunk of one tile: rows are (group query, GQA head) pairs, so every query head that shares
-the KV head is computed from the same K/V loads. The program streams the tile's tokens in
+``tree_partial_kernel``: one program per (work item, KV head), KV heads varying fastest. A
+work item is a query-row chunk of one tile: rows are (group query, GQA head) pairs, so every
+query head that shares the KV head is computed from the same K/V loads. The program streams the tile's tokens in
 blocks of ``BLOCK_N`` (K/V copies in flight ahead of use; by TMA when the tile's slots are
 consecutive and the launcher passes tensor descriptors), applies the plan's compact
 visibility mask from the tile's ``mask_from`` on, keeps an online softmax, and writes one
@@ -177,8 +177,11 @@ def tree_partial_kernel(
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
-    w = tl.program_id(0)
-    kvh = tl.program_id(1)
+    # KV heads vary fastest: programs start in work-item order (largest tiles first) across
+    # all heads, so the launch's last programs are its shortest ones.
+    h_kv = num_heads // G
+    w = tl.program_id(0) // h_kv
+    kvh = tl.program_id(0) % h_kv
     # One row of independent loads (one memory round trip) describes the program's work.
     desc = work + w * 8
     tok0 = tl.load(desc)
