@@ -117,7 +117,7 @@ def load_library() -> ctypes.CDLL | None:
                           f"(slower): {detail}", RuntimeWarning, stacklevel=2)
             return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.deft_flatten_plan.argtypes = [ptr] * 4 + [i64] * 5 + [ctypes.c_double, i64, i64, ptr, i64]
+    lib.deft_flatten_plan.argtypes = [ptr] * 4 + [i64] * 5 + [ctypes.c_double] + [i64] * 4 + [ptr, i64]
     lib.deft_flatten_plan.restype = i64
     lib.deft_flatten_fill.argtypes = [ptr] * 5
     lib.deft_flatten_fill.restype = i64
@@ -204,20 +204,23 @@ def flatten_plan(
     waves: float,
     min_tile_tokens: int,
     max_factor: int,
+    slots: int,
+    program_cost: int,
     host_buffer: Callable[[int], Any],
 ) -> FlattenPlan | None:
     """Plan, coarsen and pack a DeFT-Flatten step in compiled code; ``None`` if unavailable.
 
     The parameters are the triton backend's (``g = H_q / H_kv``, its kernel config's
     ``block_m`` and ``waves``, the SM count, the coarsened-tile floor, 0 when interpreting,
-    and the largest coarsening factor). ``host_buffer(n)`` allocates the int32 buffer of
+    the largest coarsening factor, and the launch model's slots and per-program cost; see
+    ``TritonBackend.refine_plan``). ``host_buffer(n)`` allocates the int32 buffer of
     ``n`` elements (anything with ``data_ptr()``) for the segments token slots, lo, hi, off,
     work items, query order, pre, len, merge indptr and merge partials. The returned plan
     computes its arrays on first access (see ``_CompiledPlan``).
     """
     if os.environ.get("DEFT_FASTPLAN") == "0":
         return None
-    params = (g, block_m, num_kv_heads, sms, waves, min_tile_tokens, max_factor)
+    params = (g, block_m, num_kv_heads, sms, waves, min_tile_tokens, max_factor, slots, program_cost)
     return _plan(layout, block_kv, params, host_buffer)
 
 

@@ -200,7 +200,7 @@ def test_malformed_input_returns_none(parents, dtype):
     """The C planner's error codes (malformed forest, arrays not int64) give ``None``."""
     assert fastplan.flatten_plan(
         _unchecked_layout(parents, dtype), 8, g=1, block_m=16, num_kv_heads=1, sms=4,
-        waves=2.0, min_tile_tokens=0, max_factor=1024,
+        waves=2.0, min_tile_tokens=0, max_factor=1024, slots=12, program_cost=128,
         host_buffer=lambda n: torch.zeros(n, dtype=torch.int32)) is None
 
 

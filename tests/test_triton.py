@@ -418,12 +418,13 @@ def test_replanning_reuses_device_buffers():
     from deft import fastplan
 
     if fastplan.flatten_plan(TINY["fan"], 8, g=1, block_m=16, num_kv_heads=1, sms=4, waves=2.0,
-                             min_tile_tokens=0, max_factor=8, host_buffer=torch.empty) is None:
+                             min_tile_tokens=0, max_factor=8, slots=12, program_cost=128,
+                             host_buffer=torch.empty) is None:
         pytest.skip("no compiled planner (reuse is its path's)")
-    big, small = TINY["branches"], TINY["partial lens"]
+    big, small = TINY["fan"], TINY["partial lens"]
     attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=None if CUDA else 8)
     ptrs = []
-    for layout in (big, small, big, few_shot_layout(300, 6, 40)):
+    for layout in (big, small, big, few_shot_layout(800, 12, 60)):
         attn.plan(layout)
         prep = attn._prepared
         ptrs.append((prep.plan_buffer.data_ptr(), prep.scratch.data_ptr()))
@@ -554,3 +555,38 @@ def test_interpreter_flag_read_as_triton_reads_it(value, expected):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == str(expected)
+
+
+def test_lpt_makespan_is_list_scheduling():
+    """The grouped-slot model of the launch equals longest-first list scheduling done one
+    program at a time."""
+    from deft.ops import triton_backend as tb
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        runs = [(int(rng.integers(1, 30)), int(rng.integers(1, 4)))
+                for _ in range(int(rng.integers(1, 6)))]
+        u, heads, slots = (int(rng.integers(1, 12)), int(rng.integers(1, 4)),
+                           int(rng.integers(1, 20)))
+        lengths = []
+        for r, c in runs:
+            lengths += [u] * (r // u * c * heads) + [r % u] * (c * heads if r % u else 0)
+        loads = [0] * slots
+        for n in sorted(lengths, reverse=True):
+            loads[loads.index(min(loads))] += n * 8 + tb._PROGRAM_COST
+        assert tb._lpt_makespan(runs, u, heads, 8, slots) == max(loads)
+
+
+def test_coarsening_lengthens_tiles_to_cut_a_last_wave():
+    """40 plan tiles of one group on 4 slots (program cost 128 tokens, 8 per plan tile): from
+    factor 4, 3 waves of 4-tile programs (480) lose to 2 waves of 5-tile ones (336); from
+    factor 5, up to 10 tiles, one wave of 10-tile programs (208) wins."""
+    from types import SimpleNamespace
+
+    from deft.ops import triton_backend as tb
+
+    plan = SimpleNamespace(num_tiles=40, block_kv=8, tile_q_start=np.zeros(40, np.int64),
+                           tile_q_end=np.ones(40, np.int64))
+    assert tb._lpt_factor(plan, 4, 1, 16, 1, 4) == 5
+    assert tb._lpt_factor(plan, 5, 1, 16, 1, 4) == 10
+    assert tb._lpt_factor(plan, 4, 1, 16, 1, 40) == 4  # one wave either way: shortest tiles

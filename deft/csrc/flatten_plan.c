@@ -56,6 +56,7 @@ typedef struct {
     i64 kept, kept_qs, kept_qe, cstart, tile_indptr, tile_qs, tile_qe;  /* [tiles + 1] */
     i64 partial_indptr, mask_from, slot0, by_len;
     i64 bucket;                                                          /* [max_factor + 2] */
+    i64 heap_load, heap_count;                                           /* [slots + 1] */
     i64 total;
 } Ws;
 
@@ -65,7 +66,8 @@ static i64 ceil_div(i64 a, i64 b) { return a / b + (a % b != 0); }
 /* End of the flattened tile that starts at token s, without overflowing s + block_kv. */
 static i64 tile_end(i64 s, i64 block_kv, i64 nl) { return block_kv < nl - s ? s + block_kv : nl; }
 
-static Ws ws_layout(i64 nodes, i64 tokens, i64 queries, i64 block_kv, i64 max_factor) {
+static Ws ws_layout(i64 nodes, i64 tokens, i64 queries, i64 block_kv, i64 max_factor,
+                    i64 slots) {
     Ws w;
     i64 off = H_SIZE, nn = nodes + 3, nq = queries + 1, nt = ceil_div(tokens, block_kv) + 1;
 #define PLACE(field, size) (w.field = off, off += (size))
@@ -77,6 +79,7 @@ static Ws ws_layout(i64 nodes, i64 tokens, i64 queries, i64 block_kv, i64 max_fa
     PLACE(tile_indptr, nt); PLACE(tile_qs, nt); PLACE(tile_qe, nt); PLACE(partial_indptr, nt);
     PLACE(mask_from, nt); PLACE(slot0, nt); PLACE(by_len, nt);
     PLACE(bucket, max_factor + 2);
+    PLACE(heap_load, slots + 1); PLACE(heap_count, slots + 1);  /* planning only, so last */
 #undef PLACE
     w.total = off;
     return w;
@@ -124,12 +127,97 @@ static int preorder(const i64 *parents, const i64 *indptr, i64 n, i64 *x, const 
     return 0;
 }
 
+/* Binary min-heap of (load, count) groups of launch slots, by load. */
+static void heap_push(i64 *load, i64 *count, i64 *n, i64 v, i64 c) {
+    i64 i = (*n)++;
+    while (i > 0 && load[(i - 1) / 2] > v) {
+        load[i] = load[(i - 1) / 2];
+        count[i] = count[(i - 1) / 2];
+        i = (i - 1) / 2;
+    }
+    load[i] = v;
+    count[i] = c;
+}
+
+static void heap_pop(i64 *load, i64 *count, i64 *n) {
+    i64 v = load[--(*n)], c = count[*n], i = 0;
+    for (;;) {
+        i64 k = 2 * i + 1;
+        if (k >= *n) break;
+        if (k + 1 < *n && load[k + 1] < load[k]) k++;
+        if (load[k] >= v) break;
+        load[i] = load[k];
+        count[i] = count[k];
+        i = k;
+    }
+    load[i] = v;
+    count[i] = c;
+}
+
+/* Makespan of the launch for coarsening factor u, modelled as longest-first list scheduling
+ * onto `slots` identical slots (programs start in that order: TritonBackend sorts the work
+ * items by length and the kernel's KV heads vary fastest). A run of r plan tiles with c
+ * query-row chunks gives r / u tiles of u plan tiles and one of r % u, each c * heads
+ * programs of (plan tiles * block_kv + program_cost) tokens. `count` has u + 1 entries. */
+static i64 lpt_makespan(const i64 *run_len, const i64 *run_chunks, i64 nruns, i64 u, i64 heads,
+                        i64 block_kv, i64 slots, i64 program_cost, i64 *count, i64 *load,
+                        i64 *group) {
+    i64 n = 0, span = 0;
+    memset(count, 0, (size_t)(u + 1) * sizeof(i64));
+    for (i64 i = 0; i < nruns; i++) {
+        count[u] += run_len[i] / u * run_chunks[i] * heads;
+        count[run_len[i] % u] += run_chunks[i] * heads;
+    }
+    heap_push(load, group, &n, 0, slots);
+    for (i64 len = u; len >= 1; len--) {
+        i64 left = count[len], cost = len * block_kv + program_cost;
+        while (left > 0) {
+            i64 v = load[0], m = group[0], k = m < left ? m : left;
+            heap_pop(load, group, &n);
+            heap_push(load, group, &n, v + cost, k);
+            if (m > k) heap_push(load, group, &n, v, m - k);
+            left -= k;
+        }
+    }
+    for (i64 i = 0; i < n; i++)
+        if (load[i] > span) span = load[i];
+    return span;
+}
+
+/* The factor in [factor, min(2 * factor, max_factor)] of the shortest modelled makespan
+ * (the smallest on ties): longer tiles, when fewer programs leave less of a last wave. */
+static i64 lpt_factor(const i64 *kqs, const i64 *kqe, i64 nk, i64 factor, i64 g, i64 block_m,
+                      i64 heads, i64 block_kv, i64 max_factor, i64 slots, i64 program_cost,
+                      i64 *x, const Ws *w) {
+    i64 *run_len = x + w->mask_from, *run_chunks = x + w->slot0, nruns = 0, best = factor;
+    i64 best_span = -1, last = 2 * factor < max_factor ? 2 * factor : max_factor;
+    if (slots <= 0) return factor;
+    for (i64 i = 0; i < nk; i++) {
+        if (i == 0 || kqs[i] != kqs[i - 1] || kqe[i] != kqe[i - 1]) {
+            run_len[nruns] = 0;
+            run_chunks[nruns++] = ceil_div((kqe[i] - kqs[i]) * g, block_m);
+        }
+        run_len[nruns - 1]++;
+    }
+    for (i64 u = factor; u <= last; u++) {
+        i64 span = lpt_makespan(run_len, run_chunks, nruns, u, heads, block_kv, slots,
+                                program_cost, x + w->bucket, x + w->heap_load,
+                                x + w->heap_count);
+        if (best_span < 0 || span < best_span) {
+            best_span = span;
+            best = u;
+        }
+    }
+    return best;
+}
+
 /* Returns 0; the workspace size needed if ws_size is smaller; -1 for a malformed forest;
  * -2 for an array that is not 1-D contiguous int64. */
 i64 deft_flatten_plan(const ArrayInterface *parents_a, const ArrayInterface *indptr_a,
                       const ArrayInterface *query_nodes_a, const ArrayInterface *query_kv_lens_a,
                       i64 block_kv, i64 g, i64 block_m, i64 num_kv_heads, i64 sms, double waves,
-                      i64 min_tile_tokens, i64 max_factor, i64 *x, i64 ws_size) {
+                      i64 min_tile_tokens, i64 max_factor, i64 slots, i64 program_cost, i64 *x,
+                      i64 ws_size) {
     const i64 *parents = int64_data(parents_a), *indptr = int64_data(indptr_a);
     const i64 *query_nodes = int64_data(query_nodes_a), *query_kv_lens = int64_data(query_kv_lens_a);
     i64 n, nl, nq, t0, nk = 0, ntok = 0, work = 0, factor = 1, nt = 0, sorted = 1;
@@ -143,7 +231,7 @@ i64 deft_flatten_plan(const ArrayInterface *parents_a, const ArrayInterface *ind
     nl = indptr[n];
     nq = query_nodes_a->shape[0];
     t0 = ceil_div(nl, block_kv);
-    w = ws_layout(n, nl, nq, block_kv, max_factor);
+    w = ws_layout(n, nl, nq, block_kv, max_factor, slots);
     if (w.total > ws_size) return w.total;
     hi = x + w.hi; fstart = x + w.fstart; cnt_lt = x + w.cnt_lt;
     min_len = x + w.min_len; q_order = x + w.q_order; q_pre = x + w.q_pre; q_len = x + w.q_len;
@@ -209,6 +297,8 @@ i64 deft_flatten_plan(const ArrayInterface *parents_a, const ArrayInterface *ind
         if (factor >= 2 && factor < max_factor && 1.5 * (double)factor <= length / (double)block_kv)
             factor += factor / 2;
         if (factor > max_factor) factor = max_factor;
+        factor = lpt_factor(kqs, kqe, nk, factor, g, block_m, num_kv_heads, block_kv, max_factor,
+                            slots, program_cost, x, &w);
     }
     for (i64 i = 0; i < nk; i++) {
         int new_run = i == 0 || kqs[i] != kqs[i - 1] || kqe[i] != kqe[i - 1];
@@ -297,7 +387,7 @@ i64 deft_flatten_fill(const ArrayInterface *indptr_a, const ArrayInterface *kv_a
     i64 g = x[H_G], block_m = x[H_BLOCK_M], ntok = x[H_N], nt = x[H_T], np_ = x[H_P];
     i64 nwork = x[H_W], p = 0, all_contig = 1, any_contig = 0, nbucket = 0;
     const i64 *seg = x + H_SEG;
-    Ws w = ws_layout(n, nl, nq, block_kv, x[H_MAX_FACTOR]);
+    Ws w = ws_layout(n, nl, nq, block_kv, x[H_MAX_FACTOR], 0);
     const i64 *order = x + w.order, *hi = x + w.hi, *fstart = x + w.fstart;
     const i64 *cnt_lt = x + w.cnt_lt, *min_len = x + w.min_len, *kept = x + w.kept;
     const i64 *cstart = x + w.cstart, *tile_indptr = x + w.tile_indptr;

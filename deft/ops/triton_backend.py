@@ -16,6 +16,7 @@ tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (with small blocks, for 
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 import os
 from typing import Sequence, Union
@@ -82,6 +83,11 @@ _GPU_CONFIGS = {
 # epilogue (loads of the work item and Q, partial-state stores) than they gain in balance.
 _MIN_TILE_TOKENS = 384
 _MAX_COARSEN = 1024  # at most this many plan tiles per coarsened tile
+# The launch model of ``_lpt_factor``: partial-kernel programs resident per SM (registers and
+# shared memory each allow 3 on an H200, ncu), and a program's fixed cost in tokens (loads of
+# its work item and Q, partial-state stores).
+_PROGRAMS_PER_SM = 3
+_PROGRAM_COST = 128
 _INTERPRET_CONFIG = KernelConfig(16, 16, 1, 1, 2.0)
 
 
@@ -322,6 +328,53 @@ def _factor(ratio: float) -> int:
     return 3 * p // 2 if p >= 2 and 1.5 * p <= ratio else p
 
 
+def _lpt_makespan(runs: list[tuple[int, int]], u: int, heads: int, block_kv: int,
+                  slots: int) -> int:
+    """Makespan of the partial launch for coarsening factor ``u``, as longest-first list
+    scheduling onto ``slots`` identical slots (the order programs start in: work items by
+    length, KV heads fastest). A run of ``r`` plan tiles with ``c`` row chunks gives ``r // u``
+    tiles of ``u`` plan tiles and one of ``r % u``, each ``c * heads`` programs of
+    ``plan tiles * block_kv + _PROGRAM_COST`` tokens. Slot loads are kept as (load, slots)
+    groups, so a length class costs a few heap operations."""
+    count = [0] * (u + 1)
+    for r, c in runs:
+        count[u] += r // u * c * heads
+        count[r % u] += c * heads
+    groups = [(0, slots)]
+    for length in range(u, 0, -1):
+        left, cost = count[length], length * block_kv + _PROGRAM_COST
+        while left > 0:
+            load, m = heapq.heappop(groups)
+            k = min(m, left)
+            heapq.heappush(groups, (load + cost, k))
+            if m > k:
+                heapq.heappush(groups, (load, m - k))
+            left -= k
+    return max(load for load, _ in groups)
+
+
+def _lpt_factor(plan: TreePlan, factor: int, g: int, block_m: int, heads: int,
+                slots: int) -> int:
+    """The coarsening factor in ``[factor, min(2 * factor, _MAX_COARSEN)]`` of the shortest
+    modelled makespan (``_lpt_makespan``; the smallest factor on ties).
+
+    Longer tiles than ``refine_plan``'s rule pay when they leave fewer programs past the last
+    full wave of slots: on an H200 (sixth session) this model's choice ran 2-14% faster on 5
+    of the 15 benchmark trees and is the rule's own on the others; shorter tiles than the
+    rule's, which the model also favours at times, were slower on 4 of 6 trees, hence the
+    range."""
+    new_run = np.ones(plan.num_tiles, dtype=bool)
+    new_run[1:] = (plan.tile_q_start[1:] != plan.tile_q_start[:-1]) | (
+        plan.tile_q_end[1:] != plan.tile_q_end[:-1])
+    starts = np.flatnonzero(new_run)
+    lens = np.diff(np.append(starts, plan.num_tiles))
+    chunks = -(-(plan.tile_q_end[starts] - plan.tile_q_start[starts]) * g // block_m)
+    runs = list(zip(lens.tolist(), chunks.tolist()))
+    spans = {u: _lpt_makespan(runs, u, heads, plan.block_kv, slots)
+             for u in range(factor, min(2 * factor, _MAX_COARSEN) + 1)}
+    return min(spans, key=lambda u: (spans[u], u))
+
+
 class TritonBackend:
     """DeFT-Flatten on GPU: one partial-attention launch and one merge launch per layer."""
 
@@ -338,7 +391,9 @@ class TritonBackend:
         that would leave fewer programs than SMs (single-sequence decoding), and is rounded
         down to a factor of ``2^k`` or ``3 * 2^k`` plan tiles. Fixed factors 3..16 swept on an
         H200 over the benchmark trees (docs/benchmarks.md): this rule is 3% off the best
-        factor per tree on average (powers of two only, with a 256-token floor: 11%).
+        factor per tree on average (powers of two only, with a 256-token floor: 11%). The
+        factor then grows by up to 2x where a model of the launch's waves says fewer,
+        longer programs finish sooner (``_lpt_factor``).
         """
         if plan.num_tiles == 0:
             return plan
@@ -350,7 +405,9 @@ class TritonBackend:
         # Interpreted (tests): no floor, so tiny trees keep several tiles and merges.
         floor = 0 if interpreting() else min(_MIN_TILE_TOKENS, work / sms)
         length = max(floor, plan.block_kv, work / (cfg.waves * sms))
-        return coarsen_plan(plan, min(_factor(length / plan.block_kv), _MAX_COARSEN))
+        factor = min(_factor(length / plan.block_kv), _MAX_COARSEN)
+        return coarsen_plan(plan, _lpt_factor(plan, factor, g, cfg.block_m, num_kv_heads,
+                                              _PROGRAMS_PER_SM * sms))
 
     def prepare(self, plan: TreePlan, layout: TreeLayout, device: torch.device,
                 num_qo_heads: int, num_kv_heads: int, head_dim: int) -> _Prepared:
@@ -388,6 +445,7 @@ class TritonBackend:
             layout, block_kv, g=num_qo_heads // num_kv_heads, block_m=cfg.block_m,
             num_kv_heads=num_kv_heads, sms=_num_sms(device), waves=cfg.waves,
             min_tile_tokens=0 if interpreting() else _MIN_TILE_TOKENS, max_factor=_MAX_COARSEN,
+            slots=_PROGRAMS_PER_SM * _num_sms(device), program_cost=_PROGRAM_COST,
             host_buffer=lambda n: _host_buffer(n, device))
         if fast is None:
             return None
