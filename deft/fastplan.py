@@ -117,7 +117,8 @@ def load_library() -> ctypes.CDLL | None:
                           f"(slower): {detail}", RuntimeWarning, stacklevel=2)
             return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.deft_flatten_plan.argtypes = [ptr] * 4 + [i64] * 5 + [ctypes.c_double] + [i64] * 4 + [ptr, i64]
+    lib.deft_flatten_plan.argtypes = ([ptr] * 4 + [i64] * 5 + [ctypes.c_double] + [i64] * 4
+                                      + [ptr, i64])
     lib.deft_flatten_plan.restype = i64
     lib.deft_flatten_fill.argtypes = [ptr] * 5
     lib.deft_flatten_fill.restype = i64
@@ -220,7 +221,8 @@ def flatten_plan(
     """
     if os.environ.get("DEFT_FASTPLAN") == "0":
         return None
-    params = (g, block_m, num_kv_heads, sms, waves, min_tile_tokens, max_factor, slots, program_cost)
+    params = (g, block_m, num_kv_heads, sms, waves, min_tile_tokens, max_factor, slots,
+              program_cost)
     return _plan(layout, block_kv, params, host_buffer)
 
 

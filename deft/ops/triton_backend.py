@@ -363,6 +363,8 @@ def _lpt_factor(plan: TreePlan, factor: int, g: int, block_m: int, heads: int,
     of the 15 benchmark trees and is the rule's own on the others; shorter tiles than the
     rule's, which the model also favours at times, were slower on 4 of 6 trees, hence the
     range."""
+    if slots <= 0:
+        return factor
     new_run = np.ones(plan.num_tiles, dtype=bool)
     new_run[1:] = (plan.tile_q_start[1:] != plan.tile_q_start[:-1]) | (
         plan.tile_q_end[1:] != plan.tile_q_end[:-1])

@@ -3,13 +3,14 @@
 
 ``tree_partial_kernel``: one program per (work item, KV head), KV heads varying fastest. A
 work item is a query-row chunk of one tile: rows are (group query, GQA head) pairs, so every
-query head that shares the KV head is computed from the same K/V loads. The program streams the tile's tokens in
-blocks of ``BLOCK_N`` (K/V copies in flight ahead of use; by TMA when the tile's slots are
-consecutive and the launcher passes tensor descriptors), applies the plan's compact
-visibility mask from the tile's ``mask_from`` on, keeps an online softmax, and writes one
-partial state per (query, head): ``o`` in ``PO``'s dtype (q's for fp16/bf16), ``lse`` in
-fp32. With ``FUSE_MERGE`` the program that writes a row's last partial state also merges
-the row (measured slower on an H200, so off by default; see docs/benchmarks.md).
+query head that shares the KV head is computed from the same K/V loads. The program streams
+the tile's tokens in blocks of ``BLOCK_N`` (K/V copies in flight ahead of use; by TMA when
+the tile's slots are consecutive and the launcher passes tensor descriptors), applies the
+plan's compact visibility mask from the tile's ``mask_from`` on, keeps an online softmax,
+and writes one partial state per (query, head): ``o`` in ``PO``'s dtype (q's for
+fp16/bf16), ``lse`` in fp32. With ``FUSE_MERGE`` the program that writes a row's last
+partial state also merges the row (measured slower on an H200, so off by default; see
+docs/benchmarks.md).
 
 ``merge_kernel``: one program per (query, head); merges the query's partial states through
 the reduction map (CSR), a block of them per step, into ``o`` (output dtype) and ``lse``
