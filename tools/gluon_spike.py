@@ -8,10 +8,12 @@ runs the softmax of the next block while ``P·V`` is on the tensor cores (FlashA
 in-warpgroup overlap); K and V blocks come through a ring of ``STAGES`` TMA buffers.
 
 It runs on trees whose tiles need no mask (``SPIKE_TREES``: queries at the end of one
-shared node), checks the output of a 32-layer step against the float64 reference, and
-times the step (CUDA graph, µs per layer) against the shipped Triton kernels.
+shared node), checks layer 0's output against the float64 reference, and times the 32-layer
+step (CUDA graph, µs per layer) against the shipped Triton kernels, both writing fp32
+partial states and merged by the shipped merge kernel. Results: docs/benchmarks.md.
 
-Usage: python3 tools/gluon_spike.py
+Usage: [BM=64] [BN=32] [STAGES=3] python3 tools/gluon_spike.py   (BM / 16 warps: one warp
+group per 64 query rows; BN tokens per K/V block; STAGES K/V buffers in the ring)
 """
 import os
 
