@@ -84,8 +84,9 @@ _GPU_CONFIGS = {
 _MIN_TILE_TOKENS = 384
 _MAX_COARSEN = 1024  # at most this many plan tiles per coarsened tile
 # The launch model of ``_lpt_factor``: partial-kernel programs resident per SM (registers and
-# shared memory each allow 3 on an H200, ncu), and a program's fixed cost in tokens (loads of
-# its work item and Q, partial-state stores).
+# shared memory each allow 3 for head_dim 128 on an H200, ncu; the other head_dims' configs
+# are not measured and share the figure), and a program's fixed cost in tokens (loads of its
+# work item and Q, partial-state stores).
 _PROGRAMS_PER_SM = 3
 _PROGRAM_COST = 128
 _INTERPRET_CONFIG = KernelConfig(16, 16, 1, 1, 2.0)
