@@ -592,3 +592,28 @@ def test_coarsening_lengthens_tiles_to_cut_a_last_wave():
     assert tb._lpt_factor(plan, 4, 1, 16, 1, 4) == 5
     assert tb._lpt_factor(plan, 5, 1, 16, 1, 4) == 10
     assert tb._lpt_factor(plan, 4, 1, 16, 1, 40) == 4  # one wave either way: shortest tiles
+
+
+def test_coarsening_model_tries_at_most_17_factors(monkeypatch):
+    """A large rule factor (one long sequence, few SMs) samples 17 factors up to twice it,
+    so planning stays cheap; none with one wave of programs or more than 8. The C planner
+    samples the same ones (test_fastplan compares the plans)."""
+    from types import SimpleNamespace
+
+    from deft.ops import triton_backend as tb
+
+    tried = []
+    real = tb._lpt_makespan
+    monkeypatch.setattr(tb, "_lpt_makespan", lambda runs, u, *a: tried.append(u) or real(runs, u, *a))
+    plan = SimpleNamespace(num_tiles=5000, block_kv=64, tile_q_start=np.zeros(5000, np.int64),
+                           tile_q_end=np.ones(5000, np.int64))
+    # 13 tiles of 400 x 8 heads = 104 programs on 40 slots: 2.6 waves.
+    tb._lpt_factor(plan, 400, 4, 64, 8, 40)
+    assert tried == [400 + i * 25 for i in range(17)]
+    tried.clear()
+    tb._lpt_factor(plan, 700, 4, 64, 8, 40)  # capped at _MAX_COARSEN
+    assert tried == [u for u in (700 + i * 700 // 16 for i in range(17)) if u <= 1024]
+    tried.clear()
+    assert tb._lpt_factor(plan, 400, 4, 64, 8, 104) == 400  # one wave
+    assert tb._lpt_factor(plan, 400, 4, 64, 8, 12) == 400  # more than 8 waves
+    assert tried == []

@@ -184,13 +184,16 @@ static i64 lpt_makespan(const i64 *run_len, const i64 *run_chunks, i64 nruns, i6
     return span;
 }
 
-/* The factor in [factor, min(2 * factor, max_factor)] of the shortest modelled makespan
- * (the smallest on ties): longer tiles, when fewer programs leave less of a last wave. */
+/* The factor of the shortest modelled makespan (the smallest on ties) among factor + i *
+ * factor / s for i = 0..s, s = min(factor, 16), up to max_factor: every factor up to twice
+ * the rule's when it is at most 16, else 17 of them. Longer tiles pay when fewer programs
+ * leave less of a last wave; with one wave or more than 8 at the rule's factor, none is
+ * tried. */
 static i64 lpt_factor(const i64 *kqs, const i64 *kqe, i64 nk, i64 factor, i64 g, i64 block_m,
                       i64 heads, i64 block_kv, i64 max_factor, i64 slots, i64 program_cost,
                       i64 *x, const Ws *w) {
     i64 *run_len = x + w->mask_from, *run_chunks = x + w->slot0, nruns = 0, best = factor;
-    i64 best_span = -1, last = 2 * factor < max_factor ? 2 * factor : max_factor;
+    i64 best_span = -1, steps = factor < 16 ? factor : 16, programs = 0;
     if (slots <= 0) return factor;
     for (i64 i = 0; i < nk; i++) {
         if (i == 0 || kqs[i] != kqs[i - 1] || kqe[i] != kqe[i - 1]) {
@@ -199,8 +202,15 @@ static i64 lpt_factor(const i64 *kqs, const i64 *kqe, i64 nk, i64 factor, i64 g,
         }
         run_len[nruns - 1]++;
     }
-    for (i64 u = factor; u <= last; u++) {
-        i64 span = lpt_makespan(run_len, run_chunks, nruns, u, heads, block_kv, slots,
+    /* In one wave the rule's factor is best (longer tiles only lengthen the longest program);
+     * past 8 waves a last wave costs little. */
+    for (i64 r = 0; r < nruns; r++)
+        programs += ceil_div(run_len[r], factor) * run_chunks[r] * heads;
+    if (programs <= slots || programs > 8 * slots) return factor;
+    for (i64 i = 0; i <= steps; i++) {
+        i64 u = factor + i * factor / steps, span;
+        if (u > max_factor) break;
+        span = lpt_makespan(run_len, run_chunks, nruns, u, heads, block_kv, slots,
                                 program_cost, x + w->bucket, x + w->heap_load,
                                 x + w->heap_count);
         if (best_span < 0 || span < best_span) {
