@@ -36,7 +36,7 @@ import numpy as np
 
 from .layout import TreeLayout
 
-__all__ = ["PLAN_KINDS", "PlanKind", "TreePlan", "make_plan", "coarsen_plan", "dfs_preorder"]
+__all__ = ["PLAN_KINDS", "PlanKind", "TreePlan", "make_plan", "coarsen_plan", "group_runs", "dfs_preorder"]
 
 PlanKind = Literal["flatten", "node", "node_chunk", "per_query"]
 PLAN_KINDS: tuple[str, ...] = ("flatten", "node", "node_chunk", "per_query")
@@ -297,6 +297,15 @@ def _assemble(kind: str, block_kv: int, num_layout_tokens: int, needs_mask: bool
                     needs_mask=needs_mask, **arrays)
 
 
+def group_runs(plan: TreePlan) -> np.ndarray:
+    """``[T]`` bool: the tile starts a run of consecutive tiles serving the same query group
+    (what :func:`coarsen_plan` merges)."""
+    new_run = np.ones(plan.num_tiles, dtype=bool)
+    new_run[1:] = (plan.tile_q_start[1:] != plan.tile_q_start[:-1]) | (
+        plan.tile_q_end[1:] != plan.tile_q_end[:-1])
+    return new_run
+
+
 def coarsen_plan(plan: TreePlan, max_tiles: int) -> TreePlan:
     """Merge runs of consecutive tiles that serve the same query group, up to ``max_tiles``
     tiles each, into one tile: a kernel then keeps one online softmax across them and
@@ -311,9 +320,7 @@ def coarsen_plan(plan: TreePlan, max_tiles: int) -> TreePlan:
     if nt == 0 or max_tiles == 1:
         return plan
     idx = np.arange(nt, dtype=_I)
-    new_run = np.ones(nt, dtype=bool)
-    new_run[1:] = (plan.tile_q_start[1:] != plan.tile_q_start[:-1]) | (
-        plan.tile_q_end[1:] != plan.tile_q_end[:-1])
+    new_run = group_runs(plan)
     run_start = np.maximum.accumulate(np.where(new_run, idx, 0))
     first = new_run | ((idx - run_start) % max_tiles == 0)
     starts = np.flatnonzero(first)

@@ -42,6 +42,14 @@ def _scores_softmax(s, start, end, m_i, l_i, qk_scale, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
+def _rows(row0, qs, qe, kvh, G: gl.constexpr, BLOCK_M: gl.constexpr, LAYOUT: gl.constexpr):
+    """The work item's rows in the row layout of ``LAYOUT``: whether each exists, its query's
+    plan position and its query head."""
+    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAYOUT))
+    return rows < (qe - qs) * G, (qs + rows // G).to(gl.int64), kvh * G + rows % G
+
+
+@gluon.jit
 def _issue_loads(desc_k, desc_v, k_smem, v_smem, k_bar, v_bar, block, n, slot0, kvh,
                  BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
     """TMA copies of block ``block``'s K and V into its ring stage (none past ``n``)."""
@@ -82,10 +90,7 @@ def gluon_partial_kernel(
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
 
     # Q rows (query, GQA head) of this work item, into shared memory for the wgmma.
-    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD))
-    row_ok = rows < (qe - qs) * G
-    qpos = (qs + rows // G).to(gl.int64)
-    head = kvh * G + rows % G
+    row_ok, qpos, head = _rows(row0, qs, qe, kvh, G=G, BLOCK_M=BLOCK_M, LAYOUT=LOAD)
     d = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
     q_ptrs = Q + gl.expand_dims(qpos * stride_qn + head * stride_qh, 1) + gl.expand_dims(d, 0)
     q = gl.load(q_ptrs, mask=gl.expand_dims(row_ok, 1), other=0.0)
@@ -151,10 +156,8 @@ def gluon_partial_kernel(
     o = acc / gl.expand_dims(gl.where(has, l_o, 1.0), 1)
     lse = gl.where(has, (m_o + gl.log2(gl.where(has, l_o, 1.0))) * 0.6931471805599453,
                    float("-inf"))
-    rows_o = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_LAYOUT))
-    ok_o = rows_o < (qe - qs) * G
-    pid = (p0 + rows_o // G).to(gl.int64)
-    head_o = kvh * G + rows_o % G
+    ok_o, qpos_o, head_o = _rows(row0, qs, qe, kvh, G=G, BLOCK_M=BLOCK_M, LAYOUT=O_LAYOUT)
+    pid = p0 + qpos_o - qs  # the query's partial state: p0 + its index in the group
     d_o = gl.arange(0, D, layout=gl.SliceLayout(0, O_LAYOUT))
     po_ptrs = PO + gl.expand_dims(pid * stride_pn + head_o * stride_ph, 1) + gl.expand_dims(d_o, 0)
     gl.store(po_ptrs, o.to(PO.dtype.element_ty), mask=gl.expand_dims(ok_o, 1))

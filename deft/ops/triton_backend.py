@@ -28,7 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import fastplan
 from ..layout import TreeLayout
-from ..plan import TreePlan, coarsen_plan
+from ..plan import TreePlan, coarsen_plan, group_runs
 from .triton_kernels import merge_kernel, tree_partial_kernel
 
 __all__ = ["TritonBackend", "KernelConfig", "kernel_config"]
@@ -370,10 +370,7 @@ def _lpt_factor(plan: TreePlan, factor: int, g: int, block_m: int, heads: int,
     range."""
     if slots <= 0:
         return factor
-    new_run = np.ones(plan.num_tiles, dtype=bool)
-    new_run[1:] = (plan.tile_q_start[1:] != plan.tile_q_start[:-1]) | (
-        plan.tile_q_end[1:] != plan.tile_q_end[:-1])
-    starts = np.flatnonzero(new_run)
+    starts = np.flatnonzero(group_runs(plan))
     lens = np.diff(np.append(starts, plan.num_tiles))
     chunks = -(-(plan.tile_q_end[starts] - plan.tile_q_start[starts]) * g // block_m)
     runs = list(zip(lens.tolist(), chunks.tolist()))
