@@ -199,9 +199,8 @@ def _unchecked_layout(parents, dtype):
 def test_malformed_input_returns_none(parents, dtype):
     """The C planner's error codes (malformed forest, arrays not int64) give ``None``."""
     assert fastplan.flatten_plan(
-        _unchecked_layout(parents, dtype), 8, g=1, block_m=16, num_kv_heads=1, sms=4,
-        waves=2.0, min_tile_tokens=0, max_factor=1024, slots=12, program_cost=128,
-        host_buffer=lambda n: torch.zeros(n, dtype=torch.int32)) is None
+        _unchecked_layout(parents, dtype), 8, fastplan.PlanParams(1, 16, 1, 4, 2.0, 0, 1024, 12, 128),
+        lambda n: torch.zeros(n, dtype=torch.int32)) is None
 
 
 def test_other_plan_kinds_are_not_fast():
@@ -312,14 +311,16 @@ def test_attention_output_matches_numpy_path(monkeypatch, dtype):
 
 def test_kernel_pointers_match_the_buffers(monkeypatch):
     """Compiled (not interpreted), the kernels get ``_Pointer`` objects instead of views:
-    each must carry the address and dtype of the segment or workspace it stands for."""
+    each must carry the address and dtype of the buffer, segment or workspace it stands
+    for."""
     monkeypatch.setattr(tb, "interpreting", lambda: False)
     layout = few_shot_layout(300, 6, 40)
     _, prep = numpy_plan(layout, 16, 8, 2, 64)  # the compiled planner ends in the same _finish
-    assert len(prep.arrays) == len(tb._SEGMENTS)
-    for ptr, name in zip(prep.arrays, tb._SEGMENTS):
+    assert len(prep.arrays) == 3
+    for ptr, name in zip(prep.arrays, ("tok_slot", "merge_indptr", "merge_partials")):
         assert isinstance(ptr, tb._Pointer) and ptr.dtype == torch.int32, name
         assert ptr.data_ptr() == prep.segment(name).data_ptr(), name
+    assert prep.arrays[0].data_ptr() == prep.plan_buffer.data_ptr()  # the others at offsets
     for ptr, view in zip(prep.workspaces, (prep.partial_o, prep.partial_lse, prep.lse)):
         assert ptr.dtype == torch.float32 and ptr.data_ptr() == view.data_ptr()
     assert prep.partial_o.data_ptr() + 4 * prep.partial_o.numel() <= prep.partial_lse.data_ptr()

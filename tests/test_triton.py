@@ -417,9 +417,8 @@ def test_replanning_reuses_device_buffers():
     allocates larger ones when not; every step stays exact."""
     from deft import fastplan
 
-    if fastplan.flatten_plan(TINY["fan"], 8, g=1, block_m=16, num_kv_heads=1, sms=4, waves=2.0,
-                             min_tile_tokens=0, max_factor=8, slots=12, program_cost=128,
-                             host_buffer=torch.empty) is None:
+    if fastplan.flatten_plan(TINY["fan"], 8, fastplan.PlanParams(1, 16, 1, 4, 2.0, 0, 8, 12, 128),
+                             torch.empty) is None:
         pytest.skip("no compiled planner (reuse is its path's)")
     big, small = TINY["fan"], TINY["partial lens"]
     attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=None if CUDA else 8)

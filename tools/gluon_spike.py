@@ -193,12 +193,12 @@ def _launch_gluon(attn, q, k, v, out) -> None:
     descs = [TensorDescriptor(c.view(c.shape[0], h_kv * d), [c.shape[0], h_kv * d], [h_kv * d, 1],
                               [BLOCK_N, d], kv_layout) for c in (k, v)]
     gluon_partial_kernel[(prep.num_work, h_kv)](
-        q, *descs, po, plse, prep.arrays[4], d**-0.5 * 1.4426950408889634,
+        q, *descs, po, plse, prep.segment("work"), d**-0.5 * 1.4426950408889634,
         q.stride(0), q.stride(1), h_q * d, d, h_q,
         G=h_q // h_kv, D=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, Q_SMEM=q_layout,
         num_warps=WARPS)
     cfg = prep.config  # fp32 partials: the base config's merge shape
-    tb.launch_merge(po, plse, out, lse, prep.arrays[8], prep.arrays[9], False, cfg.merge_block,
+    tb.launch_merge(po, plse, out, lse, prep.arrays[1], prep.arrays[2], False, cfg.merge_block,
                     cfg.merge_warps, strides=(h_q * d, d, h_q))
 
 

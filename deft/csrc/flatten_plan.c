@@ -3,16 +3,17 @@
  * Computes exactly what deft.plan.make_plan(layout, "flatten", block_kv), then
  * TritonBackend.refine_plan (coarsening) and TritonBackend.prepare (work items, tile flags,
  * reduction map, int32 packing) compute with numpy, without any sort: orders come from
- * counting sorts and walks over the nodes in DFS preorder. Plain C99, no Python API.
+ * counting sorts and walks over the nodes in DFS preorder. A CPython extension module: the
+ * planning is plain C on raw arrays; two thin wrappers at the end (`plan`, `fill`) take
+ * numpy arrays through the buffer protocol, so a step's planning is one call from Python,
+ * and `copy` issues its upload through the CUDA runtime.
  *
- * Two calls share a workspace `ws` (int64) that the caller keeps between steps:
- *   deft_flatten_plan  orders nodes and queries, cuts and coarsens the tiles and sizes
- *                      everything; the header of ws then holds the sizes below;
- *   deft_flatten_fill  writes the plan arrays into `out` (int64) and the device buffer into
- *                      `packed` (int32), which the caller allocated from those sizes.
- * Arrays come as numpy's documented __array_struct__ interface (PyArrayInterface), cheaper
- * for a Python caller to get than a data address; they must be 1-D contiguous int64.
- * The layout is assumed valid (deft.TreeLayout checks it); a malformed forest returns -1.
+ * The two steps share a workspace `ws` (int64) that the caller keeps between steps:
+ *   flatten_plan  orders nodes and queries, cuts and coarsens the tiles and sizes
+ *                 everything; the header of ws then holds the sizes below;
+ *   flatten_fill  writes the plan arrays into `out` (int64, optional) and the device buffer
+ *                 into `packed` (int32), which the caller sized from those sizes.
+ * The layout is assumed valid (deft.TreeLayout checks it); a malformed forest gives -1.
  *
  * `out` holds, one after the other: token slots, lo, hi, off [N each], tile_indptr [T + 1],
  * tile_q_start, tile_q_end [T each], partial_indptr [T + 1], query_order, query_pre,
@@ -21,6 +22,8 @@
  * order, pre, len, merge indptr, merge partials, each starting at a multiple of 16 elements
  * (offsets in the header), gaps zeroed.
  */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -28,18 +31,6 @@
 
 typedef int64_t i64;
 typedef int32_t i32;
-
-/* numpy's PyArrayInterface (the __array_struct__ protocol). */
-typedef struct {
-    int two, nd;
-    char typekind;
-    int itemsize, flags;
-    intptr_t *shape, *strides;
-    void *data;
-    void *descr;
-} ArrayInterface;
-
-enum { C_CONTIGUOUS = 0x1, ALIGNED = 0x100, NOTSWAPPED = 0x200, WRITEABLE = 0x400 };
 
 /* Header slots of ws. Keep in sync with deft/fastplan.py. */
 enum {
@@ -83,14 +74,6 @@ static Ws ws_layout(i64 nodes, i64 tokens, i64 queries, i64 block_kv, i64 max_fa
 #undef PLACE
     w.total = off;
     return w;
-}
-
-static const i64 *int64_data(const ArrayInterface *a) {
-    int need = C_CONTIGUOUS | ALIGNED | NOTSWAPPED;
-    if (a->two != 2 || a->nd != 1 || a->typekind != 'i' || a->itemsize != 8 ||
-        (a->flags & need) != need)
-        return NULL;
-    return (const i64 *)a->data;
 }
 
 /* DFS preorder (roots, then children, in index order): order[k]; hi[k], the end of k's
@@ -221,25 +204,19 @@ static i64 lpt_factor(const i64 *kqs, const i64 *kqe, i64 nk, i64 factor, i64 g,
     return best;
 }
 
-/* Returns 0; the workspace size needed if ws_size is smaller; -1 for a malformed forest;
- * -2 for an array that is not 1-D contiguous int64. */
-i64 deft_flatten_plan(const ArrayInterface *parents_a, const ArrayInterface *indptr_a,
-                      const ArrayInterface *query_nodes_a, const ArrayInterface *query_kv_lens_a,
-                      i64 block_kv, i64 g, i64 block_m, i64 num_kv_heads, i64 sms, double waves,
-                      i64 min_tile_tokens, i64 max_factor, i64 slots, i64 program_cost, i64 *x,
-                      i64 ws_size) {
-    const i64 *parents = int64_data(parents_a), *indptr = int64_data(indptr_a);
-    const i64 *query_nodes = int64_data(query_nodes_a), *query_kv_lens = int64_data(query_kv_lens_a);
-    i64 n, nl, nq, t0, nk = 0, ntok = 0, work = 0, factor = 1, nt = 0, sorted = 1;
+/* Returns 0; the workspace size needed if ws_size is smaller; -1 for a malformed forest.
+ * parents [n], indptr [n + 1], query_nodes and query_kv_lens [nq]. */
+static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 *query_nodes,
+                        const i64 *query_kv_lens, i64 nq, i64 block_kv, i64 g, i64 block_m,
+                        i64 num_kv_heads, i64 sms, double waves, i64 min_tile_tokens,
+                        i64 max_factor, i64 slots, i64 program_cost, i64 *x, i64 ws_size) {
+    i64 nl, t0, nk = 0, ntok = 0, work = 0, factor = 1, nt = 0, sorted = 1;
     i64 all_merged = 1, nwork = 0, run_start = 0, np_;
     i64 *pre, *hi, *fstart, *cnt_lt, *min_len, *cursor, *q_order, *q_pre, *q_len;
     i64 *kept, *kqs, *kqe, *cstart, *tile_indptr, *tqs, *tqe, *partial_indptr, *merge_indptr;
     i64 *diff, *seg;
     Ws w;
-    if (!parents || !indptr || !query_nodes || !query_kv_lens) return -2;
-    n = parents_a->shape[0];
     nl = indptr[n];
-    nq = query_nodes_a->shape[0];
     t0 = ceil_div(nl, block_kv);
     w = ws_layout(n, nl, nq, block_kv, max_factor, slots);
     if (w.total > ws_size) return w.total;
@@ -386,13 +363,10 @@ static void emit(i64 *out, i32 *packed, i64 start, i64 end, const i64 *src, i64 
     for (i64 i = start + n; i < end; i++) packed[i] = 0;
 }
 
-/* Returns flags: 1 if every tile's slots are consecutive, | 2 if some tile's are; -2 for a
- * bad array. With `out_a` NULL, writes the device buffer only (the plan arrays are not
- * needed to run it). */
-i64 deft_flatten_fill(const ArrayInterface *indptr_a, const ArrayInterface *kv_a, i64 *x,
-                      const ArrayInterface *out_a, i32 *packed) {
-    const i64 *indptr = int64_data(indptr_a), *kv_indices = int64_data(kv_a);
-    i64 *out = out_a ? (i64 *)int64_data(out_a) : NULL;
+/* Returns flags: 1 if every tile's slots are consecutive, | 2 if some tile's are. With
+ * `out` NULL, writes the device buffer only (the plan arrays are not needed to run it). */
+static i64 flatten_fill(const i64 *indptr, const i64 *kv_indices, i64 *x, i64 *out,
+                        i32 *packed) {
     i64 n = x[H_NODES], nl = x[H_TOKENS], nq = x[H_Q], block_kv = x[H_BLOCK_KV];
     i64 g = x[H_G], block_m = x[H_BLOCK_M], ntok = x[H_N], nt = x[H_T], np_ = x[H_P];
     i64 nwork = x[H_W], p = 0, all_contig = 1, any_contig = 0, nbucket = 0;
@@ -408,7 +382,6 @@ i64 deft_flatten_fill(const ArrayInterface *indptr_a, const ArrayInterface *kv_a
     i64 *slot = NULL, *lo = NULL, *hi_out = NULL, *off = NULL, *tiles = NULL, *queries = NULL;
     i32 *slot32 = packed + seg[0], *lo32 = packed + seg[1], *hi32 = packed + seg[2];
     i32 *off32 = packed + seg[3], *work = packed + seg[4], *partials32 = packed + seg[9];
-    if (!indptr || !kv_indices || (out_a && (!out || !(out_a->flags & WRITEABLE)))) return -2;
     if (out) {
         slot = out; lo = out + ntok; hi_out = out + 2 * ntok; off = out + 3 * ntok;
         tiles = out + 4 * ntok;
@@ -504,3 +477,191 @@ i64 deft_flatten_fill(const ArrayInterface *indptr_a, const ArrayInterface *kv_a
     emit(queries ? queries + 3 * nq : NULL, packed, seg[8], seg[9], merge_indptr, nq + 1);
     return all_contig | any_contig << 1;
 }
+
+/* ---- Python interface ---------------------------------------------------------------- */
+
+/* Borrows obj's data as a 1-D C-contiguous native int64 array (writable if asked): 0, or -1
+ * with no Python error left set. */
+static int int64_view(PyObject *obj, Py_buffer *view, int writable) {
+    const union { uint16_t u; uint8_t b[2]; } one = {1};
+    const char *f;
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT |
+                                          (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    f = view->format ? view->format : "B";
+    if (*f == '@' || *f == '=' || (*f == '<' && one.b[0])) f++;
+    if (view->ndim != 1 || view->itemsize != 8 || (*f != 'l' && *f != 'q') || f[1]) {
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static void release(Py_buffer *views, int n) {
+    for (int i = 0; i < n; i++) PyBuffer_Release(&views[i]);
+}
+
+/* plan(parents, node_kv_indptr, query_nodes, query_kv_lens, kv_indices, block_kv, g,
+ *      block_m, num_kv_heads, sms, waves, min_tile_tokens, max_factor, slots, program_cost,
+ *      ws, packed_address, packed_capacity)
+ * Plans into the int64 array ws and, when packed_address is not 0 and the buffer holds
+ * packed_capacity >= the packed size int32, fills it. Returns the tuple (flags, tokens,
+ * tiles, partials, work items, queries, sorted, all merged, plan-array size, 11 segment
+ * offsets) with flags -3 when not filled; else an int: the ws size needed, -1 for a
+ * malformed forest, -2 for arrays that are not 1-D int64 of consistent lengths. */
+static PyObject *py_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer v[6];
+    long long p[18];
+    double waves;
+    i64 rc = -2, flags = -3, n, nq;
+    i32 *packed;
+    int got = 0;
+    PyObject *res;
+    (void)self;
+    if (nargs != 18) {
+        PyErr_SetString(PyExc_TypeError, "plan() takes 18 arguments");
+        return NULL;
+    }
+    for (int i = 5; i < 18; i++)
+        if (i != 10 && i != 15) p[i] = PyLong_AsLongLong(args[i]);
+    waves = PyFloat_AsDouble(args[10]);
+    packed = (i32 *)PyLong_AsVoidPtr(args[16]);
+    if (PyErr_Occurred()) return NULL;
+    for (; got < 6; got++)
+        if (int64_view(args[got == 5 ? 15 : got], &v[got], got == 5) < 0) break;
+    if (got == 6) {
+        const i64 *indptr = v[1].buf;
+        n = v[0].len / 8;
+        nq = v[2].len / 8;
+        if (v[1].len / 8 == n + 1 && v[3].len / 8 == nq && indptr[0] == 0 &&
+            indptr[n] <= v[4].len / 8 && p[5] > 0 && p[7] > 0 && p[9] > 0 && p[12] > 0) {
+            i64 *x = v[5].buf;
+            Py_BEGIN_ALLOW_THREADS
+            rc = flatten_plan(v[0].buf, indptr, n, v[2].buf, v[3].buf, nq, p[5], p[6], p[7],
+                              p[8], p[9], waves, p[11], p[12], p[13], p[14], x, v[5].len / 8);
+            if (rc == 0 && packed && x[H_SEG + 10] <= p[17])
+                flags = flatten_fill(indptr, v[4].buf, x, NULL, packed);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    if (rc != 0 || got < 6) {
+        release(v, got);
+        return PyLong_FromLongLong(rc);
+    }
+    res = PyTuple_New(20);
+    if (res) {
+        const i64 *x = v[5].buf;
+        i64 head[9] = {flags, x[H_N], x[H_T], x[H_P], x[H_W], x[H_Q], x[H_SORTED],
+                       x[H_ALL_MERGED], x[H_OUT_SIZE]};
+        for (int i = 0; i < 20; i++) {
+            PyObject *item = PyLong_FromLongLong(i < 9 ? head[i] : x[H_SEG + i - 9]);
+            if (!item) {
+                Py_CLEAR(res);
+                break;
+            }
+            PyTuple_SET_ITEM(res, i, item);
+        }
+    }
+    release(v, got);
+    return res;
+}
+
+/* fill(node_kv_indptr, kv_indices, ws, out, packed_address): after plan() on the same
+ * layout and ws, writes the packed buffer and, unless out is None, the plan arrays into the
+ * int64 array out. Returns the flags (1: every tile's slots are consecutive, 2: some tile's
+ * are), or -2 for bad arrays. */
+static PyObject *py_fill(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer v[4];
+    i64 flags = -2;
+    i32 *packed;
+    int need = 3, got = 0;
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "fill() takes 5 arguments");
+        return NULL;
+    }
+    packed = (i32 *)PyLong_AsVoidPtr(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (args[3] != Py_None) need = 4;
+    for (; got < need; got++)
+        if (int64_view(args[got], &v[got], got >= 2) < 0) break;
+    if (got == need && packed && v[2].len / 8 >= H_SIZE) {
+        i64 *x = v[2].buf;
+        if (need == 3 || v[3].len / 8 >= x[H_OUT_SIZE]) {
+            Py_BEGIN_ALLOW_THREADS
+            flags = flatten_fill(v[0].buf, v[1].buf, x, need == 4 ? v[3].buf : NULL, packed);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    release(v, got);
+    return PyLong_FromLongLong(flags);
+}
+
+/* ---- Plan upload ------------------------------------------------------------------------
+ * The CUDA runtime's functions, as set_runtime() got their addresses from torch's copy of
+ * the library (so this file needs no CUDA headers): a step's upload is one call from Python
+ * instead of two foreign-function calls. */
+typedef int (*memcpy_async_fn)(void *, const void *, size_t, int, void *);
+typedef int (*event_record_fn)(void *, void *);
+typedef int (*last_error_fn)(void);
+static memcpy_async_fn memcpy_async;
+static event_record_fn event_record;
+static last_error_fn last_error;
+
+/* set_runtime(cudaMemcpyAsync, cudaEventRecord, cudaGetLastError): the functions' addresses. */
+static PyObject *py_set_runtime(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    void *f[3];
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "set_runtime() takes 3 arguments");
+        return NULL;
+    }
+    for (int i = 0; i < 3; i++) f[i] = PyLong_AsVoidPtr(args[i]);
+    if (PyErr_Occurred()) return NULL;
+    memcpy_async = (memcpy_async_fn)f[0];
+    event_record = (event_record_fn)f[1];
+    last_error = (last_error_fn)f[2];
+    Py_RETURN_NONE;
+}
+
+/* copy(dst, src, nbytes, stream, event): an asynchronous host-to-device copy on `stream`,
+ * then `event` recorded there. True, or False (with the runtime's last error cleared, so
+ * that torch does not report it later) if either fails or no runtime is set. */
+static PyObject *py_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    void *a[5];
+    int ok;
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "copy() takes 5 arguments");
+        return NULL;
+    }
+    for (int i = 0; i < 5; i++) a[i] = i == 2 ? NULL : PyLong_AsVoidPtr(args[i]);
+    {
+        Py_ssize_t nbytes = PyLong_AsSsize_t(args[2]);
+        if (PyErr_Occurred()) return NULL;
+        if (!memcpy_async || !event_record || !last_error) Py_RETURN_FALSE;
+        ok = memcpy_async(a[0], a[1], (size_t)nbytes, 1 /* host to device */, a[3]) == 0 &&
+             event_record(a[4], a[3]) == 0;
+    }
+    if (!ok) last_error();
+    return PyBool_FromLong(ok);
+}
+
+static PyMethodDef methods[] = {
+    {"set_runtime", (PyCFunction)(void (*)(void))py_set_runtime, METH_FASTCALL,
+     "Set the CUDA runtime functions copy() calls."},
+    {"copy", (PyCFunction)(void (*)(void))py_copy, METH_FASTCALL,
+     "Copy host to device asynchronously, then record an event."},
+    {"plan", (PyCFunction)(void (*)(void))py_plan, METH_FASTCALL, "Plan a flatten step."},
+    {"fill", (PyCFunction)(void (*)(void))py_fill, METH_FASTCALL, "Write a planned step."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_deft_flatten_plan", "DeFT-Flatten planning (deft.fastplan).", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__deft_flatten_plan(void) { return PyModule_Create(&module); }

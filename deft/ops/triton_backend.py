@@ -19,7 +19,7 @@ import functools
 import heapq
 import math
 import os
-from typing import Sequence, Union
+from typing import Union
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +30,7 @@ from .. import fastplan
 from ..layout import TreeLayout
 from ..plan import TreePlan, coarsen_plan, group_runs
 from .triton_kernels import merge_kernel, tree_partial_kernel
+from .upload import Staging, staging
 
 __all__ = ["TritonBackend", "KernelConfig", "kernel_config"]
 
@@ -119,7 +120,7 @@ def kernel_config(head_dim: int) -> KernelConfig:
 class _Pointer:
     """A device address for a Triton pointer argument: what a launch reads of a tensor
     (``data_ptr()`` and ``dtype``), about five times cheaper to make than a tensor view. A
-    plan makes 13 of them every step; its buffers keep the memory alive."""
+    plan makes 6 of them every step; its buffers keep the memory alive."""
 
     __slots__ = ("address", "dtype")
 
@@ -141,7 +142,9 @@ class _Prepared:
     config: KernelConfig
     plan_buffer: torch.Tensor  # int32 device buffer of the packed plan (may be larger)
     offsets: tuple[int, ...]  # start of each ``_SEGMENTS`` segment in it, then the end
-    arrays: Sequence[_Ptr]  # the segments, in ``_SEGMENTS`` order, for the kernels
+    # For the kernels: the packed plan (its first segment, then the others at ``offsets``),
+    # the merge indptr and the merge partials segments.
+    arrays: tuple[_Ptr, _Ptr, _Ptr]
     scratch: torch.Tensor  # fp32 device buffer of the workspaces (may be larger)
     plse_off: int  # partial lse [P, H_q] starts here (partial o [P, H_q, D] at 0)
     lse_off: int  # lse [Q, H_q] for steps whose caller wants no lse starts here
@@ -261,12 +264,6 @@ def _segment_starts(sizes: list[int]) -> list[int]:
     return starts
 
 
-def _host_buffer(n: int, device: torch.device) -> torch.Tensor:
-    """The int32 host buffer of the packed plan. Pinned for CUDA, so the upload is
-    asynchronous (torch's caching host allocator keeps the block until the copy is done)."""
-    return torch.empty(n, dtype=torch.int32, pin_memory=device.type == "cuda")
-
-
 def _buffer(previous: torch.Tensor | None, n: int, dtype: torch.dtype,
             device: torch.device) -> torch.Tensor:
     """``previous`` if it is on ``device`` and holds ``n`` elements without being four times
@@ -276,17 +273,28 @@ def _buffer(previous: torch.Tensor | None, n: int, dtype: torch.dtype,
     return torch.empty(n + n // 4, dtype=dtype, device=device)
 
 
-def _finish(cfg: KernelConfig, host: torch.Tensor, num_queries: int, starts: list[int],
+def _cuda_index(device: torch.device) -> torch.device:
+    """``device``, with the current CUDA device's index if it has none."""
+    if device.type == "cuda" and device.index is None:
+        return _cuda_device(torch.cuda.current_device())
+    return device
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device(index: int) -> torch.device:
+    return torch.device("cuda", index)
+
+
+def _finish(cfg: KernelConfig, host: Staging, num_queries: int, starts: list[int],
             device: torch.device, num_qo_heads: int, head_dim: int, num_partials: int,
             num_work: int, needs_mask: bool, all_contiguous: bool, any_contiguous: bool,
             sorted_queries: bool, every_query_merged: bool,
             previous: _Prepared | None) -> _Prepared:
-    """Upload the packed plan (one copy) and size the fp32 workspace. Both buffers are
-    ``previous``'s when they fit: the upload and the kernels are ordered by the stream
-    (``plan`` and ``run`` on one stream), so the upload waits for the old plan's launches.
-    Allocations come first, so a failure leaves ``previous`` intact."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    """Upload the packed plan (``host``'s current buffer, one copy) and size the fp32
+    workspace. Both device buffers are ``previous``'s when they fit: the upload and the
+    kernels are ordered by the stream (``plan`` and ``run`` on one stream), so the upload
+    waits for the old plan's launches. Allocations come first, so a failure leaves
+    ``previous`` intact."""
     n = starts[-1]
     p, h = max(num_partials, 1), num_qo_heads
     # Each workspace starts at a multiple of 16 elements (the kernels are specialised on it).
@@ -298,7 +306,7 @@ def _finish(cfg: KernelConfig, host: torch.Tensor, num_queries: int, starts: lis
     counts = (torch.zeros(num_queries * num_qo_heads, dtype=torch.int32, device=device)
               if cfg.fuse_merge and num_queries and every_query_merged else None)
     plan_buffer = _buffer(previous.plan_buffer if previous else None, n, torch.int32, device)
-    plan_buffer[:n].copy_(host, non_blocking=True)
+    host.upload(plan_buffer, n)
     # Built without the frozen dataclass's ``__init__`` (one ``object.__setattr__`` per
     # field, about 5 µs): this runs every step. ``_Prepared`` has no ``__post_init__``.
     prepared = object.__new__(_Prepared)
@@ -311,12 +319,13 @@ def _finish(cfg: KernelConfig, host: torch.Tensor, num_queries: int, starts: lis
         sorted_queries=sorted_queries, counts=counts,
     )
     if interpreting():  # the interpreter takes tensors only: views, not pointers
-        padded = [b - a for a, b in zip(starts[:-1], starts[1:])]
-        arrays = plan_buffer[:n].split_with_sizes(padded)
+        arrays = (plan_buffer[:n], prepared.segment("merge_indptr"),
+                  prepared.segment("merge_partials"))
         workspaces = (prepared.partial_o, prepared.partial_lse, prepared.lse)
     else:
         base, fbase, i32, f32 = plan_buffer.data_ptr(), scratch.data_ptr(), torch.int32, torch.float32
-        arrays = [_Pointer(base + 4 * a, i32) for a in starts[:-1]]
+        arrays = (_Pointer(base, i32), _Pointer(base + 4 * starts[8], i32),
+                  _Pointer(base + 4 * starts[9], i32))
         workspaces = (_Pointer(fbase, f32), _Pointer(fbase + 4 * plse_off, f32),
                       _Pointer(fbase + 4 * lse_off, f32))
     prepared.__dict__.update(arrays=arrays, workspaces=workspaces)
@@ -424,23 +433,28 @@ class TritonBackend:
                 num_qo_heads: int, num_kv_heads: int, head_dim: int) -> _Prepared:
         cfg = _checked_config(head_dim)
         work = _work_items(plan, num_qo_heads // num_kv_heads, cfg.block_m)
-        host = (plan.token_slots, plan.token_lo, plan.token_hi, plan.token_off, work.reshape(-1),
-                plan.query_order, plan.query_pre, plan.query_len, plan.merge_indptr,
-                plan.merge_partials)
+        arrays = (plan.token_slots, plan.token_lo, plan.token_hi, plan.token_off,
+                  work.reshape(-1), plan.query_order, plan.query_pre, plan.query_len,
+                  plan.merge_indptr, plan.merge_partials)
         consecutive = work[:, 6] >= 0
-        sizes = [a.shape[0] for a in host]
+        sizes = [a.shape[0] for a in arrays]
         starts = _segment_starts(sizes)
-        buf = _host_buffer(starts[-1], device)
-        packed = buf.numpy()
-        packed.fill(0)
-        for a, st in zip(host, starts):
-            packed[st:st + a.shape[0]] = a
-        return _finish(
-            cfg, buf, plan.num_queries, starts, device, num_qo_heads, head_dim,
-            plan.num_partials, int(work.shape[0]), plan.needs_mask,
-            bool(consecutive.all()), bool(consecutive.any()),
-            bool((plan.query_order == np.arange(plan.num_queries)).all()),
-            bool((np.diff(plan.merge_indptr) > 0).all()), None)
+        device = _cuda_index(device)
+        host = staging(device)
+        with host.lock:
+            buf = host.next()
+            if buf is None or buf.numel() < starts[-1]:
+                buf = host.new(starts[-1])
+            packed = buf.numpy()[:starts[-1]]
+            packed.fill(0)
+            for a, st in zip(arrays, starts):
+                packed[st:st + a.shape[0]] = a
+            return _finish(
+                cfg, host, plan.num_queries, starts, device, num_qo_heads, head_dim,
+                plan.num_partials, int(work.shape[0]), plan.needs_mask,
+                bool(consecutive.all()), bool(consecutive.any()),
+                bool((plan.query_order == np.arange(plan.num_queries)).all()),
+                bool((np.diff(plan.merge_indptr) > 0).all()), None)
 
     def plan_fast(self, layout: TreeLayout, plan_kind: str, block_kv: int, num_qo_heads: int,
                   num_kv_heads: int, head_dim: int, device: torch.device,
@@ -452,20 +466,23 @@ class TritonBackend:
         if plan_kind != "flatten":
             return None
         cfg = _checked_config(head_dim)
-        fast = fastplan.flatten_plan(
-            layout, block_kv, g=num_qo_heads // num_kv_heads, block_m=cfg.block_m,
-            num_kv_heads=num_kv_heads, sms=_num_sms(device), waves=cfg.waves,
-            min_tile_tokens=0 if interpreting() else _MIN_TILE_TOKENS, max_factor=_MAX_COARSEN,
-            slots=_PROGRAMS_PER_SM * _num_sms(device), program_cost=_PROGRAM_COST,
-            host_buffer=lambda n: _host_buffer(n, device))
-        if fast is None:
-            return None
-        plan = fast.plan
-        return plan, _finish(
-            cfg, fast.packed, plan.num_queries, fast.starts, device, num_qo_heads, head_dim,
-            plan.num_partials, fast.num_work, True, fast.all_contiguous, fast.any_contiguous,
-            fast.sorted_queries, fast.every_query_merged,
-            previous if isinstance(previous, _Prepared) else None)
+        device = _cuda_index(device)
+        sms = _num_sms(device)
+        params = fastplan.PlanParams(
+            num_qo_heads // num_kv_heads, cfg.block_m, num_kv_heads, sms, cfg.waves,
+            0 if interpreting() else _MIN_TILE_TOKENS, _MAX_COARSEN, _PROGRAMS_PER_SM * sms,
+            _PROGRAM_COST)
+        host = staging(device)
+        with host.lock:
+            fast = fastplan.flatten_plan(layout, block_kv, params, host.new, host.next())
+            if fast is None:
+                return None
+            plan = fast.plan
+            return plan, _finish(
+                cfg, host, plan.num_queries, fast.starts, device, num_qo_heads, head_dim,
+                plan.num_partials, fast.num_work, True, fast.all_contiguous,
+                fast.any_contiguous, fast.sorted_queries, fast.every_query_merged,
+                previous if isinstance(previous, _Prepared) else None)
 
     writes_out = True  # run/run_output write into caller-given tensors, allocating nothing
 
@@ -511,8 +528,8 @@ class TritonBackend:
         pdl = cfg.pdl and _has_pdl(q.device)
         if prepared.num_work:
             grid = (prepared.num_work * h_kv,)
-            args = [q, k_cache, v_cache, k_cache, v_cache, po, plse, *a[:8],
-                    o, lse, prepared.counts if fused else a[8], a[8], a[9],
+            args = [q, k_cache, v_cache, k_cache, v_cache, po, plse, a[0],
+                    *prepared.offsets[1:8], o, lse, prepared.counts if fused else a[1], a[1], a[2],
                     sm_scale * math.log2(math.e),
                     qs[0], qs[1], ks[0], ks[1], h * d_, d_, h, os_[0], os_[1], h_q]
             kw = dict(G=h_q // h_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -541,7 +558,7 @@ class TritonBackend:
                     _TMA_COMPILED.add(key)
             tree_partial_kernel[grid](*args, **kw)
         if not fused:
-            launch_merge(po, plse, o, lse, a[8], a[9], pdl, cfg.merge_block, cfg.merge_warps,
+            launch_merge(po, plse, o, lse, a[1], a[2], pdl, cfg.merge_block, cfg.merge_warps,
                          strides=(h * d_, d_, h))
 
 

@@ -167,9 +167,11 @@ def _tile(
 @triton.jit
 def tree_partial_kernel(
     Q, K, V, desc_k, desc_v, PO, PLSE,
-    tok_slot, tok_lo, tok_hi, tok_off,
-    work,  # [W, 8] int32 per program: tok0, tok1, qs, qe, p0, mask_from, slot0, row0
-    q_order, q_pre, q_len,
+    plan,  # the packed int32 plan; its first segment is the token slots
+    # Where its other segments start (multiples of 16): token lo, hi, off; the work items,
+    # [W, 8] per program: tok0, tok1, qs, qe, p0, mask_from, slot0, row0; query order, pre,
+    # len. Offsets rather than pointers: a plan makes fewer pointer objects on the host.
+    off_lo, off_hi, off_off, off_work, off_order, off_pre, off_len,
     O, LSE, counts, merge_indptr, merge_partials,
     qk_scale,  # sm_scale * log2(e)
     stride_qn, stride_qh, stride_kn, stride_kh, stride_pn, stride_ph, stride_ln,
@@ -183,8 +185,15 @@ def tree_partial_kernel(
     h_kv = num_heads // G
     w = tl.program_id(0) // h_kv
     kvh = tl.program_id(0) % h_kv
+    tok_slot = plan
+    tok_lo = plan + off_lo
+    tok_hi = plan + off_hi
+    tok_off = plan + off_off
+    q_order = plan + off_order
+    q_pre = plan + off_pre
+    q_len = plan + off_len
     # One row of independent loads (one memory round trip) describes the program's work.
-    desc = work + w * 8
+    desc = plan + off_work + w * 8
     tok0 = tl.load(desc)
     tok1 = tl.load(desc + 1)
     qs = tl.load(desc + 2)

@@ -1,0 +1,41 @@
+"""Host time of DeFT-Flatten's ``TreeAttention.plan`` on CUDA for the GPU benchmark trees:
+the median of 21 plans right after a synchronisation (as ``deft bench attention`` times it)
+and of 2,000 back-to-back plans (a warm host), in µs. For A/B runs of two checkouts, run it
+once per checkout (``PYTHONPATH``).
+
+Usage: python3 tools/plan_time.py [TREE ...]
+"""
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from deft import TreeAttention
+from deft.bench.gpu_bench import D, H_KV, H_Q
+from deft.bench.trees import GPU_SUITE, build
+
+workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
+
+
+def median_us(attn: TreeAttention, layout, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        attn.plan(layout)
+        times.append(attn.plan_seconds)
+    return statistics.median(times) * 1e6
+
+
+print(f"{'workload':26s} {'after sync':>11s} {'warm':>8s}  (µs per plan)")
+for name in sys.argv[1:] or GPU_SUITE:
+    layout = build(name, workloads)
+    attn = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda")
+    attn.plan(layout)
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # some GPU work, then a sync, as before a decode step's plan
+        x = x @ x / 64
+    torch.cuda.synchronize()
+    cold = median_us(attn, layout, 21)
+    warm = median_us(attn, layout, 2000)
+    print(f"{name:26s} {cold:11.1f} {warm:8.1f}", flush=True)
