@@ -20,7 +20,9 @@
  * query_len [Q each], merge_indptr [Q + 1], merge_partials [P]: the TreePlan arrays.
  * `packed` holds the segments token slots, lo, hi, off, work items (8 per item), query
  * order, pre, len, merge indptr, merge partials, each starting at a multiple of 16 elements
- * (offsets in the header), gaps zeroed.
+ * (offsets in the header), gaps zeroed. Token lo, hi and off are written only where the
+ * kernels read them, from each tile's mask_from on (usually a few tokens: a step over a
+ * 20,000-token prompt writes a fifth of the bytes); other entries keep what the buffer held.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -331,24 +333,22 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
 }
 
 /* One node segment of plan tokens, as int64 (the plan, unless `slot` is NULL) and int32
- * (the device buffer); one simple loop per array so that each vectorises. Returns 1 if the
- * slots are consecutive. */
-static int write_tokens(const i64 *restrict src, i64 len, i64 k, i64 h, i64 o,
+ * (the device buffer: lo, hi and off only if `masked`); one simple loop per array so that
+ * each vectorises. Returns 1 if the slots are consecutive. */
+static int write_tokens(const i64 *restrict src, i64 len, i64 k, i64 h, i64 o, int masked,
                         i64 *restrict slot, i64 *restrict lo, i64 *restrict hi,
                         i64 *restrict off, i32 *restrict slot32, i32 *restrict lo32,
                         i32 *restrict hi32, i32 *restrict off32) {
     i64 gaps = 0;
-    slot32[0] = (i32)src[0];
-    for (i64 j = 1; j < len; j++) {
-        slot32[j] = (i32)src[j];
-        gaps |= src[j] - src[j - 1] - 1;
-    }
+    for (i64 j = 0; j < len; j++) slot32[j] = (i32)src[j];
+    for (i64 j = 1; j < len; j++) gaps |= src[j] - src[j - 1] - 1;
     if (slot) {
         memcpy(slot, src, (size_t)len * sizeof(i64));
         for (i64 j = 0; j < len; j++) lo[j] = k;
         for (i64 j = 0; j < len; j++) hi[j] = h;
         for (i64 j = 0; j < len; j++) off[j] = o + j;
     }
+    if (!masked) return gaps == 0;
     for (i64 j = 0; j < len; j++) lo32[j] = (i32)k;
     for (i64 j = 0; j < len; j++) hi32[j] = (i32)h;
     for (i64 j = 0; j < len; j++) off32[j] = (i32)(o + j);
@@ -413,7 +413,9 @@ static i64 flatten_fill(const i64 *indptr, const i64 *kv_indices, i64 *x, i64 *o
                 }
                 if (p > tile_indptr[ct]) contig &= src[0] == prev + 1;
                 else first = src[0];
-                contig &= write_tokens(src, len, k, h, o, out ? slot + p : NULL,
+                /* The kernels read lo, hi and off only from the tile's mask_from on. */
+                contig &= write_tokens(src, len, k, h, o, first_bad < p + len,
+                                       out ? slot + p : NULL,
                                        out ? lo + p : NULL, out ? hi_out + p : NULL,
                                        out ? off + p : NULL, slot32 + p, lo32 + p, hi32 + p,
                                        off32 + p);
