@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Callable
 
@@ -83,15 +84,17 @@ def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
         attn = TreeAttention(H_Q, H_KV, D, backend="triton", plan_kind=kind, device="cuda")
         plan = attn.plan(layout)
         # Planned with the GPU idle, as in decoding, where the next tree waits for the
-        # sampled tokens (a host sync); behind queued work (here the KV set-up), every plan's
-        # pinned upload buffer is still in use and the next is a fresh cudaHostAlloc.
+        # sampled tokens (a host sync). The median of 101 plans after 10 warm-up ones: host
+        # timings on the lent machines swing by up to 1.7x within a run (tools/plan_time.py),
+        # more than 21 plans settle.
         torch.cuda.synchronize()
         plan_times = []
-        for _ in range(21):
+        for i in range(111):
             attn.plan(layout)
-            plan_times.append(attn.plan_seconds)
-        row["impls"][label] = {"plan_ms": sorted(plan_times)[10] * 1e3, "tiles": plan.num_tiles,
-                               "partials": plan.num_partials}
+            if i >= 10:
+                plan_times.append(attn.plan_seconds)
+        row["impls"][label] = {"plan_ms": statistics.median(plan_times) * 1e3,
+                               "tiles": plan.num_tiles, "partials": plan.num_partials}
         impls[label] = lambda l, a=attn: a.run(q, ks[l], vs[l])
     sm_scale = D**-0.5
     try:
