@@ -21,8 +21,8 @@
  * `packed` holds the segments token slots, lo, hi, off, work items (8 per item), query
  * order, pre, len, merge indptr, merge partials, each starting at a multiple of 16 elements
  * (offsets in the header), gaps zeroed. Token lo, hi and off are written only where the
- * kernels read them, from each tile's mask_from on (usually a few tokens: a step over a
- * 20,000-token prompt writes a fifth of the bytes); other entries keep what the buffer held.
+ * kernels read them, from each tile's mask_from on (usually few tokens: over a shared
+ * prompt, none); other entries keep what the buffer held.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
