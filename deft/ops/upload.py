@@ -8,8 +8,8 @@ turns, and a CUDA copy and its event are one call into the compiled planner
 refilled only after its last copy ran (an event per buffer; on an idle GPU that costs no
 wait). The buffers live as long as the process: torch's pinned allocator does not see these
 copies, so it must never get a buffer back while one may be pending. Without the runtime
-library or the compiled planner, or if the call fails (say, a device other than the current
-one), the copy falls back to ``Tensor.copy_`` with a torch event.
+library or the compiled planner, for a device other than the current one, or if the call
+fails, the copy falls back to ``Tensor.copy_`` with a torch event.
 """
 
 from __future__ import annotations
@@ -100,16 +100,18 @@ class Staging:
             dst[:n].copy_(src[:n])
             return
         rt = _cudart()
-        event = self._handle(rt) if rt is not None else None
-        if event is not None and rt.copy(dst.data_ptr(), src.data_ptr(), 4 * n,
-                                         torch._C._cuda_getCurrentRawStream(self.device.index),
-                                         event):
-            self.pending[self.turn] = event
-            self.runtime = rt
-            return
-        dst[:n].copy_(src[:n], non_blocking=True)
+        # The runtime's calls act on the current device: its events are made there too.
+        if rt is not None and self.device.index == torch.cuda.current_device():
+            event = self._handle(rt)
+            if event is not None and rt.copy(dst.data_ptr(), src.data_ptr(), 4 * n,
+                                             torch._C._cuda_getCurrentRawStream(
+                                                 self.device.index), event):
+                self.pending[self.turn] = event
+                self.runtime = rt
+                return
+        dst[:n].copy_(src[:n], non_blocking=True)  # on the current stream of dst's device
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         self.pending[self.turn] = event
 
     def _handle(self, rt: _Runtime) -> int | None:
