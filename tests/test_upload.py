@@ -61,7 +61,9 @@ def _steps(attn, layouts, busy_cycles=0):
 def test_plans_behind_a_busy_gpu_stay_exact(monkeypatch, runtime):
     """Five plans made while a long sleep kernel holds the GPU: their uploads queue behind
     it, and the third plan's host buffer is the first's, refilled only after that copy."""
-    if not runtime:
+    if runtime:
+        assert upload._cudart() is not None, "torch's CUDA runtime library did not load"
+    else:
         monkeypatch.setattr(upload, "_cudart", lambda: None)
     layouts = [few_shot_layout(400 + 300 * i, 2 + i, 30) for i in range(5)]
     attn = TreeAttention(8, 2, 64, backend="triton", device="cuda")

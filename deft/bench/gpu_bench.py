@@ -86,7 +86,7 @@ def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
         # Planned with the GPU idle, as in decoding, where the next tree waits for the
         # sampled tokens (a host sync). The median of 101 plans after 10 warm-up ones: host
         # timings on the lent machines swing by up to 1.7x within a run (tools/plan_time.py),
-        # more than 21 plans settle.
+        # and 21 plans were too few to settle them.
         torch.cuda.synchronize()
         plan_times = []
         for i in range(111):
