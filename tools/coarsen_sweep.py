@@ -10,6 +10,8 @@ kernels, one KV buffer per layer) and check layer 0 against the float64 referenc
 * ``shapes``: other block shapes (rows x tokens, warps, stages), and slot loads forced on;
 * ``tma``: TMA loads of consecutive-slot tiles off (gathered loads), and TMA block shapes;
 * ``occupancy``: 2 stages, a 128-register cap (4 programs per SM instead of 3), other waves;
+* ``pipeline``: deeper K/V rings (16-token blocks with 5, 6 or 8 stages, 32 with 4), so
+  loads are issued further ahead of their use;
 * ``pdl``: programmatic dependent launch off;
 * ``partials``: partial o in fp32, or in q's dtype with and without a register cap, for
   every step (shipped: q's dtype with the cap in the ``wide`` regime only);
@@ -75,6 +77,12 @@ elif SWEEP == "occupancy":
         ("waves 3", variant(waves=3.0), None),
         ("s2 maxnreg 128 waves 6", variant(num_stages=2, maxnreg=128, waves=6.0), None),
     ]
+elif SWEEP == "pipeline":
+    # Deeper K/V rings: Triton issues block i + stages - 1's loads at the end of iteration i,
+    # so a load has stages - 2 iterations to land; 16-token blocks give 6 stages the shipped
+    # ring's shared memory (48 KB of K/V) and twice its lead in tokens.
+    VARIANTS += [(f"n{n} s{st}", variant(block_n=n, num_stages=st), None)
+                 for n, st in ((16, 5), (16, 6), (16, 8), (32, 4))]
 elif SWEEP == "mergecfg":
     VARIANTS += [(f"merge b{b} w{w}", variant(merge_block=b, merge_warps=w), None)
                  for b, w in ((16, 2), (8, 2), (32, 4), (4, 1))]
@@ -85,8 +93,8 @@ elif SWEEP == "partials":
                  ("narrow partials", variant(narrow_partials=True, maxnreg=None), None),
                  ("narrow maxnreg 168", variant(narrow_partials=True, maxnreg=168), None)]
 else:
-    sys.exit(f"SWEEP: expected merge, factors, shapes, tma, occupancy, mergecfg, pdl or partials, "
-             f"got {SWEEP!r}")
+    sys.exit(f"SWEEP: expected merge, factors, shapes, tma, occupancy, pipeline, mergecfg, pdl "
+             f"or partials, got {SWEEP!r}")
 if os.environ.get("ONLY"):  # comma-separated labels: run just these variants
     VARIANTS = [v for v in VARIANTS if v[0] in os.environ["ONLY"].split(",")]
 TREES = GPU_SUITE
