@@ -6,7 +6,6 @@ once per checkout (``PYTHONPATH``).
 Usage: python3 tools/plan_time.py [TREE ...]
 """
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -14,17 +13,10 @@ import torch
 
 from deft import TreeAttention
 from deft.bench.gpu_bench import D, H_KV, H_Q
+from deft.bench.timing import median_plan_seconds
 from deft.bench.trees import GPU_SUITE, build
 
 workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
-
-
-def median_us(attn: TreeAttention, layout, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        attn.plan(layout)
-        times.append(attn.plan_seconds)
-    return statistics.median(times) * 1e6
 
 
 print(f"{'workload':26s} {'after sync':>11s} {'warm':>8s}  (µs per plan)")
@@ -36,6 +28,6 @@ for name in sys.argv[1:] or GPU_SUITE:
     for _ in range(20):  # some GPU work, then a sync, as before a decode step's plan
         x = x @ x / 64
     torch.cuda.synchronize()
-    cold = median_us(attn, layout, 21)
-    warm = median_us(attn, layout, 2000)
+    cold = median_plan_seconds(attn, layout, 21) * 1e6
+    warm = median_plan_seconds(attn, layout, 2000) * 1e6
     print(f"{name:26s} {cold:11.1f} {warm:8.1f}", flush=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from pathlib import Path
 from typing import Callable
 
@@ -27,6 +26,7 @@ from ..ops.reference import visibility_mask
 from ..ops.triton_backend import kernel_config
 from .baselines import flex_tree_attention, sdpa_per_query
 from .report import markdown_table
+from .timing import median_plan_seconds
 from .trees import GPU_SUITE, build
 
 __all__ = ["gpu_attention_report", "measure_ceilings"]
@@ -88,12 +88,7 @@ def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
         # timings on the lent machines swing by up to 1.7x within a run (tools/plan_time.py),
         # and 21 plans were too few to settle them.
         torch.cuda.synchronize()
-        plan_times = []
-        for i in range(111):
-            attn.plan(layout)
-            if i >= 10:
-                plan_times.append(attn.plan_seconds)
-        row["impls"][label] = {"plan_ms": statistics.median(plan_times) * 1e3,
+        row["impls"][label] = {"plan_ms": median_plan_seconds(attn, layout, 101, 10) * 1e3,
                                "tiles": plan.num_tiles, "partials": plan.num_partials}
         impls[label] = lambda l, a=attn: a.run(q, ks[l], vs[l])
     sm_scale = D**-0.5

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Any, Callable
 
-__all__ = ["median_seconds"]
+__all__ = ["median_plan_seconds", "median_seconds"]
 
 
 def median_seconds(fn: Callable[[], object], reps: int = 20, warmup: int = 2,
@@ -20,4 +20,15 @@ def median_seconds(fn: Callable[[], object], reps: int = 20, warmup: int = 2,
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def median_plan_seconds(attn: Any, layout: Any, reps: int, warmup: int = 0) -> float:
+    """Median of ``reps`` back-to-back ``attn.plan(layout)`` calls, each as the plan times
+    itself (``attn.plan_seconds``), after ``warmup`` untimed ones."""
+    times = []
+    for i in range(warmup + reps):
+        attn.plan(layout)
+        if i >= warmup:
+            times.append(attn.plan_seconds)
     return statistics.median(times)
