@@ -23,6 +23,19 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
+def _softmax_step(s, m_i, l_i, acc, qk_scale):
+    """Online-softmax step of one block of raw scores ``s`` (``-inf`` where not seen): the
+    block's probabilities in base 2 and the updated running max, sum and accumulator. The
+    scale folds into one FMA per score (the max commutes with a positive scale)."""
+    # m_i starts finite (-1e30), so no -inf - -inf: masked scores give p = 0.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, m_new, l_i, acc * alpha[:, None]
+
+
+@triton.jit
 def _tile_loop(
     q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen, row_ok,
     m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
@@ -54,7 +67,6 @@ def _tile_loop(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
         vis = tok_ok[None, :] & row_ok[:, None]
         if MASKED:
             lo = tl.load(tok_lo + offs, mask=tok_ok, other=0)
@@ -63,18 +75,12 @@ def _tile_loop(
             vis = vis & (lo[None, :] <= pre[:, None]) & (pre[:, None] < hi[None, :])
             vis = vis & ((pre[:, None] != lo[None, :]) | (off[None, :] < qlen[:, None]))
         s = tl.where(vis, s, float("-inf"))
-        # m_i starts finite (-1e30), so no -inf - -inf: masked scores give p = 0.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
         v = tl.load(V + kv_off, mask=tok_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None]
         if IEEE:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         else:
             acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
     return m_i, l_i, acc
 
 
@@ -90,9 +96,9 @@ def _tma_block(
     NaN/inf there cannot leak in."""
     k = desc_k.load([slot, kvh * D])
     if IEEE:
-        s = tl.dot(q, k.T, input_precision="ieee") * qk_scale
+        s = tl.dot(q, k.T, input_precision="ieee")
     else:
-        s = tl.dot(q, k.T) * qk_scale
+        s = tl.dot(q, k.T)
     if MASKED or TAIL:
         offs = start + tl.arange(0, BLOCK_N)
         tok_ok = offs < tok1
@@ -106,19 +112,15 @@ def _tma_block(
         else:
             vis = tok_ok[None, :]
         s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
     v = desc_v.load([slot, kvh * D])
     if TAIL:
         v = tl.where((start + tl.arange(0, BLOCK_N) < tok1)[:, None], v, 0.0)
-    acc = acc * alpha[:, None]
     if IEEE:
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
     else:
         acc = tl.dot(p.to(v.dtype), v, acc)
-    return m_new, l_i, acc
+    return m_i, l_i, acc
 
 
 @triton.jit
