@@ -59,17 +59,21 @@ def test_random_forest_interpreted():
     check(layout, 2, 1, 16, torch.float32)
 
 
-def test_merge_states_triton_path():
+@pytest.mark.parametrize("heads", [1, 2, 4])
+def test_merge_states_triton_path(heads):
+    """The merge kernel, one to four heads per program, on 3 heads (a partial last block)."""
     from deft.ops.triton_backend import launch_merge
 
     g = torch.Generator().manual_seed(0)
-    v = torch.randn(3, 4, 2, 16, generator=g).to(DEV)
-    s = torch.randn(3, 4, 2, generator=g).to(DEV)
+    v = torch.randn(3, 4, 3, 16, generator=g).to(DEV)
+    s = torch.randn(3, 4, 3, generator=g).to(DEV)
     s[1, :2] = float("-inf")
-    o = torch.empty(3, 2, 16, device=DEV)
-    lse = torch.empty(3, 2, device=DEV)
+    s[2, :, 1] = float("-inf")  # a (query, head) row without any state
+    o = torch.empty(3, 3, 16, device=DEV)
+    lse = torch.empty(3, 3, device=DEV)
     indptr = torch.arange(0, 13, 4, dtype=torch.int32, device=DEV)
-    launch_merge(v.view(12, 2, 16), s.view(12, 2), o, lse, indptr, torch.arange(12, dtype=torch.int32, device=DEV))
+    launch_merge(v.view(12, 3, 16), s.view(12, 3), o, lse, indptr,
+                 torch.arange(12, dtype=torch.int32, device=DEV), heads=heads)
     ref_o, ref_lse = merge_states(v, s)
     torch.testing.assert_close(o, ref_o)
     torch.testing.assert_close(lse, ref_lse)
@@ -616,3 +620,17 @@ def test_coarsening_model_tries_at_most_17_factors(monkeypatch):
     assert tb._lpt_factor(plan, 400, 4, 64, 8, 104) == 400  # one wave
     assert tb._lpt_factor(plan, 400, 4, 64, 8, 12) == 400  # more than 8 waves
     assert tried == []
+
+
+def test_config_regimes_nest():
+    """``for_rows`` walks nested ``wide`` configs by their thresholds; ``replace_all`` changes
+    every level."""
+    from deft.ops.triton_backend import KernelConfig
+
+    widest = KernelConfig(16, 16, 1, 1, 2.0, merge_heads=8)
+    wide = KernelConfig(16, 16, 1, 1, 2.0, merge_heads=4, wide_from=100, wide=widest)
+    base = KernelConfig(16, 16, 1, 1, 2.0, wide_from=10, wide=wide)
+    assert [base.for_rows(r).merge_heads for r in (9, 10, 99, 100, 1000)] == [1, 4, 4, 8, 8]
+    changed = base.replace_all(merge_warps=3)
+    assert [changed.for_rows(r).merge_warps for r in (1, 10, 100)] == [3, 3, 3]
+    assert [changed.for_rows(r).merge_heads for r in (1, 10, 100)] == [1, 4, 8]

@@ -16,14 +16,15 @@ kernels, one KV buffer per layer) and check layer 0 against the float64 referenc
 * ``partials``: partial o in fp32, or in q's dtype with and without a register cap, for
   every step (shipped: q's dtype with the cap in the ``wide`` regime only);
 * ``mergecfg``: one merge-kernel shape (partial states per step, warps) for every step,
-  instead of the shipped one per regime (``KernelConfig.for_rows``).
+  instead of the shipped one per regime (``KernelConfig.for_rows``);
+* ``mergeheads``: merge programs of several query heads (states per step, warps, heads),
+  for every step.
 
 ``EAGER=1`` times the step launched from Python instead of replayed; ``ONLY=label,...``
 keeps just those variants.
 
 Usage: [SWEEP=factors] python3 tools/coarsen_sweep.py [TREE ...]   (one line per (tree, variant))
 """
-import dataclasses
 import json
 import os
 import sys
@@ -47,9 +48,8 @@ TMA_SHAPES = [(64, 32, 4, 4), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), 
 
 
 def variant(**changes) -> tb.KernelConfig:
-    """The shipped config with ``changes``, in its ``wide`` variant (many queries) too."""
-    wide = SHIPPED.wide and dataclasses.replace(SHIPPED.wide, **changes)
-    return dataclasses.replace(SHIPPED, **changes, wide=wide)
+    """The shipped config with ``changes``, in its ``wide`` variants (many queries) too."""
+    return SHIPPED.replace_all(**changes)
 
 
 # (label, config, fixed coarsening factor or None for the shipped refine_plan)
@@ -86,6 +86,11 @@ elif SWEEP == "pipeline":
 elif SWEEP == "mergecfg":
     VARIANTS += [(f"merge b{b} w{w}", variant(merge_block=b, merge_warps=w), None)
                  for b, w in ((16, 2), (8, 2), (32, 4), (4, 1))]
+elif SWEEP == "mergeheads":
+    VARIANTS += [(f"merge b{b} w{w} h{h}", variant(merge_block=b, merge_warps=w, merge_heads=h),
+                  None)
+                 for b, w, h in ((16, 2, 1), (4, 1, 1), (8, 2, 2), (4, 2, 4), (8, 4, 4),
+                                 (4, 4, 8), (2, 4, 8))]
 elif SWEEP == "pdl":
     VARIANTS.append(("no pdl", variant(pdl=False), None))
 elif SWEEP == "partials":
@@ -93,8 +98,8 @@ elif SWEEP == "partials":
                  ("narrow partials", variant(narrow_partials=True, maxnreg=None), None),
                  ("narrow maxnreg 168", variant(narrow_partials=True, maxnreg=168), None)]
 else:
-    sys.exit(f"SWEEP: expected merge, factors, shapes, tma, occupancy, pipeline, mergecfg, pdl "
-             f"or partials, got {SWEEP!r}")
+    sys.exit(f"SWEEP: expected merge, factors, shapes, tma, occupancy, pipeline, mergecfg, "
+             f"mergeheads, pdl or partials, got {SWEEP!r}")
 if os.environ.get("ONLY"):  # comma-separated labels: run just these variants
     VARIANTS = [v for v in VARIANTS if v[0] in os.environ["ONLY"].split(",")]
 TREES = GPU_SUITE

@@ -9,7 +9,6 @@ and without programmatic dependent launch (the shipped step chains its launches 
 
 Usage: python3 tools/launch_cost.py [TREE ...]   (default: small steps of the GPU suite)
 """
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -29,8 +28,7 @@ workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
 names = sys.argv[1:] or ["speculative t=32", "reasoning keywordToT", "medusa APPS-32",
                          "few-shot b=20", "speculative t=256"]
 SHIPPED = tb.kernel_config(D)
-FUSED = dataclasses.replace(SHIPPED, fuse_merge=True,
-                            wide=dataclasses.replace(SHIPPED.wide, fuse_merge=True))
+FUSED = SHIPPED.replace_all(fuse_merge=True)
 
 
 class _Skipped:

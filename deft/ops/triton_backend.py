@@ -20,7 +20,7 @@ import heapq
 import math
 import os
 from typing import Union
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -50,18 +50,26 @@ class KernelConfig:
     maxnreg: int | None = None  # register cap per thread (more programs per SM, maybe spills)
     pdl: bool = False  # programmatic dependent launch (sm_90+): starts before the last launch ends
     merge_block: int = 16  # partial states per step of the merge kernel
-    merge_warps: int = 2  # warps per merge program (one (query, head) row)
+    merge_warps: int = 2  # warps per merge program
+    merge_heads: int = 1  # query heads per merge program (a power of two)
     # Partial o stored in q's dtype for fp16/bf16 (fp32 for fp32): half the bytes the partial
     # kernel writes and the merge reads; lse stays fp32. Each partial is a weighted mean of V
     # rows, so rounding it costs about one more rounding of the output.
     narrow_partials: bool = False
-    # Steps of at least ``wide_from`` (query, query head) rows run with ``wide`` instead.
+    # Steps of at least ``wide_from`` (query, query head) rows run with ``wide`` instead
+    # (which may have a ``wide`` of its own, for even larger steps).
     wide_from: int = 2048
     wide: KernelConfig | None = None
 
     def for_rows(self, rows: int) -> KernelConfig:
         """The config of a step of ``rows`` (query, query head) rows."""
-        return self.wide if self.wide is not None and rows >= self.wide_from else self
+        if self.wide is not None and rows >= self.wide_from:
+            return self.wide.for_rows(rows)
+        return self
+
+    def replace_all(self, **changes) -> KernelConfig:
+        """This config with ``changes``, in its ``wide`` variants too (for tuning sweeps)."""
+        return replace(self, **changes, wide=self.wide and self.wide.replace_all(**changes))
 
 
 # Keyed by head_dim. 128 is tuned on an H200 (tools/coarsen_sweep.py, docs/benchmarks.md);
@@ -72,11 +80,18 @@ class KernelConfig:
 # under a 168-register cap (converting them costs registers; uncapped, only 2 programs fit
 # per SM instead of 3). Measured with SWEEP=mergecfg and SWEEP=partials: 4-10% faster on the
 # trees above the threshold, and 2-12% slower than the base config on most trees below it.
+# From 8,192 rows (256 queries of 32 heads) a merge program takes 8 heads of a query, 2 of
+# its states per step, with 4 warps: 6-15% faster on the two such trees (SWEEP=mergeheads),
+# 8-20% slower at 2,048 and 4,096 rows, where the one-head programs already fill the GPU.
 _WIDE = dict(merge_block=4, merge_warps=1, narrow_partials=True, maxnreg=168)
+_WIDEST = dict(_WIDE, merge_block=2, merge_warps=4, merge_heads=8)
 _GPU_CONFIGS = {
     64: KernelConfig(64, 32, 4, 3, 4.0, tma=True, pdl=True),
     128: KernelConfig(64, 32, 4, 3, 4.0, tma=True, pdl=True,
-                      wide=KernelConfig(64, 32, 4, 3, 4.0, tma=True, pdl=True, **_WIDE)),
+                      wide=KernelConfig(64, 32, 4, 3, 4.0, tma=True, pdl=True, **_WIDE,
+                                        wide_from=8192,
+                                        wide=KernelConfig(64, 32, 4, 3, 4.0, tma=True, pdl=True,
+                                                          **_WIDEST))),
     256: KernelConfig(64, 32, 8, 2, 4.0, tma=True, pdl=True),
 }
 # Coarsened tiles aim at this many tokens at least, while the launch keeps one program per SM
@@ -90,7 +105,7 @@ _MAX_COARSEN = 1024  # at most this many plan tiles per coarsened tile
 # work item and Q, partial-state stores).
 _PROGRAMS_PER_SM = 3
 _PROGRAM_COST = 128
-_INTERPRET_CONFIG = KernelConfig(16, 16, 1, 1, 2.0)
+_INTERPRET_CONFIG = KernelConfig(16, 16, 1, 1, 2.0, merge_heads=2)
 
 
 def _triton_interprets() -> bool:
@@ -559,7 +574,7 @@ class TritonBackend:
             tree_partial_kernel[grid](*args, **kw)
         if not fused:
             launch_merge(po, plse, o, lse, a[1], a[2], pdl, cfg.merge_block, cfg.merge_warps,
-                         strides=(h * d_, d_, h))
+                         strides=(h * d_, d_, h), heads=cfg.merge_heads)
 
 
 _TMA_COMPILED: set[tuple] = set()  # launch keys whose TMA variant an eager launch compiled
@@ -596,22 +611,25 @@ def _kv_descriptor(cache: torch.Tensor, stride: tuple[int, ...], block_n: int) -
 
 def launch_merge(po: _Ptr, plse: _Ptr, o: torch.Tensor, lse: _Ptr, indptr: _Ptr,
                  indices: _Ptr, pdl: bool = False, block: int | None = None,
-                 warps: int | None = None, strides: tuple[int, int, int] | None = None) -> None:
+                 warps: int | None = None, strides: tuple[int, int, int] | None = None,
+                 heads: int | None = None) -> None:
     """Merge states ``po [P, H, D]``, ``plse [P, H]`` into ``o [N, H, D]`` and the contiguous
     ``lse [N, H]`` through the CSR map ``indptr [N + 1]``, ``indices`` (int32), ``block``
-    states per step with ``warps`` per (row, head) program (by default the config's shape
-    for this grid). ``strides``: those of ``po`` (rows, heads) and ``plse`` (rows) when they
-    are raw pointers. ``pdl``: launched to start before the previous launch ends (see
-    ``_has_pdl``)."""
+    states of ``heads`` query heads per step with ``warps`` per program (by default the
+    config's shape for this grid). ``strides``: those of ``po`` (rows, heads) and ``plse``
+    (rows) when they are raw pointers. ``pdl``: launched to start before the previous launch
+    ends (see ``_has_pdl``)."""
     n, h, d = o.shape
-    if block is None or warps is None:
+    if block is None or warps is None or heads is None:
         cfg = kernel_config(d).for_rows(n * h)
-        block, warps = cfg.merge_block, cfg.merge_warps
+        block = cfg.merge_block if block is None else block
+        warps = cfg.merge_warps if warps is None else warps
+        heads = cfg.merge_heads if heads is None else heads
     if strides is None:
         strides = (*po.stride()[:2], plse.stride(0))
     small = interpreting()
-    merge_kernel[(n, h)](
+    merge_kernel[(n, -(-h // heads))](
         po, plse, o, lse, indptr, indices, h, *strides, *o.stride()[:2],
-        D=d, BLOCK_S=4 if small else block, PDL=pdl, num_warps=1 if small else warps,
-        launch_pdl=pdl,
+        D=d, BLOCK_S=4 if small else block, BLOCK_H=heads, PDL=pdl,
+        num_warps=1 if small else warps, launch_pdl=pdl,
     )

@@ -12,9 +12,9 @@ fp16/bf16), ``lse`` in fp32. With ``FUSE_MERGE`` the program that writes a row's
 partial state also merges the row (measured slower on an H200, so off by default; see
 docs/benchmarks.md).
 
-``merge_kernel``: one program per (query, head); merges the query's partial states through
-the reduction map (CSR), a block of them per step, into ``o`` (output dtype) and ``lse``
-(natural log).
+``merge_kernel``: one program per (query, block of heads); merges the query's partial states
+through the reduction map (CSR), a block of them per step, into ``o`` (output dtype) and
+``lse`` (natural log).
 """
 
 import triton
@@ -317,10 +317,11 @@ def merge_kernel(
     PO, PLSE, O, LSE, indptr, indices,
     num_heads,
     stride_pn, stride_ph, stride_ln, stride_on, stride_oh,
-    D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
     n = tl.program_id(0)
-    h = tl.program_id(1)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < num_heads
     d = tl.arange(0, D)
     start = tl.load(indptr + n)
     end = tl.load(indptr + n + 1)
@@ -332,29 +333,32 @@ def merge_kernel(
         # (every program waits, with no return before).
         gdc_launch_dependents()
         gdc_wait()
-    m = float("-inf")
-    den = 0.0
-    acc = tl.zeros([D], tl.float32)
-    # BLOCK_S partial states at a time: independent loads in flight, one rescale per block.
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    # BLOCK_S partial states of BLOCK_H heads at a time (a state's heads are contiguous):
+    # independent loads in flight, one rescale per block.
     for c in range(start, end, BLOCK_S):
         idx = c + tl.arange(0, BLOCK_S)
-        ok = idx < end
         p = next_p.to(tl.int64)
         ahead = idx + BLOCK_S
         next_p = tl.load(indices + ahead, mask=ahead < end, other=0)
-        s = tl.load(PLSE + p * stride_ln + h, mask=ok, other=float("-inf"))
-        o = tl.load(PO + p[:, None] * stride_pn + h * stride_ph + d[None, :],
-                    mask=ok[:, None], other=0.0).to(tl.float32)
+        ok = (idx < end)[:, None] & h_ok[None, :]
+        s = tl.load(PLSE + p[:, None] * stride_ln + heads[None, :], mask=ok,
+                    other=float("-inf"))
+        o = tl.load(PO + p[:, None, None] * stride_pn + heads[None, :, None] * stride_ph
+                    + d[None, None, :], mask=ok[:, :, None], other=0.0).to(tl.float32)
         m_new = tl.maximum(m, tl.max(s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         a = tl.exp(m - m_safe)
-        b = tl.exp(s - m_safe)
-        acc = acc * a + tl.sum(tl.where(b[:, None] > 0, o * b[:, None], 0.0), 0)
+        b = tl.exp(s - m_safe[None, :])
+        acc = acc * a[:, None] + tl.sum(tl.where(b[:, :, None] > 0, o * b[:, :, None], 0.0), 0)
         den = den * a + tl.sum(b, 0)
         m = m_new
     has = den > 0
-    out = acc / tl.where(has, den, 1.0)
+    out = acc / tl.where(has, den, 1.0)[:, None]
     lse = tl.where(has, m + tl.log(tl.where(has, den, 1.0)), float("-inf"))
     n64 = n.to(tl.int64)
-    tl.store(O + n64 * stride_on + h * stride_oh + d, out.to(O.dtype.element_ty))
-    tl.store(LSE + n64 * num_heads + h, lse)
+    tl.store(O + n64 * stride_on + heads[:, None] * stride_oh + d[None, :],
+             out.to(O.dtype.element_ty), mask=h_ok[:, None])
+    tl.store(LSE + n64 * num_heads + heads, lse, mask=h_ok)
