@@ -82,7 +82,7 @@ class KernelConfig:
 # trees above the threshold, and 2-12% slower than the base config on most trees below it.
 # From 8,192 rows (256 queries of 32 heads) a merge program takes 8 heads of a query, 2 of
 # its states per step, with 4 warps: 6-15% faster on the two such trees (SWEEP=mergeheads),
-# 8-20% slower at 2,048 and 4,096 rows, where the one-head programs already fill the GPU.
+# 5-20% slower at 2,048 and 4,096 rows, where the one-head programs already fill the GPU.
 _WIDE = dict(merge_block=4, merge_warps=1, narrow_partials=True, maxnreg=168)
 _WIDEST = dict(_WIDE, merge_block=2, merge_warps=4, merge_heads=8)
 _GPU_CONFIGS = {
