@@ -36,7 +36,8 @@ import numpy as np
 
 from .layout import TreeLayout
 
-__all__ = ["PLAN_KINDS", "PlanKind", "TreePlan", "make_plan", "coarsen_plan", "group_runs", "dfs_preorder"]
+__all__ = ["PLAN_KINDS", "PlanKind", "TreePlan", "make_plan", "coarsen_plan", "group_runs",
+           "dfs_preorder"]
 
 PlanKind = Literal["flatten", "node", "node_chunk", "per_query"]
 PLAN_KINDS: tuple[str, ...] = ("flatten", "node", "node_chunk", "per_query")

@@ -34,7 +34,7 @@
 typedef int64_t i64;
 typedef int32_t i32;
 
-/* Header slots of ws. Keep in sync with deft/fastplan.py. */
+/* Header slots of ws (py_plan returns the sizes and segment offsets among them). */
 enum {
     H_N, H_T, H_P, H_W, H_Q, H_SORTED, H_ALL_MERGED, H_OUT_SIZE,
     H_SEG, /* 11 offsets of the packed segments; the last is the buffer's length */
