@@ -23,7 +23,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _workloads(path: str | None) -> Path | None:
-    from .workloads import workloads_dir
+    from .recorded import workloads_dir
 
     try:
         return workloads_dir(path)

@@ -64,7 +64,7 @@ def engine_demo(loaded: tuple[Any, Any], new_tokens: int = 24, replay_iterations
         say("speculative decoding")
         lines += ["", *_speculative_lines(engine, tok, 2 * new_tokens)]
 
-    from .workloads import workloads_dir
+    from .recorded import workloads_dir
 
     try:
         trace = workloads_dir() / "deft" / "reasoning" / "keywordToT.json"

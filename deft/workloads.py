@@ -7,45 +7,21 @@ read, never copied.
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
 from .layout import TreeLayout
+from .recorded import load_reasoning_records
 
 __all__ = [
-    "workloads_dir",
     "few_shot_layout",
     "fan_layout",
     "medusa_layout",
-    "load_medusa_choices",
     "reasoning_layout",
     "shuffle_slots",
 ]
-
-
-def workloads_dir(path: str | os.PathLike[str] | None = None) -> Path:
-    """The recorded-workloads directory: ``path``, else ``$DEFT_WORKLOADS``, else
-    ``../shared/workloads`` next to the repository. ``FileNotFoundError`` names what was tried."""
-    tried = []
-    candidates = [path] if path is not None else [
-        os.environ.get("DEFT_WORKLOADS"),
-        Path(__file__).resolve().parents[2] / "shared" / "workloads",
-        Path.cwd().parent / "shared" / "workloads",
-    ]
-    for cand in candidates:
-        if cand is None:
-            continue
-        p = Path(cand)
-        tried.append(str(p))
-        if p.is_dir():
-            return p
-    raise FileNotFoundError(
-        "recorded workloads not found (tried: " + ", ".join(tried) + "); pass a path or set DEFT_WORKLOADS"
-    )
 
 
 def shuffle_slots(layout: TreeLayout, seed: int = 0, num_slots: int | None = None) -> TreeLayout:
@@ -70,16 +46,6 @@ def fan_layout(prompt_len: int, leaves: int) -> TreeLayout:
     return few_shot_layout(prompt_len, leaves, 1)
 
 
-def load_medusa_choices(path: str | os.PathLike[str]) -> list[list[int]]:
-    """Draft-tree paths from a Medusa choices file (``Tree_Structure`` or ``paths`` key)."""
-    with open(path) as f:
-        data = json.load(f)
-    for key in ("Tree_Structure", "paths"):
-        if isinstance(data, dict) and key in data:
-            return [list(map(int, p)) for p in data[key]]
-    raise ValueError(f"{path}: expected a JSON object with 'Tree_Structure' or 'paths'")
-
-
 def medusa_layout(choices: Sequence[Sequence[int]], prompt_len: int) -> TreeLayout:
     """A prompt node, then the draft tree: a root token and one 1-token node per choice path.
 
@@ -96,12 +62,6 @@ def medusa_layout(choices: Sequence[Sequence[int]], prompt_len: int) -> TreeLayo
     return TreeLayout.from_node_lengths(parents, lens, list(range(1, len(parents))))
 
 
-def _reasoning_records(path: Path) -> list[dict[str, Any]]:
-    with open(path) as f:
-        records = json.load(f)
-    return [r for r in records if not r.get("incompleted")]
-
-
 def reasoning_layout(path: str | os.PathLike[str], record: int | None = None,
                      iteration: int | None = None) -> TreeLayout:
     """A snapshot of a recorded Graph-of-Thoughts tree at one decoding iteration.
@@ -110,7 +70,7 @@ def reasoning_layout(path: str | os.PathLike[str], record: int | None = None,
     no active descendant are pruned; each active node has one query (its newest token).
     By default the (record, iteration) with the most active nodes is taken.
     """
-    records = _reasoning_records(Path(path))
+    records = load_reasoning_records(path)
     if not records:
         raise ValueError(f"{path}: no complete records")
     if record is None or iteration is None:

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from deft import TreeLayout  # noqa: E402
-from deft.workloads import workloads_dir  # noqa: E402
+from deft.recorded import workloads_dir  # noqa: E402
 
 # (atol, rtol) of the attention output against the float64 reference, per input dtype.
 # fp16/bf16 outputs are rounded to the dtype, so the bound is a few ulps of |o| <= max|v|.

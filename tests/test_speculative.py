@@ -21,7 +21,7 @@ from deft.engine.sampling import probabilities
 from deft.engine.speculative import accept_greedy, accept_sampled, speculative_generate
 from deft.engine.trees import Candidates, DraftTree, TopKShape, TreeGrower, TreeShape, as_shape
 from deft.model import LlamaConfig, LlamaModel, Tokenizer
-from deft.workloads import load_medusa_choices
+from deft.recorded import load_medusa_choices
 
 # ---------------------------------------------------------------- tree shapes
 

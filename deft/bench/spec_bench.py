@@ -51,7 +51,7 @@ def spec_table(
     from ..engine.strategies import generate
     from ..engine.trees import TopKShape, TreeShape
     from ..model import load_model
-    from ..workloads import workloads_dir
+    from ..recorded import workloads_dir
 
     model, tok = load_model(model_path, device=device)
     engine = TreeEngine(model, tok, num_pages=512)

@@ -8,7 +8,8 @@ from typing import Callable
 import numpy as np
 
 from ..layout import TreeLayout
-from ..workloads import fan_layout, few_shot_layout, load_medusa_choices, medusa_layout, reasoning_layout
+from ..recorded import load_medusa_choices
+from ..workloads import fan_layout, few_shot_layout, medusa_layout, reasoning_layout
 
 __all__ = ["WORKLOADS", "GPU_SUITE", "CPU_SUITE", "PLAN_SUITE", "build", "random_forest_layout"]
 

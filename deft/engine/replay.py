@@ -1,7 +1,7 @@
 """Replay a recorded reasoning tree (Graph-of-Thoughts template) through the engine.
 
 The recorded files (``deft/reasoning/*.json`` under the workloads directory, see
-``deft.workloads.workloads_dir``) give, per thought, the iterations during which it is
+``deft.recorded.workloads_dir``) give, per thought, the iterations during which it is
 decoded and the thoughts that branch from it when it ends. Replaying one record
 reproduces the *shape* of that run: node 0's prompt is prefilled (random token ids of
 the recorded length), then each iteration every active thought decodes one token in a
@@ -24,6 +24,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ..recorded import load_reasoning_records
 from .core import TreeEngine
 from .decoding import prefill, release_on_error
 
@@ -72,11 +73,7 @@ def load_trace(path: str | os.PathLike[str], record: int = 0) -> dict[int, dict[
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such trace file")
     try:
-        with open(path) as f:
-            records = json.load(f)
-        if not isinstance(records, list):
-            raise TypeError(f"expected a JSON list of records, got {type(records).__name__}")
-        records = [r for r in records if not r.get("incompleted")]
+        records = load_reasoning_records(path)
         if isinstance(record, bool) or not isinstance(record, int) or not 0 <= record < len(records):
             raise ValueError(f"record: expected an index in [0, {len(records)}) (complete records "
                              f"of {path.name}), got {record!r}")

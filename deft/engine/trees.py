@@ -102,7 +102,7 @@ class TreeShape:
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> TreeShape:
         """:meth:`from_choices` of a Medusa choices JSON file (``Tree_Structure`` or ``paths``)."""
-        from ..workloads import load_medusa_choices
+        from ..recorded import load_medusa_choices
 
         return cls.from_choices(load_medusa_choices(path))
 

@@ -1,0 +1,54 @@
+"""The recorded workload files: where they are, Medusa draft-tree choices, reasoning traces.
+
+The files live outside the repository (``../shared/workloads`` beside the checkout, or a
+directory named by ``DEFT_WORKLOADS`` or passed explicitly); they are read, never copied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["workloads_dir", "load_medusa_choices", "load_reasoning_records"]
+
+
+def workloads_dir(path: str | os.PathLike[str] | None = None) -> Path:
+    """The recorded-workloads directory: ``path``, else ``$DEFT_WORKLOADS``, else
+    ``../shared/workloads`` next to the repository. ``FileNotFoundError`` names what was tried."""
+    tried = []
+    candidates = [path] if path is not None else [
+        os.environ.get("DEFT_WORKLOADS"),
+        Path(__file__).resolve().parents[2] / "shared" / "workloads",
+        Path.cwd().parent / "shared" / "workloads",
+    ]
+    for cand in candidates:
+        if cand is None:
+            continue
+        p = Path(cand)
+        tried.append(str(p))
+        if p.is_dir():
+            return p
+    raise FileNotFoundError(
+        "recorded workloads not found (tried: " + ", ".join(tried) + "); pass a path or set DEFT_WORKLOADS"
+    )
+
+
+def load_medusa_choices(path: str | os.PathLike[str]) -> list[list[int]]:
+    """Draft-tree paths from a Medusa choices file (``Tree_Structure`` or ``paths`` key)."""
+    with open(path) as f:
+        data = json.load(f)
+    for key in ("Tree_Structure", "paths"):
+        if isinstance(data, dict) and key in data:
+            return [list(map(int, p)) for p in data[key]]
+    raise ValueError(f"{path}: expected a JSON object with 'Tree_Structure' or 'paths'")
+
+
+def load_reasoning_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The complete records of a reasoning-trace file (a JSON list; ``incompleted`` ones dropped)."""
+    with open(path) as f:
+        records = json.load(f)
+    if not isinstance(records, list):
+        raise TypeError(f"expected a JSON list of records, got {type(records).__name__}")
+    return [r for r in records if not r.get("incompleted")]
