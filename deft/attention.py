@@ -8,20 +8,12 @@ from typing import Any
 
 import torch
 
+from .checks import positive_int, real_number
 from .layout import TreeLayout
-from .ops import get_backend, resolve_backend
-from .plan import PLAN_KINDS, TreePlan, make_plan
+from .ops import Heads, get_backend, resolve_backend
+from .plan import PLAN_KINDS, TreePlan
 
 __all__ = ["TreeAttention", "tree_attention"]
-
-_DEFAULT_BLOCK_KV = {"torch": 256}
-
-
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-    return value
-
 
 class TreeAttention:
     """Exact attention of many queries over one tree (or forest) of KV cache.
@@ -57,9 +49,9 @@ class TreeAttention:
         block_kv: int | None = None,
         device: str | torch.device = "cpu",
     ) -> None:
-        self.num_qo_heads = _positive_int(num_qo_heads, "num_qo_heads")
-        self.num_kv_heads = _positive_int(num_kv_heads, "num_kv_heads")
-        self.head_dim = _positive_int(head_dim, "head_dim")
+        self.num_qo_heads = positive_int(num_qo_heads, "num_qo_heads")
+        self.num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
+        self.head_dim = positive_int(head_dim, "head_dim")
         if num_qo_heads % num_kv_heads:
             raise ValueError(
                 f"num_qo_heads: expected a multiple of num_kv_heads={num_kv_heads}, got {num_qo_heads}"
@@ -67,20 +59,18 @@ class TreeAttention:
         if plan_kind not in PLAN_KINDS:
             raise ValueError(f"plan_kind: expected one of {', '.join(PLAN_KINDS)}, got {plan_kind!r}")
         if sm_scale is None:
-            sm_scale = 1.0 / math.sqrt(head_dim)
-        if not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) or sm_scale <= 0:
-            raise ValueError(f"sm_scale: expected a positive finite number, got {sm_scale!r}")
-        self.sm_scale = float(sm_scale)
+            sm_scale = 1.0 / math.sqrt(self.head_dim)
+        self.sm_scale = real_number(sm_scale, "sm_scale", "a positive finite number",
+                                    lambda x: x > 0)
         self.device = torch.device(device)
         self.backend_name = resolve_backend(backend, self.device)
         self._backend = get_backend(self.backend_name)
-        # Optional backend method returning only ``o``: it may skip the log-sum-exp.
-        self._run_output = getattr(self._backend, "run_output", None)
+        self._heads = Heads(self.num_qo_heads, self.num_kv_heads, self.head_dim)
         self.plan_kind = plan_kind
         self.block_kv = (
-            _positive_int(block_kv, "block_kv")
+            positive_int(block_kv, "block_kv")
             if block_kv is not None
-            else _DEFAULT_BLOCK_KV.get(self.backend_name, 64)
+            else self._backend.default_block_kv
         )
         self._plan: TreePlan | None = None
         self._prepared: Any = None
@@ -111,25 +101,16 @@ class TreeAttention:
             raise TypeError(f"layout: expected a deft.TreeLayout, got {type(layout).__name__}")
         t0 = time.perf_counter()
         max_slot = int(layout.kv_indices.max(initial=-1))
-        limit = getattr(self._backend, "max_slot", None)
+        limit = self._backend.max_slot
         if limit is not None and max_slot > limit:
             raise ValueError(f"layout: slot {max_slot} is beyond the {self.backend_name} backend's "
                              f"largest addressable slot {limit}")
-        heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim)
-        fast = getattr(self._backend, "plan_fast", None)
         # The last plan's device buffers may be reused (its CUDA graphs are invalid after this
         # plan anyway); until this plan succeeds, there is no current plan.
         previous, self._plan, self._prepared = self._prepared, None, None
-        done = (fast(layout, self.plan_kind, self.block_kv, *heads, self.device,
-                     previous=previous) if fast else None)
-        if done is not None:
-            plan, self._prepared = done
-        else:
-            plan = make_plan(layout, self.plan_kind, self.block_kv)
-            refine = getattr(self._backend, "refine_plan", None)
-            if refine is not None and self.plan_kind in ("flatten", "per_query"):
-                plan = refine(plan, *heads, self.device)
-            self._prepared = self._backend.prepare(plan, layout, self.device, *heads)
+        self._prepared = self._backend.plan(layout, self.plan_kind, self.block_kv, self._heads,
+                                            self.device, previous)
+        plan = self._prepared.plan
         self._plan = plan
         self._max_slot = max_slot
         self.plan_seconds = time.perf_counter() - t0
@@ -175,16 +156,12 @@ class TreeAttention:
             if not return_lse:
                 raise ValueError("lse_out: given but return_lse is False")
             _check_out(lse_out, "lse_out", tuple(q.shape[:2]), torch.float32, q.device)
-        if getattr(self._backend, "writes_out", False):
-            if not return_lse and self._run_output is not None:
-                return self._run_output(self._prepared, q, k_flat, v_flat, self.sm_scale, out=out)
-            o, lse = self._backend.run(self._prepared, q, k_flat, v_flat, self.sm_scale,
-                                       out=out, lse_out=lse_out)
+        if self._backend.writes_out:
+            o, lse = self._backend.run(self._prepared, q, k_flat, v_flat, self.sm_scale, out=out,
+                                       lse_out=lse_out, want_lse=return_lse)
             return (o, lse) if return_lse else o
-        if not return_lse and self._run_output is not None:
-            o = self._run_output(self._prepared, q, k_flat, v_flat, self.sm_scale)
-            return o if out is None else out.copy_(o)
-        o, lse = self._backend.run(self._prepared, q, k_flat, v_flat, self.sm_scale)
+        o, lse = self._backend.run(self._prepared, q, k_flat, v_flat, self.sm_scale,
+                                   want_lse=return_lse)
         o = o if out is None else out.copy_(o)
         if not return_lse:
             return o

@@ -102,7 +102,7 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 def _merge_states_triton(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GPU path of :func:`merge_states`: the triton backend's merge kernel over a dense CSR."""
-    from .ops.triton_backend import launch_merge
+    from .ops.triton.launch import launch_merge
 
     n, k, h, d = v.shape
     o = torch.empty(n, h, d, dtype=v.dtype, device=v.device)

@@ -5,10 +5,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import to_paged, TOL, assert_close, assert_lse_close, random_forest, random_qkv
+from conftest import to_paged, assert_close, assert_lse_close, random_forest, random_qkv
 from deft import PLAN_KINDS, TreeAttention, TreeLayout, tree_attention
 from deft.ops.reference import reference_attention
-from deft.workloads import few_shot_layout, shuffle_slots
+from benchmarks.trees import few_shot_layout, shuffle_slots
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -5,12 +5,12 @@ import re
 import pytest
 import torch
 
+from benchmarks.baselines import flex_tree_attention, sdpa_per_query
+from benchmarks.report import markdown_table
+from benchmarks.trees import few_shot_layout, medusa_layout, shuffle_slots
 from conftest import assert_close, random_qkv
-from deft.bench.baselines import flex_tree_attention, sdpa_per_query
-from deft.bench.report import markdown_table
 from deft.cli import main
 from deft.ops.reference import reference_attention
-from deft.workloads import few_shot_layout, medusa_layout, shuffle_slots
 
 
 def test_demo_shows_exactness_and_io(capsys):

@@ -1,6 +1,6 @@
 """The generation commands (generate, sample, beam), the engine demo and their user errors.
 
-Successful runs reuse one loaded SmolLM2 (``deft.cli._load`` is patched); the model-path
+Successful runs reuse one loaded SmolLM2 (``deft.cli.common.load`` is patched); the model-path
 errors go through the real loader.
 """
 
@@ -12,19 +12,17 @@ import re
 import pytest
 import torch
 
-import deft.cli as cli
+import deft.cli.common as cli_common
 from deft.cli import main
-from deft.demo import engine_demo
-from deft.engine import SamplingParams, TreeEngine
-from deft.engine.beam import beam_search
-from deft.engine.strategies import generate
+from deft.cli.demo import engine_demo
+from deft.engine import SamplingParams, TreeEngine, beam_search, generate
 
 PROMPT = "The capital of France is"
 
 
 @pytest.fixture
 def loaded(smol, monkeypatch):
-    monkeypatch.setattr(cli, "_load", lambda args: smol)
+    monkeypatch.setattr(cli_common, "load", lambda args: smol)
     return smol
 
 

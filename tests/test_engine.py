@@ -13,11 +13,8 @@ import pytest
 import torch
 
 from deft.cache import CacheFullError
-from deft.engine import SamplingParams, TreeEngine, probabilities
-from deft.engine.beam import beam_search
-from deft.engine.replay import load_trace, replay_trace
-from deft.engine.strategies import generate, sample
-from deft.engine.tree_search import Expansion, tree_search
+from deft.engine import (Expansion, SamplingParams, TreeEngine, beam_search, generate, load_trace,
+                         probabilities, replay_trace, sample, tree_search)
 
 transformers = pytest.importorskip("transformers")
 

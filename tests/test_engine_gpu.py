@@ -12,10 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deft.engine.core import SamplingParams, TreeEngine
-from deft.engine.drafters import NgramDrafter
-from deft.engine.speculative import speculative_generate
-from deft.engine.strategies import generate
+from deft.engine import NgramDrafter, SamplingParams, TreeEngine, generate, speculative_generate
 from deft.model import LlamaConfig, LlamaModel, Tokenizer
 
 pytestmark = [pytest.mark.gpu,

@@ -8,7 +8,7 @@ from conftest import random_forest
 from deft import PLAN_KINDS, TreeLayout, make_plan
 from deft.ops.reference import visibility_mask
 from deft.plan import coarsen_plan, dfs_preorder
-from deft.workloads import few_shot_layout
+from benchmarks.trees import few_shot_layout
 
 
 def seen_slots(plan):

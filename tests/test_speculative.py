@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from deft.bench.spec_bench import spec_table
+from benchmarks.speculative import spec_table
 from deft.cli import CliError
-from deft.cli_speculate import add_parser
-from deft.engine.core import SamplingParams, TreeEngine
-from deft.engine.drafters import DraftJob, ModelDrafter, NgramDrafter
-from deft.engine.sampling import probabilities
-from deft.engine.speculative import accept_greedy, accept_sampled, speculative_generate
-from deft.engine.trees import Candidates, DraftTree, TopKShape, TreeGrower, TreeShape, as_shape
+from deft.cli.speculate import add_parser
+from deft.engine import (DraftJob, ModelDrafter, NgramDrafter, SamplingParams, TreeEngine, probabilities,
+                         speculative_generate)
+from deft.engine.draft_trees import Candidates, DraftTree, TopKShape, TreeGrower, TreeShape, as_shape
+from deft.engine.strategies import accept_greedy, accept_sampled
 from deft.model import LlamaConfig, LlamaModel, Tokenizer
 from deft.recorded import load_medusa_choices
 

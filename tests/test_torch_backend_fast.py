@@ -1,4 +1,4 @@
-"""The torch backend's one-tile path (``run_output`` without lse, ``run`` with it) against the
+"""The torch backend's one-tile path (``run`` without lse and with it) against the
 float64 dense reference."""
 
 import numpy as np

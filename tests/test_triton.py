@@ -8,9 +8,11 @@ import torch
 from conftest import to_paged, assert_close, assert_lse_close, random_forest, random_qkv
 from deft import TreeAttention, TreeLayout, merge_states
 from deft.ops.reference import reference_attention
-from deft.workloads import few_shot_layout, medusa_layout, shuffle_slots
+from benchmarks.trees import few_shot_layout, medusa_layout, shuffle_slots
 
 pytest.importorskip("triton")
+from deft.ops.triton import configs, launch  # noqa: E402
+
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 
@@ -62,7 +64,7 @@ def test_random_forest_interpreted():
 @pytest.mark.parametrize("heads", [1, 2, 4])
 def test_merge_states_triton_path(heads):
     """The merge kernel, one to four heads per program, on 3 heads (a partial last block)."""
-    from deft.ops.triton_backend import launch_merge
+    from deft.ops.triton.launch import launch_merge
 
     g = torch.Generator().manual_seed(0)
     v = torch.randn(3, 4, 3, 16, generator=g).to(DEV)
@@ -117,7 +119,7 @@ def test_gpu_special_trees(name, layout, kind):
 @pytest.mark.gpu
 @gpu
 def test_gpu_recorded_workloads(workloads):
-    from deft.bench.trees import build
+    from benchmarks.trees import build
 
     for name in ("reasoning sorting128ToT", "medusa APPS-256"):
         check(build(name, workloads), 32, 8, 128, torch.bfloat16)
@@ -200,12 +202,12 @@ def test_mask_from_is_sound_and_tight():
     ``mask_from`` is missed by a query of the group or by one on its node with the smallest
     ``query_kv_len`` (the conservative check); prompt tiles need no mask at all."""
     from deft import make_plan
-    from deft.ops.triton_backend import _mask_from
+    from deft.plan import packing
 
     rng = np.random.default_rng(11)
     for _ in range(20):
         plan = make_plan(random_forest(rng, int(rng.integers(1, 80)), 100, max_tokens=2000), "flatten", 8)
-        mask_from = _mask_from(plan)
+        mask_from = packing.mask_from(plan)
         for t in range(plan.num_tiles):
             t0, t1 = plan.tile_indptr[t], plan.tile_indptr[t + 1]
             assert t0 <= mask_from[t] <= t1
@@ -220,13 +222,13 @@ def test_mask_from_is_sound_and_tight():
                 on_node = plan.query_pre == lo[j]
                 assert not seen[j] or off[j] >= plan.query_len[on_node].min()
     fan = make_plan(few_shot_layout(640, 20, 64), "flatten", 64)
-    assert (_mask_from(fan)[:10] == fan.tile_indptr[1:11]).all()
+    assert (packing.mask_from(fan)[:10] == fan.tile_indptr[1:11]).all()
 
 
 def test_tile_slot0_marks_exactly_the_consecutive_tiles():
     """``tile_slot0`` is a tile's first slot iff its slots are consecutive, else -1."""
     from deft import make_plan
-    from deft.ops.triton_backend import _tile_slot0
+    from deft.plan import packing
 
     rng = np.random.default_rng(5)
     for seed in range(10):
@@ -234,12 +236,12 @@ def test_tile_slot0_marks_exactly_the_consecutive_tiles():
         if seed % 2:
             layout = shuffle_slots(layout, seed=seed, num_slots=layout.num_tokens + 50)
         plan = make_plan(layout, "flatten", 8)
-        slot0 = _tile_slot0(plan)
+        slot0 = packing.tile_slot0(plan)
         for t in range(plan.num_tiles):
             s = plan.token_slots[plan.tile_indptr[t]:plan.tile_indptr[t + 1]]
             consecutive = bool(np.all(np.diff(s) == 1))
             assert slot0[t] == (s[0] if consecutive else -1)
-    assert (_tile_slot0(make_plan(few_shot_layout(64, 4, 16), "flatten", 16)) >= 0).all()
+    assert (packing.tile_slot0(make_plan(few_shot_layout(64, 4, 16), "flatten", 16)) >= 0).all()
 
 
 @pytest.fixture(params=[False, True], ids=["merge-launch", "fused-merge"])
@@ -247,11 +249,8 @@ def merge_mode(request, monkeypatch):
     """Run a test with the merge as its own launch and fused into the partial kernel."""
     import dataclasses
 
-    from deft.ops import triton_backend as tb
-
-    monkeypatch.setattr(tb, "_INTERPRET_CONFIG", dataclasses.replace(tb._INTERPRET_CONFIG, fuse_merge=request.param))
-    for d, cfg in list(tb._GPU_CONFIGS.items()):
-        monkeypatch.setitem(tb._GPU_CONFIGS, d, dataclasses.replace(cfg, fuse_merge=request.param))
+    for key, cfg in list(configs.CONFIGS.items()):
+        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, fuse_merge=request.param))
     return request.param
 
 
@@ -296,12 +295,12 @@ def test_gpu_merge_modes_on_consecutive_slots(merge_mode):
 def test_work_descriptors_describe_every_tile_chunk():
     """Each program's row: its tile's token range, group, first partial, mask start, slot0, first row."""
     from deft import make_plan
-    from deft.ops.triton_backend import _mask_from, _tile_slot0, _work_items
+    from deft.plan import packing
 
     plan = make_plan(shuffle_slots(few_shot_layout(64, 5, 20), seed=2, num_slots=200), "flatten", 16)
     g, block_m = 3, 4
-    work = _work_items(plan, g, block_m)
-    mask_from, slot0 = _mask_from(plan), _tile_slot0(plan)
+    work = packing.work_items(plan, g, block_m)
+    mask_from, slot0 = packing.mask_from(plan), packing.tile_slot0(plan)
     seen = set()
     for tok0, tok1, qs, qe, p0, m, s0, row0 in work:
         (t,) = np.flatnonzero(plan.tile_indptr[:-1] == tok0)
@@ -341,11 +340,8 @@ def test_tma_path_matches_reference(monkeypatch, name, dtype):
     of consecutive and scattered slots in one launch; a cache ``_tma_ok`` rejects gathers."""
     import dataclasses
 
-    from deft.ops import triton_backend as tb
-
-    monkeypatch.setattr(tb, "_INTERPRET_CONFIG", dataclasses.replace(tb._INTERPRET_CONFIG, tma=True))
-    for d, cfg in list(tb._GPU_CONFIGS.items()):
-        monkeypatch.setitem(tb._GPU_CONFIGS, d, dataclasses.replace(cfg, tma=True))
+    for key, cfg in list(configs.CONFIGS.items()):
+        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, tma=True))
     layout = {**TINY, "prompt and branches": few_shot_layout(70, 3, 21),
               "mixed slots": _mixed_slots_layout()}[name]
     q, k, v = random_qkv(layout, 4, 2, 32, dtype, 5, device=DEV)
@@ -356,7 +352,7 @@ def test_tma_path_matches_reference(monkeypatch, name, dtype):
     attn.plan(layout)
     assert attn._prepared.contiguous == (name != "mixed slots") and attn._prepared.tma
     calls = []
-    monkeypatch.setattr(tb, "_kv_descriptor", lambda *a, f=tb._kv_descriptor: calls.append(1) or f(*a))
+    monkeypatch.setattr(launch, "_kv_descriptor", lambda *a, f=launch._kv_descriptor: calls.append(1) or f(*a))
     o, lse = attn.run(q, k, v, return_lse=True)
     assert calls, "the TMA path was not taken"
     assert_close(o.cpu(), ref_o.cpu(), dtype, "tma")
@@ -366,7 +362,7 @@ def test_tma_path_matches_reference(monkeypatch, name, dtype):
     assert_close(attn.run(q, k[:exact], v[:exact]).cpu(), ref_o.cpu(), dtype, "tma, exact cache")
     # A cache whose KV heads are not adjacent rows cannot be one 2-D TMA tensor: gather path.
     k2, v2 = (torch.stack([x, x], 2)[:, :, 0] for x in (k, v))
-    assert not tb._tma_ok(k2, k2.stride())
+    assert not launch._tma_ok(k2, k2.stride())
     calls.clear()
     assert_close(attn.run(q, k2, v2).cpu(), ref_o.cpu(), dtype, "tma fallback")
     assert not calls
@@ -382,8 +378,6 @@ def test_gpu_tma_path(monkeypatch, dtype, d, gqa):
     """The shipped configs load consecutive-slot tiles by TMA inside CUDA-graph capture
     (every head_dim, GQA, dtype, branch tails that end mid-block), and by gathered loads
     when launched eagerly, building no descriptors after the first launch."""
-    from deft.ops import triton_backend as tb
-
     layout = few_shot_layout(1500, 7, 77)
     q, k, v = random_qkv(layout, 2 * gqa, 2, d, dtype, 1, device="cuda")
     ref_o, _ = reference_attention(q, k, v, layout, d**-0.5)
@@ -394,7 +388,7 @@ def test_gpu_tma_path(monkeypatch, dtype, d, gqa):
     attn.run(q, k, v, out=out)  # eager: gathered loads; compiles the TMA variant once
     assert_close(out.cpu(), ref_o.cpu(), dtype, "eager")
     calls = []
-    monkeypatch.setattr(tb, "_kv_descriptor", lambda *a, f=tb._kv_descriptor: calls.append(1) or f(*a))
+    monkeypatch.setattr(launch, "_kv_descriptor", lambda *a, f=launch._kv_descriptor: calls.append(1) or f(*a))
     attn.run(q, k, v, out=out)
     assert not calls, "an eager launch built tensor descriptors"
     out.zero_()
@@ -419,10 +413,10 @@ def test_slots_beyond_int32_are_rejected_at_plan():
 def test_replanning_reuses_device_buffers():
     """A plan reuses the last plan's device buffers when they are large enough, and
     allocates larger ones when not; every step stays exact."""
-    from deft import fastplan
+    from deft.plan import Coarsening, compiled
 
-    if fastplan.flatten_plan(TINY["fan"], 8, fastplan.PlanParams(1, 16, 1, 4, 2.0, 0, 8, 12, 128),
-                             torch.empty) is None:
+    if compiled.flatten_plan(TINY["fan"], 8, Coarsening(1, 16, 1, 4, 2.0, 0, 8, 12, 128),
+                             lambda n: np.zeros(n, np.int32)) is None:
         pytest.skip("no compiled planner (reuse is its path's)")
     big, small = TINY["fan"], TINY["partial lens"]
     attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=None if CUDA else 8)
@@ -444,11 +438,10 @@ def test_replanning_reuses_device_buffers():
 def fixed_coarsening(monkeypatch):
     """``fixed_coarsening(u)``: the triton backend coarsens every plan by ``u`` (numpy
     planner; the compiled one coarsens its own way)."""
-    from deft.ops import triton_backend as tb
-    from deft.plan import coarsen_plan
+    from deft.plan import coarsen_plan, step
 
     def use(u: int) -> None:
-        monkeypatch.setattr(tb.TritonBackend, "refine_plan", lambda self, plan, *a: coarsen_plan(plan, u))
+        monkeypatch.setattr(step, "refine", lambda plan, params: coarsen_plan(plan, u))
         monkeypatch.setenv("DEFT_FASTPLAN", "0")
 
     return use
@@ -459,14 +452,14 @@ def test_tile_split_into_unmasked_and_masked_parts(monkeypatch, fixed_coarsening
     without the mask and the rest with it: still exact, also with slot loads and TMA."""
     import dataclasses
 
-    from deft.ops import triton_backend as tb
-
     layout = few_shot_layout(70, 3, 21)
     q, k, v = random_qkv(layout, 4, 2, 32, torch.float16, 3, device=DEV)
     ref_o, ref_lse = reference_attention(q, k, v, layout, 32**-0.5)
     fixed_coarsening(4)
+    base = configs.CONFIGS["interpreter", 0, 0]
     for tma in (False, True):
-        monkeypatch.setattr(tb, "_INTERPRET_CONFIG", dataclasses.replace(tb._INTERPRET_CONFIG, tma=tma))
+        key = ("interpreter", 0, 0)
+        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(base, tma=tma))
         attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=8)
         attn.plan(layout)
         work = attn._prepared.segment("work").view(-1, 8).cpu().numpy()
@@ -479,7 +472,7 @@ def test_tile_split_into_unmasked_and_masked_parts(monkeypatch, fixed_coarsening
 def test_failed_replan_leaves_no_plan(monkeypatch):
     """A plan that fails (here: its workspace allocation) leaves no current plan, rather
     than the last plan reading buffers the failed one overwrote."""
-    from deft.ops import triton_backend as tb
+    from deft.ops.triton import backend
 
     attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=None if CUDA else 8)
     attn.plan(TINY["branches"])
@@ -487,7 +480,7 @@ def test_failed_replan_leaves_no_plan(monkeypatch):
     def fail(*args):
         raise MemoryError("no room")
 
-    monkeypatch.setattr(tb, "_buffer", fail)
+    monkeypatch.setattr(backend, "_buffer", fail)
     with pytest.raises(MemoryError):
         attn.plan(TINY["partial lens"])
     q, k, v = random_qkv(TINY["branches"], 4, 2, 32, torch.float16, 1, device=DEV)
@@ -500,14 +493,13 @@ def test_coarsened_random_forests_interpreted(fixed_coarsening, seed):
     """Random forests coarsened by 3 (tiles that merge node boundaries, split at
     ``mask_from``), shuffled or in-order slots: exact against the reference."""
     from deft import make_plan
-    from deft.ops import triton_backend as tb
-    from deft.plan import coarsen_plan
+    from deft.plan import coarsen_plan, packing
 
     fixed_coarsening(3)
     layout = random_forest(np.random.default_rng(40 + seed), 10, 24, max_tokens=120,
                            shuffle=seed % 2 == 0)
     plan = coarsen_plan(make_plan(layout, "flatten", 8), 3)
-    mask_from = tb._mask_from(plan)
+    mask_from = packing.mask_from(plan)
     assert ((plan.tile_indptr[:-1] < mask_from) & (mask_from < plan.tile_indptr[1:])).any()
     check(layout, 4, 2, 16, torch.float16, seed=seed)
 
@@ -515,14 +507,12 @@ def test_coarsened_random_forests_interpreted(fixed_coarsening, seed):
 @pytest.mark.skipif(CUDA, reason="sets the interpreter's config (on a GPU, the recorded "
                                   "workloads of the gpu tests run the wide one)")
 def test_wide_steps_store_narrow_partials(monkeypatch, merge_mode):
-    """A step of at least ``wide_from`` rows runs the ``wide`` config: partial o is stored in
+    """A step of at least a regime's ``rows_from`` rows runs its config: partial o is stored in
     q's dtype (fp16 here; fp32 inputs keep fp32) and merged as exactly as before, by the
     merge launch or fused."""
     import dataclasses
 
-    from deft.ops import triton_backend as tb
-
-    base = tb._INTERPRET_CONFIG
+    base = configs.CONFIGS["interpreter", 0, 0]
     layout = few_shot_layout(50, 4, 9)
     rows = layout.num_queries * 4
     for dtype in (torch.float16, torch.float32):
@@ -531,8 +521,8 @@ def test_wide_steps_store_narrow_partials(monkeypatch, merge_mode):
         partials = {}
         for wide_from in (rows + 1, rows):  # just below the threshold, then at it
             wide = dataclasses.replace(base, narrow_partials=True, merge_block=8)
-            monkeypatch.setattr(tb, "_INTERPRET_CONFIG",
-                                dataclasses.replace(base, wide=wide, wide_from=wide_from))
+            monkeypatch.setattr(configs, "CONFIGS", {("interpreter", 0, 0): base,
+                                                     ("interpreter", 0, wide_from): wide})
             attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=8)
             attn.plan(layout)
             o, lse = attn.run(q, k, v, return_lse=True)
@@ -555,7 +545,7 @@ def test_interpreter_flag_read_as_triton_reads_it(value, expected):
     import subprocess
     import sys
 
-    code = "from deft.ops import triton_backend as tb; print(tb.interpreting())"
+    code = "from deft.ops.triton import configs; print(configs.interpreting())"
     env = {**os.environ, "TRITON_INTERPRET": value}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.strip()
@@ -565,7 +555,7 @@ def test_interpreter_flag_read_as_triton_reads_it(value, expected):
 def test_lpt_makespan_is_list_scheduling():
     """The grouped-slot model of the launch equals longest-first list scheduling done one
     program at a time."""
-    from deft.ops import triton_backend as tb
+    from deft.plan import coarsen
 
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -578,8 +568,8 @@ def test_lpt_makespan_is_list_scheduling():
             lengths += [u] * (r // u * c * heads) + [r % u] * (c * heads if r % u else 0)
         loads = [0] * slots
         for n in sorted(lengths, reverse=True):
-            loads[loads.index(min(loads))] += n * 8 + tb._PROGRAM_COST
-        assert tb._lpt_makespan(runs, u, heads, 8, slots) == max(loads)
+            loads[loads.index(min(loads))] += n * 8 + 128
+        assert coarsen.lpt_makespan(runs, u, heads, 8, slots, 128) == max(loads)
 
 
 def test_coarsening_lengthens_tiles_to_cut_a_last_wave():
@@ -588,49 +578,54 @@ def test_coarsening_lengthens_tiles_to_cut_a_last_wave():
     factor 5, up to 10 tiles, one wave of 10-tile programs (208) wins."""
     from types import SimpleNamespace
 
-    from deft.ops import triton_backend as tb
+    from deft.plan import coarsen
 
     plan = SimpleNamespace(num_tiles=40, block_kv=8, tile_q_start=np.zeros(40, np.int64),
                            tile_q_end=np.ones(40, np.int64))
-    assert tb._lpt_factor(plan, 4, 1, 16, 1, 4) == 5
-    assert tb._lpt_factor(plan, 5, 1, 16, 1, 4) == 10
-    assert tb._lpt_factor(plan, 4, 1, 16, 1, 40) == 4  # one wave either way: shortest tiles
+    assert coarsen.lpt_factor(plan, 4, 1, 16, 1, 4, 128, 1024) == 5
+    assert coarsen.lpt_factor(plan, 5, 1, 16, 1, 4, 128, 1024) == 10
+    assert coarsen.lpt_factor(plan, 4, 1, 16, 1, 40, 128, 1024) == 4  # one wave either way: shortest tiles
 
 
 def test_coarsening_model_tries_at_most_17_factors(monkeypatch):
     """A large rule factor (one long sequence, few SMs) samples 17 factors up to twice it,
     so planning stays cheap; none with one wave of programs or more than 8. The C planner
-    samples the same ones (test_fastplan compares the plans)."""
+    samples the same ones (test_compiled_plan compares the plans)."""
     from types import SimpleNamespace
 
-    from deft.ops import triton_backend as tb
+    from deft.plan import coarsen
 
     tried = []
-    real = tb._lpt_makespan
-    monkeypatch.setattr(tb, "_lpt_makespan", lambda runs, u, *a: tried.append(u) or real(runs, u, *a))
+    real = coarsen.lpt_makespan
+    monkeypatch.setattr(coarsen, "lpt_makespan", lambda runs, u, *a: tried.append(u) or real(runs, u, *a))
     plan = SimpleNamespace(num_tiles=5000, block_kv=64, tile_q_start=np.zeros(5000, np.int64),
                            tile_q_end=np.ones(5000, np.int64))
     # 13 tiles of 400 x 8 heads = 104 programs on 40 slots: 2.6 waves.
-    tb._lpt_factor(plan, 400, 4, 64, 8, 40)
+    coarsen.lpt_factor(plan, 400, 4, 64, 8, 40, 128, 1024)
     assert tried == [400 + i * 25 for i in range(17)]
     tried.clear()
-    tb._lpt_factor(plan, 700, 4, 64, 8, 40)  # capped at _MAX_COARSEN
+    coarsen.lpt_factor(plan, 700, 4, 64, 8, 40, 128, 1024)  # capped at the largest factor
     assert tried == [u for u in (700 + i * 700 // 16 for i in range(17)) if u <= 1024]
     tried.clear()
-    assert tb._lpt_factor(plan, 400, 4, 64, 8, 104) == 400  # one wave
-    assert tb._lpt_factor(plan, 400, 4, 64, 8, 12) == 400  # more than 8 waves
+    assert coarsen.lpt_factor(plan, 400, 4, 64, 8, 104, 128, 1024) == 400  # one wave
+    assert coarsen.lpt_factor(plan, 400, 4, 64, 8, 12, 128, 1024) == 400  # more than 8 waves
     assert tried == []
 
 
-def test_config_regimes_nest():
-    """``for_rows`` walks nested ``wide`` configs by their thresholds; ``replace_all`` changes
-    every level."""
-    from deft.ops.triton_backend import KernelConfig
+def test_config_table_by_arch_head_dim_and_rows(monkeypatch):
+    """``kernel_config`` takes the regime of the largest ``rows_from`` at most the step's
+    rows; an architecture or head_dim without rows falls back to the defaults'."""
+    import dataclasses
 
-    widest = KernelConfig(16, 16, 1, 1, 2.0, merge_heads=8)
-    wide = KernelConfig(16, 16, 1, 1, 2.0, merge_heads=4, wide_from=100, wide=widest)
-    base = KernelConfig(16, 16, 1, 1, 2.0, wide_from=10, wide=wide)
-    assert [base.for_rows(r).merge_heads for r in (9, 10, 99, 100, 1000)] == [1, 4, 4, 8, 8]
-    changed = base.replace_all(merge_warps=3)
-    assert [changed.for_rows(r).merge_warps for r in (1, 10, 100)] == [3, 3, 3]
-    assert [changed.for_rows(r).merge_heads for r in (1, 10, 100)] == [1, 4, 8]
+    base = configs.KernelConfig(16, 16, 1, 1, 2.0)
+    table = {("sm90", 128, 0): base,
+             ("sm90", 128, 10): dataclasses.replace(base, merge_heads=4),
+             ("sm90", 128, 100): dataclasses.replace(base, merge_heads=8),
+             ("sm90", 64, 0): dataclasses.replace(base, merge_heads=2)}
+    monkeypatch.setattr(configs, "CONFIGS", table)
+    monkeypatch.setattr(configs, "arch_of", lambda device: "sm90")
+    assert [configs.kernel_config(128, r).merge_heads for r in (9, 10, 99, 100, 1000)] == [1, 4, 4, 8, 8]
+    assert configs.kernel_config(64, 1000).merge_heads == 2  # no regimes of its own above 0
+    assert configs.kernel_config(32, 100).merge_heads == 8  # head_dim 128's table
+    monkeypatch.setattr(configs, "arch_of", lambda device: "sm100")
+    assert configs.kernel_config(128, 10).merge_heads == 4  # sm90's table

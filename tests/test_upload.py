@@ -1,4 +1,4 @@
-"""Plan uploads (deft.ops.upload): host buffers taken in turns, refilled only after their
+"""Plan uploads (deft.ops.triton.upload): host buffers taken in turns, refilled only after their
 last copy ran, so steps planned while the GPU is still busy stay exact."""
 
 import threading
@@ -9,10 +9,10 @@ import torch
 from conftest import assert_close, random_qkv
 from deft import TreeAttention
 from deft.ops.reference import reference_attention
-from deft.workloads import few_shot_layout
+from benchmarks.trees import few_shot_layout
 
 pytest.importorskip("triton")
-from deft.ops import upload  # noqa: E402
+from deft.ops.triton import upload  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 

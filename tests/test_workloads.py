@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.trees import medusa_layout, reasoning_layout, shuffle_slots
 from conftest import assert_close, assert_lse_close, random_qkv
 from deft import PLAN_KINDS, TreeAttention
 from deft.ops.reference import reference_attention
 from deft.recorded import load_medusa_choices
-from deft.workloads import medusa_layout, reasoning_layout, shuffle_slots
 
 
 @pytest.mark.parametrize("task", ["sorting128ToT", "docmergeToT", "keywordToT"])

@@ -12,9 +12,9 @@ import os
 
 import torch
 
+from benchmarks.attention_gpu import D, DTYPE, H_KV, H_Q, LAYERS, time_us
+from benchmarks.trees import fan_layout
 from deft import TreeAttention
-from deft.bench.gpu_bench import D, DTYPE, H_KV, H_Q, LAYERS, _time
-from deft.workloads import fan_layout
 
 BW = float(os.environ.get("BW", 4.2e12))
 TREES = {
@@ -40,7 +40,7 @@ for name, layout in TREES.items():
         for layer in range(LAYERS):
             attn.run(q, ks[layer], vs[layer], out=out)
 
-    us = _time(step, graph=True) / LAYERS
+    us = time_us(step, graph=True) / LAYERS
     floor = 2 * n * H_KV * D * ks[0].element_size() / BW * 1e6
     print(f"{name} | {attn._prepared.num_work * H_KV} | {plan.num_partials} | {us:.1f} | "
           f"{floor:.2f}", flush=True)

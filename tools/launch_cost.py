@@ -9,6 +9,7 @@ and without programmatic dependent launch (the shipped step chains its launches 
 
 Usage: python3 tools/launch_cost.py [TREE ...]   (default: small steps of the GPU suite)
 """
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -18,17 +19,16 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from benchmarks.attention_gpu import D, DTYPE, H_KV, H_Q, LAYERS, time_us
+from benchmarks.trees import build, fan_layout
 from deft import TreeAttention
-from deft.bench.gpu_bench import D, DTYPE, H_KV, H_Q, LAYERS, _time
-from deft.bench.trees import build
-from deft.ops import triton_backend as tb
-from deft.workloads import fan_layout
+from deft.ops.triton import configs, launch
 
 workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
 names = sys.argv[1:] or ["speculative t=32", "reasoning keywordToT", "medusa APPS-32",
                          "few-shot b=20", "speculative t=256"]
-SHIPPED = tb.kernel_config(D)
-FUSED = SHIPPED.replace_all(fuse_merge=True)
+SHIPPED = dict(configs.CONFIGS)
+FUSED = {key: dataclasses.replace(cfg, fuse_merge=True) for key, cfg in SHIPPED.items()}
 
 
 class _Skipped:
@@ -47,21 +47,21 @@ def layer_us(layout, variant: str) -> float:
     vs = [torch.randn_like(k) for k in ks]
     q = torch.randn(layout.num_queries, H_Q, D, device="cuda", dtype=DTYPE)
     out = torch.empty_like(q)
-    kernel, merge = tb.tree_partial_kernel, tb.launch_merge
-    tb._GPU_CONFIGS[D] = FUSED if variant == "fused" else SHIPPED
+    kernel, merge = launch.tree_partial_kernel, launch.launch_merge
+    configs.CONFIGS.update(FUSED if variant == "fused" else SHIPPED)
     attn = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda")
     attn.plan(layout)
     attn.run(q, ks[0], vs[0], out=out)  # compile both kernels before any is skipped
     if variant == "partial only":
-        tb.launch_merge = lambda *a, **k: None
+        launch.launch_merge = lambda *a, **k: None
     elif variant == "merge only":
-        tb.tree_partial_kernel = _Skipped()
+        launch.tree_partial_kernel = _Skipped()
     try:
-        return _time(lambda: [attn.run(q, ks[i], vs[i], out=out) for i in range(LAYERS)],
+        return time_us(lambda: [attn.run(q, ks[i], vs[i], out=out) for i in range(LAYERS)],
                      graph=True) / LAYERS
     finally:
-        tb.tree_partial_kernel, tb.launch_merge = kernel, merge
-        tb._GPU_CONFIGS[D] = SHIPPED
+        launch.tree_partial_kernel, launch.launch_merge = kernel, merge
+        configs.CONFIGS.update(SHIPPED)
 
 
 @triton.jit
@@ -94,4 +94,4 @@ for label, second, pdl in (("1 empty launch, 132 programs", 0, False),
             _empty[(132,)](x, PDL=pdl, launch_pdl=pdl)
             if second:
                 _empty[(second,)](x, PDL=pdl, launch_pdl=pdl)
-    print(f"{label}: {_time(step, graph=True) / LAYERS:.1f} µs/layer")
+    print(f"{label}: {time_us(step, graph=True) / LAYERS:.1f} µs/layer")

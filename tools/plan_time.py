@@ -1,6 +1,6 @@
 """Host time of DeFT-Flatten's ``TreeAttention.plan`` on CUDA for the GPU benchmark trees:
-the median of 21 plans right after a synchronisation (as ``deft bench attention`` times it)
-and of 2,000 back-to-back plans (a warm host), in µs. For A/B runs of two checkouts, run it
+the median of 21 plans right after a synchronisation (some GPU work, then a sync, as before a
+decode step's plan) and of 2,000 back-to-back plans (a warm host), in µs. For A/B runs of two checkouts, run it
 once per checkout (``PYTHONPATH``).
 
 Usage: python3 tools/plan_time.py [TREE ...]
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.attention_gpu import D, H_KV, H_Q
+from benchmarks.timing import median_plan_seconds
+from benchmarks.trees import GPU_SUITE, build
 from deft import TreeAttention
-from deft.bench.gpu_bench import D, H_KV, H_Q
-from deft.bench.timing import median_plan_seconds
-from deft.bench.trees import GPU_SUITE, build
 
 workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
 

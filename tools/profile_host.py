@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.timing import median_seconds
+from benchmarks.trees import build
 from deft import TreeAttention
-from deft.bench.timing import median_seconds
-from deft.bench.trees import build
 
 H_Q, H_KV, D = 32, 8, 128
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

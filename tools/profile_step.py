@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.trees import build
 from deft import TreeAttention
-from deft.bench.trees import build
 
 H_Q, H_KV, D = 32, 8, 128
 workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))

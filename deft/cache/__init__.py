@@ -1,7 +1,8 @@
-"""Paged tree KV cache: K/V pools, a refcounted page allocator and the node tree."""
+"""Paged tree KV cache: K/V pools, a refcounted page allocator, slot bookkeeping and the node tree."""
 
 from .pages import CacheFullError, PageAllocator
 from .pool import KVPool
+from .slots import SlotAllocator
 from .tree import TreeKVCache
 
-__all__ = ["CacheFullError", "KVPool", "PageAllocator", "TreeKVCache"]
+__all__ = ["CacheFullError", "KVPool", "PageAllocator", "SlotAllocator", "TreeKVCache"]

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["DenseNodes", "Node"]
+__all__ = ["DenseNodes", "EMPTY", "Node", "concat"]
 
 _I = np.int64
-_EMPTY = np.zeros(0, _I)
-_EMPTY.setflags(write=False)
+EMPTY = np.zeros(0, _I)  # the read-only slots of a node without tokens
+EMPTY.setflags(write=False)
+
+
+def concat(arrays: list[np.ndarray]) -> np.ndarray:
+    """``arrays`` of slots (or pages) end to end, a fresh int64 array (empty for none)."""
+    return np.concatenate(arrays) if arrays else np.zeros(0, _I)
 
 
 class Node:
@@ -32,7 +37,7 @@ class Node:
         self,
         node_id: int,
         parent: Node | None,
-        slots: np.ndarray = _EMPTY,
+        slots: np.ndarray = EMPTY,
         pages: list[int] | None = None,
     ) -> None:
         self.id = node_id
@@ -107,7 +112,7 @@ class DenseNodes:
         k = len(self.order)
         indptr = np.zeros(k + 1, _I)
         np.cumsum(self._lens[:k], out=indptr[1:])
-        kv = np.concatenate([nd.buf[: nd.n] for nd in self.order]) if k else _EMPTY.copy()
+        kv = concat([nd.buf[: nd.n] for nd in self.order])
         return self._parent[:k].copy(), indptr, kv
 
     def ids(self) -> np.ndarray:

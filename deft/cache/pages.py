@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..checks import int_at_least, positive_int
+
 __all__ = ["CacheFullError", "PageAllocator"]
 
 
@@ -32,9 +34,7 @@ class PageAllocator:
     """
 
     def __init__(self, num_pages: int) -> None:
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
-            raise ValueError(f"num_pages: expected a positive integer, got {num_pages!r}")
-        self.num_pages = num_pages
+        self.num_pages = num_pages = positive_int(num_pages, "num_pages")
         self._refcount = np.zeros(num_pages, np.int64)
         self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int64)  # top is the end
         self._num_free = num_pages
@@ -67,10 +67,9 @@ class PageAllocator:
 
         Raises :class:`CacheFullError` (and changes nothing) when fewer than ``n`` are free.
         """
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise ValueError(f"n: expected an integer >= 0, got {n!r}")
+        n = int_at_least(n, "n", 0)
         if n > self._num_free:
-            raise CacheFullError(int(n), self._num_free)
+            raise CacheFullError(n, self._num_free)
         top = self._num_free
         pages = self._free[top - n : top][::-1].copy()
         self._num_free = top - n

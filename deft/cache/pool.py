@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import positive_int
+
 __all__ = ["KVPool"]
 
 
@@ -25,11 +27,9 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> None:
-        for name, val in (("num_layers", num_layers), ("num_pages", num_pages),
-                          ("page_size", page_size), ("num_kv_heads", num_kv_heads),
-                          ("head_dim", head_dim)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name}: expected a positive integer, got {val!r}")
+        num_layers, num_pages = positive_int(num_layers, "num_layers"), positive_int(num_pages, "num_pages")
+        page_size = positive_int(page_size, "page_size")
+        num_kv_heads, head_dim = positive_int(num_kv_heads, "num_kv_heads"), positive_int(head_dim, "head_dim")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         shape = (num_pages, page_size, num_kv_heads, head_dim)

@@ -1,18 +1,12 @@
 """Paged tree KV cache: nodes of tokens over refcounted pages, emitting step layouts.
 
 Each node owns a list of slots (any slots, not necessarily page-aligned or
-contiguous) and counts as one user of every page its slots touch. A page is handed
-out slot by slot through its fill pointer ``fill[p]`` (slots ``[0, fill[p])`` were
-handed out), so several nodes can share one partly filled page without copying:
-
-* A node appends into the free tail of the page of its own last slot, then into
-  fresh pages.
-* A node without tokens (just forked) starts in its parent's *group page*: the
-  parent's last page at first, later the fresh page the latest sibling opened. Forking
-  therefore copies nothing, and siblings with few tokens (draft tokens) pack densely.
-* Pruning marks the node's slots dead and rewinds each touched page's fill pointer
-  to just past its last live slot, so a leaf whose drafts are pruned continues right
-  after its own last token; a page is freed when its last user goes.
+contiguous); which slots a node gets, and when a page is shared or freed, is the
+:class:`~deft.cache.slots.SlotAllocator`'s bookkeeping: several nodes share one partly
+filled page without copying, a forked child starts in its parent's partly filled
+page, and a leaf whose drafts are pruned continues right after its own last token.
+This module keeps the tree: parents and children, fork, split, prune, commit of an
+accepted draft path, and the layouts of a step.
 
 See ``docs/cache.md`` for the design and its trade-offs.
 """
@@ -25,26 +19,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checks import int_at_least, int_in_range, is_int
 from ..layout import TreeLayout, as_index_array
-from .node import DenseNodes, Node
-from .pages import CacheFullError, PageAllocator
+from .node import EMPTY, DenseNodes, Node, concat
 from .pool import KVPool
+from .slots import SlotAllocator
 
 __all__ = ["TreeKVCache"]
 
 _I = np.int64
-_EMPTY = np.zeros(0, _I)
-_EMPTY.setflags(write=False)
-
-
-def _count(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _concat(arrays: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(arrays) if arrays else np.zeros(0, _I)
 
 
 class TreeKVCache:
@@ -67,9 +50,9 @@ class TreeKVCache:
     """
 
     def __init__(self, num_pages: int, page_size: int = 16, pool: KVPool | None = None) -> None:
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size: expected a positive integer, got {page_size!r}")
-        self.allocator = PageAllocator(num_pages)
+        self._slot_alloc = SlotAllocator(num_pages, page_size)
+        self.allocator = self._slot_alloc.allocator
+        num_pages, page_size = self._slot_alloc.num_pages, self._slot_alloc.page_size
         if pool is not None:
             if not isinstance(pool, KVPool):
                 raise TypeError(
@@ -81,8 +64,6 @@ class TreeKVCache:
                     f"got num_pages={pool.num_pages}, page_size={pool.page_size}"
                 )
         self.num_pages, self.page_size, self.pool = num_pages, page_size, pool
-        self._fill = np.zeros(num_pages, _I)  # [num_pages] slots handed out per page
-        self._live = np.zeros(num_pages * page_size, bool)  # [num_slots] held by a live node
         self._nodes: dict[int, Node] = {}
         self._dense = DenseNodes()
         self._next_id = 0
@@ -98,6 +79,16 @@ class TreeKVCache:
     @property
     def num_free_pages(self) -> int:
         return self.allocator.num_free
+
+    @property
+    def _fill(self) -> np.ndarray:
+        """``[num_pages]`` slots handed out per page (white-box tests read it)."""
+        return self._slot_alloc.fill
+
+    @property
+    def _live(self) -> np.ndarray:
+        """``[num_slots]`` slots held by a live node (white-box tests read it)."""
+        return self._slot_alloc.live
 
     @property
     def live_nodes(self) -> list[int]:
@@ -127,15 +118,14 @@ class TreeKVCache:
         while nd is not None:
             parts.append(nd.slots)
             nd = nd.parent
-        return _concat(parts[::-1])
+        return concat(parts[::-1])
 
     # ---------------------------------------------------------------- growing
 
     def add_root(self, num_tokens: int = 0) -> int:
         """New root (a prompt) holding ``num_tokens`` fresh slots; returns its id."""
-        num_tokens = _count(num_tokens, "num_tokens", 0)
-        slots, _, fresh = self._take(-1, num_tokens)
-        return self._new_node(None, slots, fresh.tolist()).id
+        slots, pages = self._slot_alloc.new_slots(int_at_least(num_tokens, "num_tokens", 0))
+        return self._new_node(None, slots, pages).id
 
     def fork(self, node: int, n: int) -> list[int]:
         """``n`` new empty children of ``node`` (which may already have children).
@@ -144,13 +134,13 @@ class TreeKVCache:
         their own first tokens go into ``node``'s partly filled last page.
         """
         par = self._get(node)
-        n = _count(n, "n", 1)
+        n = int_at_least(n, "n", 1)
         return [self._new_node(par).id for _ in range(n)]
 
     def append(self, node: int, num_tokens: int = 1) -> np.ndarray:
         """Give leaf ``node`` ``num_tokens`` more slots; returns them, ``[num_tokens]``."""
         nd = self._get(node)
-        num_tokens = _count(num_tokens, "num_tokens", 0)
+        num_tokens = int_at_least(num_tokens, "num_tokens", 0)
         if nd.children:
             raise ValueError(
                 f"node: expected a node without live children to append to, got node "
@@ -179,8 +169,8 @@ class TreeKVCache:
                 f"parents[{i}]: expected -1 (a child of node {nd.id}) or an earlier index "
                 f"in [0, {i}), got {int(par[i])}"
             )
-        if isinstance(num_tokens, (int, np.integer)) and not isinstance(num_tokens, bool):
-            lens = np.full(m, _count(num_tokens, "num_tokens", 0), _I)
+        if is_int(num_tokens):
+            lens = np.full(m, int_at_least(num_tokens, "num_tokens", 0), _I)
         else:
             lens = as_index_array(num_tokens, "num_tokens")
             if lens.shape != (m,):
@@ -190,27 +180,10 @@ class TreeKVCache:
             if lens.size and lens.min() < 0:
                 i = int(np.argmax(lens < 0))
                 raise ValueError(f"num_tokens[{i}]: expected an integer >= 0, got {int(lens[i])}")
-        slots, _, fresh = self._take(self._group_page(nd), int(lens.sum()))
-        # One user per (new node, page) pair; alloc already counted one user per fresh page.
-        owner = np.repeat(np.arange(m, dtype=_I), lens)
-        pairs = np.unique(owner * self.num_pages + slots // self.page_size)
-        pair_owner, pair_page = pairs // self.num_pages, pairs % self.num_pages
-        extra = np.ones(pairs.shape[0], bool)
-        uniq, first = np.unique(pair_page, return_index=True)
-        extra[first[np.isin(uniq, fresh)]] = False
-        self.allocator.incref(pair_page[extra])
-        if slots.size:
-            nd.group_page = int(slots[-1]) // self.page_size
-        bounds = np.zeros(m + 1, _I)
-        np.cumsum(lens, out=bounds[1:])
-        pair_bounds = np.searchsorted(pair_owner, np.arange(m + 1))
+        slots, parts = self._slot_alloc.subtree(nd, lens)
         new: list[Node] = []
-        for i, p in enumerate(par.tolist()):
-            new.append(self._new_node(
-                nd if p < 0 else new[p],
-                slots[bounds[i] : bounds[i + 1]],
-                pair_page[pair_bounds[i] : pair_bounds[i + 1]].tolist(),
-            ))
+        for p, (own, pages) in zip(par.tolist(), parts):
+            new.append(self._new_node(nd if p < 0 else new[p], own, pages))
         return [c.id for c in new], slots.copy()
 
     def split(self, node: int, at: int) -> int:
@@ -222,16 +195,10 @@ class TreeKVCache:
         is copied. Use it to branch from the middle of a node (then ``fork`` the head).
         """
         nd = self._get(node)
-        if isinstance(at, bool) or not isinstance(at, (int, np.integer)) or not 0 < at < nd.n:
-            raise ValueError(
-                f"at: expected an integer in [1, {nd.n - 1}] (inside node {nd.id}), got {at!r}"
-            )
-        at = int(at)
-        old_parent, first, rest = nd.parent, nd.buf[:at], nd.buf[at : nd.n]
-        head = Node(self._next_id, old_parent, first, np.unique(first // self.page_size).tolist())
+        at = int_in_range(at, "at", 1, nd.n - 1)
+        old_parent = nd.parent
+        head = Node(self._next_id, old_parent, *self._slot_alloc.split(nd, at))
         self._next_id += 1
-        nd.buf, nd.n, nd.pages = rest, rest.shape[0], np.unique(rest // self.page_size).tolist()
-        self.allocator.incref(np.intersect1d(head.pages, nd.pages))
         if old_parent is not None:
             old_parent.children = {
                 (head.id if cid == nd.id else cid): (head if c is nd else c)
@@ -296,9 +263,9 @@ class TreeKVCache:
                 )
             chain.append(step)
             prev = step
-        src = _concat([c.slots for c in chain])
+        src = concat([c.slots for c in chain])
         removed = self._bottom_up(list(lf.children.values()))
-        self._check_commit_fits(lf, src.shape[0], removed)
+        self._slot_alloc.check_fits(lf, src.shape[0], removed)
         self._remove(removed)
         dst = self._append(lf, src.shape[0])
         moved = src != dst
@@ -332,7 +299,7 @@ class TreeKVCache:
             elif type(qlen) is int and 0 <= qlen <= nd.n:
                 ql[i] = qlen
             else:
-                ql[i] = _count(qlen, f"queries[{i}]", 0)
+                ql[i] = int_at_least(qlen, f"queries[{i}]", 0)
                 if ql[i] > nd.n:
                     raise ValueError(
                         f"queries[{i}]: expected query_kv_len in [0, {nd.n}] (tokens of node "
@@ -348,17 +315,15 @@ class TreeKVCache:
     # --------------------------------------------------------------- internals
 
     def _get(self, node: Any, name: str = "node") -> Node:
-        nd = None
-        if isinstance(node, (int, np.integer)) and not isinstance(node, bool):
-            nd = self._nodes.get(int(node))
+        nd = self._nodes.get(int(node)) if is_int(node) else None
         if nd is None:
-            known = isinstance(node, (int, np.integer)) and 0 <= node < self._next_id
+            known = is_int(node) and 0 <= node < self._next_id
             why = "pruned" if known else "never created"
             raise ValueError(f"{name}: expected a live node id, got {node!r} ({why})")
         return nd
 
     def _new_node(
-        self, parent: Node | None, slots: np.ndarray = _EMPTY, pages: list[int] | None = None
+        self, parent: Node | None, slots: np.ndarray = EMPTY, pages: list[int] | None = None
     ) -> Node:
         """Register a node holding ``slots`` (kept, not copied) that lie in ``pages``."""
         nd = Node(self._next_id, parent, slots, pages)
@@ -369,65 +334,8 @@ class TreeKVCache:
         self._dense.add(nd)
         return nd
 
-    def _group_page(self, nd: Node) -> int:
-        """Page where ``nd``'s token-less children start (``-1``: none, use fresh pages)."""
-        return nd.group_page if nd.group_page >= 0 else self._target_page(nd)
-
-    def _target_page(self, nd: Node) -> int:
-        """Page whose free tail ``nd``'s next tokens go to first.
-
-        The page of its last slot; for a token-less node, the group page of the nearest
-        ancestor that has one, or that ancestor's last page.
-        """
-        while not nd.n:
-            if nd.parent is None:
-                return -1
-            nd = nd.parent
-            if nd.group_page >= 0:
-                return nd.group_page
-        return int(nd.buf[nd.n - 1]) // self.page_size
-
-    def _room(self, page: int) -> int:
-        # A stale group page may have been freed: its tail is not ours to hand out.
-        if page < 0 or self.allocator.refcount(page) == 0:
-            return 0
-        return self.page_size - int(self._fill[page])
-
-    def _take(self, page: int, k: int) -> tuple[np.ndarray, int, np.ndarray]:
-        """Hand out ``k`` slots: the free tail of ``page``, then fresh pages.
-
-        Returns ``slots [k]``, how many came from ``page`` and the ``fresh`` pages (one
-        user each). Raises :class:`CacheFullError` before changing anything.
-        """
-        ps = self.page_size
-        take = min(k, self._room(page))
-        rest = k - take
-        fresh = self.allocator.alloc(-(-rest // ps)) if rest else _EMPTY
-        start = page * ps + int(self._fill[page]) if take else 0
-        slots = np.arange(start, start + take, dtype=_I)
-        if take:
-            self._fill[page] += take
-            self._live[start : start + take] = True
-        if rest:
-            tail = (fresh[:, None] * ps + np.arange(ps)).reshape(-1)[:rest]
-            self._fill[fresh] = ps
-            self._fill[fresh[-1]] = rest - (fresh.size - 1) * ps
-            self._live[tail] = True
-            slots = np.concatenate((slots, tail))
-        return slots, take, fresh
-
     def _append(self, nd: Node, k: int) -> np.ndarray:
-        page = self._target_page(nd)
-        had = nd.n
-        slots, take, fresh = self._take(page, k)
-        if take and not had:  # a node with tokens already uses its last page
-            self.allocator.incref(np.array([page], _I))
-            nd.pages.append(page)
-        nd.pages.extend(fresh.tolist())
-        nd.extend(slots)
-        nd.group_page = -1
-        if not had and nd.parent is not None and slots.size:
-            nd.parent.group_page = int(slots[-1]) // self.page_size
+        slots = self._slot_alloc.append(nd, k)
         self._dense.update(nd)
         return slots
 
@@ -439,24 +347,6 @@ class TreeKVCache:
             order.append(cur)
             stack.extend(cur.children.values())
         return order[::-1]
-
-    def _check_commit_fits(self, lf: Node, k: int, removed: list[Node]) -> None:
-        """Raise :class:`CacheFullError` unless ``k`` tokens fit ``lf`` once ``removed`` go."""
-        ps = self.page_size
-        used = _concat([np.asarray(r.pages, _I) for r in removed])
-        pages, counts = np.unique(used, return_counts=True)
-        freed = pages[self.allocator.refcounts[pages] == counts]
-        page = self._target_page(lf)
-        room = 0
-        if page >= 0 and self.allocator.refcount(page) > 0 and page not in freed:
-            dead = _concat([r.buf[: r.n] for r in removed])
-            seg = self._live[page * ps : (page + 1) * ps].copy()
-            seg[dead[dead // ps == page] - page * ps] = False
-            room = int(np.argmax(seg[::-1])) if seg.any() else ps  # free tail after rewinding
-        needed = -(-max(k - room, 0) // ps)
-        free = self.allocator.num_free + freed.shape[0]
-        if needed > free:
-            raise CacheFullError(needed, free)
 
     def _remove(self, nodes: list[Node]) -> None:
         """Remove ``nodes`` (each after its removed children), free and rewind pages."""
@@ -470,16 +360,4 @@ class TreeKVCache:
                 if par.id in self._nodes:
                     survivors.append(par)
             self._dense.remove(nd)
-        self._live[_concat([nd.buf[: nd.n] for nd in nodes])] = False
-        touched = _concat([np.asarray(nd.pages, _I) for nd in nodes])
-        self.allocator.decref(touched)
-        refs = self.allocator.refcounts
-        for par in survivors:
-            if par.group_page >= 0 and refs[par.group_page] == 0:
-                par.group_page = -1
-        touched = np.unique(touched)
-        touched = touched[refs[touched] > 0]
-        if touched.size:  # rewind each fill pointer to just past the page's last live slot
-            ps = self.page_size
-            seg = self._live.reshape(-1, ps)[touched]
-            self._fill[touched] = np.where(seg.any(1), ps - np.argmax(seg[:, ::-1], 1), 0)
+        self._slot_alloc.release(nodes, survivors)

@@ -1,18 +1,29 @@
 """The inference engine: one forward per step over a tree KV cache, and decoding strategies.
 
-``TreeEngine(model, tokenizer)`` runs steps; ``generate``, ``sample``, ``beam_search``,
-``tree_search`` and ``replay_trace`` drive it (and ``speculative_generate``). See ``docs/engine.md``.
+``TreeEngine(model, tokenizer)`` (:mod:`.core`) runs steps; the strategies of
+:mod:`.strategies` drive it: ``generate``, ``sample``, ``beam_search``, ``tree_search``,
+``speculative_generate`` (with the drafters of :mod:`.drafters` and the draft-tree shapes
+of :mod:`.draft_trees`) and ``replay_trace``. ``SamplingParams`` and ``GenerationResult``
+are in :mod:`.params`. See ``docs/engine.md``.
 """
 
-from .beam import beam_search
-from .core import GenerationResult, SamplingParams, TreeEngine
+from .core import TreeEngine
+from .draft_trees import TopKShape, TreeShape, as_shape
 from .drafters import DraftJob, Drafter, ModelDrafter, NgramDrafter
-from .replay import ReplayReport, load_trace, replay_trace
+from .params import GenerationResult, SamplingParams
 from .sampling import Sampler, probabilities
-from .speculative import speculative_generate
-from .strategies import generate, sample
-from .tree_search import Expansion, Thought, tree_search
-from .trees import TopKShape, TreeShape, as_shape
+from .strategies import (
+    Expansion,
+    ReplayReport,
+    Thought,
+    beam_search,
+    generate,
+    load_trace,
+    replay_trace,
+    sample,
+    speculative_generate,
+    tree_search,
+)
 
 __all__ = [
     "DraftJob",

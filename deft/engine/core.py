@@ -5,94 +5,30 @@ grow the tree (``add_prompt``, ``cache.fork``, ``extend``, ``extend_tree``) and 
 call that computes runs exactly ONE forward: it plans the step's layout once
 (``TreeAttention.plan``), the model runs it in every layer, and only the logits rows the
 caller asked for go through the LM head. Decoding policy lives in the strategies built on
-top (``generate``, ``sample``, ``beam_search``, ``tree_search``, speculative decoding).
+top (:mod:`deft.engine.strategies`: ``generate``, ``sample``, ``beam_search``,
+``tree_search``, speculative decoding, trace replay).
 """
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from ..cache import CacheFullError, KVPool, TreeKVCache
+from ..checks import int_at_least, is_int
 from ..layout import as_index_array
 from ..model.llama import LlamaModel
 from ..model.tokenizer import Tokenizer
 from ..plan import make_plan
 
-__all__ = ["GenerationResult", "SamplingParams", "TreeEngine", "LOGITS_MODES"]
+__all__ = ["TreeEngine", "LOGITS_MODES"]
 
 LOGITS_MODES = ("last", "all", "none")
 _I = np.int64
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one sequence picks its tokens.
-
-    ``temperature`` 0 is greedy (argmax); ``top_k`` 0 and ``top_p`` 1 are off; ``seed``
-    makes sampling reproducible (one ``torch.Generator`` per call); ``stop_token_ids``
-    ``None`` means the tokenizer's end-of-sequence ids. Generation stops after a stop
-    token (kept in the output, as ``transformers`` does) or ``max_new_tokens`` tokens.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    max_new_tokens: int = 64
-    stop_token_ids: frozenset[int] | None = None
-
-    def __post_init__(self) -> None:
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature: expected a finite number >= 0, got {t!r}")
-        if _not_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k: expected an integer >= 0 (0 = off), got {self.top_k!r}")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
-            raise ValueError(f"top_p: expected a number in (0, 1], got {p!r}")
-        if self.seed is not None and _not_int(self.seed):
-            raise ValueError(f"seed: expected an integer or None, got {self.seed!r}")
-        if _not_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: expected an integer >= 1, got {self.max_new_tokens!r}")
-        stop = self.stop_token_ids
-        if stop is not None:
-            try:
-                ids = frozenset(stop)
-            except TypeError:
-                raise ValueError(f"stop_token_ids: expected a set of token ids or None, got {stop!r}") from None
-            if any(_not_int(i) or i < 0 for i in ids):
-                raise ValueError(f"stop_token_ids: expected non-negative integers, got {sorted(ids, key=str)}")
-            object.__setattr__(self, "stop_token_ids", frozenset(int(i) for i in ids))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def stop_ids(self, tokenizer: Tokenizer) -> frozenset[int]:
-        """``stop_token_ids``, or the tokenizer's EOS ids when ``None``."""
-        return tokenizer.eos_token_ids if self.stop_token_ids is None else self.stop_token_ids
-
-
-@dataclass
-class GenerationResult:
-    """One generated sequence: its new token ids (stop token included), text and score.
-
-    ``score`` is strategy-specific: the sum of the model's log-probabilities of the
-    generated tokens for ``generate``/``sample``, the length-penalised beam score for
-    ``beam_search``. ``stats`` holds ``finish_reason`` (``"stop"`` or ``"length"``) and
-    the call's timing figures.
-    """
-
-    token_ids: list[int]
-    text: str
-    score: float | None = None
-    stats: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -158,9 +94,7 @@ class TreeEngine:
         self.cache = TreeKVCache(num_pages, page_size, pool=self.pool)
         self.attn = model.attention(device=self.device, backend=backend)
         self.count_io = bool(count_io)
-        if _not_int(prefill_chunk) or prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk: expected an integer >= 1, got {prefill_chunk!r}")
-        self.prefill_chunk = int(prefill_chunk)
+        self.prefill_chunk = int_at_least(prefill_chunk, "prefill_chunk", 1)
         self.vocab_size = model.config.vocab_size
         self.max_positions = model.config.max_position_embeddings
         self._staged: list[_Feed] = []
@@ -355,7 +289,7 @@ class TreeEngine:
         return modes
 
     def _check_leaf(self, node: Any, name: str) -> None:
-        children = self.cache.children(node) if _is_int(node) else None
+        children = self.cache.children(node) if is_int(node) else None
         if children is None:
             raise ValueError(f"{name}: expected a node id, got {node!r}")
         if children:
@@ -393,12 +327,3 @@ class TreeEngine:
         need = sum(-(-n // ps) for n in counts)
         if need > self.cache.num_free_pages:
             raise CacheFullError(need, self.cache.num_free_pages)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _not_int(x: Any) -> bool:
-    return not _is_int(x)
-

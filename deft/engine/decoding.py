@@ -21,7 +21,9 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .core import GenerationResult, SamplingParams, TreeEngine
+from ..checks import is_int
+from .core import TreeEngine
+from .params import GenerationResult, SamplingParams
 from .sampling import Sampler
 
 __all__ = ["Branch", "Request", "as_prompts", "decode", "prefill", "release_on_error", "run_requests"]
@@ -72,7 +74,7 @@ class Request:
 def as_prompts(prompts: Prompt | Sequence[Prompt], engine: TreeEngine) -> list[list[int]]:
     """A batch of token-id prompts from one prompt or many (text is encoded)."""
     if isinstance(prompts, str) or (
-        isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts)
+        isinstance(prompts, Sequence) and prompts and all(is_int(t) for t in prompts)
     ):
         prompts = [prompts]
     if not isinstance(prompts, Sequence) or not prompts:
@@ -80,12 +82,12 @@ def as_prompts(prompts: Prompt | Sequence[Prompt], engine: TreeEngine) -> list[l
     out = []
     for i, p in enumerate(prompts):
         ids = engine.tokenizer.encode(p) if isinstance(p, str) else p
-        if not isinstance(ids, Sequence) or not ids or not all(isinstance(t, int) for t in ids):
+        if not isinstance(ids, Sequence) or not ids or not all(is_int(t) for t in ids):
             raise ValueError(f"prompts[{i}]: expected text or a non-empty list of token ids, got {p!r}")
         if len(ids) > engine.max_positions:
             raise ValueError(f"prompts[{i}]: the prompt has {len(ids)} tokens, more than the "
                              f"model's context of {engine.max_positions}")
-        out.append(list(ids))
+        out.append([int(t) for t in ids])
     return out
 
 

@@ -1,8 +1,8 @@
 """Drafters: who guesses the draft tokens that speculative decoding verifies.
 
-A drafter grows each sequence's :class:`~deft.engine.trees.DraftTree` through its
-:class:`~deft.engine.trees.TreeGrower`, level by level, offering ranked
-:class:`~deft.engine.trees.Candidates` for every frontier node.
+A drafter grows each sequence's :class:`~deft.engine.draft_trees.DraftTree` through its
+:class:`~deft.engine.draft_trees.TreeGrower`, level by level, offering ranked
+:class:`~deft.engine.draft_trees.Candidates` for every frontier node.
 
 * :class:`NgramDrafter` (prompt lookup): no model; the continuations of the longest recent
   n-gram match of each context in the sequence's own prompt and output.
@@ -19,9 +19,11 @@ from typing import Sequence
 
 import torch
 
-from .core import SamplingParams, TreeEngine
+from ..checks import positive_int
+from .core import TreeEngine
+from .draft_trees import Candidates, DraftTree, Shape, TopKShape, TreeGrower
+from .params import SamplingParams
 from .sampling import probabilities
-from .trees import Candidates, DraftTree, Shape, TopKShape, TreeGrower
 
 __all__ = ["DraftJob", "Drafter", "NgramDrafter", "ModelDrafter"]
 
@@ -89,10 +91,9 @@ class NgramDrafter(Drafter):
     default_shape = TopKShape(k=2, depth=16, width=2, min_score=0.2)
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_matches: int = 64) -> None:
-        for name, val in (("max_ngram", max_ngram), ("min_ngram", min_ngram),
-                          ("max_matches", max_matches)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name}: expected a positive integer, got {val!r}")
+        max_ngram = positive_int(max_ngram, "max_ngram")
+        min_ngram = positive_int(min_ngram, "min_ngram")
+        max_matches = positive_int(max_matches, "max_matches")
         if min_ngram > max_ngram:
             raise ValueError(f"min_ngram: expected at most max_ngram={max_ngram}, got {min_ngram}")
         self.max_ngram, self.min_ngram, self.max_matches = max_ngram, min_ngram, max_matches

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .core import SamplingParams
+from .params import SamplingParams
 
 __all__ = ["Sampler", "probabilities"]
 

@@ -8,9 +8,10 @@ GQA, with tied or untied embeddings. Built from a Hugging Face ``config.json``
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from ..checks import positive_int, real_number
 
 __all__ = ["LlamaConfig", "RopeScaling", "ROPE_SCALING_KINDS", "HF_MODEL_TYPES", "GGUF_ARCHITECTURES"]
 
@@ -19,18 +20,8 @@ HF_MODEL_TYPES = ("llama", "mistral")
 GGUF_ARCHITECTURES = ("llama",)
 
 
-def _pos_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-    return value
-
-
 def _pos_float(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-        math.isfinite(value) and value > 0
-    ):
-        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
-    return float(value)
+    return real_number(value, name, "a positive finite number", lambda x: x > 0)
 
 
 @dataclass(frozen=True)
@@ -63,7 +54,7 @@ class RopeScaling:
             )
         object.__setattr__(self, "low_freq_factor", lo)
         object.__setattr__(self, "high_freq_factor", hi)
-        _pos_int(self.original_max_position_embeddings, "rope_scaling.original_max_position_embeddings")
+        positive_int(self.original_max_position_embeddings, "rope_scaling.original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -94,7 +85,7 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "max_position_embeddings"):
-            _pos_int(getattr(self, name), name)
+            positive_int(getattr(self, name), name)
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
                 raise ValueError(
@@ -102,7 +93,7 @@ class LlamaConfig:
                     f"is not given, got {self.hidden_size}"
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        _pos_int(self.head_dim, "head_dim")
+        positive_int(self.head_dim, "head_dim")
         if self.head_dim % 2:
             raise ValueError(f"head_dim: expected an even number (rotate-half RoPE), got {self.head_dim}")
         if self.num_heads % self.num_kv_heads:
@@ -163,7 +154,7 @@ class LlamaConfig:
         max_pos = config.get("max_position_embeddings", 8192)
         window = config.get("sliding_window")
         if window is not None:
-            max_pos = min(max_pos, _pos_int(window, "sliding_window"))
+            max_pos = min(max_pos, positive_int(window, "sliding_window"))
         heads = config["num_attention_heads"]
         return cls(
             vocab_size=config["vocab_size"],

@@ -1,61 +1,36 @@
 """Attention backends and their registry.
 
-A backend executes a :class:`~deft.plan.TreePlan`. ``prepare`` runs once per step (at
-``TreeAttention.plan``) and may build device tensors; ``run`` runs once per layer. A
-backend may also define ``refine_plan(plan, num_qo_heads, num_kv_heads, head_dim, device)``
-to reshape the plan for its kernels (e.g. coarser tiles) before ``prepare``;
-``plan_fast(layout, plan_kind, block_kv, num_qo_heads, num_kv_heads, head_dim, device,
-previous)``, which ``TreeAttention.plan`` tries first and which returns ``(plan, prepared)``
-equal to those three steps, or ``None`` to use them (e.g. a compiled planner for one plan
-kind); ``previous`` is the caller's last prepared value (or ``None``), whose device buffers
-it may reuse, since a plan invalidates the last one's CUDA graphs; and
-``run_output(prepared, q, k_cache, v_cache, sm_scale) -> o``, which ``TreeAttention.run``
-calls instead of ``run`` when the caller does not want the log-sum-exp. A backend with
-``writes_out = True`` takes ``out=`` (and ``run`` also ``lse_out=``) and writes there;
-``TreeAttention`` copies other backends' results into the caller's tensors. A backend with
-a ``max_slot`` attribute rejects layouts that use a larger slot (at ``plan``).
-New backends plug in with :func:`register_backend` without touching callers.
+Every backend keeps the contract of :class:`~deft.ops.base.Backend` (``plan`` once per
+step, ``run`` once per layer, declared capabilities). Backends are registered by name with
+a factory called once, on first use; :func:`get_backend` checks what it returns. New
+backends plug in with :func:`register_backend` without touching callers.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Protocol
+from typing import Callable
 
 import torch
 
-from ..layout import TreeLayout
-from ..plan import TreePlan
+from .base import Backend, Heads, Prepared, check_backend
 
-__all__ = ["Backend", "register_backend", "get_backend", "backend_names", "resolve_backend"]
-
-
-class Backend(Protocol):
-    """What a backend provides. ``prepared`` is whatever ``prepare`` returned."""
-
-    name: str
-    dtypes: tuple[torch.dtype, ...]
-
-    def prepare(self, plan: TreePlan, layout: TreeLayout, device: torch.device,
-                num_qo_heads: int, num_kv_heads: int, head_dim: int) -> Any: ...
-
-    def run(
-        self,
-        prepared: Any,
-        q: torch.Tensor,  # [Q, H_q, D]
-        k_cache: torch.Tensor,  # [num_slots, H_kv, D]
-        v_cache: torch.Tensor,  # [num_slots, H_kv, D]
-        sm_scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # o [Q, H_q, D] in q.dtype, lse [Q, H_q] float32
-        ...
-
+__all__ = ["Backend", "Heads", "Prepared", "register_backend", "get_backend", "backend_names",
+           "resolve_backend"]
 
 _FACTORIES: dict[str, Callable[[], Backend]] = {}
 _INSTANCES: dict[str, Backend] = {}
 
 
 def register_backend(name: str, factory: Callable[[], Backend]) -> None:
-    """Register ``factory`` (called once, on first use) under ``name``."""
+    """Register ``factory`` (a :class:`Backend` subclass, or a callable returning an
+    instance; called once, on first use) under ``name``."""
+    if not isinstance(name, str) or not name or name == "auto":
+        raise ValueError(f"name: expected a non-empty backend name other than 'auto', got {name!r}")
+    if isinstance(factory, type) and not issubclass(factory, Backend):
+        raise TypeError(f"factory: expected a subclass of deft.ops.Backend, got {factory.__name__}")
+    if not callable(factory):
+        raise TypeError(f"factory: expected a callable returning a Backend, got {factory!r}")
     _FACTORIES[name] = factory
     _INSTANCES.pop(name, None)
 
@@ -69,7 +44,7 @@ def get_backend(name: str) -> Backend:
     if name not in _FACTORIES:
         raise ValueError(f"backend: expected one of auto, {', '.join(_FACTORIES)}, got {name!r}")
     if name not in _INSTANCES:
-        _INSTANCES[name] = _FACTORIES[name]()
+        _INSTANCES[name] = check_backend(_FACTORIES[name](), name)
     return _INSTANCES[name]
 
 
@@ -96,4 +71,4 @@ def _lazy(module: str, attr: str) -> Callable[[], Backend]:
 
 register_backend("torch", _lazy(".torch_backend", "TorchBackend"))
 register_backend("reference", _lazy(".reference", "ReferenceBackend"))
-register_backend("triton", _lazy(".triton_backend", "TritonBackend"))
+register_backend("triton", _lazy(".triton", "TritonBackend"))

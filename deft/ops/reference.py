@@ -6,11 +6,14 @@ visibility mask by walking ancestors, and runs plain softmax attention.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from ..layout import TreeLayout
-from ..plan import TreePlan
+from ..plan import TreePlan, make_plan
+from .base import Backend, Heads
 
 __all__ = ["ReferenceBackend", "visibility_mask", "reference_attention"]
 
@@ -55,16 +58,26 @@ def reference_attention(
     return o, lse.transpose(0, 1).contiguous()
 
 
-class ReferenceBackend:
-    """Registry adapter for :func:`reference_attention` (tests only; slow)."""
+@dataclass(frozen=True)
+class _Step:
+    plan: TreePlan
+    layout: TreeLayout
+
+
+class ReferenceBackend(Backend):
+    """Registry adapter for :func:`reference_attention` (tests only; slow). It reads the
+    layout, not the plan: an oracle independent of the planner."""
 
     name = "reference"
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-    def prepare(self, plan: TreePlan, layout: TreeLayout, device: torch.device,
-                num_qo_heads: int, num_kv_heads: int, head_dim: int) -> TreeLayout:
-        return layout
+    def plan(self, layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
+             device: torch.device, previous: object = None) -> _Step:
+        return _Step(make_plan(layout, plan_kind, block_kv), layout)
 
-    def run(self, prepared: TreeLayout, q, k_cache, v_cache, sm_scale):  # noqa: ANN001
-        o, lse = reference_attention(q, k_cache, v_cache, prepared, sm_scale)
+    def run(self, prepared: _Step, q: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor, sm_scale: float, *, out: torch.Tensor | None = None,
+            lse_out: torch.Tensor | None = None,
+            want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = reference_attention(q, k_cache, v_cache, prepared.layout, sm_scale)
         return o.to(q.dtype), lse.float()

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from ..layout import TreeLayout
-from ..plan import TreePlan
+from ..plan import TreePlan, make_plan, visible
+from .base import Backend, Heads
 
 __all__ = ["TorchBackend"]
 
@@ -36,6 +37,7 @@ class _Bucket:
 
 @dataclass(frozen=True)
 class _Prepared:
+    plan: TreePlan
     buckets: tuple[_Bucket, ...]
     merge_idx: torch.Tensor  # [Q, S] partial ids per query, padded with num_partials
     num_partials: int
@@ -53,17 +55,18 @@ def _pad_size(x: np.ndarray) -> np.ndarray:
 class _Dense:
     """A small step as one tile: every plan token loaded once, all queries against it."""
 
+    plan: TreePlan
     slots: torch.Tensor  # [N] cache slot of each plan token
     bias: torch.Tensor  # [Q * g, N] float32: 0 where visible, -inf elsewhere (rows: query, GQA head)
     empty_rows: torch.Tensor | None  # bias rows that see no token (softmax gives NaN there)
 
 
-class TorchBackend:
+class TorchBackend(Backend):
     """Batched-tensor executor of any :class:`~deft.plan.TreePlan`.
 
     Steps with at most ``dense_limit`` (query, token) pairs — single-sequence decoding,
     small trees — run as one tile: one gather and two matmuls, no merge. Larger steps run
-    tile by tile in padded buckets. :meth:`run_output` skips the log-sum-exp where it can.
+    tile by tile in padded buckets; one-tile steps skip the log-sum-exp unless asked for it.
     """
 
     name = "torch"
@@ -71,11 +74,13 @@ class TorchBackend:
     # On one CPU core the one-tile path beats the tiled one up to ~2^18 pairs even when most
     # pairs are masked (prompts in a forest); past that its wasted work dominates.
     dense_limit = 1 << 18
+    default_block_kv = 256
 
-    def prepare(self, plan: TreePlan, layout: TreeLayout, device: torch.device,
-                num_qo_heads: int, num_kv_heads: int, head_dim: int) -> _Prepared | _Dense:
+    def plan(self, layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
+             device: torch.device, previous: object = None) -> _Prepared | _Dense:
+        plan = make_plan(layout, plan_kind, block_kv)
         if plan.kind != "per_query" and plan.num_queries * plan.num_plan_tokens <= self.dense_limit:
-            return _dense(plan, num_qo_heads // num_kv_heads, device)
+            return _dense(plan, heads.num_qo_heads // heads.num_kv_heads, device)
         tile_len = np.diff(plan.tile_indptr)
         group = plan.tile_q_end - plan.tile_q_start
         lp, gp = _pad_size(tile_len), _pad_size(group)
@@ -94,7 +99,7 @@ class TorchBackend:
             off = plan.token_off[t_pos][:, None, :]
             mask = q_ok[:, :, None] & t_ok[:, None, :]
             if plan.needs_mask:
-                mask &= (lo <= pre) & (pre < hi) & ((pre != lo) | (off < qlen))
+                mask &= visible(pre, qlen, lo, hi, off)
             pid = plan.partial_indptr[tiles, None] + np.arange(g_pad)
             pid = np.where(q_ok, pid, num_p)
             per_tile = max(1, g_pad * l_pad)
@@ -113,21 +118,18 @@ class TorchBackend:
         pos = np.minimum(plan.merge_indptr[:-1, None] + col, max(num_p - 1, 0))
         merge_idx = np.where(col < count[:, None], plan.merge_partials[pos] if num_p else 0, num_p)
         return _Prepared(
+            plan=plan,
             buckets=tuple(buckets),
             merge_idx=torch.as_tensor(merge_idx, device=device),
             num_partials=num_p,
         )
 
-    def run(
-        self,
-        prepared: _Prepared | _Dense,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        sm_scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, prepared: _Prepared | _Dense, q: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor, sm_scale: float, *, out: torch.Tensor | None = None,
+            lse_out: torch.Tensor | None = None,
+            want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         if isinstance(prepared, _Dense):
-            return _dense_attention(prepared, q, k_cache, v_cache, sm_scale, return_lse=True)
+            return _dense_attention(prepared, q, k_cache, v_cache, sm_scale, return_lse=want_lse)
         h_q, d = q.shape[1], q.shape[2]
         h_kv = k_cache.shape[1]
         g = h_q // h_kv
@@ -147,19 +149,6 @@ class TorchBackend:
                 plse[b.pid[sl]] = lse
         return _merge_partials(po, plse, prepared.merge_idx, q.dtype)
 
-    def run_output(
-        self,
-        prepared: _Prepared | _Dense,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        sm_scale: float,
-    ) -> torch.Tensor:
-        """Like :meth:`run` but only ``o``; one-tile steps then skip the log-sum-exp."""
-        if isinstance(prepared, _Dense):
-            return _dense_attention(prepared, q, k_cache, v_cache, sm_scale, return_lse=False)[0]
-        return self.run(prepared, q, k_cache, v_cache, sm_scale)[0]
-
 
 def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``x[idx]`` for an index tensor of any shape, through ``index_select`` (faster on CPU)."""
@@ -172,11 +161,11 @@ def _dense(plan: TreePlan, g: int, device: torch.device) -> _Dense:
     inv[plan.query_order] = np.arange(plan.num_queries)
     pre, qlen = plan.query_pre[inv][:, None], plan.query_len[inv][:, None]
     lo, hi, off = plan.token_lo[None, :], plan.token_hi[None, :], plan.token_off[None, :]
-    vis = (lo <= pre) & (pre < hi) & ((pre != lo) | (off < qlen))  # [Q, N]
+    vis = visible(pre, qlen, lo, hi, off)  # [Q, N]
     rows = np.repeat(vis, g, axis=0)
     bias = np.where(rows, 0.0, -np.inf).astype(np.float32)
     empty = np.flatnonzero(~rows.any(axis=1))
-    return _Dense(slots=torch.as_tensor(plan.token_slots.copy(), device=device),
+    return _Dense(plan=plan, slots=torch.as_tensor(plan.token_slots.copy(), device=device),
                   bias=torch.as_tensor(bias, device=device),
                   empty_rows=torch.as_tensor(empty, device=device) if empty.size else None)
 

@@ -1,0 +1,223 @@
+"""Sweeps of the triton backend's kernel configs and work split on the GPU suite (GPU only).
+
+For each tree and variant, time the benchmark's 32-layer step (partial + merge kernels, one KV
+buffer per layer, Llama-3-8B attention shape) replayed as a CUDA graph, and check layer 0
+against the float64 reference. ``--sweep`` picks the variants, each against the shipped
+config and coarsening (``deft.plan.coarsen.refine``):
+
+* ``merge`` (default): the merge fused into the partial kernel;
+* ``factors``: fixed coarsening factors (``--factors``, default 2,4,8,16,32) instead of
+  the coarsening rule;
+* ``shapes``: other block shapes (rows x tokens, warps, stages), and slot loads forced on;
+* ``tma``: TMA loads of consecutive-slot tiles off (gathered loads), and TMA block shapes;
+* ``occupancy``: 2 stages, a 128-register cap (4 programs per SM instead of 3), other waves;
+* ``pipeline``: deeper K/V rings (16-token blocks with 5, 6 or 8 stages, 32 with 4), so
+  loads are issued further ahead of their use;
+* ``pdl``: programmatic dependent launch off;
+* ``partials``: partial o in fp32, or in q's dtype with and without a register cap, for
+  every step (shipped: q's dtype with the cap in the ``wide`` regimes only);
+* ``mergecfg``: one merge-kernel shape (partial states per step, warps) for every step,
+  instead of the shipped one per row regime of the config table;
+* ``mergeheads``: merge programs of several query heads (states per step, warps, heads),
+  for every step.
+
+Usage: ``python -m benchmarks.sweep [--sweep NAME] [--eager] [--only LABEL,...] [--json PATH]
+[TREE ...]``: one line per (tree, variant), then registers and spills of every compiled
+partial-kernel variant, the best variants per tree and each variant's mean slowdown against
+the per-tree best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from deft import TreeAttention
+from deft.ops.reference import reference_attention
+from deft.ops.triton import configs, kernels
+from deft.plan import coarsen_plan, step as plan_step
+from deft.recorded import workloads_dir
+
+from .attention_gpu import D, DTYPE, H_KV, H_Q, LAYERS, time_us
+from .report import record, write_record
+from .trees import GPU_SUITE, build
+
+__all__ = ["SWEEPS", "variants", "main"]
+
+SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 3),
+          (128, 64, 8, 2), (64, 16, 4, 4), (16, 32, 2, 3), (16, 64, 4, 3), (32, 32, 2, 3),
+          (32, 64, 4, 3)]
+TMA_SHAPES = [(64, 32, 4, 4), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2)]
+SWEEPS = ("merge", "factors", "shapes", "tma", "occupancy", "pipeline", "mergecfg", "mergeheads",
+          "pdl", "partials")
+
+
+def variants(sweep: str, factors: str = "2,4,8,16,32") -> list[tuple[str, dict, int | None]]:
+    """(label, changes to every row regime of head_dim ``D``'s configs, fixed coarsening
+    factor or None for the shipped rule), the shipped configs first."""
+    def v(**changes) -> dict:
+        return changes
+
+    shipped: dict = {}
+    out = [("shipped", shipped, None)]
+    if sweep == "merge":
+        out.append(("fused merge", v(fuse_merge=True), None))
+    elif sweep == "factors":
+        out += [(f"u={u}", shipped, int(u)) for u in factors.split(",")]
+    elif sweep == "shapes":
+        out += [(f"m{m}n{n}w{w}s{st}", v(block_m=m, block_n=n, num_warps=w, num_stages=st), None)
+                for m, n, w, st in SHAPES]
+        out.append(("slot loads", v(contig=False), None))
+    elif sweep == "tma":
+        out.append(("gather", v(tma=False), None))
+        out += [(f"tma m{m}n{n}w{w}s{st}", v(block_m=m, block_n=n, num_warps=w, num_stages=st), None)
+                for m, n, w, st in TMA_SHAPES]
+    elif sweep == "occupancy":
+        out += [("s2", v(num_stages=2), None),
+                ("s2 maxnreg 128", v(num_stages=2, maxnreg=128), None),
+                ("waves 3", v(waves=3.0), None),
+                ("s2 maxnreg 128 waves 6", v(num_stages=2, maxnreg=128, waves=6.0), None)]
+    elif sweep == "pipeline":
+        # Triton issues block i + stages - 1's loads at the end of iteration i, so a load has
+        # stages - 2 iterations to land; 16-token blocks give 6 stages the shipped ring's
+        # shared memory (48 KB of K/V) and twice its lead in tokens.
+        out += [(f"n{n} s{st}", v(block_n=n, num_stages=st), None)
+                for n, st in ((16, 5), (16, 6), (16, 8), (32, 4))]
+    elif sweep == "mergecfg":
+        out += [(f"merge b{b} w{w}", v(merge_block=b, merge_warps=w), None)
+                for b, w in ((16, 2), (8, 2), (32, 4), (4, 1))]
+    elif sweep == "mergeheads":
+        out += [(f"merge b{b} w{w} h{h}", v(merge_block=b, merge_warps=w, merge_heads=h), None)
+                for b, w, h in ((16, 2, 1), (4, 1, 1), (8, 2, 2), (4, 2, 4), (8, 4, 4),
+                                (4, 4, 8), (2, 4, 8))]
+    elif sweep == "pdl":
+        out.append(("no pdl", v(pdl=False), None))
+    elif sweep == "partials":
+        out += [("fp32 partials", v(narrow_partials=False, maxnreg=None), None),
+                ("narrow partials", v(narrow_partials=True, maxnreg=None), None),
+                ("narrow maxnreg 168", v(narrow_partials=True, maxnreg=168), None)]
+    else:
+        raise ValueError(f"sweep: expected one of {', '.join(SWEEPS)}, got {sweep!r}")
+    return out
+
+
+def _compiled() -> dict:
+    """The partial kernel's compiled instances on this device, by cache key."""
+    caches = kernels.tree_partial_kernel.device_caches
+    return dict(caches[torch.cuda.current_device()][0]) if caches else {}
+
+
+def _sweep_tree(name: str, layout, variant_list, graph: bool, registers: dict) -> list[dict]:  # noqa: ANN001
+    """Time every variant on one tree; the shipped configs and coarsening are restored."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n = layout.num_tokens
+    ks = [torch.randn(n, H_KV, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(LAYERS)]
+    vs = [torch.randn(n, H_KV, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(LAYERS)]
+    q = torch.randn(layout.num_queries, H_Q, D, device="cuda", dtype=DTYPE, generator=gen)
+    ref, _ = reference_attention(q, ks[0], vs[0], layout, D**-0.5)
+    shipped_table, shipped_refine = dict(configs.CONFIGS), plan_step.refine
+    opted_out = os.environ.get("DEFT_FASTPLAN")
+    rows = []
+    try:
+        for label, changes, u in variant_list:
+            for key, cfg in shipped_table.items():
+                if key[1] == D:
+                    configs.CONFIGS[key] = dataclasses.replace(cfg, **changes)
+            if u is None:
+                plan_step.refine = shipped_refine
+            else:
+                plan_step.refine = lambda plan, params, u=u: coarsen_plan(plan, u)
+            # The compiled planner coarsens as shipped: fixed factors plan with numpy.
+            os.environ["DEFT_FASTPLAN"] = "1" if u is None else "0"
+            attn = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda")
+            plan = attn.plan(layout)
+            before = _compiled()
+            try:
+                diff = float((attn.run(q, ks[0], vs[0]).double() - ref.double()).abs().max())
+
+                def step(attn=attn) -> None:
+                    for layer in range(LAYERS):
+                        attn.run(q, ks[layer], vs[layer])
+
+                us = time_us(step, graph=graph)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report, go on
+                print(f"{name} | {label} | ERROR {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                continue
+            programs = attn._prepared.num_work * H_KV
+            registers.setdefault(label, set()).update(
+                (k.n_regs, k.n_spills) for key, k in _compiled().items() if key not in before)
+            rows.append({"tree": name, "variant": label, "tiles": plan.num_tiles,
+                         "partials": plan.num_partials, "programs": programs,
+                         "µs/step": us, "µs/layer": us / LAYERS, "max |diff| vs ref": diff})
+            print(f"{name} | {label} | {plan.num_tiles} | {plan.num_partials} | {programs} | "
+                  f"{us:.0f} | {us / LAYERS:.1f} | {diff:.2e}", flush=True)
+    finally:
+        configs.CONFIGS.update(shipped_table)
+        plan_step.refine = shipped_refine
+        if opted_out is None:
+            os.environ.pop("DEFT_FASTPLAN", None)
+        else:
+            os.environ["DEFT_FASTPLAN"] = opted_out
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.sweep",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("trees", nargs="*", metavar="TREE", help="benchmark trees (default: the GPU suite)")
+    ap.add_argument("--sweep", choices=SWEEPS, default="merge", help="which variants (default merge)")
+    ap.add_argument("--factors", default="2,4,8,16,32", help="(--sweep factors) comma-separated factors")
+    ap.add_argument("--eager", action="store_true", help="time the step launched from Python, not replayed")
+    ap.add_argument("--only", metavar="LABEL,...", help="keep just these variants")
+    ap.add_argument("--workloads", metavar="DIR", help="recorded workloads directory "
+                    "(default: $DEFT_WORKLOADS or ../shared/workloads; recorded trees skipped without)")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows as a result record")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU")
+    variant_list = variants(args.sweep, args.factors)
+    if args.only:
+        variant_list = [v for v in variant_list if v[0] in args.only.split(",")]
+    try:
+        workloads: Path | None = workloads_dir(args.workloads)
+    except FileNotFoundError:
+        workloads = None
+    mode = "eager" if args.eager else "graph"
+    print(f"tree | variant | tiles | partials | programs | µs/step {mode} | µs/layer | max|diff| vs ref")
+    results: list[dict] = []
+    registers: dict[str, set] = {}
+    for name in args.trees or GPU_SUITE:
+        try:
+            layout = build(name, workloads)
+        except FileNotFoundError:
+            continue
+        results += _sweep_tree(name, layout, variant_list, not args.eager, registers)
+        torch.cuda.empty_cache()
+    if args.json:
+        rec = record(list(results[0]) if results else [], [list(r.values()) for r in results],
+                     "cuda", sweep=args.sweep, mode=mode)
+        write_record(args.json, rec)
+    print("\npartial kernel (registers, spills) compiled per variant:")
+    for label, regs in registers.items():
+        print(f"{label}: {sorted(regs)}")
+    print("\nbest per tree:")
+    best = {}
+    for name in dict.fromkeys(r["tree"] for r in results):
+        rows = sorted((r for r in results if r["tree"] == name), key=lambda r: r["µs/step"])
+        best[name] = rows[0]["µs/step"]
+        print(name, " | ".join(f"{r['variant']} {r['µs/layer']:.1f}" for r in rows[:4]))
+    for label, _, _ in variant_list:
+        rows = [r for r in results if r["variant"] == label]
+        if rows:
+            slowdown = sum(r["µs/step"] / best[r["tree"]] for r in rows) / len(rows)
+            print(f"{label}: mean slowdown vs per-tree best {slowdown:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,1 +1,0 @@
-"""Benchmarks: named tree workloads, baselines, timing and report tables."""

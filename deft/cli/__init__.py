@@ -1,0 +1,37 @@
+"""The ``deft`` command: generation (generate, sample, beam, speculate), trace replay, the
+demo and benchmarks, one module per command group over :mod:`.common`."""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from . import bench, demo, generate, replay, speculate
+from .common import CliError, Parser
+
+__all__ = ["CliError", "build_parser", "main"]
+
+
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="deft",
+        description="DeFT: exact, IO-aware attention for tree-structured LLM decoding.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    generate.add_parsers(sub)
+    speculate.add_parser(sub)
+    replay.add_parser(sub)
+    demo.add_parser(sub)
+    bench.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except CliError as exc:
+        print(f"deft: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

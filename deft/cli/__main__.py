@@ -1,0 +1,7 @@
+"""``python -m deft.cli``: the ``deft`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,104 @@
+"""``deft bench plan|attention|e2e``: the benchmarks, run from the ``benchmarks`` package."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from . import common
+from .common import CliError, in_range
+
+__all__ = ["add_parser"]
+
+
+def add_parser(subparsers: Any) -> None:
+    """Add ``bench`` and its subcommands to ``deft``'s subcommands."""
+    bench = subparsers.add_parser("bench", help="benchmarks (plan, attention, e2e)")
+    bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    shared = argparse.ArgumentParser(add_help=False)
+    common.add_workloads_flag(shared)
+    shared.add_argument("--workload", action="append", metavar="NAME",
+                        help="run only this workload (repeatable); see benchmarks.trees.WORKLOADS")
+    shared.add_argument("--json", metavar="PATH",
+                        help="also write the result as JSON (machine, commit, date, command, rows)")
+
+    plan = bsub.add_parser("plan", parents=[shared],
+                           help="planning time per plan kind and of the triton step",
+                           description="Median planning time of every plan kind on the benchmark "
+                                       "trees, and of the triton backend's host-side step planning "
+                                       "with numpy and with the compiled planner.")
+    plan.add_argument("--block-kv", type=int, default=64, help="tile size in tokens (default 64)")
+    plan.add_argument("--reps", type=int, default=50, help="timed repetitions (default 50)")
+    plan.set_defaults(func=run_plan)
+
+    att = bsub.add_parser("attention", parents=[shared], help="DeFT against tree-attention peers",
+                          description="One layer (cpu) or a 32-layer decode step (cuda) of "
+                          "Llama-3-8B-shaped attention: DeFT against per-query decoding, SDPA "
+                          "and FlexAttention, measured side by side in one process.")
+    att.add_argument("--device", choices=common.DEVICES, default="cpu")
+    att.add_argument("--reps", type=int, default=10, help="timed repetitions on CPU (default 10)")
+    att.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile is slow)")
+    att.add_argument("--out", metavar="DIR", help="(cuda) also write JSON details here")
+    att.set_defaults(func=run_attention)
+
+    e2e = bsub.add_parser("e2e", help="the engine against transformers generate (SmolLM2)",
+                          description="End to end on one machine: DeFT's engine against "
+                          "transformers generate with SmolLM2-135M-Instruct from the same GGUF: "
+                          "greedy decoding (one prompt, a batch, a shared few-shot prompt) and "
+                          "beam search k=4; tokens/s, speed-up, same-token check and where "
+                          "DeFT's time goes.")
+    e2e.add_argument("--device", choices=common.DEVICES, default="cpu")
+    e2e.add_argument("--reps", type=int, default=3, help="timed runs of each side (best counts, default 3)")
+    e2e.add_argument("--workload", action="append", metavar="NAME",
+                     help="run only this workload (repeatable); see benchmarks.e2e.WORKLOADS")
+    e2e.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    e2e.add_argument("--speculative", action="store_true",
+                     help="also speculative decoding against greedy decoding (benchmarks.speculative)")
+    e2e.add_argument("--json", metavar="PATH", help="also write the result as JSON (machine, commit, "
+                     "date, command, rows; with --speculative also PATH_speculative.json)")
+    e2e.set_defaults(func=run_e2e)
+
+
+def run_plan(args: argparse.Namespace) -> None:
+    from benchmarks.plan import plan_table
+
+    print(plan_table(args.workload or None, common.workloads(args.workloads), args.block_kv, args.reps,
+                     json_path=args.json))
+
+
+def run_attention(args: argparse.Namespace) -> None:
+    if args.device == "cuda":
+        common.require_device(args.device)
+        from benchmarks.attention_gpu import gpu_attention_report
+
+        print(gpu_attention_report(args.workload or None, common.workloads(args.workloads),
+                                   out=args.out, progress=common.progress, json_path=args.json))
+        return
+    from benchmarks.attention_cpu import cpu_attention_table
+
+    print(cpu_attention_table(args.workload or None, common.workloads(args.workloads),
+                              flex=not args.no_flex, reps=args.reps, progress=common.progress,
+                              json_path=args.json))
+
+
+def run_e2e(args: argparse.Namespace) -> None:
+    import torch
+
+    from benchmarks.e2e import WORKLOADS, e2e_table
+
+    common.require_device(args.device)
+    known = [w.name for w in WORKLOADS]
+    for name in args.workload or []:
+        if name not in known:
+            raise CliError(f"--workload: expected one of {', '.join(map(repr, known))}, got {name!r}")
+    in_range(args.reps, "--reps", 1, 100)
+    if args.threads is not None:
+        torch.set_num_threads(in_range(args.threads, "--threads", 1, 1024))
+    print(e2e_table(args.device, args.workload, args.reps, progress=common.progress, json_path=args.json),
+          flush=True)
+    if args.speculative:
+        from benchmarks.speculative import spec_table
+
+        spec_json = args.json and args.json.removesuffix(".json") + "_speculative.json"
+        print()
+        print(spec_table(device=args.device, reps=args.reps, progress=common.progress, json_path=spec_json))

@@ -1,0 +1,74 @@
+"""``deft replay [TRACE]``: drive the engine through a recorded reasoning tree."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from . import common
+from .common import CliError, in_range
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: Any) -> None:
+    """Add the ``replay`` command to ``deft``'s subcommands."""
+    from ..engine.strategies.replay import TOKEN_MODES
+
+    rp = subparsers.add_parser("replay", parents=[common.model_flags()], help="replay a recorded reasoning tree",
+                               description="Drive the engine through a recorded Graph-of-Thoughts tree: "
+                               "each iteration every active thought decodes one token in one forward, "
+                               "thoughts branch and end as recorded. Reports tokens/s and the K/V bytes "
+                               "DeFT reads against per-branch decoding.")
+    rp.add_argument("trace", nargs="?", default="keywordToT", metavar="TRACE",
+                    help="a reasoning JSON file, or a task name under the recorded workloads: "
+                    "keywordToT (default), docmergeToT, sorting128ToT")
+    common.add_workloads_flag(rp)
+    rp.add_argument("--record", type=int, default=0, help="index among the complete records (default 0)")
+    rp.add_argument("--iterations", type=int, metavar="N", help="stop after N iterations (default: all)")
+    rp.add_argument("--tokens", choices=TOKEN_MODES, default="random",
+                    help="decoded token ids: random (default) or greedy")
+    rp.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    rp.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    from dataclasses import asdict
+
+    from tqdm import tqdm
+
+    from ..engine import TreeEngine, load_trace, replay_trace
+
+    path = Path(args.trace)
+    if not path.suffix:  # a task name
+        base = common.workloads(args.workloads)
+        if base is None:
+            raise CliError(f"TRACE {args.trace!r}: a task name needs the recorded workloads; "
+                           "pass a file path or --workloads DIR")
+        path = base / "deft" / "reasoning" / f"{args.trace}.json"
+    if args.iterations is not None:
+        in_range(args.iterations, "--iterations", 1, 1 << 30)
+    try:
+        data = load_trace(path, args.record)
+    except (FileNotFoundError, ValueError) as exc:
+        raise CliError(f"TRACE: {exc}") from exc
+    model, tok = common.load(args)
+    tokens = sum(v["value"] for v in data.values())
+    engine = TreeEngine(model, tok, num_pages=common.pages_for(tokens) + 2 * len(data) + 8,
+                        page_size=common.PAGE_SIZE, device=args.device)
+    last = max(v["end"] for v in data.values())
+    total = min(last, args.iterations or last)
+    with tqdm(total=total, unit="it", desc="replay", leave=False, disable=None) as bar:
+        r = replay_trace(engine, path, args.record, args.iterations, args.tokens, progress=bar.update)
+    if args.json:
+        print(json.dumps({**asdict(r), "tokens_per_s": r.tokens_per_s, "kv_ratio": r.kv_ratio}))
+        return
+    print(f"{r.trace} record {r.record}: {r.iterations} iterations, {r.prompt_tokens}-token prompt, "
+          f"{r.thoughts} thoughts (up to {r.max_active} at once), peak {r.peak_pages} pages of "
+          f"{common.PAGE_SIZE}")
+    print(f"prefill {r.prefill_s:.2f} s; decode {r.decode_tokens} tokens in {r.decode_s:.2f} s "
+          f"({r.tokens_per_s:.1f} tokens/s)")
+    print(f"K/V read in decode: DeFT {r.kv_bytes_deft / 2**20:,.0f} MiB, per-branch decoding "
+          f"{r.kv_bytes_per_branch / 2**20:,.0f} MiB ({r.kv_ratio:.1f}x less)")

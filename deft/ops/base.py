@@ -1,0 +1,92 @@
+"""The backend contract: what :class:`~deft.attention.TreeAttention` calls, once.
+
+A backend plans a step (``plan``, once per step, outside any CUDA graph) into a *prepared*
+value that holds the step's :class:`~deft.plan.TreePlan` as ``.plan`` and whatever device
+data its kernels read, then runs it per layer (``run``). Capabilities are class attributes:
+
+* ``writes_out``: ``run`` writes into caller-given ``out``/``lse_out`` (and allocates
+  nothing then); otherwise ``TreeAttention`` copies the result in;
+* ``graph_safe``: ``run`` makes no host synchronisation or allocation with ``out`` given,
+  so the layers of a step can be captured in a CUDA graph;
+* ``max_slot``: the largest cache slot its plan arrays can address (``None``: any);
+* ``default_block_kv``: the tile size used when the caller gives none.
+"""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from ..layout import TreeLayout
+from ..plan import TreePlan
+
+__all__ = ["Backend", "Heads", "Prepared", "check_backend"]
+
+
+class Heads(NamedTuple):
+    """The attention shape a plan is made for."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class Prepared(Protocol):
+    """What ``Backend.plan`` returns: at least the step's plan."""
+
+    plan: TreePlan
+
+
+class Backend(ABC):
+    """An executor of plans. Subclass it and register a factory with
+    :func:`deft.register_backend`."""
+
+    name: str
+    dtypes: tuple[torch.dtype, ...]
+    writes_out: bool = False
+    graph_safe: bool = False
+    max_slot: int | None = None
+    default_block_kv: int = 64
+
+    @abstractmethod
+    def plan(self, layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
+             device: torch.device, previous: Any = None) -> Prepared:
+        """Plan one step of ``layout``. ``previous`` is the same caller's last prepared
+        value (or ``None``), whose device buffers may be reused: ``plan`` and ``run`` share
+        one stream, which orders the reuse after the last plan's launches."""
+
+    @abstractmethod
+    def run(self, prepared: Any, q: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor, sm_scale: float, *, out: torch.Tensor | None = None,
+            lse_out: torch.Tensor | None = None,
+            want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(o [Q, H_q, D] in q.dtype, lse [Q, H_q] float32)`` of the planned step over
+        ``k_cache, v_cache [num_slots, H_kv, D]``; ``lse`` may be ``None`` without
+        ``want_lse``. ``out``/``lse_out`` are given only to backends with ``writes_out``."""
+
+
+_CONTRACT = {name: inspect.signature(getattr(Backend, name)) for name in ("plan", "run")}
+
+
+def check_backend(backend: Any, name: str) -> Backend:
+    """``backend`` if it keeps the contract, else a ``TypeError`` saying what is missing."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backend {name!r}: expected an instance of deft.ops.Backend, got "
+                        f"{type(backend).__name__}")
+    for attr in ("name", "dtypes"):
+        if not hasattr(backend, attr):
+            raise TypeError(f"backend {name!r}: missing the attribute {attr!r}")
+    if not backend.dtypes or not all(isinstance(d, torch.dtype) for d in backend.dtypes):
+        raise TypeError(f"backend {name!r}: dtypes: expected a non-empty tuple of torch dtypes, "
+                        f"got {backend.dtypes!r}")
+    for method, expected in _CONTRACT.items():
+        got = inspect.signature(getattr(backend, method))
+        want = [p for p in expected.parameters if p != "self"]
+        missing = [p for p in want if p not in got.parameters]
+        if missing:
+            raise TypeError(f"backend {name!r}: {method}() lacks the parameters "
+                            f"{', '.join(missing)} of the contract {method}{expected}")
+    return backend

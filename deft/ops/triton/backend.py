@@ -1,0 +1,144 @@
+"""The ``triton`` backend: DeFT-Flatten on GPU, one partial launch and one merge per layer.
+
+Per step (``plan``, outside any CUDA graph): :func:`deft.plan.plan_step` plans, coarsens
+and packs the step into one of the device's pinned host buffers (compiled code for
+``flatten``), the buffer is uploaded in one copy, and the fp32 workspace of partial states
+is sized; both device buffers are the last plan's when they fit. Per layer (``run``):
+:func:`.launch.launch_step`. Runs on CUDA tensors, or on CPU tensors under
+``TRITON_INTERPRET=1`` (with small blocks, for tests).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from ...layout import TreeLayout
+from ...plan import Coarsening, plan_step
+from ...plan.packing import PackedPlan
+from ..base import Backend, Heads
+from .configs import KernelConfig, interpreting, kernel_config
+from .launch import Pointer, StepBuffers, has_tma, launch_step
+from .upload import Staging, staging
+
+__all__ = ["TritonBackend"]
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _cuda_index(device: torch.device) -> torch.device:
+    """``device``, with the current CUDA device's index if it has none."""
+    if device.type == "cuda" and device.index is None:
+        return _cuda_device(torch.cuda.current_device())
+    return device
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device(index: int) -> torch.device:
+    return torch.device("cuda", index)
+
+
+def _buffer(previous: torch.Tensor | None, n: int, dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """``previous`` if it is on ``device`` and holds ``n`` elements without being four times
+    too large, else a new buffer with a quarter to spare (trees grow every decode step)."""
+    if previous is not None and n <= previous.numel() <= 4 * n + 64 and previous.device == device:
+        return previous
+    return torch.empty(n + n // 4, dtype=dtype, device=device)
+
+
+def coarsening(cfg: KernelConfig, heads: Heads, device: torch.device) -> Coarsening:
+    """The coarsening parameters of ``cfg`` on ``device``."""
+    sms = _num_sms(device)
+    return Coarsening(heads.num_qo_heads // heads.num_kv_heads, cfg.block_m, heads.num_kv_heads,
+                      sms, cfg.waves, cfg.min_tile_tokens, cfg.max_coarsen,
+                      cfg.programs_per_sm * sms, cfg.program_cost)
+
+
+class TritonBackend(Backend):
+    """DeFT-Flatten on GPU: one partial-attention launch and one merge launch per layer."""
+
+    name = "triton"
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    writes_out = True
+    graph_safe = True
+    max_slot = 2**31 - 1  # plan arrays are int32 on the device
+
+    def plan(self, layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
+             device: torch.device, previous: Any = None) -> StepBuffers:
+        d = heads.head_dim
+        if d & (d - 1) or d < 16:
+            raise ValueError(f"head_dim: the triton backend needs a power of two >= 16, got {d}")
+        device = _cuda_index(device)
+        cfg = kernel_config(d, layout.num_queries * heads.num_qo_heads, device)
+        host = staging(device)
+        with host.lock:
+            reuse = host.next()
+            plan, packed = plan_step(layout, plan_kind, block_kv, coarsening(cfg, heads, device),
+                                     lambda n: host.new(n).numpy(),
+                                     None if reuse is None else reuse.numpy())
+            return _upload(plan, packed, cfg, host, heads, device,
+                           previous if isinstance(previous, StepBuffers) else None)
+
+    def run(self, prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor, sm_scale: float, *, out: torch.Tensor | None = None,
+            lse_out: torch.Tensor | None = None,
+            want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+        lse = lse_out
+        if lse is None and want_lse:
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        launch_step(prepared, q, k_cache, v_cache, sm_scale, o, lse)
+        return o, lse
+
+
+def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, host: Staging, heads: Heads,
+            device: torch.device, previous: StepBuffers | None) -> StepBuffers:
+    """Upload the packed plan (``host``'s current buffer, one copy) and size the fp32
+    workspace. Both device buffers are ``previous``'s when they fit: the upload and the
+    kernels are ordered by the stream (``plan`` and ``run`` on one stream), so the upload
+    waits for the old plan's launches. Allocations come first, so a failure leaves
+    ``previous`` intact."""
+    starts, num_queries = packed.starts, plan.num_queries
+    n = starts[-1]
+    p, h, head_dim = max(plan.num_partials, 1), heads.num_qo_heads, heads.head_dim
+    # Each workspace starts at a multiple of 16 elements (the kernels are specialised on it).
+    plse_off = p * h * head_dim
+    lse_off = plse_off + -(-p * h // 16) * 16
+    scratch = _buffer(previous.scratch if previous else None, lse_off + num_queries * h,
+                      torch.float32, device)
+    # Fused merge needs every query to own a partial (else nobody writes its row).
+    counts = (torch.zeros(num_queries * h, dtype=torch.int32, device=device)
+              if cfg.fuse_merge and num_queries and packed.every_query_merged else None)
+    plan_buffer = _buffer(previous.plan_buffer if previous else None, n, torch.int32, device)
+    host.upload(plan_buffer, n)
+    # Built without the frozen dataclass's ``__init__`` (one ``object.__setattr__`` per
+    # field, about 5 µs): this runs every step. ``StepBuffers`` has no ``__post_init__``.
+    prepared = object.__new__(StepBuffers)
+    prepared.__dict__.update(
+        plan=plan, config=cfg, plan_buffer=plan_buffer, offsets=tuple(starts), scratch=scratch,
+        plse_off=plse_off, lse_off=lse_off, num_work=packed.num_work, num_queries=num_queries,
+        num_partials=p, num_qo_heads=h, head_dim=head_dim, needs_mask=plan.needs_mask,
+        contiguous=cfg.contig and packed.all_contiguous,
+        tma=cfg.contig and cfg.tma and packed.any_contiguous and has_tma(device),
+        sorted_queries=packed.sorted_queries, counts=counts,
+    )
+    if interpreting():  # the interpreter takes tensors only: views, not pointers
+        arrays = (plan_buffer[:n], prepared.segment("merge_indptr"),
+                  prepared.segment("merge_partials"))
+        workspaces = (prepared.partial_o, prepared.partial_lse, prepared.lse)
+    else:
+        base, fbase, i32, f32 = plan_buffer.data_ptr(), scratch.data_ptr(), torch.int32, torch.float32
+        arrays = (Pointer(base, i32), Pointer(base + 4 * starts[8], i32),
+                  Pointer(base + 4 * starts[9], i32))
+        workspaces = (Pointer(fbase, f32), Pointer(fbase + 4 * plse_off, f32),
+                      Pointer(fbase + 4 * lse_off, f32))
+    prepared.__dict__.update(arrays=arrays, workspaces=workspaces)
+    return prepared

@@ -1,0 +1,105 @@
+"""Tuning of the ``triton`` backend, as data: one flat table of kernel configs.
+
+``CONFIGS`` is keyed by ``(arch, head_dim, rows_from)``: the config of steps of at least
+``rows_from`` (query, query head) rows on GPUs of that architecture (``"sm90"``, or
+``"interpreter"`` for ``TRITON_INTERPRET=1``, whose key takes any head_dim as 0). A GPU
+without rows in the table uses ``DEFAULT_ARCH``'s, a head_dim without rows uses
+``DEFAULT_HEAD_DIM``'s. How each entry was chosen, and what it measured, is in CHANGELOG.md;
+``python -m benchmarks.sweep`` reruns the sweeps.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["KernelConfig", "CONFIGS", "kernel_config", "interpreting", "arch_of"]
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Block sizes and launch shape of the partial and merge kernels, and the parameters of
+    the coarsening rule and launch model that size their programs."""
+
+    block_m: int  # query rows (query, GQA head) per program
+    block_n: int  # KV tokens per inner step
+    num_warps: int
+    num_stages: int
+    waves: float  # programs per SM the coarsened launch aims for
+    contig: bool = True  # when every tile's slots are consecutive, skip the slot loads
+    tma: bool = False  # with contig: such tiles' K/V by TMA (sm_90+, in CUDA-graph capture only)
+    fuse_merge: bool = False  # the last program of a row merges it (no merge launch)
+    maxnreg: int | None = None  # register cap per thread (more programs per SM, maybe spills)
+    pdl: bool = False  # programmatic dependent launch (sm_90+): starts before the last launch ends
+    merge_block: int = 16  # partial states per step of the merge kernel
+    merge_warps: int = 2  # warps per merge program
+    merge_heads: int = 1  # query heads per merge program (a power of two)
+    # Partial o stored in q's dtype for fp16/bf16 (fp32 for fp32): half the bytes the partial
+    # kernel writes and the merge reads; lse stays fp32. Each partial is a weighted mean of V
+    # rows, so rounding it costs about one more rounding of the output.
+    narrow_partials: bool = False
+    min_tile_tokens: int = 384  # coarsened tiles' floor, unless it leaves fewer programs than SMs
+    max_coarsen: int = 1024  # at most this many plan tiles per coarsened tile
+    programs_per_sm: int = 3  # partial-kernel programs resident per SM (launch model)
+    program_cost: int = 128  # a program's fixed cost in tokens: work item and Q loads, stores
+
+
+_SM90 = dict(tma=True, pdl=True)
+_NARROW = dict(_SM90, narrow_partials=True, maxnreg=168)
+CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
+    ("sm90", 64, 0): KernelConfig(64, 32, 4, 3, 4.0, **_SM90),
+    ("sm90", 128, 0): KernelConfig(64, 32, 4, 3, 4.0, **_SM90),
+    ("sm90", 128, 2048): KernelConfig(64, 32, 4, 3, 4.0, merge_block=4, merge_warps=1, **_NARROW),
+    ("sm90", 128, 8192): KernelConfig(64, 32, 4, 3, 4.0, merge_block=2, merge_warps=4,
+                                      merge_heads=8, **_NARROW),
+    ("sm90", 256, 0): KernelConfig(64, 32, 8, 2, 4.0, **_SM90),
+    # Small blocks and no tile floor, so tiny test trees keep several tiles and merges.
+    ("interpreter", 0, 0): KernelConfig(16, 16, 1, 1, 2.0, merge_heads=2, min_tile_tokens=0),
+}
+DEFAULT_ARCH = "sm90"
+DEFAULT_HEAD_DIM = 128
+
+
+def _triton_interprets() -> bool:
+    """Triton's own reading of ``TRITON_INTERPRET`` (it takes 1, true, on, yes)."""
+    try:
+        from triton import knobs
+    except ImportError:  # Triton before 3.4 read only "1"
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return bool(knobs.runtime.interpret)
+
+
+# Triton picks interpreted or compiled kernels when they are decorated (at import), so the
+# mode is read once; planning asks for it several times per step.
+_INTERPRETING = _triton_interprets()
+
+
+def interpreting() -> bool:
+    return _INTERPRETING
+
+
+@functools.lru_cache(maxsize=None)
+def arch_of(device: torch.device | None) -> str:
+    """The table's architecture key for ``device`` (``"interpreter"`` when interpreting)."""
+    if interpreting():
+        return "interpreter"
+    if device is None or device.type != "cuda":
+        return DEFAULT_ARCH
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def kernel_config(head_dim: int, rows: int = 0, device: torch.device | None = None) -> KernelConfig:
+    """The config of a step of ``rows`` (query, query head) rows on ``device``."""
+    arch = arch_of(device)
+    if arch == "interpreter":
+        head_dim = 0
+    elif not any(a == arch for a, _, _ in CONFIGS):
+        arch = DEFAULT_ARCH
+    if not any(a == arch and d == head_dim for a, d, _ in CONFIGS):
+        head_dim = DEFAULT_HEAD_DIM
+    rows_from = max(r for a, d, r in CONFIGS if a == arch and d == head_dim and r <= rows)
+    return CONFIGS[arch, head_dim, rows_from]

@@ -1,0 +1,368 @@
+"""Triton kernels of the ``triton`` backend (``@triton.jit`` code only; launchers live in
+``launch.py``).
+
+``tree_partial_kernel``: one program per (work item, KV head), KV heads varying fastest. A
+work item is a query-row chunk of one tile: rows are (group query, GQA head) pairs, so every
+query head that shares the KV head is computed from the same K/V loads. The program streams
+the tile's tokens in blocks of ``BLOCK_N`` (K/V copies in flight ahead of use; by TMA when
+the tile's slots are consecutive and the launcher passes tensor descriptors), applies the
+plan's compact visibility mask from the tile's ``mask_from`` on, keeps an online softmax,
+and writes one partial state per (query, head): ``o`` in ``PO``'s dtype (q's for
+fp16/bf16), ``lse`` in fp32. With ``FUSE_MERGE`` the program that writes a row's last
+partial state also merges the row (off by default: measured slower, see CHANGELOG.md).
+
+``merge_kernel``: one program per (query, block of heads); merges the query's partial states
+through the reduction map (CSR), a block of them per step, into ``o`` (output dtype) and
+``lse`` (natural log).
+"""
+
+import types
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ...plan.visibility import visible
+
+# The planner's predicate, compiled with this module's globals (Triton resolves names there).
+_visible = triton.jit(types.FunctionType(visible.__code__, globals(), "visible"))
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i, acc, qk_scale):
+    """Online-softmax step of one block of raw scores ``s`` (``-inf`` where not seen): the
+    block's probabilities in base 2 and the updated running max, sum and accumulator. The
+    scale folds into one FMA per score (the max commutes with a positive scale)."""
+    # m_i starts finite (-1e30), so no -inf - -inf: masked scores give p = 0.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, m_new, l_i, acc * alpha[:, None]
+
+
+@triton.jit
+def _tile_loop(
+    q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen, row_ok,
+    m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Online softmax of the query rows over plan tokens ``[tok0, tok1)``, ``BLOCK_N`` at a time.
+
+    ``CONTIG``: the tokens sit in consecutive slots from ``slot0``, so K/V addresses need no
+    slot load. Otherwise the next block's slots are loaded one iteration ahead, so the K/V
+    loads of a block never wait on a slot load of the same iteration.
+    """
+    d = tl.arange(0, D)
+    if not CONTIG:
+        first = tok0 + tl.arange(0, BLOCK_N)
+        next_slot = tl.load(tok_slot + first, mask=first < tok1, other=0)
+    for start in range(tok0, tok1, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        tok_ok = offs < tok1
+        if CONTIG:
+            slot = (slot0 - tok0 + offs).to(tl.int64)
+        else:
+            slot = next_slot.to(tl.int64)
+            ahead = offs + BLOCK_N
+            next_slot = tl.load(tok_slot + ahead, mask=ahead < tok1, other=0)
+        kv_off = slot[:, None] * stride_kn + kvh * stride_kh + d[None, :]
+        k = tl.load(K + kv_off, mask=tok_ok[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        vis = tok_ok[None, :] & row_ok[:, None]
+        if MASKED:
+            lo = tl.load(tok_lo + offs, mask=tok_ok, other=0)
+            hi = tl.load(tok_hi + offs, mask=tok_ok, other=0)
+            off = tl.load(tok_off + offs, mask=tok_ok, other=0)
+            vis = vis & _visible(pre[:, None], qlen[:, None], lo[None, :], hi[None, :], off[None, :])
+        s = tl.where(vis, s, float("-inf"))
+        p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
+        v = tl.load(V + kv_off, mask=tok_ok[:, None], other=0.0)
+        if IEEE:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _tma_block(
+    q, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, slot, kvh, pre, qlen,
+    m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    TAIL: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One online-softmax step over the ``BLOCK_N`` consecutive slots from ``slot``, loaded
+    by TMA. ``TAIL``: only tokens before ``tok1`` count; the box's rows past it (another
+    node's KV, or unwritten cache) are masked out of the scores and zeroed in V, so even
+    NaN/inf there cannot leak in."""
+    k = desc_k.load([slot, kvh * D])
+    if IEEE:
+        s = tl.dot(q, k.T, input_precision="ieee")
+    else:
+        s = tl.dot(q, k.T)
+    if MASKED or TAIL:
+        offs = start + tl.arange(0, BLOCK_N)
+        tok_ok = offs < tok1
+        if MASKED:
+            lo = tl.load(tok_lo + offs, mask=tok_ok, other=0)
+            hi = tl.load(tok_hi + offs, mask=tok_ok, other=0)
+            off = tl.load(tok_off + offs, mask=tok_ok, other=0)
+            vis = _visible(pre[:, None], qlen[:, None], lo[None, :], hi[None, :], off[None, :])
+            vis = vis & tok_ok[None, :]
+        else:
+            vis = tok_ok[None, :]
+        s = tl.where(vis, s, float("-inf"))
+    p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
+    v = desc_v.load([slot, kvh * D])
+    if TAIL:
+        v = tl.where((start + tl.arange(0, BLOCK_N) < tok1)[:, None], v, 0.0)
+    if IEEE:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _tma_tile(
+    q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
+    m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """``_tile_loop`` for a tile of consecutive slots from ``slot0``, every block by TMA: no
+    per-element addresses, masks or slot loads, which frees registers and issue slots."""
+    whole = tok0 + (tok1 - tok0) // BLOCK_N * BLOCK_N
+    for start in range(tok0, whole, BLOCK_N):
+        m_i, l_i, acc = _tma_block(
+            q, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, slot0 + (start - tok0), kvh,
+            pre, qlen, m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, TAIL=False,
+            IEEE=IEEE)
+    if whole < tok1:
+        m_i, l_i, acc = _tma_block(
+            q, desc_k, desc_v, tok_lo, tok_hi, tok_off, whole, tok1, slot0 + (whole - tok0), kvh,
+            pre, qlen, m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, TAIL=True,
+            IEEE=IEEE)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _tile(
+    q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre,
+    qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
+    TMA: tl.constexpr, IEEE: tl.constexpr,
+):
+    """The tile's online softmax. ``TMA``: a tile of consecutive slots (``slot0 >= 0``; all
+    tiles when ``CONTIG``) loads by TMA, any other by gathered loads."""
+    if TMA and (CONTIG or slot0 >= 0):
+        m_i, l_i, acc = _tma_tile(
+            q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
+            m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, IEEE=IEEE)
+    else:
+        m_i, l_i, acc = _tile_loop(
+            q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
+            row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+            D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, CONTIG=CONTIG, IEEE=IEEE)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def tree_partial_kernel(
+    Q, K, V, desc_k, desc_v, PO, PLSE,
+    plan,  # the packed int32 plan; its first segment is the token slots
+    # Where its other segments start (multiples of 16): token lo, hi, off; the work items,
+    # [W, 8] per program: tok0, tok1, qs, qe, p0, mask_from, slot0, row0; query order, pre,
+    # len. Offsets rather than pointers: a plan makes fewer pointer objects on the host.
+    off_lo, off_hi, off_off, off_work, off_order, off_pre, off_len,
+    O, LSE, counts, merge_indptr, merge_partials,
+    qk_scale,  # sm_scale * log2(e)
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_pn, stride_ph, stride_ln,
+    stride_on, stride_oh, num_heads,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
+    FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+):
+    # KV heads vary fastest: programs start in work-item order (largest tiles first) across
+    # all heads, so the launch's last programs are its shortest ones.
+    h_kv = num_heads // G
+    w = tl.program_id(0) // h_kv
+    kvh = tl.program_id(0) % h_kv
+    tok_slot = plan
+    tok_lo = plan + off_lo
+    tok_hi = plan + off_hi
+    tok_off = plan + off_off
+    q_order = plan + off_order
+    q_pre = plan + off_pre
+    q_len = plan + off_len
+    # One row of independent loads (one memory round trip) describes the program's work.
+    desc = plan + off_work + w * 8
+    tok0 = tl.load(desc)
+    tok1 = tl.load(desc + 1)
+    qs = tl.load(desc + 2)
+    qe = tl.load(desc + 3)
+    p0 = tl.load(desc + 4)
+    # Every group query sees the tile's tokens before mask_from: no per-token mask there
+    # (most prompt tiles, and the bulk of a coarsened tile that ends in partly seen tokens).
+    mask_from = tl.load(desc + 5) if USE_MASK else tok1
+    # slot0 >= 0: the tile's slots are consecutive from slot0. CONTIG: every tile's are (no
+    # slot loads at all).
+    slot0 = tl.load(desc + 6) if CONTIG or TMA else 0
+    row0 = tl.load(desc + 7)
+    if PDL:
+        # The plan arrays above come from a stream-ordered upload (PDL does not overlap a
+        # copy); Q and the partial workspace (read by the previous launch's merge) wait for
+        # the previous launch. Every program waits, with no return before: so this launch
+        # ends after the previous one, and the next launch's wait covers both.
+        gdc_launch_dependents()
+        gdc_wait()
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < (qe - qs) * G
+    qi = rows // G  # query index within the group
+    head = kvh * G + rows % G
+    qpos = qs + qi
+    # SORTED: the queries are already in plan order, so Q rows need no q_order load first.
+    if SORTED:
+        qorig = qpos.to(tl.int64)
+    else:
+        qorig = tl.load(q_order + qpos, mask=row_ok, other=0).to(tl.int64)
+    d = tl.arange(0, D)
+    q = tl.load(Q + qorig[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    pre = tl.load(q_pre + qpos, mask=row_ok, other=-1)
+    qlen = tl.load(q_len + qpos, mask=row_ok, other=0)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    # Two loops, each branch-free and pipelined: unmasked tokens, then masked ones.
+    if tok0 < mask_from:
+        m_i, l_i, acc = _tile(
+            q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, mask_from, slot0,
+            kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+            D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE)
+    if USE_MASK:
+        if mask_from < tok1:
+            slot_m = tl.where(slot0 >= 0, slot0 + (mask_from - tok0), -1)
+            m_i, l_i, acc = _tile(
+                q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, mask_from, tok1,
+                slot_m, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+                D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE)
+
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    # Natural-log lse from the base-2 running max and sum.
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    pid = (p0 + qi).to(tl.int64)
+    tl.store(PO + pid[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :],
+             o.to(PO.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(PLSE + pid * stride_ln + head, lse, mask=row_ok)
+    if FUSE_MERGE:
+        _merge_if_last(PO, PLSE, O, LSE, counts, merge_indptr, merge_partials, qorig, head,
+                       row_ok, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
+                       D=D)
+
+
+@triton.jit
+def _merge_if_last(
+    PO, PLSE, O, LSE, counts, merge_indptr, merge_partials, qorig, head, row_ok,
+    stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads, D: tl.constexpr,
+):
+    """Count this program's partial states per (query, head); the program that writes the
+    last one of a row merges that row's states into ``O``/``LSE`` and resets its count.
+
+    The count is a semaphore, not a reduction: each row is merged once, by one program, in
+    the reduction map's order, so results do not depend on which program finishes last.
+    """
+    cidx = qorig * num_heads + head
+    tl.debug_barrier()  # every thread's partial stores precede the release below
+    prev = tl.atomic_add(counts + cidx, 1, mask=row_ok, sem="acq_rel")
+    start = tl.load(merge_indptr + qorig, mask=row_ok, other=0)
+    end = tl.load(merge_indptr + qorig + 1, mask=row_ok, other=0)
+    last = row_ok & (prev + 1 == end - start)
+    if tl.sum(last.to(tl.int32), 0) > 0:
+        tl.debug_barrier()  # the acquire above precedes every thread's loads below
+        cnt = tl.where(last, end - start, 0)
+        d = tl.arange(0, D)
+        m = tl.full(cnt.shape, float("-inf"), tl.float32)
+        den = tl.zeros(cnt.shape, tl.float32)
+        acc = tl.zeros([cnt.shape[0], D], tl.float32)
+        for j in range(0, tl.max(cnt, 0)):
+            ok = j < cnt
+            p = tl.load(merge_partials + start + j, mask=ok, other=0).to(tl.int64)
+            # .cg: read other programs' states from L2, never a stale L1 line.
+            s = tl.load(PLSE + p * stride_ln + head, mask=ok, other=float("-inf"),
+                        cache_modifier=".cg")
+            o = tl.load(PO + p[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :],
+                        mask=ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+            m_new = tl.maximum(m, s)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            a = tl.exp(m - m_safe)
+            b = tl.exp(s - m_safe)
+            acc = acc * a[:, None] + o * b[:, None]
+            den = den * a + b
+            m = m_new
+        has = den > 0
+        out = acc / tl.where(has, den, 1.0)[:, None]
+        lse = tl.where(has, m + tl.log(tl.where(has, den, 1.0)), float("-inf"))
+        tl.store(O + qorig[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
+                 out.to(O.dtype.element_ty), mask=last[:, None])
+        tl.store(LSE + qorig * num_heads + head, lse, mask=last)
+        tl.store(counts + cidx, 0, mask=last)
+
+
+@triton.jit
+def merge_kernel(
+    PO, PLSE, O, LSE, indptr, indices,
+    num_heads,
+    stride_pn, stride_ph, stride_ln, stride_on, stride_oh,
+    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+):
+    n = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < num_heads
+    d = tl.arange(0, D)
+    start = tl.load(indptr + n)
+    end = tl.load(indptr + n + 1)
+    # State indices are loaded one block ahead, so the state loads never wait on them.
+    first = start + tl.arange(0, BLOCK_S)
+    next_p = tl.load(indices + first, mask=first < end, other=0)
+    if PDL:
+        # The CSR map is the plan's; the partial states wait for the partial launch to end
+        # (every program waits, with no return before).
+        gdc_launch_dependents()
+        gdc_wait()
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    # BLOCK_S partial states of BLOCK_H heads at a time (a state's heads are contiguous):
+    # independent loads in flight, one rescale per block.
+    for c in range(start, end, BLOCK_S):
+        idx = c + tl.arange(0, BLOCK_S)
+        p = next_p.to(tl.int64)
+        ahead = idx + BLOCK_S
+        next_p = tl.load(indices + ahead, mask=ahead < end, other=0)
+        ok = (idx < end)[:, None] & h_ok[None, :]
+        s = tl.load(PLSE + p[:, None] * stride_ln + heads[None, :], mask=ok,
+                    other=float("-inf"))
+        o = tl.load(PO + p[:, None, None] * stride_pn + heads[None, :, None] * stride_ph
+                    + d[None, None, :], mask=ok[:, :, None], other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(m - m_safe)
+        b = tl.exp(s - m_safe[None, :])
+        acc = acc * a[:, None] + tl.sum(tl.where(b[:, :, None] > 0, o * b[:, :, None], 0.0), 0)
+        den = den * a + tl.sum(b, 0)
+        m = m_new
+    has = den > 0
+    out = acc / tl.where(has, den, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log(tl.where(has, den, 1.0)), float("-inf"))
+    n64 = n.to(tl.int64)
+    tl.store(O + n64 * stride_on + heads[:, None] * stride_oh + d[None, :],
+             out.to(O.dtype.element_ty), mask=h_ok[:, None])
+    tl.store(LSE + n64 * num_heads + heads, lse, mask=h_ok)

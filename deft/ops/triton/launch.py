@@ -1,0 +1,208 @@
+"""Launches of the ``triton`` backend's kernels, per layer, from a step's device buffers.
+
+Two launches per layer (one when the merge is fused), with programmatic dependent launch
+on sm_90+, no host synchronisation, and no allocation when the caller passes the output
+tensors. K/V of tiles with consecutive slots load by TMA inside CUDA-graph capture; eager
+launches gather (Triton's per-launch handling of tensor descriptors costs more host time
+than TMA saves on the GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ...plan import TreePlan
+from ...plan.packing import SEGMENTS
+from .configs import KernelConfig, interpreting, kernel_config
+from .kernels import merge_kernel, tree_partial_kernel
+
+__all__ = ["StepBuffers", "Pointer", "launch_step", "launch_merge", "has_tma"]
+
+
+class Pointer:
+    """A device address for a Triton pointer argument: what a launch reads of a tensor
+    (``data_ptr()`` and ``dtype``), about five times cheaper to make than a tensor view. A
+    plan makes 6 of them every step; its buffers keep the memory alive."""
+
+    __slots__ = ("address", "dtype")
+
+    def __init__(self, address: int, dtype: torch.dtype) -> None:
+        self.address = address
+        self.dtype = dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+_Ptr = Union[torch.Tensor, Pointer]  # a kernel pointer argument (tensors when interpreting)
+
+
+@dataclass(frozen=True)
+class StepBuffers:
+    """A step's device data: two buffers, and the kernels' pointers into them; with the
+    step's plan, what ``TritonBackend.plan`` returns."""
+
+    plan: TreePlan
+    config: KernelConfig
+    plan_buffer: torch.Tensor  # int32 device buffer of the packed plan (may be larger)
+    offsets: tuple[int, ...]  # start of each ``SEGMENTS`` segment in it, then the end
+    # For the kernels: the packed plan (its first segment, then the others at ``offsets``),
+    # the merge indptr and the merge partials segments.
+    arrays: tuple[_Ptr, _Ptr, _Ptr]
+    scratch: torch.Tensor  # fp32 device buffer of the workspaces (may be larger)
+    plse_off: int  # partial lse [P, H_q] starts here (partial o [P, H_q, D] at 0)
+    lse_off: int  # lse [Q, H_q] for steps whose caller wants no lse starts here
+    workspaces: tuple[_Ptr, _Ptr, _Ptr]  # partial o, partial lse, lse, for the kernels
+    num_work: int
+    num_queries: int
+    num_partials: int  # at least 1, for the workspace shapes
+    num_qo_heads: int
+    head_dim: int
+    needs_mask: bool
+    contiguous: bool  # every tile's slots are consecutive (slot0 >= 0)
+    tma: bool  # some tile's slots are consecutive and the config and device allow TMA for it
+    sorted_queries: bool  # query_order is the identity
+    counts: torch.Tensor | None  # [Q * H_q] int32 zeros when the merge is fused, else None
+
+    def segment(self, name: str) -> torch.Tensor:
+        """The device view of one ``SEGMENTS`` segment, padding included."""
+        i = SEGMENTS.index(name)
+        return self.plan_buffer[self.offsets[i]:self.offsets[i + 1]]
+
+    @property
+    def partial_o(self) -> torch.Tensor:
+        p, h, d = self.num_partials, self.num_qo_heads, self.head_dim
+        return self.scratch[:p * h * d].view(p, h, d)
+
+    @property
+    def partial_lse(self) -> torch.Tensor:
+        p, h = self.num_partials, self.num_qo_heads
+        return self.scratch[self.plse_off:self.plse_off + p * h].view(p, h)
+
+    @property
+    def lse(self) -> torch.Tensor:
+        q, h = self.num_queries, self.num_qo_heads
+        return self.scratch[self.lse_off:self.lse_off + q * h].view(q, h)
+
+
+def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, sm_scale: float, o: torch.Tensor,
+                lse: torch.Tensor | None) -> None:
+    """The step's two launches (one when the merge is fused), writing ``o`` and ``lse``
+    (``None``: the plan's lse workspace)."""
+    nq, h_q, d = q.shape
+    h_kv = k_cache.shape[1]
+    if nq == 0:
+        return
+    # Each stride tuple is read once: this runs per layer, and host time adds up eagerly.
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    qs, ks, os_ = q.stride(), k_cache.stride(), o.stride()
+    if v_cache.stride() != ks:  # the kernels address V with K's strides
+        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+        ks = k_cache.stride()
+    cfg, a = prepared.config, prepared.arrays
+    po, plse, lse_ws = prepared.workspaces
+    if cfg.narrow_partials and q.dtype != torch.float32:  # same memory, read as q's dtype
+        po = Pointer(po.address, q.dtype) if isinstance(po, Pointer) else po.view(q.dtype)
+    h, d_ = prepared.num_qo_heads, prepared.head_dim
+    lse = lse_ws if lse is None else lse
+    fused = prepared.counts is not None
+    pdl = cfg.pdl and _has_pdl(q.device)
+    if prepared.num_work:
+        grid = (prepared.num_work * h_kv,)
+        args = [q, k_cache, v_cache, k_cache, v_cache, po, plse, a[0],
+                *prepared.offsets[1:8], o, lse, prepared.counts if fused else a[1], a[1], a[2],
+                sm_scale * math.log2(math.e),
+                qs[0], qs[1], ks[0], ks[1], h * d_, d_, h, os_[0], os_[1], h_q]
+        kw = dict(G=h_q // h_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  USE_MASK=prepared.needs_mask, CONTIG=prepared.contiguous, TMA=False,
+                  SORTED=prepared.sorted_queries, FUSE_MERGE=fused,
+                  IEEE=q.dtype == torch.float32, PDL=pdl,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+                  launch_pdl=pdl)
+        tma = prepared.tma and _tma_ok(k_cache, ks) and _tma_ok(v_cache, ks)
+        # TMA only inside CUDA-graph capture: launched eagerly, Triton's per-launch handling
+        # of the tensor descriptors costs more host time (about 60 µs per layer on an H200
+        # host) than TMA saves on the GPU. Eager launches compile the TMA variant once
+        # (``warmup``), so that a capture does not run the compiler.
+        capturing = q.device.type != "cuda" or torch.cuda.is_current_stream_capturing()
+        key = ((tuple(kw.values()), q.device, q.dtype, qs, ks, os_)
+               if tma and not capturing else None)
+        if tma and (capturing or key not in _TMA_COMPILED):
+            tma_args = list(args)
+            tma_args[3:5] = (_kv_descriptor(k_cache, ks, cfg.block_n),
+                             _kv_descriptor(v_cache, ks, cfg.block_n))
+            if capturing:
+                args = tma_args
+                kw["TMA"] = True
+            else:
+                tree_partial_kernel.warmup(*tma_args, grid=grid, **{**kw, "TMA": True})
+                _TMA_COMPILED.add(key)
+        tree_partial_kernel[grid](*args, **kw)
+    if not fused:
+        launch_merge(po, plse, o, lse, a[1], a[2], pdl, cfg.merge_block, cfg.merge_warps,
+                     strides=(h * d_, d_, h), heads=cfg.merge_heads)
+
+
+_TMA_COMPILED: set[tuple] = set()  # launch keys whose TMA variant an eager launch compiled
+
+
+def _tma_ok(cache: torch.Tensor, stride: tuple[int, ...]) -> bool:
+    """Whether ``cache [slots, H_kv, D]`` (strides ``stride``) can be read as one 2-D TMA
+    tensor of rows ``H_kv * D``."""
+    _, h, d = cache.shape
+    return (stride[2] == 1 and stride[1] == d and stride[0] >= h * d
+            and (stride[0] * cache.element_size()) % 16 == 0 and cache.data_ptr() % 16 == 0)
+
+
+def has_tma(device: torch.device) -> bool:
+    """TMA copies exist from sm_90 (Hopper); the interpreter emulates them."""
+    return interpreting() or (device.type == "cuda" and _capability(device)[0] >= 9)
+
+
+def _has_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch exists from sm_90; the interpreter lacks ``griddepcontrol``."""
+    return not interpreting() and device.type == "cuda" and _capability(device)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _kv_descriptor(cache: torch.Tensor, stride: tuple[int, ...], block_n: int) -> TensorDescriptor:
+    """TMA descriptor of ``cache`` as ``[slots, H_kv * D]``, loading ``[block_n, D]`` boxes."""
+    slots, h, d = cache.shape
+    return TensorDescriptor(cache, [slots, h * d], [stride[0], 1], [block_n, d])
+
+
+def launch_merge(po: _Ptr, plse: _Ptr, o: torch.Tensor, lse: _Ptr, indptr: _Ptr,
+                 indices: _Ptr, pdl: bool = False, block: int | None = None,
+                 warps: int | None = None, strides: tuple[int, int, int] | None = None,
+                 heads: int | None = None) -> None:
+    """Merge states ``po [P, H, D]``, ``plse [P, H]`` into ``o [N, H, D]`` and the contiguous
+    ``lse [N, H]`` through the CSR map ``indptr [N + 1]``, ``indices`` (int32), ``block``
+    states of ``heads`` query heads per step with ``warps`` per program (by default the
+    config's shape for this grid). ``strides``: those of ``po`` (rows, heads) and ``plse``
+    (rows) when they are raw pointers. ``pdl``: launched to start before the previous launch
+    ends (see ``_has_pdl``)."""
+    n, h, d = o.shape
+    if block is None or warps is None or heads is None:
+        cfg = kernel_config(d, n * h, o.device)
+        block = cfg.merge_block if block is None else block
+        warps = cfg.merge_warps if warps is None else warps
+        heads = cfg.merge_heads if heads is None else heads
+    if strides is None:
+        strides = (*po.stride()[:2], plse.stride(0))
+    small = interpreting()
+    merge_kernel[(n, -(-h // heads))](
+        po, plse, o, lse, indptr, indices, h, *strides, *o.stride()[:2],
+        D=d, BLOCK_S=4 if small else block, BLOCK_H=heads, PDL=pdl,
+        num_warps=1 if small else warps, launch_pdl=pdl,
+    )

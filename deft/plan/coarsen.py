@@ -1,0 +1,152 @@
+"""Coarsening: merge runs of tiles that serve one query group, so every program of the
+partial-attention launch streams about the same number of tokens.
+
+:class:`Coarsening` holds what a backend's kernels and device tell the rule (query rows per
+program, SMs, programs per SM, a program's fixed cost); :func:`coarsen_factor` is the rule
+and its launch model; :func:`coarsen_plan` applies a factor. The compiled planner
+(``flatten_plan.c``) implements exactly this specification.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from ..checks import positive_int
+from .tree_plan import TreePlan, assemble
+
+__all__ = ["Coarsening", "group_runs", "coarsen_plan", "coarsen_factor", "refine",
+           "lpt_makespan", "lpt_factor"]
+
+_I = np.int64
+
+
+class Coarsening(NamedTuple):
+    """The parameters of a step's coarsening, from the kernel config and the device."""
+
+    g: int  # query heads per KV head
+    block_m: int  # query rows per program
+    num_kv_heads: int
+    sms: int
+    waves: float  # programs per SM the coarsened launch aims for
+    min_tile_tokens: int  # the coarsened tiles' floor in tokens (0: none)
+    max_factor: int  # the largest coarsening factor
+    slots: int  # the launch model's program slots (programs resident per SM times SMs)
+    program_cost: int  # the launch model's fixed cost of a program, in tokens
+
+
+def group_runs(plan: TreePlan) -> np.ndarray:
+    """``[T]`` bool: the tile starts a run of consecutive tiles serving the same query group
+    (what :func:`coarsen_plan` merges)."""
+    new_run = np.ones(plan.num_tiles, dtype=bool)
+    new_run[1:] = (plan.tile_q_start[1:] != plan.tile_q_start[:-1]) | (
+        plan.tile_q_end[1:] != plan.tile_q_end[:-1])
+    return new_run
+
+
+def coarsen_plan(plan: TreePlan, max_tiles: int) -> TreePlan:
+    """Merge runs of consecutive tiles that serve the same query group, up to ``max_tiles``
+    tiles each, into one tile: a kernel then keeps one online softmax across them and
+    writes one partial state per query instead of ``max_tiles``.
+
+    Groups stay exact (only identical groups merge), so the result is a valid plan of the
+    same kind; tiles become multiples of ``block_kv`` long.
+    """
+    max_tiles = positive_int(max_tiles, "max_tiles")
+    nt = plan.num_tiles
+    if nt == 0 or max_tiles == 1:
+        return plan
+    idx = np.arange(nt, dtype=_I)
+    new_run = group_runs(plan)
+    run_start = np.maximum.accumulate(np.where(new_run, idx, 0))
+    first = new_run | ((idx - run_start) % max_tiles == 0)
+    starts = np.flatnonzero(first)
+    tile_indptr = np.append(plan.tile_indptr[starts], plan.tile_indptr[-1])
+    return assemble(plan.kind, plan.block_kv, plan.num_layout_tokens, plan.needs_mask,
+                    plan.token_slots, plan.token_lo, plan.token_hi, plan.token_off,
+                    tile_indptr, plan.tile_q_start[starts], plan.tile_q_end[starts],
+                    plan.query_order, plan.query_pre, plan.query_len)
+
+
+def _factor(ratio: float) -> int:
+    """The largest ``2^k`` or ``3 * 2^k`` (k >= 0) at most ``ratio``, at least 1."""
+    p = 2 ** max(0, math.floor(math.log2(ratio)))
+    return 3 * p // 2 if p >= 2 and 1.5 * p <= ratio else p
+
+
+def coarsen_factor(plan: TreePlan, c: Coarsening) -> int:
+    """How many plan tiles of one group become one tile: about ``work / (waves * SMs)``
+    tokens, where ``work`` counts (token, query-row chunk, KV head) triples, so each program
+    streams about the same number of tokens. The length is at least ``min_tile_tokens``
+    unless that would leave fewer programs than SMs (single-sequence decoding), and is
+    rounded down to ``2^k`` or ``3 * 2^k`` plan tiles; the factor then grows by up to 2x
+    where the launch model says fewer, longer programs finish sooner (:func:`lpt_factor`)."""
+    if plan.num_tiles == 0:
+        return 1
+    chunks = -(-(plan.tile_q_end - plan.tile_q_start) * c.g // c.block_m)
+    work = c.num_kv_heads * float((np.diff(plan.tile_indptr) * chunks).sum())
+    floor = min(c.min_tile_tokens, work / c.sms)
+    length = max(floor, plan.block_kv, work / (c.waves * c.sms))
+    factor = min(_factor(length / plan.block_kv), c.max_factor)
+    return lpt_factor(plan, factor, c.g, c.block_m, c.num_kv_heads, c.slots, c.program_cost,
+                      c.max_factor)
+
+
+def refine(plan: TreePlan, c: Coarsening) -> TreePlan:
+    """``plan`` coarsened by :func:`coarsen_factor`."""
+    return plan if plan.num_tiles == 0 else coarsen_plan(plan, coarsen_factor(plan, c))
+
+
+def lpt_makespan(runs: list[tuple[int, int]], u: int, heads: int, block_kv: int,
+                 slots: int, program_cost: int) -> int:
+    """Makespan of the partial launch for coarsening factor ``u``, as longest-first list
+    scheduling onto ``slots`` identical slots (the order programs start in: work items by
+    length, KV heads fastest). A run of ``r`` plan tiles with ``c`` row chunks gives ``r // u``
+    tiles of ``u`` plan tiles and one of ``r % u``, each ``c * heads`` programs of
+    ``plan tiles * block_kv + program_cost`` tokens. Slot loads are kept as (load, slots)
+    groups, so a length class costs a few heap operations."""
+    count: dict[int, int] = {}
+    for r, c in runs:
+        for length, n in ((u, r // u), (r % u, 1)):
+            if length and n:
+                count[length] = count.get(length, 0) + n * c * heads
+    groups = [(0, slots)]
+    for length in sorted(count, reverse=True):
+        left, cost = count[length], length * block_kv + program_cost
+        while left > 0:
+            load, m = heapq.heappop(groups)
+            k = min(m, left)
+            heapq.heappush(groups, (load + cost, k))
+            if m > k:
+                heapq.heappush(groups, (load, m - k))
+            left -= k
+    return max(load for load, _ in groups)
+
+
+def lpt_factor(plan: TreePlan, factor: int, g: int, block_m: int, heads: int,
+               slots: int, program_cost: int, max_factor: int) -> int:
+    """The coarsening factor of the shortest modelled makespan (:func:`lpt_makespan`; the
+    smallest on ties) among ``factor + i * factor // s`` for ``i = 0..s``, ``s = min(factor,
+    16)``, up to ``max_factor``: every factor up to twice the rule's when it is at most 16,
+    else 17 of them; none when the rule's factor gives one wave of programs (longer tiles
+    then only lengthen the longest program) or more than 8 (a last wave then costs little).
+    Only longer tiles than the rule's are candidates: the model's favourite shorter ones
+    measured slower (CHANGELOG)."""
+    if slots <= 0:
+        return factor
+    starts = np.flatnonzero(group_runs(plan))
+    lens = np.diff(np.append(starts, plan.num_tiles))
+    chunks = -(-(plan.tile_q_end[starts] - plan.tile_q_start[starts]) * g // block_m)
+    runs = list(zip(lens.tolist(), chunks.tolist()))
+    programs = sum(-(-r // factor) * c for r, c in runs) * heads
+    if programs <= slots or programs > 8 * slots:
+        return factor
+    steps = min(factor, 16)
+    candidates = [u for u in (factor + i * factor // steps for i in range(steps + 1))
+                  if u <= max_factor]
+    spans = {u: lpt_makespan(runs, u, heads, plan.block_kv, slots, program_cost)
+             for u in candidates}
+    return min(spans, key=lambda u: (spans[u], u))

@@ -1,0 +1,77 @@
+"""Benchmark results as data: the stored records, their rendering, and the docs built from them."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks.render import RESULTS, render, render_record, update_text
+from benchmarks.report import REQUIRED_KEYS, load_record, record, write_record
+from deft.cli import main
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def test_render_a_result_file(tmp_path):
+    rec = record(["tree", "impl", "µs", "max |diff|"],
+                 [["a", "DeFT", 1234.5, 0.0], ["a", "peer", 12.345, math.nan],
+                  ["b", "DeFT", 7, 1e-7]], "cpu", reps=3)
+    write_record(tmp_path / "demo.json", rec)
+    stored = json.loads((tmp_path / "demo.json").read_text())
+    assert stored["rows"][1] == {"tree": "a", "impl": "peer", "µs": 12.345, "max |diff|": None}
+    md = render("demo", tmp_path)
+    caption, blank, *table = md.splitlines()
+    assert caption.startswith(f"*{rec['device']}, commit {rec['commit']}, {rec['date']}")
+    assert caption.endswith(f": `{rec['command']}`*") and blank == ""
+    assert table == ["| tree | impl | µs    | max \\|diff\\| |",
+                     "| ---- | ---- | ----- | ------------ |",
+                     "| a    | DeFT | 1,234 | 0            |",
+                     "| a    | peer | 12.3  | –            |",
+                     "| b    | DeFT | 7     | 1e-07        |"]
+    assert render_record(stored, where="impl=DeFT", columns="tree;µs", meta=False).splitlines() == [
+        "| tree | µs    |", "| ---- | ----- |", "| a    | 1,234 |", "| b    | 7     |"]
+    assert render_record(stored, pivot="impl", value="µs", meta=False).splitlines() == [
+        "| tree | DeFT  | peer |", "| ---- | ----- | ---- |", "| a    | 1,234 | 12.3 |",
+        "| b    | 7     | –    |"]
+    with pytest.raises(ValueError, match="columns"):
+        render_record(stored, columns="tree;nope")
+
+
+def test_docs_blocks_are_filled_from_results(tmp_path):
+    write_record(tmp_path / "r.json", record(["x"], [[1.5]], "cpu"))
+    text = "intro\n<!-- results:r meta=no -->\nstale\n<!-- /results -->\nend\n"
+    assert update_text(text, tmp_path) == "intro\n<!-- results:r meta=no -->\n| x   |\n| --- |\n| 1.5 |\n<!-- /results -->\nend\n"
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.stem)
+def test_stored_results_have_the_required_keys(path):
+    rec = load_record(path)
+    assert all(k in rec for k in REQUIRED_KEYS) and ("gpu" in rec or "device" in rec)
+    assert all(isinstance(rec[k], str) and rec[k] for k in ("commit", "date", "command"))
+    assert rec["rows"] and all(isinstance(r, dict) and r for r in rec["rows"])
+    render_record(rec)
+
+
+def test_stored_results_exist():
+    assert {"plan_cpu", "attention_cpu", "attention_h200", "e2e_cpu", "speculative_cpu"} <= {
+        p.stem for p in RESULTS.glob("*.json")}
+
+
+def test_docs_match_the_stored_results():
+    text = DOCS.read_text()
+    assert "<!-- results:" in text
+    assert update_text(text) == text, "run: python -m benchmarks.render --write docs/benchmarks.md"
+
+
+def test_bench_writes_a_result_record(tmp_path, capsys):
+    path = tmp_path / "out" / "attention.json"
+    assert main(["bench", "attention", "--device", "cpu", "--workload", "few-shot b=20",
+                 "--no-flex", "--reps", "1", "--json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    rec = load_record(path)
+    assert rec["device"] and rec["command"] and rec["threads"] >= 1 and rec["reps"] == 1
+    assert [r["workload"] for r in rec["rows"]] == ["few-shot b=20"]
+    assert rec["rows"][0]["tokens"] == 8000
+    assert render_record(rec, meta=False).splitlines()[2].split("|")[1].strip() == "few-shot b=20"
+    assert "| few-shot b=20 |" in printed
