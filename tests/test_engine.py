@@ -7,12 +7,12 @@ Float32 logits of the same sequence computed through different trees agree withi
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
 from deft.cache import CacheFullError
+from strategies_on_device import write_trace
 from deft.engine import (Expansion, SamplingParams, TreeEngine, beam_search, generate, load_trace,
                          probabilities, replay_trace, sample, tree_search)
 
@@ -337,18 +337,6 @@ def test_tree_search_expands_scores_and_releases(engine, prompts):
 
 
 # ---------------------------------------------------------------- trace replay
-
-
-def write_trace(path):
-    """A small reasoning record: a 40-token prompt, 3 thoughts, one of which branches in 2."""
-    data = {"0": {"id": 0, "value": 40, "start": -39, "end": 0, "children": [1, 2, 3]},
-            "1": {"id": 1, "value": 5, "start": 1, "end": 5, "children": [4, 5]},
-            "2": {"id": 2, "value": 3, "start": 1, "end": 3, "children": []},
-            "3": {"id": 3, "value": 8, "start": 1, "end": 8, "children": []},
-            "4": {"id": 4, "value": 4, "start": 6, "end": 9, "children": []},
-            "5": {"id": 5, "value": 2, "start": 6, "end": 7, "children": []}}
-    path.write_text(json.dumps([{"incompleted": True, "prompt": "", "data": {}},
-                                {"incompleted": False, "prompt": "x", "data": data}]))
 
 
 @pytest.mark.parametrize("tokens", ["random", "greedy"])

@@ -2,9 +2,9 @@
 
 A small random Llama-shaped model (GQA 4, head_dim 32) runs on CUDA with the ``triton``
 attention backend and is checked against the ``torch`` backend on the same GPU: logits of a
-tree step, greedy generation of a batch, and speculative decoding against plain greedy.
-The final norm is scaled up so greedy choices have clear margins and cannot flip on
-rounding differences between the backends.
+tree step, greedy generation of a batch, speculative decoding against plain greedy, and
+every strategy (generate, sample, beam search, tree search, speculative decoding with
+prompt lookup and a draft model, trace replay).
 """
 
 from __future__ import annotations
@@ -13,37 +13,16 @@ import pytest
 import torch
 
 from deft.engine import NgramDrafter, SamplingParams, TreeEngine, generate, speculative_generate
-from deft.model import LlamaConfig, LlamaModel, Tokenizer
+from strategies_on_device import PROMPT, VOCAB, model, run_strategies, tokenizer, write_trace
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-VOCAB = 64
 
 
-def tokenizer() -> Tokenizer:
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import models
-
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    return Tokenizer(Backend(models.WordLevel(vocab, unk_token="t0")), eos_token_ids=[])
-
-
-def model(dtype: torch.dtype) -> LlamaModel:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_layers=3,
-                         num_heads=8, num_kv_heads=2, max_position_embeddings=2048)
-    m = LlamaModel(config).eval().requires_grad_(False)
-    m.norm.weight.mul_(4.0)
-    return m.to("cuda", dtype)
-
-
-def engines(dtype: torch.dtype) -> tuple[TreeEngine, TreeEngine]:
-    m = model(dtype)
+def engines(dtype: torch.dtype, seed: int = 0, layers: int = 3) -> tuple[TreeEngine, TreeEngine]:
+    m = model("cuda", dtype, seed, layers)
     return (TreeEngine(m, tokenizer(), num_pages=512, backend="triton"),
             TreeEngine(m, tokenizer(), num_pages=512, backend="torch"))
-
-
-PROMPT = [(7 * i + 3) % VOCAB for i in range(300)]
 
 
 @pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
@@ -76,3 +55,15 @@ def test_speculative_greedy_equals_plain_greedy_on_gpu():
     spec = speculative_generate(engine, prompts, params, NgramDrafter())
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == engine.cache.num_pages
+
+
+def test_every_strategy_matches_the_torch_backend(tmp_path):
+    trace = tmp_path / "trace.json"
+    write_trace(trace)
+    tri, ref = engines(torch.float32)
+    draft_tri, draft_ref = engines(torch.float32, seed=1, layers=1)
+    got = run_strategies(tri, draft_tri, PROMPT[:60], trace)
+    want = run_strategies(ref, draft_ref, PROMPT[:60], trace)
+    assert got == want
+    for engine in (tri, draft_tri):
+        assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == engine.cache.num_pages

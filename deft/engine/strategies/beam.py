@@ -134,7 +134,7 @@ def _advance(s: _Search, k: int, width: int, stop: frozenset[int], lp: float,
     Returns the previous running beams (their nodes are the new beams' parents).
     """
     logp = torch.log_softmax(s.logits.float(), dim=-1)  # [beams, vocab]
-    scores = torch.tensor([b.score for b in s.running], dtype=torch.float32)
+    scores = torch.tensor([b.score for b in s.running], dtype=torch.float32, device=logp.device)
     acc = (logp + scores[:, None]).reshape(-1)
     top = torch.topk(acc, min(width, acc.shape[0]))
     vocab = logp.shape[1]
