@@ -245,7 +245,7 @@ def test_malformed_input_returns_none(parents, dtype):
     """The C planner's error codes (malformed forest, arrays not int64) give ``None``."""
     assert compiled.flatten_plan(
         _unchecked_layout(parents, dtype), 8, Coarsening(1, 16, 1, 4, 2.0, 0, 1024, 12, 128),
-        lambda n: np.zeros(n, np.int32)) is None
+        lambda n: torch.zeros(n, dtype=torch.int32)) is None
 
 
 def test_other_plan_kinds_are_not_fast(monkeypatch):
@@ -284,7 +284,7 @@ def test_not_built_falls_back_to_numpy(monkeypatch):
         layout = SPECIAL["partial lens, several per node"]
         with pytest.warns(RuntimeWarning, match="compiled planner was not built"):
             assert compiled.flatten_plan(layout, 8, Coarsening(1, 16, 1, 4, 2.0, 0, 1024, 12, 128),
-                                         lambda n: np.zeros(n, np.int32)) is None
+                                         lambda n: torch.zeros(n, dtype=torch.int32)) is None
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # warned once per process, not per plan
             plan = TreeAttention(2, 1, 16, backend="triton", block_kv=8).plan(layout)

@@ -416,7 +416,7 @@ def test_replanning_reuses_device_buffers():
     from deft.plan import Coarsening, compiled
 
     if compiled.flatten_plan(TINY["fan"], 8, Coarsening(1, 16, 1, 4, 2.0, 0, 8, 12, 128),
-                             lambda n: np.zeros(n, np.int32)) is None:
+                             lambda n: torch.zeros(n, dtype=torch.int32)) is None:
         pytest.skip("no compiled planner (reuse is its path's)")
     big, small = TINY["fan"], TINY["partial lens"]
     attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=None if CUDA else 8)

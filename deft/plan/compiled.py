@@ -23,7 +23,7 @@ import numpy as np
 
 from ..layout import TreeLayout
 from .coarsen import Coarsening
-from .packing import PackedPlan
+from .packing import HostBuffer, PackedPlan
 from .tree_plan import TreePlan
 
 __all__ = ["flatten_plan", "load_library"]
@@ -97,14 +97,14 @@ class _CompiledPlan(TreePlan):
 
 
 def flatten_plan(layout: TreeLayout, block_kv: int, params: Coarsening,
-                 host_buffer: Callable[[int], np.ndarray],
-                 reuse: np.ndarray | None = None) -> tuple[TreePlan, PackedPlan] | None:
+                 host_buffer: Callable[[int], HostBuffer],
+                 reuse: HostBuffer | None = None) -> tuple[TreePlan, PackedPlan] | None:
     """``refine(make_plan(layout, "flatten", block_kv), params)`` and its packing for
     programs of ``params.block_m`` rows, in compiled code; ``None`` if unavailable.
 
-    The segments are packed into ``reuse`` (an int32 numpy buffer) when it is large enough,
-    else into ``host_buffer(n)``, a new one of ``n`` elements. The returned plan computes
-    its arrays on first access (see ``_CompiledPlan``).
+    The segments are packed into ``reuse`` when it is large enough, else into
+    ``host_buffer(n)``, a new buffer of ``n`` elements. The returned plan computes its
+    arrays on first access (see ``_CompiledPlan``).
     """
     if os.environ.get("DEFT_FASTPLAN") == "0":
         return None
@@ -112,8 +112,8 @@ def flatten_plan(layout: TreeLayout, block_kv: int, params: Coarsening,
 
 
 def _plan(layout: TreeLayout, block_kv: int, params: Coarsening,
-          host_buffer: Callable[[int], np.ndarray] | None,
-          reuse: np.ndarray | None) -> tuple[TreePlan, PackedPlan] | None:
+          host_buffer: Callable[[int], HostBuffer] | None,
+          reuse: HostBuffer | None) -> tuple[TreePlan, PackedPlan] | None:
     """Run the compiled planner. With ``host_buffer``, the plan is a ``_CompiledPlan``
     (no arrays yet); without, a TreePlan with its arrays, packed into a new buffer."""
     lib = load_library()
@@ -122,7 +122,7 @@ def _plan(layout: TreeLayout, block_kv: int, params: Coarsening,
     arrays = (layout.parents, layout.node_kv_indptr, layout.query_nodes, layout.query_kv_lens,
               layout.kv_indices)
     ws = _workspace(0)
-    target = (reuse.ctypes.data, reuse.shape[0]) if reuse is not None and host_buffer else (0, 0)
+    target = (reuse.data_ptr(), reuse.numel()) if reuse is not None and host_buffer else (0, 0)
     res = lib.plan(*arrays, block_kv, *params, ws, *target)
     if res == -2:  # views (e.g. a reversed query_nodes): contiguous copies
         arrays = tuple(np.ascontiguousarray(a) for a in arrays)
@@ -137,7 +137,7 @@ def _plan(layout: TreeLayout, block_kv: int, params: Coarsening,
         packed = reuse
         if flags == -3:  # not filled: no buffer to reuse, or too small
             packed = host_buffer(starts[-1])
-            flags = lib.fill(arrays[1], arrays[4], ws, None, packed.ctypes.data)
+            flags = lib.fill(arrays[1], arrays[4], ws, None, packed.data_ptr())
         plan = object.__new__(_CompiledPlan)
         plan.__dict__.update(kind="flatten", block_kv=block_kv,
                              num_layout_tokens=layout.num_tokens, needs_mask=True,

@@ -11,13 +11,13 @@ seen by its whole group (no mask before it) and ``slot0`` whether its slots are 
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol
 
 import numpy as np
 
 from .tree_plan import TreePlan
 
-__all__ = ["SEGMENTS", "PackedPlan", "mask_from", "tile_slot0", "work_items",
+__all__ = ["SEGMENTS", "HostBuffer", "PackedPlan", "mask_from", "tile_slot0", "work_items",
            "segment_starts", "pack"]
 
 SEGMENTS = ("tok_slot", "tok_lo", "tok_hi", "tok_off", "work", "q_order", "q_pre", "q_len",
@@ -25,10 +25,21 @@ SEGMENTS = ("tok_slot", "tok_lo", "tok_hi", "tok_off", "work", "q_order", "q_pre
 WORK_FIELDS = 8  # tok0, tok1, q_start, q_end, first partial, mask_from, slot0, row0
 
 
+class HostBuffer(Protocol):
+    """A 1-D int32 host buffer the plan is packed into (a CPU ``torch.Tensor`` is one):
+    the compiled planner writes at its address, the Python one through its numpy view."""
+
+    def data_ptr(self) -> int: ...
+
+    def numel(self) -> int: ...
+
+    def numpy(self) -> np.ndarray: ...
+
+
 class PackedPlan(NamedTuple):
     """What packing a plan tells its launcher, besides the buffer's contents."""
 
-    buffer: np.ndarray  # the filled int32 host buffer (may be longer than ``starts[-1]``)
+    buffer: Any  # the filled HostBuffer (may be longer than ``starts[-1]``)
     starts: list[int]  # offsets of the ``SEGMENTS``, then the packed length
     num_work: int  # work items (rows of ``WORK_FIELDS`` in the ``work`` segment)
     all_contiguous: bool  # every tile's slots are consecutive
@@ -100,8 +111,8 @@ def segment_starts(sizes: list[int]) -> list[int]:
     return starts
 
 
-def pack(plan: TreePlan, g: int, block_m: int, host_buffer: Callable[[int], np.ndarray],
-         reuse: np.ndarray | None = None) -> PackedPlan:
+def pack(plan: TreePlan, g: int, block_m: int, host_buffer: Callable[[int], HostBuffer],
+         reuse: HostBuffer | None = None) -> PackedPlan:
     """Pack ``plan`` for programs of ``block_m`` query rows (``g`` query heads per KV head)
     into ``reuse`` when it is large enough, else into ``host_buffer(n)``."""
     work = work_items(plan, g, block_m)
@@ -109,8 +120,8 @@ def pack(plan: TreePlan, g: int, block_m: int, host_buffer: Callable[[int], np.n
               work.reshape(-1), plan.query_order, plan.query_pre, plan.query_len,
               plan.merge_indptr, plan.merge_partials)
     starts = segment_starts([a.shape[0] for a in arrays])
-    buf = reuse if reuse is not None and reuse.shape[0] >= starts[-1] else host_buffer(starts[-1])
-    packed = buf[:starts[-1]]
+    buf = reuse if reuse is not None and reuse.numel() >= starts[-1] else host_buffer(starts[-1])
+    packed = buf.numpy()[:starts[-1]]
     packed.fill(0)
     for a, st in zip(arrays, starts):
         packed[st:st + a.shape[0]] = a

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 from typing import Callable
 
-import numpy as np
-
 from ..layout import TreeLayout
 from .coarsen import Coarsening, refine
 from .compiled import flatten_plan
-from .packing import PackedPlan, pack
+from .packing import HostBuffer, PackedPlan, pack
 from .tree_plan import TreePlan, make_plan
 
 __all__ = ["plan_step"]
 
 
 def plan_step(layout: TreeLayout, kind: str, block_kv: int, params: Coarsening,
-              host_buffer: Callable[[int], np.ndarray],
-              reuse: np.ndarray | None = None) -> tuple[TreePlan, PackedPlan]:
+              host_buffer: Callable[[int], HostBuffer],
+              reuse: HostBuffer | None = None) -> tuple[TreePlan, PackedPlan]:
     """Plan ``layout``, coarsen ``flatten`` and ``per_query`` plans with ``params`` and pack
     the result for programs of ``params.block_m`` rows into ``reuse`` or ``host_buffer(n)``.
     ``flatten`` plans come from the compiled planner when it is built (identical results)."""

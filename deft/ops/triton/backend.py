@@ -82,8 +82,7 @@ class TritonBackend(Backend):
         with host.lock:
             reuse = host.next()
             plan, packed = plan_step(layout, plan_kind, block_kv, coarsening(cfg, heads, device),
-                                     lambda n: host.new(n).numpy(),
-                                     None if reuse is None else reuse.numpy())
+                                     host.new, reuse)
             return _upload(plan, packed, cfg, host, heads, device,
                            previous if isinstance(previous, StepBuffers) else None)
 

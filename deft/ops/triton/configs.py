@@ -97,9 +97,18 @@ def kernel_config(head_dim: int, rows: int = 0, device: torch.device | None = No
     arch = arch_of(device)
     if arch == "interpreter":
         head_dim = 0
-    elif not any(a == arch for a, _, _ in CONFIGS):
-        arch = DEFAULT_ARCH
-    if not any(a == arch and d == head_dim for a, d, _ in CONFIGS):
-        head_dim = DEFAULT_HEAD_DIM
-    rows_from = max(r for a, d, r in CONFIGS if a == arch and d == head_dim and r <= rows)
-    return CONFIGS[arch, head_dim, rows_from]
+    best, fallback = None, None  # (rows_from, config) of this head_dim, of the defaults'
+    for (a, d, r), cfg in CONFIGS.items():
+        if r > rows:
+            continue
+        if a == arch and d == head_dim:
+            if best is None or r > best[0]:
+                best = (r, cfg)
+        elif a in (arch, DEFAULT_ARCH) and d in (head_dim, DEFAULT_HEAD_DIM) and best is None:
+            # Nearest defaults: this arch's default head_dim, then the default arch's rows.
+            rank = (a == arch, d == head_dim, r)
+            if fallback is None or rank > fallback[0]:
+                fallback = (rank, cfg)
+    if best is not None:
+        return best[1]
+    return fallback[1]
