@@ -10,7 +10,7 @@ import torch
 
 from .checks import positive_int, real_number
 from .layout import TreeLayout
-from .ops import Heads, get_backend, resolve_backend
+from .ops import Capacity, Heads, get_backend, resolve_backend
 from .plan import PLAN_KINDS, TreePlan
 
 __all__ = ["TreeAttention", "tree_attention"]
@@ -36,6 +36,12 @@ class TreeAttention:
         KV tile size in tokens; by default the backend's preferred size.
     device:
         Where ``run`` will be called; plan metadata is placed there.
+    capacity:
+        With a graph-safe backend (``triton``): fixed device buffers for every step of
+        ``capacity.queries`` queries and at most ``capacity.tokens`` plan tokens. Every
+        plan then writes into them and every ``run`` launches with the same arguments, so
+        a CUDA graph captured once replays correctly after any later plan; a plan that does
+        not fit raises ``ValueError`` and leaves the buffers as the last plan left them.
     """
 
     def __init__(
@@ -48,6 +54,7 @@ class TreeAttention:
         plan_kind: str = "flatten",
         block_kv: int | None = None,
         device: str | torch.device = "cpu",
+        capacity: Capacity | None = None,
     ) -> None:
         self.num_qo_heads = positive_int(num_qo_heads, "num_qo_heads")
         self.num_kv_heads = positive_int(num_kv_heads, "num_kv_heads")
@@ -74,6 +81,20 @@ class TreeAttention:
         )
         self._plan: TreePlan | None = None
         self._prepared: Any = None
+        self.capacity = capacity
+        self._reserved: Any = None
+        if capacity is not None:
+            if not isinstance(capacity, Capacity):
+                raise TypeError(f"capacity: expected a deft.Capacity, got {type(capacity).__name__}")
+            if not self._backend.graph_safe:
+                raise ValueError(f"capacity: the {self.backend_name} backend is not graph-safe")
+            capacity = Capacity(positive_int(capacity.queries, "capacity.queries"),
+                                positive_int(capacity.tokens, "capacity.tokens"),
+                                None if capacity.partials is None else
+                                positive_int(capacity.partials, "capacity.partials"))
+            self._reserved = self._backend.reserve(capacity, self.block_kv, self._heads,
+                                                   self.device)
+            self.capacity = self._reserved.capacity
         self._max_slot = -1
         self.plan_seconds = 0.0
 
@@ -95,8 +116,9 @@ class TreeAttention:
         """Plan one step over ``layout``; the result is reused by every later :meth:`run`.
 
         Plan and run on one CUDA stream: a plan may reuse the last plan's device buffers,
-        which the stream orders after the last plan's launches. CUDA graphs captured
-        before this call must not be replayed after it."""
+        which the stream orders after the last plan's launches. Without a ``capacity``,
+        CUDA graphs captured before this call must not be replayed after it; with one,
+        they replay this plan."""
         if not isinstance(layout, TreeLayout):
             raise TypeError(f"layout: expected a deft.TreeLayout, got {type(layout).__name__}")
         t0 = time.perf_counter()
@@ -107,7 +129,7 @@ class TreeAttention:
                              f"largest addressable slot {limit}")
         # The last plan's device buffers may be reused (its CUDA graphs are invalid after this
         # plan anyway); until this plan succeeds, there is no current plan.
-        previous, self._plan, self._prepared = self._prepared, None, None
+        previous, self._plan, self._prepared = self._prepared or self._reserved, None, None
         self._prepared = self._backend.plan(layout, self.plan_kind, self.block_kv, self._heads,
                                             self.device, previous)
         plan = self._prepared.plan
@@ -141,7 +163,8 @@ class TreeAttention:
             the ``triton`` backend the kernels write there directly and ``run`` allocates
             nothing (its workspaces are sized by :meth:`plan`), so the layers of a step can
             be captured in one CUDA graph; other backends copy their result in. A captured
-            graph reads this plan's buffers: replay it only until the next :meth:`plan`.
+            graph reads this plan's buffers: replay it only until the next :meth:`plan`,
+            unless the attention has a ``capacity``.
 
         Returns
         -------

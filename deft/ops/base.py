@@ -7,7 +7,10 @@ data its kernels read, then runs it per layer (``run``). Capabilities are class 
 * ``writes_out``: ``run`` writes into caller-given ``out``/``lse_out`` (and allocates
   nothing then); otherwise ``TreeAttention`` copies the result in;
 * ``graph_safe``: ``run`` makes no host synchronisation or allocation with ``out`` given,
-  so the layers of a step can be captured in a CUDA graph;
+  so the layers of a step can be captured in a CUDA graph, and ``reserve(capacity, block_kv,
+  heads, device)`` returns fixed buffers that, passed as ``previous``, make every later plan
+  write into them with launches whose arguments never change: a graph captured once then
+  replays every later plan that fits (a plan that does not fit raises ``ValueError``);
 * ``max_slot``: the largest cache slot its plan arrays can address (``None``: any);
 * ``default_block_kv``: the tile size used when the caller gives none.
 """
@@ -23,7 +26,7 @@ import torch
 from ..layout import TreeLayout
 from ..plan import TreePlan
 
-__all__ = ["Backend", "Heads", "Prepared", "check_backend"]
+__all__ = ["Backend", "Capacity", "Heads", "Prepared", "check_backend"]
 
 
 class Heads(NamedTuple):
@@ -32,6 +35,17 @@ class Heads(NamedTuple):
     num_qo_heads: int
     num_kv_heads: int
     head_dim: int
+
+
+class Capacity(NamedTuple):
+    """What a graph-safe backend's fixed buffers hold: every plan of this many queries, at
+    most ``tokens`` plan tokens (KV tokens loaded per KV head; a ``flatten`` plan loads each
+    visible token once) and at most ``partials`` partial states (``None``: enough for any
+    ``flatten`` plan of ``tokens`` tokens, ``queries`` times the number of tiles)."""
+
+    queries: int
+    tokens: int
+    partials: int | None = None
 
 
 class Prepared(Protocol):

@@ -17,10 +17,10 @@ import torch
 
 from ...layout import TreeLayout
 from ...plan import Coarsening, plan_step
-from ...plan.packing import PackedPlan
-from ..base import Backend, Heads
+from ...plan.packing import WORK_FIELDS, PackedPlan, segment_starts
+from ..base import Backend, Capacity, Heads
 from .configs import KernelConfig, interpreting, kernel_config
-from .launch import Pointer, StepBuffers, has_tma, launch_step
+from .launch import HEADER, Pointer, Reserved, StepBuffers, has_tma, launch_step
 from .upload import Staging, staging
 
 __all__ = ["TritonBackend"]
@@ -73,18 +73,44 @@ class TritonBackend(Backend):
 
     def plan(self, layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
              device: torch.device, previous: Any = None) -> StepBuffers:
-        d = heads.head_dim
-        if d & (d - 1) or d < 16:
-            raise ValueError(f"head_dim: the triton backend needs a power of two >= 16, got {d}")
+        _check_head_dim(heads.head_dim)
         device = _cuda_index(device)
-        cfg = kernel_config(d, layout.num_queries * heads.num_qo_heads, device)
+        reserved = previous if isinstance(previous, Reserved) else getattr(previous, "reserved", None)
+        if reserved is not None and layout.num_queries != reserved.capacity.queries:
+            raise ValueError(f"layout: expected {reserved.capacity.queries} queries (the reserved "
+                             f"capacity's), got {layout.num_queries}")
+        cfg = kernel_config(heads.head_dim, layout.num_queries * heads.num_qo_heads, device)
         host = staging(device)
         with host.lock:
-            reuse = host.next()
+            reuse, host_buffer = host.next(), host.new
+            if reserved is not None:  # room for the header before the segments
+                reuse = None if reuse is None else reuse[HEADER:]
+                host_buffer = lambda n: host.new(n + HEADER)[HEADER:]  # noqa: E731
             plan, packed = plan_step(layout, plan_kind, block_kv, coarsening(cfg, heads, device),
-                                     host.new, reuse)
+                                     host_buffer, reuse)
             return _upload(plan, packed, cfg, host, heads, device,
-                           previous if isinstance(previous, StepBuffers) else None)
+                           previous if isinstance(previous, StepBuffers) else None, reserved)
+
+    def reserve(self, capacity: Capacity, block_kv: int, heads: Heads,
+                device: torch.device) -> Reserved:
+        """Fixed buffers for every plan of ``capacity``: pass the result as ``previous``."""
+        _check_head_dim(heads.head_dim)
+        device = _cuda_index(device)
+        q, n = capacity.queries, capacity.tokens
+        p = capacity.partials if capacity.partials is not None else q * -(-n // block_kv)
+        cfg = kernel_config(heads.head_dim, q * heads.num_qo_heads, device)
+        g = heads.num_qo_heads // heads.num_kv_heads
+        # Every kept tile has a query, so tiles <= partials; a tile of G group queries has
+        # ceil(G * g / block_m) work items.
+        work = p + -(-p * g // cfg.block_m)
+        starts = segment_starts([n, n, n, n, WORK_FIELDS * work, q, q, q, q + 1, p])
+        h, d = heads.num_qo_heads, heads.head_dim
+        plse_off = p * h * d
+        lse_off = plse_off + -(-p * h // 16) * 16
+        return Reserved(Capacity(q, n, p), work, HEADER + starts[-1],
+                        torch.empty(HEADER + starts[-1], dtype=torch.int32, device=device),
+                        torch.empty(lse_off + q * h, dtype=torch.float32, device=device),
+                        plse_off, lse_off)
 
     def run(self, prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, sm_scale: float, *, out: torch.Tensor | None = None,
@@ -98,45 +124,81 @@ class TritonBackend(Backend):
         return o, lse
 
 
+def _check_head_dim(d: int) -> None:
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"head_dim: the triton backend needs a power of two >= 16, got {d}")
+
+
+def _check_fits(plan: Any, packed: PackedPlan, r: Reserved) -> None:
+    """``ValueError`` unless the step fits the reserved buffers (checked before any upload,
+    so they keep the last plan that fit)."""
+    for what, need, room in (("plan tokens", plan.num_plan_tokens, r.capacity.tokens),
+                             ("partial states", plan.num_partials, r.capacity.partials),
+                             ("work items", packed.num_work, r.work_capacity),
+                             ("plan ints", HEADER + packed.starts[-1], r.plan_ints)):
+        if need > room:
+            raise ValueError(f"layout: this step needs {need} {what}, beyond the reserved "
+                             f"capacity of {room}; reserve a larger Capacity")
+
+
 def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, host: Staging, heads: Heads,
-            device: torch.device, previous: StepBuffers | None) -> StepBuffers:
+            device: torch.device, previous: StepBuffers | None,
+            reserved: Reserved | None) -> StepBuffers:
     """Upload the packed plan (``host``'s current buffer, one copy) and size the fp32
     workspace. Both device buffers are ``previous``'s when they fit: the upload and the
     kernels are ordered by the stream (``plan`` and ``run`` on one stream), so the upload
     waits for the old plan's launches. Allocations come first, so a failure leaves
-    ``previous`` intact."""
+    ``previous`` intact. With ``reserved``, the buffers and workspace offsets are always the
+    reserved ones and a header before the segments tells the kernels the plan's sizes."""
     starts, num_queries = packed.starts, plan.num_queries
     n = starts[-1]
-    p, h, head_dim = max(plan.num_partials, 1), heads.num_qo_heads, heads.head_dim
-    # Each workspace starts at a multiple of 16 elements (the kernels are specialised on it).
-    plse_off = p * h * head_dim
-    lse_off = plse_off + -(-p * h // 16) * 16
-    scratch = _buffer(previous.scratch if previous else None, lse_off + num_queries * h,
-                      torch.float32, device)
-    # Fused merge needs every query to own a partial (else nobody writes its row).
-    counts = (torch.zeros(num_queries * h, dtype=torch.int32, device=device)
-              if cfg.fuse_merge and num_queries and packed.every_query_merged else None)
-    plan_buffer = _buffer(previous.plan_buffer if previous else None, n, torch.int32, device)
-    host.upload(plan_buffer, n)
+    h, head_dim = heads.num_qo_heads, heads.head_dim
+    if reserved is not None:
+        _check_fits(plan, packed, reserved)
+        p, plse_off, lse_off = reserved.capacity.partials, reserved.plse_off, reserved.lse_off
+        scratch, plan_buffer, counts = reserved.scratch, reserved.plan_buffer, None
+        host.header()[:10] = (packed.num_work, *starts[1:10])
+        host.upload(plan_buffer, HEADER + n)
+    else:
+        p = max(plan.num_partials, 1)
+        # Each workspace starts at a multiple of 16 elements (the kernels are specialised on it).
+        plse_off = p * h * head_dim
+        lse_off = plse_off + -(-p * h // 16) * 16
+        scratch = _buffer(previous.scratch if previous else None, lse_off + num_queries * h,
+                          torch.float32, device)
+        # Fused merge needs every query to own a partial (else nobody writes its row).
+        counts = (torch.zeros(num_queries * h, dtype=torch.int32, device=device)
+                  if cfg.fuse_merge and num_queries and packed.every_query_merged else None)
+        plan_buffer = _buffer(previous.plan_buffer if previous else None, n, torch.int32, device)
+        host.upload(plan_buffer, n)
     # Built without the frozen dataclass's ``__init__`` (one ``object.__setattr__`` per
     # field, about 5 µs): this runs every step. ``StepBuffers`` has no ``__post_init__``.
     prepared = object.__new__(StepBuffers)
+    graph = reserved is not None
     prepared.__dict__.update(
         plan=plan, config=cfg, plan_buffer=plan_buffer, offsets=tuple(starts), scratch=scratch,
         plse_off=plse_off, lse_off=lse_off, num_work=packed.num_work, num_queries=num_queries,
-        num_partials=p, num_qo_heads=h, head_dim=head_dim, needs_mask=plan.needs_mask,
-        contiguous=cfg.contig and packed.all_contiguous,
-        tma=cfg.contig and cfg.tma and packed.any_contiguous and has_tma(device),
-        sorted_queries=packed.sorted_queries, counts=counts,
+        num_partials=p, num_qo_heads=h, head_dim=head_dim, reserved=reserved,
+        grid_work=reserved.work_capacity if graph else packed.num_work,
+        # Graph-safe launches are specialised on nothing a plan decides.
+        needs_mask=graph or plan.needs_mask,
+        contiguous=not graph and cfg.contig and packed.all_contiguous,
+        tma=cfg.contig and cfg.tma and (graph or packed.any_contiguous) and has_tma(device),
+        sorted_queries=not graph and packed.sorted_queries, counts=counts,
     )
+    first = HEADER if graph else 0  # where the segments start in the device buffer
     if interpreting():  # the interpreter takes tensors only: views, not pointers
-        arrays = (plan_buffer[:n], prepared.segment("merge_indptr"),
-                  prepared.segment("merge_partials"))
+        if graph:
+            arrays = (plan_buffer[first:],) * 3
+        else:
+            arrays = (plan_buffer[:n], prepared.segment("merge_indptr"),
+                      prepared.segment("merge_partials"))
         workspaces = (prepared.partial_o, prepared.partial_lse, prepared.lse)
     else:
         base, fbase, i32, f32 = plan_buffer.data_ptr(), scratch.data_ptr(), torch.int32, torch.float32
-        arrays = (Pointer(base, i32), Pointer(base + 4 * starts[8], i32),
-                  Pointer(base + 4 * starts[9], i32))
+        seg0 = Pointer(base + 4 * first, i32)
+        arrays = ((seg0,) * 3 if graph else
+                  (seg0, Pointer(base + 4 * starts[8], i32), Pointer(base + 4 * starts[9], i32)))
         workspaces = (Pointer(fbase, f32), Pointer(fbase + 4 * plse_off, f32),
                       Pointer(fbase + 4 * lse_off, f32))
     prepared.__dict__.update(arrays=arrays, workspaces=workspaces)

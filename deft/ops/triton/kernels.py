@@ -184,13 +184,27 @@ def tree_partial_kernel(
     stride_on, stride_oh, num_heads,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
-    FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, HEADER: tl.constexpr,
 ):
     # KV heads vary fastest: programs start in work-item order (largest tiles first) across
     # all heads, so the launch's last programs are its shortest ones.
     h_kv = num_heads // G
     w = tl.program_id(0) // h_kv
     kvh = tl.program_id(0) % h_kv
+    if HEADER:
+        # Graph-safe launches (a grid of the capacity's work items): the plan's work-item
+        # count and segment offsets come from the 16 ints before its first segment, so no
+        # launch argument changes between plans. Programs past the count do nothing.
+        num_work = tl.load(plan - 16)
+        off_lo = tl.load(plan - 15)
+        off_hi = tl.load(plan - 14)
+        off_off = tl.load(plan - 13)
+        off_work = tl.load(plan - 12)
+        off_order = tl.load(plan - 11)
+        off_pre = tl.load(plan - 10)
+        off_len = tl.load(plan - 9)
+        live = w < num_work
+        w = tl.where(live, w, 0)
     tok_slot = plan
     tok_lo = plan + off_lo
     tok_hi = plan + off_hi
@@ -212,6 +226,10 @@ def tree_partial_kernel(
     # slot loads at all).
     slot0 = tl.load(desc + 6) if CONTIG or TMA else 0
     row0 = tl.load(desc + 7)
+    if HEADER:
+        tok1 = tl.where(live, tok1, tok0)
+        mask_from = tl.where(live, mask_from, tok0)
+        qe = tl.where(live, qe, qs)
     if PDL:
         # The plan arrays above come from a stream-ordered upload (PDL does not overlap a
         # copy); Q and the partial workspace (read by the previous launch's merge) wait for
@@ -322,8 +340,14 @@ def merge_kernel(
     num_heads,
     stride_pn, stride_ph, stride_ln, stride_on, stride_oh,
     D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+    HEADER: tl.constexpr,
 ):
     n = tl.program_id(0)
+    if HEADER:
+        # Graph-safe launches: ``indptr`` and ``indices`` are the plan's first segment; the
+        # CSR map's offsets come from the header before it (see tree_partial_kernel).
+        indptr = indptr + tl.load(indptr - 8)
+        indices = indices + tl.load(indices - 7)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < num_heads
     d = tl.arange(0, D)

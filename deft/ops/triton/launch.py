@@ -19,10 +19,16 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...plan import TreePlan
 from ...plan.packing import SEGMENTS
+from ..base import Capacity
 from .configs import KernelConfig, interpreting, kernel_config
 from .kernels import merge_kernel, tree_partial_kernel
 
-__all__ = ["StepBuffers", "Pointer", "launch_step", "launch_merge", "has_tma"]
+__all__ = ["HEADER", "Reserved", "StepBuffers", "Pointer", "launch_step", "launch_merge",
+           "has_tma"]
+
+# Ints before the segments of a graph-safe plan buffer: the work-item count, then the
+# offsets of segments 1-9 (``SEGMENTS``) from the first.
+HEADER = 16
 
 
 class Pointer:
@@ -41,6 +47,19 @@ class Pointer:
 
 
 _Ptr = Union[torch.Tensor, Pointer]  # a kernel pointer argument (tensors when interpreting)
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """Fixed device buffers of a graph-safe ``TreeAttention`` (``TritonBackend.reserve``)."""
+
+    capacity: Capacity  # with ``partials`` resolved
+    work_capacity: int  # work items the partial launch's grid always has
+    plan_ints: int  # the plan buffer's length: header and segments
+    plan_buffer: torch.Tensor  # int32
+    scratch: torch.Tensor  # fp32 partial o, partial lse and lse workspaces
+    plse_off: int
+    lse_off: int
 
 
 @dataclass(frozen=True)
@@ -69,11 +88,13 @@ class StepBuffers:
     tma: bool  # some tile's slots are consecutive and the config and device allow TMA for it
     sorted_queries: bool  # query_order is the identity
     counts: torch.Tensor | None  # [Q * H_q] int32 zeros when the merge is fused, else None
+    reserved: Reserved | None  # the fixed buffers of graph-safe launches, else None
+    grid_work: int  # work items of the partial launch's grid (num_work, or the capacity's)
 
     def segment(self, name: str) -> torch.Tensor:
         """The device view of one ``SEGMENTS`` segment, padding included."""
-        i = SEGMENTS.index(name)
-        return self.plan_buffer[self.offsets[i]:self.offsets[i + 1]]
+        i, first = SEGMENTS.index(name), HEADER if self.reserved is not None else 0
+        return self.plan_buffer[first + self.offsets[i]:first + self.offsets[i + 1]]
 
     @property
     def partial_o(self) -> torch.Tensor:
@@ -114,16 +135,18 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
     lse = lse_ws if lse is None else lse
     fused = prepared.counts is not None
     pdl = cfg.pdl and _has_pdl(q.device)
-    if prepared.num_work:
-        grid = (prepared.num_work * h_kv,)
+    header = prepared.reserved is not None
+    if prepared.grid_work:
+        grid = (prepared.grid_work * h_kv,)
+        offsets = (0,) * 7 if header else prepared.offsets[1:8]  # graph-safe: in the header
         args = [q, k_cache, v_cache, k_cache, v_cache, po, plse, a[0],
-                *prepared.offsets[1:8], o, lse, prepared.counts if fused else a[1], a[1], a[2],
+                *offsets, o, lse, prepared.counts if fused else a[1], a[1], a[2],
                 sm_scale * math.log2(math.e),
                 qs[0], qs[1], ks[0], ks[1], h * d_, d_, h, os_[0], os_[1], h_q]
         kw = dict(G=h_q // h_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   USE_MASK=prepared.needs_mask, CONTIG=prepared.contiguous, TMA=False,
                   SORTED=prepared.sorted_queries, FUSE_MERGE=fused,
-                  IEEE=q.dtype == torch.float32, PDL=pdl,
+                  IEEE=q.dtype == torch.float32, PDL=pdl, HEADER=header,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
                   launch_pdl=pdl)
         tma = prepared.tma and _tma_ok(k_cache, ks) and _tma_ok(v_cache, ks)
@@ -147,7 +170,7 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
         tree_partial_kernel[grid](*args, **kw)
     if not fused:
         launch_merge(po, plse, o, lse, a[1], a[2], pdl, cfg.merge_block, cfg.merge_warps,
-                     strides=(h * d_, d_, h), heads=cfg.merge_heads)
+                     strides=(h * d_, d_, h), heads=cfg.merge_heads, header=header)
 
 
 _TMA_COMPILED: set[tuple] = set()  # launch keys whose TMA variant an eager launch compiled
@@ -185,13 +208,14 @@ def _kv_descriptor(cache: torch.Tensor, stride: tuple[int, ...], block_n: int) -
 def launch_merge(po: _Ptr, plse: _Ptr, o: torch.Tensor, lse: _Ptr, indptr: _Ptr,
                  indices: _Ptr, pdl: bool = False, block: int | None = None,
                  warps: int | None = None, strides: tuple[int, int, int] | None = None,
-                 heads: int | None = None) -> None:
+                 heads: int | None = None, header: bool = False) -> None:
     """Merge states ``po [P, H, D]``, ``plse [P, H]`` into ``o [N, H, D]`` and the contiguous
     ``lse [N, H]`` through the CSR map ``indptr [N + 1]``, ``indices`` (int32), ``block``
     states of ``heads`` query heads per step with ``warps`` per program (by default the
     config's shape for this grid). ``strides``: those of ``po`` (rows, heads) and ``plse``
     (rows) when they are raw pointers. ``pdl``: launched to start before the previous launch
-    ends (see ``_has_pdl``)."""
+    ends (see ``_has_pdl``). ``header``: ``indptr`` and ``indices`` are a graph-safe plan's
+    first segment, the map's offsets in the header before it."""
     n, h, d = o.shape
     if block is None or warps is None or heads is None:
         cfg = kernel_config(d, n * h, o.device)
@@ -203,6 +227,6 @@ def launch_merge(po: _Ptr, plse: _Ptr, o: torch.Tensor, lse: _Ptr, indptr: _Ptr,
     small = interpreting()
     merge_kernel[(n, -(-h // heads))](
         po, plse, o, lse, indptr, indices, h, *strides, *o.stride()[:2],
-        D=d, BLOCK_S=4 if small else block, BLOCK_H=heads, PDL=pdl,
+        D=d, BLOCK_S=4 if small else block, BLOCK_H=heads, PDL=pdl, HEADER=header,
         num_warps=1 if small else warps, launch_pdl=pdl,
     )

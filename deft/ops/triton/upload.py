@@ -18,6 +18,7 @@ import functools
 import threading
 from typing import Any, Callable, NamedTuple
 
+import numpy as np
 import torch
 
 __all__ = ["Staging", "staging"]
@@ -97,6 +98,10 @@ class Staging:
         buf = torch.empty(n + n // 4, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         self.buffers[self.turn] = buf
         return buf
+
+    def header(self) -> np.ndarray:
+        """The first ints of the current buffer, writable (a graph-safe plan's header)."""
+        return self.buffers[self.turn][:16].numpy()
 
     def upload(self, dst: torch.Tensor, n: int) -> None:
         """Copy the first ``n`` elements of the current buffer to ``dst``, ordered on the

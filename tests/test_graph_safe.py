@@ -1,0 +1,157 @@
+"""Graph-safe attention (``TreeAttention(capacity=...)``, triton backend): every plan writes
+into the reserved buffers and every run launches with the same arguments, so one CUDA graph
+replays every later plan that fits. Interpreted on CPU (launch arguments compared plan to
+plan, outputs against the reference), captured and replayed on a GPU under ``-m gpu``."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_close, assert_lse_close
+from deft import Capacity, TreeAttention, TreeLayout
+from deft.ops.reference import reference_attention
+
+pytest.importorskip("triton")
+from deft.ops.triton import launch  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+H_Q, H_KV, D = 4, 2, 32
+
+
+def random_tree(rng: np.random.Generator, num_queries: int, max_tokens: int) -> TreeLayout:
+    """A random forest of ``num_queries`` queries, at most ``max_tokens`` tokens in slots of a
+    ``max_tokens`` cache, queries with partial ``query_kv_len`` on random nodes."""
+    n = int(rng.integers(1, 40))
+    parents = [-1] + [int(rng.integers(-1, i)) if rng.random() < 0.1 else int(rng.integers(0, i))
+                      for i in range(1, n)]
+    lens = rng.integers(0, 30, n)
+    if lens.sum() > max_tokens:
+        lens = lens * max_tokens // lens.sum()
+    qn = rng.integers(0, n, num_queries)
+    qlen = np.where(rng.random(num_queries) < 0.5, lens[qn], (rng.random(num_queries) * (lens[qn] + 1)).astype(int))
+    slots = rng.permutation(max_tokens)[:int(lens.sum())]
+    if rng.random() < 0.3:  # consecutive slots (TMA tiles on a GPU)
+        slots = np.arange(int(lens.sum()))
+    return TreeLayout.from_node_lengths(parents, lens, qn, qlen, slots=slots)
+
+
+def _key(x):
+    """What a launch argument tells the kernel: a tensor's or pointer's address and layout."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.data_ptr(), tuple(x.shape), x.stride(), x.dtype)
+    if isinstance(x, launch.Pointer):
+        return ("pointer", x.address, x.dtype)
+    if hasattr(x, "base"):  # a TMA descriptor
+        return ("descriptor", x.base.data_ptr(), tuple(x.shape), tuple(x.block_shape))
+    return x
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernel launch's grid, arguments and options, as plain values."""
+    seen = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                seen.append((self.kernel.fn.__name__, grid, tuple(_key(a) for a in args),
+                             tuple(sorted(kw.items()))))
+                return self.kernel[grid](*args, **kw)
+            return run
+
+        def warmup(self, *args, **kw):
+            return self.kernel.warmup(*args, **kw)
+
+    monkeypatch.setattr(launch, "tree_partial_kernel", Recorder(launch.tree_partial_kernel))
+    monkeypatch.setattr(launch, "merge_kernel", Recorder(launch.merge_kernel))
+    return seen
+
+
+def test_plans_change_no_launch_argument_and_stay_exact(launches):
+    rng = np.random.default_rng(0)
+    nq, cache = 5, 160
+    attn = TreeAttention(H_Q, H_KV, D, backend="triton", device=DEV, block_kv=None if CUDA else 8,
+                         capacity=Capacity(queries=nq, tokens=cache))
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(nq, H_Q, D, generator=g).half().to(DEV)
+    k, v = (torch.randn(cache, H_KV, D, generator=g).half().to(DEV) for _ in range(2))
+    out, lse_out = torch.empty_like(q), torch.empty(nq, H_Q, device=DEV)
+    first = None
+    shapes = set()
+    for i in range(8):
+        layout = random_tree(rng, nq, cache)
+        plan = attn.plan(layout)
+        shapes.add((plan.num_tiles, plan.num_partials))
+        launches.clear()
+        attn.run(q, k, v, return_lse=True, out=out, lse_out=lse_out)
+        if first is None:
+            first = list(launches)
+        assert launches == first, f"plan {i} changed a launch"
+        ref_o, ref_lse = reference_attention(q, k, v, layout, D**-0.5)
+        assert_close(out.cpu(), ref_o.cpu(), torch.float16, f"graph-safe plan {i}")
+        assert_lse_close(lse_out.cpu(), ref_lse.cpu(), f"graph-safe plan {i}")
+    assert len(shapes) > 4  # the trees really differed
+    assert [name for name, *_ in first] == ["tree_partial_kernel", "merge_kernel"]
+
+
+def test_a_plan_beyond_the_capacity_is_refused_and_the_buffers_keep_the_last_plan():
+    attn = TreeAttention(H_Q, H_KV, D, backend="triton", device=DEV, block_kv=None if CUDA else 8,
+                         capacity=Capacity(queries=2, tokens=64))
+    small = TreeLayout.from_node_lengths([-1, 0, 0], [20, 5, 7], [1, 2])
+    attn.plan(small)
+    q, k, v = (torch.randn(*s, dtype=torch.float16).to(DEV) for s in ((2, H_Q, D), (64, H_KV, D), (64, H_KV, D)))
+    before = attn.run(q, k, v).clone()
+    buffer = attn._reserved.plan_buffer.clone()
+    with pytest.raises(ValueError, match=r"layout: this step needs 100 plan tokens, beyond the reserved capacity of 64"):
+        attn.plan(TreeLayout.from_node_lengths([-1, 0, 0], [90, 5, 5], [1, 2]))
+    assert torch.equal(attn._reserved.plan_buffer, buffer)
+    with pytest.raises(ValueError, match="layout: expected 2 queries"):
+        attn.plan(TreeLayout.from_node_lengths([-1, 0], [20, 5], [1]))
+    attn.plan(small)  # the next plan that fits works again
+    assert torch.equal(attn.run(q, k, v), before)
+    tight = TreeAttention(H_Q, H_KV, D, backend="triton", device=DEV, block_kv=8,
+                          capacity=Capacity(queries=2, tokens=64, partials=2))
+    with pytest.raises(ValueError, match="partial states, beyond the reserved capacity of 2"):
+        tight.plan(small)
+
+
+def test_capacity_needs_a_graph_safe_backend():
+    with pytest.raises(ValueError, match="capacity: the torch backend is not graph-safe"):
+        TreeAttention(H_Q, H_KV, D, backend="torch", capacity=Capacity(2, 64))
+    with pytest.raises(ValueError, match="capacity.tokens: expected a positive integer"):
+        TreeAttention(H_Q, H_KV, D, backend="triton", capacity=Capacity(2, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_capture_replays_100_random_trees(dtype):
+    """Capture two layers once; then plan and replay 100 random trees of different shapes."""
+    rng = np.random.default_rng(7)
+    nq, cache, h_q, h_kv, d = 24, 3000, 32, 8, 128
+    attn = TreeAttention(h_q, h_kv, d, backend="triton", device="cuda",
+                         capacity=Capacity(queries=nq, tokens=cache))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(nq, h_q, d, device="cuda", dtype=dtype, generator=g)
+    ks = [torch.randn(cache, h_kv, d, device="cuda", dtype=dtype, generator=g) for _ in range(2)]
+    vs = [torch.randn(cache, h_kv, d, device="cuda", dtype=dtype, generator=g) for _ in range(2)]
+    outs = [torch.empty_like(q) for _ in range(2)]
+    attn.plan(random_tree(rng, nq, cache))
+    for i in range(2):  # compile (the TMA variant too) before capture
+        attn.run(q, ks[i], vs[i], out=outs[i])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(2):
+            attn.run(q, ks[i], vs[i], out=outs[i])
+    for t in range(100):
+        layout = random_tree(rng, nq, cache)
+        attn.plan(layout)
+        graph.replay()
+        for i in range(2):
+            ref_o, _ = reference_attention(q, ks[i], vs[i], layout, d**-0.5)
+            assert_close(outs[i].cpu(), ref_o.cpu(), dtype, f"replayed tree {t}, layer {i}")
