@@ -1,7 +1,8 @@
 """``deft bench attention --device cuda``: a 32-layer decode step of Llama-3-8B-shaped
 attention (32 query heads, 8 KV heads, head_dim 128, bf16) on each benchmark tree.
 
-Side by side in one process on the same inputs: DeFT-Flatten, DeFT-Node and
+Side by side in one process on the same inputs: DeFT-Flatten (plan-specialised launches,
+and graph-safe ones whose captured step replays any later plan that fits), DeFT-Node and
 DeFT-Node-Chunk plans and per-query decoding (split-KV, each query reads its whole path)
 on the same Triton kernels; FlexAttention with the tree mask; PyTorch SDPA on materialised
 per-query KV. Each layer has its own KV buffer so L2 cannot hold it across layers. Times
@@ -21,6 +22,7 @@ import torch
 import triton.testing
 
 from deft.attention import TreeAttention
+from deft.ops import Capacity
 from deft.layout import TreeLayout
 from deft.ops.reference import visibility_mask
 from deft.ops.triton.configs import CONFIGS
@@ -87,9 +89,18 @@ def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
                  "floor_us": floor_us, "impls": {}}
     ref = None
     impls: dict[str, Callable[[int], torch.Tensor]] = {}
-    for label, kind in (("DeFT-Flatten", "flatten"), ("DeFT-Node", "node"),
-                        ("DeFT-Node-Chunk", "node_chunk"), ("per-query", "per_query")):
-        attn = TreeAttention(H_Q, H_KV, D, backend="triton", plan_kind=kind, device="cuda")
+    # Graph-safe: fixed buffers for any tree of this many queries on this many tokens, so
+    # the captured step stays valid across plans (its cost against the plan-specialised one).
+    reserve = Capacity(layout.num_queries, max(n, 1)) if layout.num_queries else None
+    for label, kind, capacity in (("DeFT-Flatten", "flatten", None),
+                                  ("DeFT-Flatten graph-safe", "flatten", reserve),
+                                  ("DeFT-Node", "node", None),
+                                  ("DeFT-Node-Chunk", "node_chunk", None),
+                                  ("per-query", "per_query", None)):
+        if label.endswith("graph-safe") and capacity is None:
+            continue
+        attn = TreeAttention(H_Q, H_KV, D, backend="triton", plan_kind=kind, device="cuda",
+                             capacity=capacity)
         plan = attn.plan(layout)
         # Planned with the GPU idle, as in decoding, where the next tree waits for the
         # sampled tokens (a host sync). The median of 101 plans after 10 warm-up ones: host

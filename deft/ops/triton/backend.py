@@ -107,7 +107,9 @@ class TritonBackend(Backend):
         h, d = heads.num_qo_heads, heads.head_dim
         plse_off = p * h * d
         lse_off = plse_off + -(-p * h // 16) * 16
-        return Reserved(Capacity(q, n, p), work, HEADER + starts[-1],
+        # One wave of programs, each looping over the plan's (work item, KV head) pairs.
+        programs = min(work * heads.num_kv_heads, cfg.programs_per_sm * _num_sms(device))
+        return Reserved(Capacity(q, n, p), work, programs, HEADER + starts[-1],
                         torch.empty(HEADER + starts[-1], dtype=torch.int32, device=device),
                         torch.empty(lse_off + q * h, dtype=torch.float32, device=device),
                         plse_off, lse_off)
@@ -179,7 +181,7 @@ def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, host: Staging, hea
         plan=plan, config=cfg, plan_buffer=plan_buffer, offsets=tuple(starts), scratch=scratch,
         plse_off=plse_off, lse_off=lse_off, num_work=packed.num_work, num_queries=num_queries,
         num_partials=p, num_qo_heads=h, head_dim=head_dim, reserved=reserved,
-        grid_work=reserved.work_capacity if graph else packed.num_work,
+        programs=reserved.programs if graph else packed.num_work * heads.num_kv_heads,
         # Graph-safe launches are specialised on nothing a plan decides.
         needs_mask=graph or plan.needs_mask,
         contiguous=not graph and cfg.contig and packed.all_contiguous,

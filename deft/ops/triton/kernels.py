@@ -189,12 +189,11 @@ def tree_partial_kernel(
     # KV heads vary fastest: programs start in work-item order (largest tiles first) across
     # all heads, so the launch's last programs are its shortest ones.
     h_kv = num_heads // G
-    w = tl.program_id(0) // h_kv
-    kvh = tl.program_id(0) % h_kv
     if HEADER:
-        # Graph-safe launches (a grid of the capacity's work items): the plan's work-item
+        # Graph-safe launches: the grid is fixed (a wave of programs), each program takes the
+        # (work item, KV head) pairs ``pid, pid + grid, ...`` of the current plan, whose
         # count and segment offsets come from the 16 ints before its first segment, so no
-        # launch argument changes between plans. Programs past the count do nothing.
+        # launch argument changes between plans.
         num_work = tl.load(plan - 16)
         off_lo = tl.load(plan - 15)
         off_hi = tl.load(plan - 14)
@@ -203,8 +202,39 @@ def tree_partial_kernel(
         off_order = tl.load(plan - 11)
         off_pre = tl.load(plan - 10)
         off_len = tl.load(plan - 9)
-        live = w < num_work
-        w = tl.where(live, w, 0)
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        for item in range(tl.program_id(0), num_work * h_kv, tl.num_programs(0)):
+            _work_item(
+                item // h_kv, item % h_kv, Q, K, V, desc_k, desc_v, PO, PLSE, plan, off_lo,
+                off_hi, off_off, off_work, off_order, off_pre, off_len, O, LSE, counts,
+                merge_indptr, merge_partials, qk_scale, stride_qn, stride_qh, stride_kn,
+                stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
+                G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG,
+                TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False)
+    else:
+        _work_item(
+            tl.program_id(0) // h_kv, tl.program_id(0) % h_kv, Q, K, V, desc_k, desc_v, PO,
+            PLSE, plan, off_lo, off_hi, off_off, off_work, off_order, off_pre, off_len, O, LSE,
+            counts, merge_indptr, merge_partials, qk_scale, stride_qn, stride_qh, stride_kn,
+            stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
+            G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG,
+            TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL)
+
+
+@triton.jit
+def _work_item(
+    w, kvh, Q, K, V, desc_k, desc_v, PO, PLSE, plan, off_lo, off_hi, off_off, off_work,
+    off_order, off_pre, off_len, O, LSE, counts, merge_indptr, merge_partials, qk_scale,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_pn, stride_ph, stride_ln,
+    stride_on, stride_oh, num_heads,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
+    FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, WAIT: tl.constexpr,
+):
+    """Work item ``w`` of the plan for KV head ``kvh``: its partial states. ``WAIT``: wait
+    for the previous launch (programmatic dependent launch) once the item is described."""
     tok_slot = plan
     tok_lo = plan + off_lo
     tok_hi = plan + off_hi
@@ -226,11 +256,7 @@ def tree_partial_kernel(
     # slot loads at all).
     slot0 = tl.load(desc + 6) if CONTIG or TMA else 0
     row0 = tl.load(desc + 7)
-    if HEADER:
-        tok1 = tl.where(live, tok1, tok0)
-        mask_from = tl.where(live, mask_from, tok0)
-        qe = tl.where(live, qe, qs)
-    if PDL:
+    if WAIT:
         # The plan arrays above come from a stream-ordered upload (PDL does not overlap a
         # copy); Q and the partial workspace (read by the previous launch's merge) wait for
         # the previous launch. Every program waits, with no return before: so this launch

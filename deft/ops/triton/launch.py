@@ -54,7 +54,8 @@ class Reserved:
     """Fixed device buffers of a graph-safe ``TreeAttention`` (``TritonBackend.reserve``)."""
 
     capacity: Capacity  # with ``partials`` resolved
-    work_capacity: int  # work items the partial launch's grid always has
+    work_capacity: int  # work items a plan may have
+    programs: int  # the partial launch's grid, always
     plan_ints: int  # the plan buffer's length: header and segments
     plan_buffer: torch.Tensor  # int32
     scratch: torch.Tensor  # fp32 partial o, partial lse and lse workspaces
@@ -89,7 +90,7 @@ class StepBuffers:
     sorted_queries: bool  # query_order is the identity
     counts: torch.Tensor | None  # [Q * H_q] int32 zeros when the merge is fused, else None
     reserved: Reserved | None  # the fixed buffers of graph-safe launches, else None
-    grid_work: int  # work items of the partial launch's grid (num_work, or the capacity's)
+    programs: int  # the partial launch's grid: a program per (work item, KV head), or fixed
 
     def segment(self, name: str) -> torch.Tensor:
         """The device view of one ``SEGMENTS`` segment, padding included."""
@@ -136,8 +137,8 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
     fused = prepared.counts is not None
     pdl = cfg.pdl and _has_pdl(q.device)
     header = prepared.reserved is not None
-    if prepared.grid_work:
-        grid = (prepared.grid_work * h_kv,)
+    if prepared.programs:
+        grid = (prepared.programs,)
         offsets = (0,) * 7 if header else prepared.offsets[1:8]  # graph-safe: in the header
         args = [q, k_cache, v_cache, k_cache, v_cache, po, plse, a[0],
                 *offsets, o, lse, prepared.counts if fused else a[1], a[1], a[2],
