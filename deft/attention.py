@@ -70,6 +70,8 @@ class TreeAttention:
         self.sm_scale = real_number(sm_scale, "sm_scale", "a positive finite number",
                                     lambda x: x > 0)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: {self.device} requested but no CUDA device is available")
         self.backend_name = resolve_backend(backend, self.device)
         self._backend = get_backend(self.backend_name)
         self._heads = Heads(self.num_qo_heads, self.num_kv_heads, self.head_dim)

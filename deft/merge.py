@@ -3,7 +3,8 @@
 ``lse = log(e^lse_a + e^lse_b)`` and ``o = (o_a e^lse_a + o_b e^lse_b) / e^lse``, computed
 with the maximum subtracted. A state over an empty KV set has ``lse = -inf`` (and any
 ``o``); merging it changes nothing, and merging two empty states gives ``o = 0``,
-``lse = -inf``. Shapes: ``v [..., H, D]`` in any float dtype, ``s [..., H]`` float32.
+``lse = -inf``. An ``lse`` of ``+inf`` or NaN is no state: the merge propagates NaN into
+``o`` and ``lse``. Shapes: ``v [..., H, D]`` in any float dtype, ``s [..., H]`` float32.
 """
 
 from __future__ import annotations
@@ -44,15 +45,18 @@ def _merge(
     w_a, w_b = torch.exp(s_a - m), torch.exp(s_b - m)
     tot = w_a + w_b
     v = (_weighted(v_a, w_a, acc) + _weighted(v_b, w_b, acc)) / torch.where(
-        tot > 0, tot, torch.ones_like(tot)
+        tot == 0, torch.ones_like(tot), tot
     ).unsqueeze(-1)
     return v, m + torch.log(tot)
 
 
 def _weighted(v: torch.Tensor, w: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """``v * w`` with rows of weight 0 (empty states) contributing exactly 0, even if NaN."""
+    """``v * w`` with rows of weight 0 (empty states) contributing exactly 0, even if NaN.
+
+    A NaN weight (from an lse of +inf or NaN) is not selected away: it makes the result NaN.
+    """
     w = w.unsqueeze(-1)
-    return torch.where(w > 0, v.to(acc) * w, torch.zeros((), dtype=acc, device=v.device))
+    return torch.where(w == 0, torch.zeros((), dtype=acc, device=v.device), v.to(acc) * w)
 
 
 def merge_state(
@@ -90,12 +94,12 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
         return _merge_states_triton(v, s)
     acc = torch.float64 if v.dtype == torch.float64 else torch.float32
     s32 = s.to(acc)
-    m = s32.amax(dim=1) if s.shape[1] else torch.full_like(s32[:, 0], float("-inf"))
+    m = s32.amax(dim=1) if s.shape[1] else s32.new_full((s.shape[0], s.shape[2]), float("-inf"))
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     w = torch.exp(s32 - m.unsqueeze(1))  # [N, S, H]
     tot = w.sum(dim=1)
     num = _weighted(v, w, acc).sum(dim=1)
-    out = num / torch.where(tot > 0, tot, torch.ones_like(tot)).unsqueeze(-1)
+    out = num / torch.where(tot == 0, torch.ones_like(tot), tot).unsqueeze(-1)
     lse = m + torch.log(tot)
     return out.to(v.dtype), lse.to(torch.float32 if acc == torch.float32 else acc)
 

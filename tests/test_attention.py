@@ -140,6 +140,18 @@ class TestErrors:
         with pytest.raises(ValueError, match="sm_scale: expected a positive finite number"):
             TreeAttention(4, 2, 64, sm_scale=float("nan"))
 
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+    def test_cuda_device_without_cuda(self):
+        for backend in ("auto", "torch", "triton"):
+            with pytest.raises(ValueError, match="device: cuda requested but no CUDA device is available"):
+                TreeAttention(4, 2, 64, backend=backend, device="cuda")
+
+    def test_numpy_scalars(self):
+        a = TreeAttention(np.int64(4), np.int32(2), np.int64(64), sm_scale=np.float32(0.125), backend="torch")
+        assert (a.num_qo_heads, a.num_kv_heads, a.head_dim, a.sm_scale) == (4, 2, 64, 0.125)
+        assert all(type(x) is int for x in (a.num_qo_heads, a.num_kv_heads, a.head_dim))
+        assert type(a.sm_scale) is float
+
     def test_run_before_plan(self):
         q, k, v = self.inputs()
         with pytest.raises(RuntimeError, match="plan"):

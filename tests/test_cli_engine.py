@@ -77,6 +77,8 @@ def test_text_output_and_speed_line(loaded, capsys):
     (["generate", PROMPT, "--temperature", "1", "--top-p", "1.5"], "--top-p: expected a number in (0, 1]"),
     (["generate", PROMPT, "--temperature", "-1"], "--temperature: expected a finite number >= 0"),
     (["generate", PROMPT, "--max-new-tokens", "0"], "--max-new-tokens: expected an integer"),
+    (["generate", PROMPT, "--temperature", "1", "--seed", str(2**64)],
+     "--seed: expected an integer in [-9223372036854775808, 18446744073709551615]"),
     (["generate", "word " * 9000], "PROMPT 1: 9001 tokens, longer than the model's context of 8192"),
     (["generate", PROMPT, ""], "PROMPT 2: encodes to no tokens"),
     (["bench", "e2e", "--workload", "nope"], "--workload: expected one of"),
@@ -87,6 +89,16 @@ def test_user_errors(loaded, capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("deft: error: ") and message in err, err
+
+
+def test_non_utf8_prompt_bytes_are_replaced(loaded, capsys):
+    """``deft generate $'caf\\xe9 \\xff'``: Python keeps undecodable argv bytes as surrogate
+    escapes; every command decodes them as U+FFFD instead of crashing in the tokenizer."""
+    _, tok = loaded
+    out = run_json(capsys, ["generate", "caf\udce9 \udcff", "--max-new-tokens", "2"])
+    ref = generate(TreeEngine(*loaded, num_pages=64), [tok.encode("caf\ufffd \ufffd")],
+                   SamplingParams(max_new_tokens=2))
+    assert [r["token_ids"] for r in out] == [r.token_ids for r in ref]
 
 
 def test_argument_errors_are_one_line(capsys):

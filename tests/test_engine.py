@@ -7,7 +7,10 @@ Float32 logits of the same sequence computed through different trees agree withi
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -209,6 +212,45 @@ def test_shared_prefix_and_chunked_prefill(smol):
     assert_empty(engine)
     with pytest.raises(ValueError, match="prefill_chunk: expected an integer >= 1"):
         TreeEngine(model, tok, prefill_chunk=0)
+
+
+def test_prompt_larger_than_the_whole_pool(smol):
+    """Pruning cannot help a request larger than the whole pool: the error says so."""
+    engine = TreeEngine(*smol, num_pages=2, page_size=16)
+    with pytest.raises(CacheFullError, match="needed 3 free pages, 2 free; the whole pool has 2 pages") as err:
+        engine.add_prompt(list(range(1, 41)))
+    assert "prune" not in str(err.value)
+    with pytest.raises(CacheFullError, match="needed 3 free pages, 2 free; the whole pool has 2 pages"):
+        generate(engine, [list(range(1, 41))], SamplingParams(max_new_tokens=2))
+    assert_empty(engine)
+
+
+def test_prompts_as_arrays_and_not_bytes(engine):
+    """Token ids as numpy or torch integer arrays work like lists; bytes are not token ids."""
+    params = SamplingParams(max_new_tokens=3)
+    ids = [1, 504, 3458, 282]
+    (ref,) = generate(engine, [ids], params)
+    for p in (np.array(ids), np.array(ids, dtype=np.int32), torch.tensor(ids)):
+        assert [r.token_ids for r in generate(engine, p, params)] == [ref.token_ids]
+        assert [r.token_ids for r in generate(engine, [p, ids], params)] == [ref.token_ids] * 2
+    for bad in (b"abc", [ids, bytearray(b"abc")]):
+        with pytest.raises(TypeError, match=r"prompts(\[1\])?: expected text or token ids, got byte"):
+            generate(engine, bad, params)
+    with pytest.raises(TypeError, match=r"prompts\[0\]: expected integers, got dtype float"):
+        generate(engine, [np.array([1.0, 2.0])], params)
+    assert_empty(engine)
+
+
+def test_readme_sample_snippet_samples_text(smol):
+    """The README's engine snippet: its ``sample(...)`` line gives 8 non-empty samples."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split("## Engine", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    (call,) = [n.value for n in ast.parse(block).body if isinstance(n, ast.Expr)
+               and isinstance(n.value, ast.Call) and getattr(n.value.func, "id", "") == "sample"]
+    model, tok = smol
+    env = {"engine": TreeEngine(model, tok), "tok": tok, "sample": sample, "SamplingParams": SamplingParams}
+    (samples,) = eval(compile(ast.Expression(call), "README.md", "eval"), env)
+    assert len(samples) == 8 and all(s.text.strip() for s in samples), [s.text for s in samples]
 
 
 def test_strategies_release_the_cache_on_errors(smol, prompts):

@@ -75,6 +75,30 @@ def test_empty_states_merge_without_nan(dtype):
     assert not torch.isnan(o).any() and torch.all(torch.isneginf(lse))
 
 
+def test_merge_states_of_zero_states_is_empty():
+    for dtype in (torch.float32, torch.float64):
+        o, lse = merge_states(torch.randn(3, 0, 2, 8, dtype=dtype), torch.zeros(3, 0, 2, dtype=dtype))
+        assert o.shape == (3, 2, 8) and lse.shape == (3, 2) and o.dtype == dtype
+        assert torch.all(o == 0) and torch.all(torch.isneginf(lse))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_invalid_lse_propagates_nan(bad):
+    """An lse of +inf or NaN is not a state: the merge gives NaN, never an invented value."""
+    v, s = torch.randn(2, 3, 8), torch.randn(2, 3)
+    s_bad = s.clone()
+    s_bad[0, 1] = bad
+    for o, lse in (merge_state(v, s_bad, v, s), merge_state(v, s, v, s_bad), merge_state(v, s_bad, v, s_bad),
+                   merge_states(torch.stack([v, v], dim=1), torch.stack([s, s_bad], dim=1))):
+        assert torch.isnan(o[0, 1]).all() and torch.isnan(lse[0, 1]), (o[0, 1], lse[0, 1])
+        finite = torch.ones(2, 3, dtype=torch.bool)
+        finite[0, 1] = False
+        assert torch.isfinite(o[finite]).all() and torch.isfinite(lse[finite]).all()
+    a, sa = v.clone(), s_bad.clone()
+    merge_state_in_place(a, sa, v, s)
+    assert torch.isnan(a[0, 1]).all() and torch.isnan(sa[0, 1])
+
+
 def test_in_place():
     (a, sa), (b, sb) = random_states(2, seed=2)
     expect = merge_state(a, sa, b, sb)

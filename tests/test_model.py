@@ -470,6 +470,32 @@ def test_config_validation(change, message):
         LlamaConfig.from_hf_config({**TINY, "vocab_size": 100, **change})
 
 
+def test_huge_context_is_a_named_error():
+    """A context whose RoPE table cannot be exact (float32 positions) is rejected by name."""
+    with pytest.raises(ValueError, match=r"max_position_embeddings: expected an integer in \[1, 16777216\]"):
+        LlamaConfig.from_hf_config({**TINY, "vocab_size": 100, "max_position_embeddings": 10**12})
+    with pytest.raises(ValueError, match="max_position_embeddings: expected an integer in"):
+        LlamaConfig(100, 32, 64, 1, 2, 2, max_position_embeddings=2**63)
+
+
+def test_tied_config_with_a_distinct_stored_head_follows_transformers(tiny, tmp_path):
+    """transformers unties a tied config whose checkpoint stores a different lm_head (with a
+    warning) and uses the stored head; so do we."""
+    hf_dir = tmp_path / "hf"
+    write_hf_dir(hf_dir, {**TINY, "vocab_size": TINY_CONFIG.vocab_size, "tie_word_embeddings": True}, tiny[2])
+    with pytest.warns(UserWarning, match="lm_head.weight.*differs from model.embed_tokens.weight"):
+        model, _ = load_model(hf_dir)
+    assert model.lm_head is not None and not model.config.tie_word_embeddings
+    ref = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
+    assert not torch.equal(ref.lm_head.weight, ref.model.embed_tokens.weight)
+    for ids, got in zip(TINY_PROMPTS, forest_logits(model, TINY_PROMPTS)):
+        assert_logits(got, reference_logits(ref, ids), SYNTH_ATOL, f"tied config, stored head, {len(ids)} tokens")
+    same = {**tiny[2], "lm_head.weight": tiny[2]["model.embed_tokens.weight"].clone()}
+    write_hf_dir(hf_dir, {**TINY, "vocab_size": TINY_CONFIG.vocab_size, "tie_word_embeddings": True}, same)
+    model, _ = load_model(hf_dir)  # an identical stored head stays tied, without a warning
+    assert model.lm_head is None and model.config.tie_word_embeddings
+
+
 def test_forward_argument_errors(tiny):
     model, _ = load_model(tiny[0])
     attn, pool = model.attention(backend="torch"), model.new_pool(1, PAGE)

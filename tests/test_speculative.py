@@ -430,13 +430,22 @@ def test_cli_json(capsys, smol, smol_prompts, workloads):
     (["x", "--draft-model", "m.gguf"], "--draft-model"),
     (["x", "--tree", "/no/such.json"], "--tree: no such file"),
     (["x", "--model", "/no/such.gguf"], "/no/such.gguf"),
-    (["x", "--max-new-tokens", "0"], "max_new_tokens"),
-    (["x", "--temperature", "-1"], "temperature"),
+    (["x", "--max-new-tokens", "0"], "^--max-new-tokens: expected an integer >= 1, got 0"),
+    (["x", "--temperature", "-1"], "^--temperature: expected a finite number >= 0"),
+    (["x", "--temperature", "1", "--seed", str(2**64)], r"^--seed: expected an integer in \[-9223372036854775808, "),
 ])
 def test_cli_errors(argv, message):
     with pytest.raises(CliError, match=message) as info:
         run_cli(["speculate", *argv])
     assert "\n" not in str(info.value)
+
+
+def test_cli_non_utf8_prompt(capsys, smol):
+    """Undecodable argv bytes (surrogate escapes) become U+FFFD, as in the other commands."""
+    run_cli(["speculate", "caf\udce9 \udcff", "--max-new-tokens", "2", "--json"])
+    (doc,) = json.loads(capsys.readouterr().out)
+    (ref,) = speculative_generate(smol, [smol.tokenizer.encode("caf\ufffd \ufffd")], max_new_tokens=2)
+    assert doc["token_ids"] == ref.token_ids
 
 
 def test_spec_bench_table(workloads):

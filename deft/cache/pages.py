@@ -16,14 +16,19 @@ __all__ = ["CacheFullError", "PageAllocator"]
 
 
 class CacheFullError(RuntimeError):
-    """Not enough free pages; nothing was changed, so the caller can prune and retry."""
+    """Not enough free pages; nothing was changed, so the caller can prune and retry.
 
-    def __init__(self, needed: int, free: int) -> None:
-        super().__init__(
-            f"KV cache is full: needed {needed} free pages, {free} free; "
-            "prune finished nodes and retry"
-        )
-        self.needed, self.free = needed, free
+    With ``total`` (the pool's page count) smaller than ``needed``, pruning cannot help and
+    the message says that the pool is too small instead.
+    """
+
+    def __init__(self, needed: int, free: int, total: int | None = None) -> None:
+        if total is not None and needed > total:
+            hint = f"the whole pool has {total} pages; use a larger pool (num_pages)"
+        else:
+            hint = "prune finished nodes and retry"
+        super().__init__(f"KV cache is full: needed {needed} free pages, {free} free; {hint}")
+        self.needed, self.free, self.total = needed, free, total
 
 
 class PageAllocator:
@@ -69,7 +74,7 @@ class PageAllocator:
         """
         n = int_at_least(n, "n", 0)
         if n > self._num_free:
-            raise CacheFullError(n, self._num_free)
+            raise CacheFullError(n, self._num_free, self.num_pages)
         top = self._num_free
         pages = self._free[top - n : top][::-1].copy()
         self._num_free = top - n

@@ -122,7 +122,7 @@ class SlotAllocator:
         needed = -(-max(k - room, 0) // ps)
         free = self.allocator.num_free + freed.shape[0]
         if needed > free:
-            raise CacheFullError(needed, free)
+            raise CacheFullError(needed, free, self.allocator.num_pages)
 
     def release(self, nodes: list[Node], survivors: list[Node]) -> None:
         """Free the slots of removed ``nodes``: drop their page users, rewind fill pointers.

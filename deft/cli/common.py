@@ -16,6 +16,7 @@ __all__ = [
     "CliError",
     "Parser",
     "add_workloads_flag",
+    "flag_error",
     "in_range",
     "load",
     "load_from",
@@ -23,6 +24,7 @@ __all__ = [
     "pages_for",
     "progress",
     "prompt_flags",
+    "prompt_text",
     "require_device",
     "sampling_flags",
     "workloads",
@@ -58,7 +60,8 @@ def model_flags() -> argparse.ArgumentParser:
 def prompt_flags() -> argparse.ArgumentParser:
     """``PROMPT...``, ``--max-new-tokens N`` and ``--chat``, as a parent parser."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("prompt", nargs="+", metavar="PROMPT", help="prompt text (several: one batch)")
+    p.add_argument("prompt", nargs="+", type=prompt_text, metavar="PROMPT",
+                   help="prompt text (several: one batch)")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                    help="tokens to generate per sequence (default 64)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
@@ -83,6 +86,22 @@ def add_workloads_flag(parser: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------ helpers
+
+
+def prompt_text(value: str) -> str:
+    """A ``PROMPT`` argument as text: bytes that are not UTF-8 (which Python keeps in
+    ``sys.argv`` as surrogate escapes) become U+FFFD, as a tokenizer needs valid text."""
+    try:
+        raw = value.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # other lone surrogates (only from a Python caller)
+        raw = value.encode("utf-8", "surrogatepass")
+    return raw.decode("utf-8", "replace")
+
+
+def flag_error(exc: ValueError) -> CliError:
+    """A library ``ValueError`` ``"field_name: why"`` as a :class:`CliError` naming ``--field-name``."""
+    field, _, why = str(exc).partition(": ")
+    return CliError(f"--{field.replace('_', '-')}: {why}")
 
 
 def require_device(device: str) -> None:

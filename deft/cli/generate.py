@@ -94,8 +94,7 @@ def _params(args: argparse.Namespace, default_temperature: float) -> Any:
         return SamplingParams(temperature=temperature, top_k=args.top_k, top_p=args.top_p,
                               seed=args.seed, max_new_tokens=args.max_new_tokens)
     except ValueError as exc:
-        field, _, why = str(exc).partition(": ")
-        raise CliError(f"--{field.replace('_', '-')}: {why}") from exc
+        raise common.flag_error(exc) from exc
 
 
 def _run_engine(args: argparse.Namespace, branches: int,

@@ -66,8 +66,11 @@ def _generate(args: argparse.Namespace) -> list:
         raise CliError("--draft-model: expected a path with --drafter model, and only then")
     if args.tree is not None and not os.path.isfile(args.tree):
         raise CliError(f"--tree: no such file: {args.tree}")
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            seed=args.seed, max_new_tokens=args.max_new_tokens)
+    try:
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                seed=args.seed, max_new_tokens=args.max_new_tokens)
+    except ValueError as exc:
+        raise common.flag_error(exc) from exc
     kind = ModelDrafter if args.drafter == "model" else NgramDrafter
     shape = as_shape(args.tree and TreeShape.from_file(args.tree), kind.default_shape)
     model, tok = common.load(args)

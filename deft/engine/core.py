@@ -326,4 +326,4 @@ class TreeEngine:
         ps = self.pool.page_size
         need = sum(-(-n // ps) for n in counts)
         if need > self.cache.num_free_pages:
-            raise CacheFullError(need, self.cache.num_free_pages)
+            raise CacheFullError(need, self.cache.num_free_pages, self.cache.num_pages)

@@ -19,9 +19,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from ..checks import is_int
+from ..layout import as_index_array
 from .core import TreeEngine
 from .params import GenerationResult, SamplingParams
 from .sampling import Sampler
@@ -71,9 +73,22 @@ class Request:
     branches: list[Branch] = field(default_factory=list)
 
 
+def _check_not_bytes(p: object, name: str) -> None:
+    if isinstance(p, (bytes, bytearray)):
+        raise TypeError(f"{name}: expected text or token ids, got {type(p).__name__} "
+                        "(decode bytes to text first)")
+
+
 def as_prompts(prompts: Prompt | Sequence[Prompt], engine: TreeEngine) -> list[list[int]]:
-    """A batch of token-id prompts from one prompt or many (text is encoded)."""
-    if isinstance(prompts, str) or (
+    """A batch of token-id prompts from one prompt or many (text is encoded).
+
+    Token ids may be a list or a 1-D numpy/torch integer array (a 2-D array is a batch).
+    """
+    _check_not_bytes(prompts, "prompts")
+    arrays = (np.ndarray, torch.Tensor)
+    if isinstance(prompts, arrays):
+        prompts = list(prompts) if prompts.ndim == 2 else [prompts]
+    elif isinstance(prompts, str) or (
         isinstance(prompts, Sequence) and prompts and all(is_int(t) for t in prompts)
     ):
         prompts = [prompts]
@@ -81,6 +96,9 @@ def as_prompts(prompts: Prompt | Sequence[Prompt], engine: TreeEngine) -> list[l
         raise ValueError(f"prompts: expected a prompt or a non-empty list of prompts, got {prompts!r}")
     out = []
     for i, p in enumerate(prompts):
+        _check_not_bytes(p, f"prompts[{i}]")
+        if isinstance(p, arrays):
+            p = as_index_array(p, f"prompts[{i}]").tolist()
         ids = engine.tokenizer.encode(p) if isinstance(p, str) else p
         if not isinstance(ids, Sequence) or not ids or not all(is_int(t) for t in ids):
             raise ValueError(f"prompts[{i}]: expected text or a non-empty list of token ids, got {p!r}")

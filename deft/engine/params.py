@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..checks import int_at_least, is_int, real_number
+from ..checks import int_at_least, int_in_range, is_int, real_number
 from ..model.tokenizer import Tokenizer
 
 __all__ = ["GenerationResult", "SamplingParams"]
@@ -31,8 +31,8 @@ class SamplingParams:
         real_number(self.temperature, "temperature", "a finite number >= 0", lambda t: t >= 0)
         int_at_least(self.top_k, "top_k", 0)
         real_number(self.top_p, "top_p", "a number in (0, 1]", lambda p: 0 < p <= 1)
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed: expected an integer or None, got {self.seed!r}")
+        if self.seed is not None:  # what torch.Generator.manual_seed takes
+            int_in_range(self.seed, "seed", -(1 << 63), (1 << 64) - 1)
         int_at_least(self.max_new_tokens, "max_new_tokens", 1)
         stop = self.stop_token_ids
         if stop is not None:

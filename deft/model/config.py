@@ -11,13 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..checks import positive_int, real_number
+from ..checks import int_in_range, positive_int, real_number
 
 __all__ = ["LlamaConfig", "RopeScaling", "ROPE_SCALING_KINDS", "HF_MODEL_TYPES", "GGUF_ARCHITECTURES"]
 
 ROPE_SCALING_KINDS = ("linear", "llama3")
 HF_MODEL_TYPES = ("llama", "mistral")
 GGUF_ARCHITECTURES = ("llama",)
+# The RoPE table holds every position up to max_position_embeddings; its angles are computed
+# in float32, exact for integer positions up to 2**24 (like the reference implementation).
+MAX_POSITIONS = 1 << 24
 
 
 def _pos_float(value: Any, name: str) -> float:
@@ -84,8 +87,9 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "max_position_embeddings"):
+                     "num_kv_heads"):
             positive_int(getattr(self, name), name)
+        int_in_range(self.max_position_embeddings, "max_position_embeddings", 1, MAX_POSITIONS)
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
                 raise ValueError(

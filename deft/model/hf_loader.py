@@ -7,8 +7,10 @@ by ``model.safetensors.index.json``, and ``tokenizer.json`` (plus, optionally,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -121,5 +123,13 @@ def load_hf(
     except ValueError as exc:
         raise ValueError(f"{config_file}: {exc}") from None
     tokenizer = hf_tokenizer(folder, raw)  # before the slow part: fail fast
-    state = fuse_hf_weights(config, _load_tensors(folder), folder)
+    tensors = _load_tensors(folder)
+    head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    if config.tie_word_embeddings and head is not None and embed is not None and not torch.equal(head, embed):
+        # As transformers does: a stored head that differs from the embedding is used, untied.
+        warnings.warn(f"{folder}: tie_word_embeddings is true but the stored lm_head.weight differs "
+                      "from model.embed_tokens.weight; using the stored head (untied), as "
+                      "transformers does", UserWarning, stacklevel=2)
+        config = dataclasses.replace(config, tie_word_embeddings=False)
+    state = fuse_hf_weights(config, tensors, folder)
     return build_model(config, state, dtype=dtype, device=device), tokenizer
