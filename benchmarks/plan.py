@@ -1,6 +1,7 @@
-"""``deft bench plan``: planning time of every plan kind on the benchmark trees (CPU), and
-the triton backend's whole host-side step planning (flatten plan, coarsening, kernel
-metadata) with numpy and with the compiled planner."""
+"""``deft bench plan``: planning time of every plan kind on the benchmark trees (CPU), the
+torch backend's whole step planning (``TreeAttention.plan``'s work: plan, tile buckets and
+masks), and the triton backend's whole host-side step planning (flatten plan, coarsening,
+kernel metadata) with numpy and with the compiled planner."""
 
 from __future__ import annotations
 
@@ -66,11 +67,15 @@ def plan_table(names: list[str] | None = None, workloads: Path | None = None,
         plan = make_plan(layout, "flatten", block_kv)
         times = [median_seconds(lambda k=k: make_plan(layout, k, block_kv), reps=reps) * 1e3
                  for k in PLAN_KINDS]
+        torch_be = get_backend("torch")
+        torch_ms = median_seconds(lambda: torch_be.plan(
+            layout, "flatten", torch_be.default_block_kv, Heads(*_HEADS), torch.device("cpu")),
+            reps=reps) * 1e3
         extra = list(_triton_host_ms(triton_be, layout, block_kv, reps)) if triton_be else []
         rows.append([name, layout.num_nodes, layout.num_tokens, layout.num_queries,
-                     plan.num_tiles, plan.max_group, *times, *extra])
+                     plan.num_tiles, plan.max_group, *times, torch_ms, *extra])
     headers = ["workload", "nodes", "tokens", "queries", "tiles", "max group",
-               *(f"{k} (ms)" for k in PLAN_KINDS)]
+               *(f"{k} (ms)" for k in PLAN_KINDS), "torch step (ms)"]
     if triton_be:
         headers += ["triton step, numpy (ms)", "triton step, compiled (ms)"]
     if json_path:

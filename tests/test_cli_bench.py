@@ -26,10 +26,11 @@ def test_bench_plan_table(capsys):
     assert main(["bench", "plan", "--workload", "few-shot b=20", "--reps", "2"]) == 0
     out = capsys.readouterr().out
     assert "| few-shot b=20 | 21" in out.replace("  ", " ").replace("  ", " ")
-    # The triton step columns: numpy and compiled planner both timed (CI has triton and cc).
+    # The torch step, then the triton step columns: numpy and compiled planner both timed (CI
+    # has triton and cc).
     row = [r for r in out.splitlines() if r.startswith("| few-shot")][0]
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert len(cells) == 12 and all(float(c) > 0 for c in cells[-2:])
+    assert len(cells) == 13 and all(float(c) > 0 for c in cells[-3:])
 
 
 def test_bench_attention_cpu(capsys):

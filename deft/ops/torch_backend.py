@@ -1,7 +1,7 @@
 """Exact plan executor in plain PyTorch: the CPU path, also correct on CUDA tensors.
 
 Small steps run as one tile: per layer one gather, a masked matmul, a softmax and a matmul,
-with the mask built once per plan. For larger steps ``prepare`` sorts the plan's tiles into
+with the mask built once per plan. For larger steps ``plan`` sorts the plan's tiles into
 buckets of equal padded shape (tile length and group size rounded up to a power of two or
 1.5 times one), so ``run`` is a handful of batched matmuls per bucket: every tile's K/V is
 gathered once and all queries of its group and all GQA heads of each KV head are computed
@@ -18,6 +18,7 @@ import torch
 
 from ..layout import TreeLayout
 from ..plan import TreePlan, make_plan, visible
+from ..plan.packing import mask_from
 from .base import Backend, Heads
 
 __all__ = ["TorchBackend"]
@@ -30,7 +31,7 @@ _SCORE_BUDGET = 1 << 24
 class _Bucket:
     tok: torch.Tensor  # [nt, L] cache slot of each tile token (0 where padded)
     qry: torch.Tensor  # [nt, G] original query index (0 where padded)
-    mask: torch.Tensor  # [nt, G, L] bool, query sees token (False where padded)
+    mask: torch.Tensor | None  # [nt, G, L] bool, query sees token (False where padded); None: all
     pid: torch.Tensor  # [nt, G] partial id (num_partials where padded: a dump row)
     chunk: int  # tiles per batched matmul
 
@@ -86,6 +87,9 @@ class TorchBackend(Backend):
         lp, gp = _pad_size(tile_len), _pad_size(group)
         buckets = []
         num_p = plan.num_partials
+        # Tiles whose whole group sees all their tokens (most prompt tiles) need no
+        # per-token visibility test.
+        seen_whole = mask_from(plan) == plan.tile_indptr[1:] if plan.needs_mask else None
         for l_pad, g_pad in sorted(set(zip(lp.tolist(), gp.tolist()))):
             tiles = np.flatnonzero((lp == l_pad) & (gp == g_pad))
             t_pos = plan.tile_indptr[tiles, None] + np.arange(l_pad)
@@ -94,12 +98,15 @@ class TorchBackend(Backend):
             q_pos = plan.tile_q_start[tiles, None] + np.arange(g_pad)
             q_ok = np.arange(g_pad) < group[tiles, None]
             q_pos = np.where(q_ok, q_pos, 0)
-            pre, qlen = plan.query_pre[q_pos][:, :, None], plan.query_len[q_pos][:, :, None]
-            lo, hi = plan.token_lo[t_pos][:, None, :], plan.token_hi[t_pos][:, None, :]
-            off = plan.token_off[t_pos][:, None, :]
-            mask = q_ok[:, :, None] & t_ok[:, None, :]
-            if plan.needs_mask:
-                mask &= visible(pre, qlen, lo, hi, off)
+            partly = seen_whole is not None and not seen_whole[tiles].all()
+            unpadded = bool(q_ok.all() and t_ok.all())
+            mask = None if unpadded and not partly else q_ok[:, :, None] & t_ok[:, None, :]
+            if partly:
+                some = ~seen_whole[tiles]
+                qp, tp = q_pos[some], t_pos[some]
+                mask[some] &= visible(plan.query_pre[qp][:, :, None], plan.query_len[qp][:, :, None],
+                                      plan.token_lo[tp][:, None, :], plan.token_hi[tp][:, None, :],
+                                      plan.token_off[tp][:, None, :])
             pid = plan.partial_indptr[tiles, None] + np.arange(g_pad)
             pid = np.where(q_ok, pid, num_p)
             per_tile = max(1, g_pad * l_pad)
@@ -107,7 +114,7 @@ class TorchBackend(Backend):
                 _Bucket(
                     tok=torch.as_tensor(plan.token_slots[t_pos], device=device),
                     qry=torch.as_tensor(plan.query_order[q_pos], device=device),
-                    mask=torch.as_tensor(mask, device=device),
+                    mask=None if mask is None else torch.as_tensor(mask, device=device),
                     pid=torch.as_tensor(pid, device=device),
                     chunk=max(1, _SCORE_BUDGET // per_tile),
                 )
@@ -143,7 +150,7 @@ class TorchBackend(Backend):
                 sl = slice(s, s + b.chunk)
                 o, lse = _tile_attention(
                     _rows(q, b.qry[sl]), _rows(k_cache, b.tok[sl]), _rows(v_cache, b.tok[sl]),
-                    b.mask[sl], g, sm_scale, acc,
+                    None if b.mask is None else b.mask[sl], g, sm_scale, acc,
                 )
                 po[b.pid[sl]] = o
                 plse[b.pid[sl]] = lse
@@ -208,7 +215,7 @@ def _tile_attention(
     q: torch.Tensor,  # [nt, G, H_q, D]
     k: torch.Tensor,  # [nt, L, H_kv, D]
     v: torch.Tensor,  # [nt, L, H_kv, D]
-    mask: torch.Tensor,  # [nt, G, L]
+    mask: torch.Tensor | None,  # [nt, G, L]; None: every query sees every token
     g: int,
     sm_scale: float,
     acc: torch.dtype,
@@ -221,8 +228,9 @@ def _tile_attention(
     kh = k.to(acc).permute(0, 2, 1, 3)  # [nt, H_kv, L, D]
     vh = v.to(acc).permute(0, 2, 1, 3)
     s = torch.matmul(qh, kh.transpose(-1, -2)) * sm_scale  # [nt, H_kv, G*g, L]
-    m = mask[:, None, :, None, :].expand(nt, 1, gq, g, mask.shape[-1]).reshape(nt, 1, gq * g, -1)
-    s = s.masked_fill(~m, float("-inf"))
+    if mask is not None:
+        m = mask[:, None, :, None, :].expand(nt, 1, gq, g, mask.shape[-1]).reshape(nt, 1, gq * g, -1)
+        s = s.masked_fill(~m, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # [nt, H_kv, G*g]
     p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
     o = torch.matmul(p, vh)  # [nt, H_kv, G*g, D]
