@@ -129,8 +129,8 @@ class TreeAttention:
         if limit is not None and max_slot > limit:
             raise ValueError(f"layout: slot {max_slot} is beyond the {self.backend_name} backend's "
                              f"largest addressable slot {limit}")
-        # The last plan's device buffers may be reused (its CUDA graphs are invalid after this
-        # plan anyway); until this plan succeeds, there is no current plan.
+        # The last plan's device buffers (or the reserved ones) may be reused; until this plan
+        # succeeds, there is no current plan.
         previous, self._plan, self._prepared = self._prepared or self._reserved, None, None
         self._prepared = self._backend.plan(layout, self.plan_kind, self.block_kv, self._heads,
                                             self.device, previous)

@@ -81,6 +81,12 @@ class Backend(ABC):
         ``k_cache, v_cache [num_slots, H_kv, D]``; ``lse`` may be ``None`` without
         ``want_lse``. ``out``/``lse_out`` are given only to backends with ``writes_out``."""
 
+    def reserve(self, capacity: Capacity, block_kv: int, heads: Heads,
+                device: torch.device) -> Any:
+        """Fixed buffers for every plan of ``capacity``, to pass as ``previous`` (backends
+        with ``graph_safe`` only)."""
+        raise NotImplementedError(f"backend {self.name!r} is not graph-safe")
+
 
 _CONTRACT = {name: inspect.signature(getattr(Backend, name)) for name in ("plan", "run")}
 
