@@ -14,7 +14,7 @@ from deft.layout import TreeLayout
 from .baselines import flex_tree_attention, sdpa_per_query
 from .report import markdown_table, record, write_record
 from .timing import median_seconds
-from .trees import CPU_SUITE, build
+from .trees import CPU_SUITE, available
 
 __all__ = ["cpu_attention_table"]
 
@@ -37,11 +37,7 @@ def cpu_attention_table(names: list[str] | None = None, workloads: Path | None =
     (also written as a result record to ``json_path``, when given)."""
     h_q, h_kv, d = LLAMA3_8B
     rows = []
-    for name in names or CPU_SUITE:
-        try:
-            layout = build(name, workloads)
-        except FileNotFoundError:
-            continue
+    for name, layout in available(names or CPU_SUITE, workloads):
         q, k, v = _qkv(layout, h_q, h_kv, d, dtype)
         deft = TreeAttention(h_q, h_kv, d, backend="torch")
         plan = deft.plan(layout)

@@ -30,7 +30,7 @@ from deft.ops.triton.configs import CONFIGS
 from .baselines import flex_tree_attention, sdpa_per_query
 from .report import markdown_table, record, rows_as_dicts, write_record
 from .timing import median_plan_seconds
-from .trees import GPU_SUITE, build
+from .trees import GPU_SUITE, available
 
 __all__ = ["D", "DTYPE", "H_KV", "H_Q", "LAYERS", "gpu_attention_report", "measure_ceilings",
            "time_us"]
@@ -158,11 +158,7 @@ def gpu_attention_report(names: list[str] | None = None, workloads: Path | None 
     bw, flops = measure_ceilings()
     cfg = {f"{a} rows>={r}": c for (a, d, r), c in CONFIGS.items() if d == D}
     rows = []
-    for name in names or GPU_SUITE:
-        try:
-            layout = build(name, workloads)
-        except FileNotFoundError:
-            continue
+    for name, layout in available(names or GPU_SUITE, workloads):
         rows.append(_bench_tree(name, layout, bw, flops, progress))
     header = (f"GPU: {torch.cuda.get_device_name()}; measured HBM read {bw / 1e12:.2f} TB/s, "
               f"bf16 matmul {flops / 1e12:.0f} TFLOP/s. Kernel config (head_dim {D}): {cfg}.")

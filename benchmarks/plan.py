@@ -18,7 +18,7 @@ from deft.plan import PLAN_KINDS, compiled, make_plan
 
 from .report import markdown_table, record, write_record
 from .timing import median_seconds
-from .trees import PLAN_SUITE, build
+from .trees import PLAN_SUITE, available
 
 __all__ = ["plan_table"]
 
@@ -59,11 +59,7 @@ def plan_table(names: list[str] | None = None, workloads: Path | None = None,
     except ImportError:
         triton_be = None
     rows = []
-    for name in names or PLAN_SUITE:
-        try:
-            layout = build(name, workloads)
-        except FileNotFoundError:
-            continue
+    for name, layout in available(names or PLAN_SUITE, workloads):
         plan = make_plan(layout, "flatten", block_kv)
         times = [median_seconds(lambda k=k: make_plan(layout, k, block_kv), reps=reps) * 1e3
                  for k in PLAN_KINDS]

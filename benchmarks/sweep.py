@@ -45,7 +45,7 @@ from deft.recorded import workloads_dir
 
 from .attention_gpu import D, DTYPE, H_KV, H_Q, LAYERS, time_us
 from .report import record, write_record
-from .trees import GPU_SUITE, build
+from .trees import GPU_SUITE, available
 
 __all__ = ["SWEEPS", "variants", "main"]
 
@@ -191,11 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"tree | variant | tiles | partials | programs | µs/step {mode} | µs/layer | max|diff| vs ref")
     results: list[dict] = []
     registers: dict[str, set] = {}
-    for name in args.trees or GPU_SUITE:
-        try:
-            layout = build(name, workloads)
-        except FileNotFoundError:
-            continue
+    for name, layout in available(args.trees or GPU_SUITE, workloads):
         results += _sweep_tree(name, layout, variant_list, not args.eager, registers)
         torch.cuda.empty_cache()
     if args.json:

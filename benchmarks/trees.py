@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from deft.layout import TreeLayout
 from deft.recorded import load_medusa_choices, load_reasoning_records
 
 __all__ = [
-    "WORKLOADS", "GPU_SUITE", "CPU_SUITE", "PLAN_SUITE", "build",
+    "WORKLOADS", "GPU_SUITE", "CPU_SUITE", "PLAN_SUITE", "build", "available",
     "few_shot_layout", "fan_layout", "medusa_layout", "reasoning_layout", "random_forest_layout",
     "shuffle_slots",
 ]
@@ -164,3 +164,13 @@ def build(name: str, workloads: Path | None) -> TreeLayout:
     if workloads is None and family in ("medusa", "reasoning"):
         raise FileNotFoundError(f"{name} needs the recorded workloads directory")
     return builder(workloads)  # type: ignore[arg-type]
+
+
+def available(names: Sequence[str], workloads: Path | None) -> Iterator[tuple[str, TreeLayout]]:
+    """``(name, layout)`` of each workload in ``names`` that can be built (recorded ones are
+    skipped when the workloads directory is absent)."""
+    for name in names:
+        try:
+            yield name, build(name, workloads)
+        except FileNotFoundError:
+            continue
