@@ -4,7 +4,7 @@ from .attention import TreeAttention, tree_attention
 from .cache import CacheFullError, KVPool, TreeKVCache
 from .layout import TreeLayout
 from .merge import merge_state, merge_state_in_place, merge_states
-from .ops import Capacity, backend_names, register_backend
+from .ops import Capacity, CapacityError, backend_names, register_backend
 from .plan import PLAN_KINDS, TreePlan, make_plan
 
 __version__ = "0.1.0"
@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CacheFullError",
     "Capacity",
+    "CapacityError",
     "KVPool",
     "PLAN_KINDS",
     "TreeAttention",

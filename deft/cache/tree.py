@@ -45,7 +45,8 @@ class TreeKVCache:
     num_pages, page_size:
         Pool geometry; ``page_size`` may be 1.
     pool:
-        Optional :class:`KVPool` with the same geometry, used only by
+        Optional :class:`KVPool` with the same page size and at least ``num_pages`` pages
+        (pages beyond are never handed out: an engine's scratch page), used only by
         :meth:`commit_path` to copy accepted draft rows.
     """
 
@@ -58,10 +59,10 @@ class TreeKVCache:
                 raise TypeError(
                     f"pool: expected a deft.cache.KVPool or None, got {type(pool).__name__}"
                 )
-            if (pool.num_pages, pool.page_size) != (num_pages, page_size):
+            if pool.num_pages < num_pages or pool.page_size != page_size:
                 raise ValueError(
-                    f"pool: expected num_pages={num_pages}, page_size={page_size} like the cache, "
-                    f"got num_pages={pool.num_pages}, page_size={pool.page_size}"
+                    f"pool: expected at least num_pages={num_pages} and page_size={page_size} "
+                    f"like the cache, got num_pages={pool.num_pages}, page_size={pool.page_size}"
                 )
         self.num_pages, self.page_size, self.pool = num_pages, page_size, pool
         self._nodes: dict[int, Node] = {}

@@ -23,7 +23,9 @@ from ..checks import int_at_least, is_int
 from ..layout import as_index_array
 from ..model.llama import LlamaModel
 from ..model.tokenizer import Tokenizer
+from ..ops import get_backend
 from ..plan import make_plan
+from .graphs import DEFAULT_BUCKETS, StepGraphs
 
 __all__ = ["TreeEngine", "LOGITS_MODES"]
 
@@ -60,12 +62,18 @@ class TreeEngine:
     prefill_chunk:
         The strategies feed a prompt at most this many tokens per forward (chunked
         prefill, alongside other requests' decode tokens); ``extend`` itself takes any size.
+    cuda_graphs:
+        Replay every step of at most ``max(graph_buckets)`` queries as the CUDA graph of
+        its bucket (:mod:`deft.engine.graphs`; the pool gets one scratch page more).
+        ``None``: on for CUDA with a graph-safe backend (``triton``), else off.
+    graph_buckets:
+        The query counts that get a graph; a step runs in the smallest that holds it.
 
     Change the tree through the engine (``add_prompt``, ``extend``, ``extend_tree``) or
     the cache's own ``fork``/``prune``/``split``/``commit_path``; the position of a token
     is its depth, read from the cache. ``stats`` accumulates ``steps``, ``tokens``
-    (queries computed), ``logit_rows``, ``forward_s`` and ``plan_s`` (layout and plan,
-    part of ``forward_s``); while ``count_io``
+    (queries computed), ``logit_rows``, ``forward_s``, ``plan_s`` (layout and plan,
+    part of ``forward_s``) and ``graph_steps`` (steps replayed as graphs); while ``count_io``
     is true also ``kv_bytes_deft`` and ``kv_bytes_per_branch`` (K/V bytes all layers
     read under DeFT's plan and under per-branch decoding, where each query reads its
     whole path) and ``io_s``, the time that counting took (outside ``forward_s``).
@@ -81,6 +89,8 @@ class TreeEngine:
         device: str | torch.device | None = None,
         count_io: bool = False,
         prefill_chunk: int = 256,
+        cuda_graphs: bool | None = None,
+        graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
     ) -> None:
         if not isinstance(model, LlamaModel):
             raise TypeError(f"model: expected a deft LlamaModel, got {type(model).__name__}")
@@ -90,9 +100,20 @@ class TreeEngine:
         if self.device.type != model.device.type:
             raise ValueError(f"device: expected the model's device {model.device}, got {self.device}")
         self.model, self.tokenizer = model, tokenizer
-        self.pool: KVPool = model.new_pool(num_pages, page_size, device=self.device)
-        self.cache = TreeKVCache(num_pages, page_size, pool=self.pool)
         self.attn = model.attention(device=self.device, backend=backend)
+        graph_safe = get_backend(self.attn.backend_name).graph_safe
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and graph_safe
+        elif cuda_graphs and (self.device.type != "cuda" or not graph_safe):
+            raise ValueError(f"cuda_graphs: needs a CUDA device and a graph-safe backend, got "
+                             f"{self.device} and {self.attn.backend_name!r}")
+        num_pages = int_at_least(num_pages, "num_pages", 1)
+        self.pool: KVPool = model.new_pool(num_pages + bool(cuda_graphs), page_size,
+                                           device=self.device)
+        self.cache = TreeKVCache(num_pages, page_size, pool=self.pool)
+        self.graphs = (StepGraphs(model, self.pool, num_pages * self.pool.page_size,
+                                  graph_buckets, self.attn.backend_name, self.device)
+                       if cuda_graphs else None)
         self.count_io = bool(count_io)
         self.prefill_chunk = int_at_least(prefill_chunk, "prefill_chunk", 1)
         self.vocab_size = model.config.vocab_size
@@ -102,13 +123,13 @@ class TreeEngine:
         self.reset_stats()
 
     def __repr__(self) -> str:
-        return (f"TreeEngine(layers={self.model.config.num_layers}, pages={self.pool.num_pages}x"
+        return (f"TreeEngine(layers={self.model.config.num_layers}, pages={self.cache.num_pages}x"
                 f"{self.pool.page_size}, backend={self.attn.backend_name!r}, device={str(self.device)!r})")
 
     def reset_stats(self) -> None:
         """Zero the counters in :attr:`stats`."""
         self.stats = dict.fromkeys(("steps", "tokens", "logit_rows", "forward_s", "plan_s",
-                                    "kv_bytes_deft", "kv_bytes_per_branch", "io_s"), 0)
+                                    "graph_steps", "kv_bytes_deft", "kv_bytes_per_branch", "io_s"), 0)
 
     # ------------------------------------------------------------------ tree
 
@@ -252,18 +273,21 @@ class TreeEngine:
             n += k
         t0 = time.perf_counter()
         layout = self.cache.layout(queries)
-        plan = self.attn.plan(layout)
+        bucket = None if self.graphs is None else self.graphs.plan(layout)
+        plan = self.attn.plan(layout) if bucket is None else None
         t_plan = time.perf_counter() - t0
-        dev = self.device
-        ids = torch.from_numpy(np.concatenate([f.tokens for f in feeds])).to(dev)
-        pos = torch.from_numpy(np.concatenate([f.positions for f in feeds])).to(dev)
-        slots = torch.from_numpy(np.concatenate([f.slots for f in feeds])).to(dev)
-        row_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+        feed = [np.concatenate([getattr(f, a) for f in feeds]) for a in ("tokens", "positions", "slots")]
         with torch.no_grad():
-            out = self.model(ids, pos, slots, self.attn, self.pool, row_t)  # [len(rows), vocab]
+            if bucket is not None:
+                out = self.graphs.replay(bucket, *feed, rows)
+            else:
+                ids, pos, slots = (torch.from_numpy(a).to(self.device) for a in feed)
+                row_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
+                out = self.model(ids, pos, slots, self.attn, self.pool, row_t)  # [len(rows), vocab]
         out = out.float()
         st = self.stats
         st["steps"] += 1
+        st["graph_steps"] += bucket is not None
         st["tokens"] += n
         st["logit_rows"] += len(rows)
         st["forward_s"] += time.perf_counter() - t0
@@ -272,6 +296,8 @@ class TreeEngine:
             t1, c = time.perf_counter(), self.model.config
             heads = (c.num_heads, c.num_kv_heads, c.head_dim, self.pool.k[0].element_size())
             per_branch = make_plan(layout, "per_query", self.attn.block_kv)
+            if plan is None:  # the graph's plan counts its padding
+                plan = make_plan(layout, self.attn.plan_kind, self.attn.block_kv)
             st["kv_bytes_deft"] += plan.io_bytes(*heads)["kv"] * c.num_layers
             st["kv_bytes_per_branch"] += per_branch.io_bytes(*heads)["kv"] * c.num_layers
             st["io_s"] += time.perf_counter() - t1

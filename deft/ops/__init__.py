@@ -13,9 +13,9 @@ from typing import Callable
 
 import torch
 
-from .base import Backend, Capacity, Heads, Prepared, check_backend
+from .base import Backend, Capacity, CapacityError, Heads, Prepared, check_backend
 
-__all__ = ["Backend", "Capacity", "Heads", "Prepared", "register_backend", "get_backend", "backend_names",
+__all__ = ["Backend", "Capacity", "CapacityError", "Heads", "Prepared", "register_backend", "get_backend", "backend_names",
            "resolve_backend"]
 
 _FACTORIES: dict[str, Callable[[], Backend]] = {}

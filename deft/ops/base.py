@@ -10,7 +10,8 @@ data its kernels read, then runs it per layer (``run``). Capabilities are class 
   so the layers of a step can be captured in a CUDA graph, and ``reserve(capacity, block_kv,
   heads, device)`` returns fixed buffers that, passed as ``previous``, make every later plan
   write into them with launches whose arguments never change: a graph captured once then
-  replays every later plan that fits (a plan that does not fit raises ``ValueError``);
+  replays every later plan that fits (a plan that does not fit raises
+  :class:`CapacityError`, a ``ValueError``);
 * ``max_slot``: the largest cache slot its plan arrays can address (``None``: any);
 * ``default_block_kv``: the tile size used when the caller gives none.
 """
@@ -26,7 +27,7 @@ import torch
 from ..layout import TreeLayout
 from ..plan import TreePlan
 
-__all__ = ["Backend", "Capacity", "Heads", "Prepared", "check_backend"]
+__all__ = ["Backend", "Capacity", "CapacityError", "Heads", "Prepared", "check_backend"]
 
 
 class Heads(NamedTuple):
@@ -46,6 +47,16 @@ class Capacity(NamedTuple):
     queries: int
     tokens: int
     partials: int | None = None
+
+
+class CapacityError(ValueError):
+    """A step that does not fit a reserved :class:`Capacity`: ``what`` (``"tokens"``,
+    ``"partials"``, or a count derived from them) needs ``needed``, beyond ``room``."""
+
+    def __init__(self, what: str, needed: int, room: int) -> None:
+        super().__init__(f"layout: this step needs {needed} {what}, beyond the reserved "
+                         f"capacity of {room}; reserve a larger Capacity")
+        self.what, self.needed, self.room = what, needed, room
 
 
 class Prepared(Protocol):

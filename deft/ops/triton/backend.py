@@ -18,7 +18,7 @@ import torch
 from ...layout import TreeLayout
 from ...plan import Coarsening, plan_step
 from ...plan.packing import WORK_FIELDS, PackedPlan, segment_starts
-from ..base import Backend, Capacity, Heads
+from ..base import Backend, Capacity, CapacityError, Heads
 from .configs import KernelConfig, interpreting, kernel_config
 from .launch import HEADER, Pointer, Reserved, StepBuffers, has_tma, launch_step
 from .upload import Staging, staging
@@ -132,15 +132,14 @@ def _check_head_dim(d: int) -> None:
 
 
 def _check_fits(plan: Any, packed: PackedPlan, r: Reserved) -> None:
-    """``ValueError`` unless the step fits the reserved buffers (checked before any upload,
-    so they keep the last plan that fit)."""
+    """:class:`CapacityError` unless the step fits the reserved buffers (checked before any
+    upload, so they keep the last plan that fit)."""
     for what, need, room in (("plan tokens", plan.num_plan_tokens, r.capacity.tokens),
                              ("partial states", plan.num_partials, r.capacity.partials),
                              ("work items", packed.num_work, r.work_capacity),
                              ("plan ints", HEADER + packed.starts[-1], r.plan_ints)):
         if need > room:
-            raise ValueError(f"layout: this step needs {need} {what}, beyond the reserved "
-                             f"capacity of {room}; reserve a larger Capacity")
+            raise CapacityError(what, need, room)
 
 
 def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, host: Staging, heads: Heads,

@@ -1,0 +1,170 @@
+"""Whole decode steps replayed as CUDA graphs, one per bucket of query counts.
+
+A step of ``n`` queries runs in the smallest bucket ``Q >= n``. Its layout is padded with
+``Q - n`` queries on a one-token scratch node (a slot of the pool's extra page, which the
+cache never hands out), so every step of a bucket has ``Q`` queries: it plans into the
+fixed buffers of the bucket's graph-safe :class:`~deft.TreeAttention` (``capacity``),
+writes its token ids, positions, slots and logits rows into static device buffers, and
+replays the forward captured once (embedding, every layer, final norm, LM head on the
+wanted rows). The padding queries write their K/V to the scratch slot and see only it, so
+they touch nothing a real query reads.
+
+A step that outgrows a bucket's reserved plan tokens or partial states rebuilds the bucket
+with room to spare and captures again (a few times per generation: the capacities grow
+geometrically). On a device without CUDA graphs the same padded steps run eagerly, which
+is how the CPU tests check everything but the capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..attention import TreeAttention
+from ..cache.pool import KVPool
+from ..layout import TreeLayout
+from ..model.llama import LlamaModel
+from ..ops import Capacity, CapacityError
+from ..plan import make_plan
+
+__all__ = ["DEFAULT_BUCKETS", "StepGraphs"]
+
+DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_HEADROOM = 1.25  # capacities reserved beyond a step's needs, before rounding up to 2^k
+_MIN_TOKENS = 2048
+_I = np.int64
+
+
+def _room(n: int, floor: int) -> int:
+    """The power of two at least ``_HEADROOM * n`` and ``floor``."""
+    return 1 << (max(int(n * _HEADROOM), floor) - 1).bit_length()
+
+
+@dataclass
+class _Bucket:
+    """The fixed state of one query count: attention buffers, static inputs, graphs."""
+
+    queries: int
+    attn: TreeAttention
+    inputs: torch.Tensor  # [4, Q] int64: token ids, positions, slots, logits rows
+    graphs: dict[bool, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = field(
+        default_factory=dict)  # keyed by "computes logits": (graph, its output)
+
+
+class StepGraphs:
+    """The engine's graph-replayed steps: :meth:`plan` a step into its bucket, :meth:`replay` it.
+
+    ``model`` and ``pool`` are the engine's; ``scratch_slot`` is a pool slot no cache node
+    uses; ``buckets`` the query counts that get graphs (steps beyond the largest run
+    eagerly). ``backend`` must be graph-safe. ``captures`` counts the graphs captured.
+    """
+
+    def __init__(self, model: LlamaModel, pool: KVPool, scratch_slot: int,
+                 buckets: Sequence[int] = DEFAULT_BUCKETS, backend: str = "triton",
+                 device: torch.device | None = None) -> None:
+        self.model, self.pool, self.backend = model, pool, backend
+        self.scratch_slot = int(scratch_slot)
+        self.device = model.device if device is None else torch.device(device)
+        self.buckets = tuple(sorted({int(b) for b in buckets}))
+        if not self.buckets or self.buckets[0] < 1:
+            raise ValueError(f"buckets: expected positive query counts, got {tuple(buckets)}")
+        self.capture = self.device.type == "cuda"
+        self._buckets: dict[int, _Bucket] = {}
+        self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._block_kv = model.attention(device=self.device, backend=backend).block_kv
+        self.captures = 0
+
+    def bucket(self, n: int) -> int | None:
+        """The query count of the bucket a step of ``n`` queries runs in, or ``None``."""
+        for q in self.buckets:
+            if q >= n:
+                return q
+        return None
+
+    def plan(self, layout: TreeLayout) -> _Bucket | None:
+        """Plan a step of ``layout``'s queries into its bucket (padded); ``None`` when it has
+        more queries than the largest bucket (plan and run it eagerly instead)."""
+        n = layout.num_queries
+        q = self.bucket(n)
+        if q is None:
+            return None
+        padded = _pad(layout, q - n, self.scratch_slot)
+        b = self._buckets.get(q)
+        if b is not None:
+            try:
+                b.attn.plan(padded)
+                return b
+            except CapacityError:
+                pass
+        b = self._buckets[q] = self._new_bucket(q, padded)
+        return b
+
+    def replay(self, b: _Bucket, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+               rows: Sequence[int]) -> torch.Tensor:
+        """Logits ``[len(rows), vocab]`` of the step planned into ``b`` (by :meth:`plan`),
+        whose queries' tokens, positions and write slots are ``ids``, ``positions``, ``slots``."""
+        n = ids.shape[0]
+        host = np.zeros((4, b.queries), _I)
+        host[0, :n], host[1, :n], host[2, :n] = ids, positions, slots
+        host[2, n:] = self.scratch_slot
+        host[3, :len(rows)] = rows
+        b.inputs.copy_(torch.from_numpy(host), non_blocking=True)
+        out = self._forward(b, bool(len(rows)))
+        return out[:len(rows)].clone()
+
+    def _new_bucket(self, q: int, layout: TreeLayout) -> _Bucket:
+        """A bucket of ``q`` queries with room for ``layout`` (planned into it) and more."""
+        m = self.model
+        bound = make_plan(layout, "flatten", self._block_kv)
+        # The uncoarsened plan's partials bound the coarsened plan's.
+        tokens, partials = bound.num_plan_tokens, bound.num_partials
+        while True:
+            attn = m.attention(device=self.device, backend=self.backend, capacity=Capacity(
+                q, _room(tokens, _MIN_TOKENS), _room(partials, 4 * q)))
+            try:
+                attn.plan(layout)
+                break
+            except CapacityError as exc:  # a count derived from both: grow both
+                tokens, partials = 2 * tokens, 2 * partials
+                if exc.what == "plan tokens":
+                    tokens = exc.needed
+        inputs = torch.zeros((4, q), dtype=torch.int64, device=self.device)
+        return _Bucket(q, attn, inputs)
+
+    def _forward(self, b: _Bucket, logits: bool) -> torch.Tensor:
+        """Replay (capturing first if needed) the bucket's forward; its output buffer."""
+        graph, out = b.graphs.get(logits, (None, None))
+        if not self.capture:
+            return self._model_step(b, logits)
+        if graph is None:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # compile and autotune outside the capture
+                self._model_step(b, logits)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool):
+                out = self._model_step(b, logits)
+            b.graphs[logits] = (graph, out)
+            self.captures += 1
+        graph.replay()
+        return out
+
+    def _model_step(self, b: _Bucket, logits: bool) -> torch.Tensor:
+        ids, pos, slots, rows = b.inputs
+        return self.model(ids, pos, slots, b.attn, self.pool, rows if logits else rows[:0])
+
+
+def _pad(layout: TreeLayout, extra: int, scratch_slot: int) -> TreeLayout:
+    """``layout`` with one more root holding ``scratch_slot`` and ``extra`` queries on it."""
+    if extra == 0:
+        return layout
+    nodes, indptr = layout.parents.shape[0], layout.node_kv_indptr
+    return TreeLayout(
+        np.append(layout.parents, -1), np.append(indptr, indptr[-1] + 1),
+        np.append(layout.kv_indices, scratch_slot),
+        np.concatenate([layout.query_nodes, np.full(extra, nodes, _I)]),
+        np.concatenate([layout.query_kv_lens, np.ones(extra, _I)]))

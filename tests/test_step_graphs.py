@@ -1,0 +1,127 @@
+"""Graph-replayed engine steps (:mod:`deft.engine.graphs`): padded to a bucket of query
+counts, planned into a graph-safe attention's fixed buffers, run from static inputs.
+
+On CPU the padded steps run eagerly through the interpreted triton kernels and are checked
+against the model's plain forward with the torch backend; on a GPU (``-m gpu``) the engine
+captures and replays them, checked against the same engine without graphs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deft import TreeKVCache
+from deft.engine import TreeEngine
+from deft.engine import graphs as graphs_mod
+from deft.engine.graphs import StepGraphs
+from deft.model import LlamaConfig, LlamaModel
+
+pytest.importorskip("triton")
+
+CUDA = torch.cuda.is_available()
+
+
+def tiny_model(device: str = "cpu", dtype: torch.dtype = torch.float32) -> LlamaModel:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=48, hidden_size=64, intermediate_size=96, num_layers=2,
+                         num_heads=4, num_kv_heads=2, max_position_embeddings=256)
+    return LlamaModel(config).eval().requires_grad_(False).to(device, dtype)
+
+
+def eager_logits(model, cache, pool, queries, ids, pos, slots, rows):
+    attn = model.attention(backend="torch")
+    attn.plan(cache.layout(queries))
+    t = [torch.as_tensor(np.asarray(a), dtype=torch.int64) for a in (ids, pos, slots, rows)]
+    return model(*t[:3], attn, pool, t[3])
+
+
+@pytest.mark.skipif(CUDA, reason="the eager (uncaptured) padded path is the CPU check")
+def test_padded_bucket_steps_equal_the_plain_forward(monkeypatch):
+    monkeypatch.setattr(graphs_mod, "_MIN_TOKENS", 8)  # small capacities, so steps outgrow them
+    model = tiny_model()
+    pages, ps = 16, 4
+    pool = model.new_pool(pages + 1, ps)
+    cache = TreeKVCache(pages, ps, pool=pool)
+    graphs = StepGraphs(model, pool, pages * ps, buckets=(1, 2, 4, 8), backend="triton",
+                        device="cpu")
+    assert not graphs.capture
+    rng = np.random.default_rng(0)
+    root = cache.add_root(0)
+    prompt = rng.integers(0, 48, 6)
+    steps = [[(root, prompt)]]
+    leaves = None
+    built = set()
+    for step in range(5):
+        if step == 1:
+            leaves = cache.fork(root, 3)
+        if step:
+            steps.append([(leaf, rng.integers(0, 48, 1 + (step == 3 and i == 0)))
+                          for i, leaf in enumerate(leaves)])
+        queries, ids, pos, slots = [], [], [], []
+        for node, toks in steps[-1]:
+            base = sum(cache.num_tokens(n) for n in _path(cache, node))
+            have = cache.num_tokens(node)
+            slots += cache.append(node, len(toks)).tolist()
+            queries += [(node, have + j + 1) for j in range(len(toks))]
+            ids += list(toks)
+            pos += list(range(base, base + len(toks)))
+        rows = list(range(len(queries)))
+        layout = cache.layout(queries)
+        bucket = graphs.plan(layout)
+        assert bucket.queries == graphs.bucket(len(queries)) >= len(queries)
+        built.add(id(bucket))
+        got = graphs.replay(bucket, np.array(ids), np.array(pos), np.array(slots), rows)
+        # The torch backend recomputes the same K/V rows, then attends without padding.
+        want = eager_logits(model, cache, pool, queries, ids, pos, slots, rows)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+        assert not torch.isnan(got).any()
+    assert len(built) >= 3  # buckets 8 and 4, and at least one rebuilt for more tokens
+
+
+def _path(cache, node):
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = cache.parent(node)
+    return out
+
+
+def test_graphs_are_off_without_cuda_and_refused_there():
+    model = tiny_model()
+    from deft.model import Tokenizer
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
+
+    tok = Tokenizer(Backend(models.WordLevel({f"t{i}": i for i in range(48)}, unk_token="t0")),
+                    eos_token_ids=[])
+    engine = TreeEngine(model, tok, num_pages=8, backend="torch")
+    assert engine.graphs is None and engine.pool.num_pages == 8
+    with pytest.raises(ValueError, match="cuda_graphs: needs a CUDA device"):
+        TreeEngine(model, tok, num_pages=8, backend="torch", cuda_graphs=True)
+    with pytest.raises(ValueError, match="buckets: expected positive"):
+        StepGraphs(model, model.new_pool(2, 4), 4, buckets=(0,), backend="triton", device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_engine_replays_graphs_equal_to_eager_steps():
+    from strategies_on_device import PROMPT, model, tokenizer
+    from deft.engine import SamplingParams, generate, sample
+
+    m = model("cuda", torch.float32)
+    on = TreeEngine(m, tokenizer(), num_pages=512, backend="triton")
+    off = TreeEngine(m, tokenizer(), num_pages=512, backend="triton", cuda_graphs=False)
+    assert on.graphs is not None and off.graphs is None
+    greedy = SamplingParams(max_new_tokens=40, stop_token_ids=frozenset())
+    prompts = [PROMPT[:n] for n in (30, 200, 77)]
+    got = [r.token_ids for r in generate(on, prompts, greedy)]
+    assert got == [r.token_ids for r in generate(off, prompts, greedy)]
+    assert on.stats["graph_steps"] >= 39 and off.stats["graph_steps"] == 0
+    sampled = SamplingParams(max_new_tokens=30, temperature=0.8, seed=5, stop_token_ids=frozenset())
+    a = [[r.token_ids for r in rs] for rs in sample(on, PROMPT[:100], 6, sampled)]
+    b = [[r.token_ids for r in rs] for rs in sample(off, PROMPT[:100], 6, sampled)]
+    assert a == b
+    assert on.graphs.captures <= 3 * len(on.graphs.buckets)
+    assert on.cache.live_nodes == [] and on.cache.num_free_pages == on.cache.num_pages
