@@ -9,6 +9,9 @@ A branch whose feed is done forks its ``then`` branches, which continue from its
 token and share its K/V (a prompt's samples; the prompts that share a prefix). A
 finished branch releases its K/V at once (``prune(release_unused_ancestors=True)``),
 unless it keeps its last token for children (``keep_last``, tree search).
+
+:class:`Batch` holds that loop's state so that requests can join and leave at any step
+(the server's continuous batching); :func:`decode` runs one to completion.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Collection, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -28,7 +31,8 @@ from .core import TreeEngine
 from .params import GenerationResult, SamplingParams
 from .sampling import Sampler
 
-__all__ = ["Branch", "Request", "as_prompts", "decode", "prefill", "release_on_error", "run_requests"]
+__all__ = ["Batch", "Branch", "PrefixStore", "Request", "as_prompts", "decode", "prefill",
+           "release_on_error", "run_requests"]
 
 Prompt = str | Sequence[int]
 
@@ -41,7 +45,9 @@ class Branch:
     the last computed token. A branch with a ``sampler`` then samples a token at a time
     until a stop token or ``max_new_tokens``; one without finishes when its feed is done.
     ``then``: branches forked from ``node`` once the feed is done; one with an empty feed
-    starts from this branch's logits.
+    starts from this branch's logits. ``owner``: the :class:`Request` it serves, if any.
+    Each sampled token's log-probability is in ``logprobs``; with ``top_logprobs`` k > 0,
+    ``tops`` holds each step's k most likely ``(token, log-probability)`` pairs.
     """
 
     node: int | None
@@ -56,6 +62,10 @@ class Branch:
     logprob: float = 0.0
     finish_reason: str | None = None
     done: bool = False
+    owner: Request | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: int = 0
+    tops: list[list[tuple[int, float]]] = field(default_factory=list)
 
     def wants_logits(self) -> bool:
         """Whether the last token of the feed needs its logits."""
@@ -65,12 +75,23 @@ class Branch:
 
 @dataclass(eq=False)
 class Request:
-    """A prompt decoded into ``n`` branches that share its K/V."""
+    """A prompt decoded into ``n`` branches that share its K/V.
+
+    ``pin_prompt``: prefill the prompt into a node of its own and offer it to the batch's
+    :class:`PrefixStore`. Set by the batch: ``root`` (the branch that prefills the
+    prompt), ``branches`` (the ``n`` samples), ``status`` (``"waiting"``, ``"running"``,
+    ``"done"``) and ``restarts`` (times it was preempted).
+    """
 
     prompt: list[int]
     n: int
     params: SamplingParams
+    top_logprobs: int = 0
+    pin_prompt: bool = False
     branches: list[Branch] = field(default_factory=list)
+    root: Branch | None = None
+    status: str = "waiting"
+    restarts: int = 0
 
 
 def _check_not_bytes(p: object, name: str) -> None:
@@ -122,6 +143,205 @@ def release_on_error(engine: TreeEngine) -> Iterator[None]:
         raise
 
 
+class PrefixStore(Protocol):
+    """Computed prompt nodes kept across requests (the server's prefix cache).
+
+    :class:`Batch` forks admitted prompts from ``match``, offers every computed prompt of a
+    ``pin_prompt`` request to ``insert``, asks ``evict`` for pages when a step does not fit,
+    and never releases a node of ``pinned`` when a branch ends.
+    """
+
+    pinned: set[int]
+
+    def match(self, tokens: list[int]) -> tuple[int, int] | None:
+        """A computed node whose path holds ``tokens[:m]`` (``m < len(tokens)``), and ``m``."""
+
+    def insert(self, tokens: list[int], node: int) -> None:
+        """``node``'s path, just computed, holds ``tokens``."""
+
+    def evict(self, pages: int) -> None:
+        """Release unreferenced cached nodes until ``pages`` more pages are free (or none is left)."""
+
+
+class Batch:
+    """Requests and branches decoded stepwise: one :meth:`step` is one forward for all.
+
+    Requests join at any step (:meth:`add`; admitted in order while fewer than
+    ``max_running`` run) and their prompts are prefilled in chunks next to the other
+    requests' decode tokens; a request whose last branch ends (or that :meth:`cancel`
+    stops) leaves and releases its nodes at once. When a step's tokens do not fit in the
+    free pages, the batch asks ``prefixes`` to evict, then defers prompt chunks, then
+    preempts the youngest request (it restarts from its prompt later, with its sampler
+    reseeded: a seeded or greedy request gives the same tokens); only what still does not
+    fit with one request running raises :class:`~deft.CacheFullError`.
+    """
+
+    def __init__(self, engine: TreeEngine, max_running: int | None = None,
+                 prefixes: PrefixStore | None = None) -> None:
+        self.engine, self.max_running, self.prefixes = engine, max_running, prefixes
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.live: list[Branch] = []
+        self.sampled = 0  # tokens sampled by the last step
+        self.stats = {"prefill_tokens": 0, "preempted": 0}
+
+    @property
+    def pinned(self) -> Collection[int]:
+        return self.prefixes.pinned if self.prefixes is not None else ()
+
+    def add(self, request: Request) -> None:
+        """Queue ``request``; it is admitted at a coming step."""
+        request.status = "waiting"
+        self.waiting.append(request)
+
+    def add_branches(self, branches: Sequence[Branch]) -> None:
+        """Run ``branches`` (already on their nodes) from the next step on."""
+        self.live += branches
+
+    def step(self) -> bool:
+        """Sample every branch that waits for a token, admit requests, run ONE forward.
+
+        Returns ``False`` when nothing is left to compute (every branch has ended).
+        """
+        engine = self.engine
+        ready = [b for b in self.live if b.feed == [] and b.logits is not None
+                 and b.sampler is not None and not b.done]
+        if ready:
+            _sample(engine, ready, self.pinned)
+        self.sampled = len(ready)
+        self.live = [b for b in self.live if not b.done]
+        for r in self.running:
+            if all(b.done for b in r.branches):
+                r.status = "done"
+        self.running = [r for r in self.running if r.status == "running"]
+        self._admit()
+        feeding = self._fit([b for b in self.live if b.feed])
+        if not feeding:
+            return False
+        chunk = engine.prefill_chunk
+        modes = ["last" if len(b.feed) <= chunk and b.wants_logits() else "none" for b in feeding]
+        rows = engine.extend([(b.node, b.feed[:chunk]) for b in feeding], logits=modes)
+        for b, row, mode in zip(feeding, rows, modes):
+            if not b.tokens:
+                self.stats["prefill_tokens"] += len(b.feed[:chunk])
+            b.feed = b.feed[chunk:]
+            if not b.feed:
+                self._fed(b, row if mode == "last" else None)
+        return True
+
+    def cancel(self, request: Request, reason: str = "cancelled") -> None:
+        """Stop ``request`` now: its unfinished branches end with ``reason``, nodes released."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        for b in request.branches:
+            self.finish(b, reason)
+        if request.root is not None and not request.root.done:
+            self._release(request.root, reason)
+        request.status = "done"
+        self.running = [r for r in self.running if r is not request]
+
+    def finish(self, branch: Branch, reason: str) -> None:
+        """End ``branch`` now (e.g. a stop string matched) and release its node."""
+        if not branch.done:
+            branch.finish_reason = branch.finish_reason or reason
+            self._release(branch, reason)
+
+    # ------------------------------------------------------------ internals
+
+    def _release(self, b: Branch, reason: str) -> None:
+        b.done = True
+        b.feed, b.logits = [], None
+        b.finish_reason = b.finish_reason or reason
+        if b.node is not None and b.node in self.engine.cache.live_nodes:
+            self.engine.cache.prune(b.node, release_unused_ancestors=True, keep=self.pinned)
+
+    def _admit(self) -> None:
+        engine, admit = self.engine, []
+        while self.waiting and (self.max_running is None
+                                or len(self.running) + len(admit) < self.max_running):
+            req = self.waiting[0]
+            if (self.running or admit) and not self._room(req, admit):
+                break
+            admit.append(self.waiting.popleft())
+        plain = []
+        for req in admit:
+            req.status = "running"
+            leaf = _leaves(engine, req)
+            hit = self.prefixes.match(req.prompt) if self.prefixes is not None else None
+            if hit is None:
+                plain.append((req.prompt, leaf))
+            else:
+                node, m = hit
+                leaf.node, leaf.feed = engine.cache.fork(node, 1)[0], req.prompt[m:]
+                self.live.append(leaf)
+        self.live += prompt_branches(engine, plain)
+        self.running += admit
+
+    def _room(self, req: Request, admit: list[Request]) -> bool:
+        """Whether ``req``'s prompt and first tokens fit next to the running branches."""
+        ps = self.engine.pool.page_size
+        want = -(-len(req.prompt) // ps) + 1 + req.n + len(self.live)
+        want += sum(-(-len(r.prompt) // ps) + 1 + r.n for r in admit)
+        free = self.engine.cache.num_free_pages
+        if want > free and self.prefixes is not None:
+            self.prefixes.evict(want - free)
+        return want <= self.engine.cache.num_free_pages
+
+    def _fit(self, feeding: list[Branch]) -> list[Branch]:
+        """``feeding`` cut to what fits the free pages (see the class docstring)."""
+        ps, cache = self.engine.pool.page_size, self.engine.cache
+        chunk = self.engine.prefill_chunk
+
+        def need(bs: list[Branch]) -> int:
+            return sum(-(-min(len(b.feed), chunk) // ps) for b in bs)
+
+        if need(feeding) > cache.num_free_pages and self.prefixes is not None:
+            self.prefixes.evict(need(feeding) - cache.num_free_pages)
+        order = {id(r): i for i, r in enumerate(self.running)}
+        while need(feeding) > cache.num_free_pages:
+            oldest = self.running[0] if self.running else None
+            prompts = [b for b in feeding if b.owner is not None and b.owner is not oldest
+                       and not b.tokens]
+            if prompts and len(feeding) > 1:
+                youngest = max(prompts, key=lambda b: order.get(id(b.owner), -1))
+                feeding = [b for b in feeding if b is not youngest]
+            elif len(self.running) > 1:
+                self._preempt(self.running[-1])
+                feeding = [b for b in feeding if not b.done]
+            else:
+                break
+        return feeding
+
+    def _preempt(self, req: Request) -> None:
+        """Release ``req`` and queue it first, to restart from its prompt."""
+        self.cancel(req, "preempted")
+        req.branches, req.root = [], None
+        req.restarts += 1
+        self.stats["preempted"] += 1
+        self.waiting.appendleft(req)
+        req.status = "waiting"
+
+    def _fed(self, b: Branch, logits: torch.Tensor | None) -> None:
+        """``b``'s feed is computed: fork its ``then`` branches, or end it."""
+        cache = self.engine.cache
+        b.logits = logits
+        req = b.owner
+        if req is not None and b is req.root and req.pin_prompt and self.prefixes is not None:
+            self.prefixes.insert(req.prompt, b.node)
+        if b.then:
+            kids = [c for c in b.then if not c.done]
+            for c, node in zip(kids, cache.fork(b.node, len(kids)) if kids else []):
+                c.node = node
+                if not c.feed:
+                    c.logits = b.logits
+            self.live += kids
+            b.done, b.logits = True, None
+            if not kids:
+                cache.prune(b.node, release_unused_ancestors=True, keep=self.pinned)
+        elif b.sampler is None or b.finish_reason is not None:  # fed what it had to
+            b.done = True
+
+
 def decode(
     engine: TreeEngine,
     branches: Sequence[Branch] = (),
@@ -129,47 +349,22 @@ def decode(
     max_batch: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> None:
-    """Run ``branches`` and ``requests`` to completion, one forward per step.
+    """Run ``branches`` and ``requests`` to completion in a :class:`Batch`, one forward per step.
 
     Requests are admitted in order while fewer than ``max_batch`` are running (all at
     once by default); an admitted prompt is prefilled in the same forwards as the other
     requests' decode tokens. ``progress(n)`` is called with the tokens sampled each step.
     """
-    waiting, live, running = deque(requests), list(branches), []
-    chunk = engine.prefill_chunk
+    batch = Batch(engine, max_batch)
+    batch.add_branches(branches)
+    for r in requests:
+        batch.add(r)
     while True:
-        ready = [b for b in live if b.feed == [] and b.logits is not None and b.sampler is not None
-                 and not b.done]
-        if ready:
-            _sample(engine, ready)
-            if progress is not None:
-                progress(len(ready))
-        live = [b for b in live if not b.done]
-        running = [r for r in running if any(not b.done for b in r.branches)]
-        admit = []
-        while waiting and (max_batch is None or len(running) + len(admit) < max_batch):
-            admit.append(waiting.popleft())
-        live += prompt_branches(engine, [(r.prompt, _leaves(engine, r)) for r in admit])
-        running += admit
-        feeding = [b for b in live if b.feed]
-        if not feeding:
+        more = batch.step()
+        if progress is not None and batch.sampled:
+            progress(batch.sampled)
+        if not more:
             return
-        modes = ["last" if len(b.feed) <= chunk and b.wants_logits() else "none" for b in feeding]
-        rows = engine.extend([(b.node, b.feed[:chunk]) for b in feeding], logits=modes)
-        for b, row, mode in zip(feeding, rows, modes):
-            b.feed = b.feed[chunk:]
-            if b.feed:
-                continue
-            b.logits = row if mode == "last" else None
-            if b.then:
-                for c, node in zip(b.then, engine.cache.fork(b.node, len(b.then))):
-                    c.node = node
-                    if not c.feed:
-                        c.logits = b.logits
-                live += b.then
-                b.done, b.logits = True, None
-            elif b.sampler is None or b.finish_reason is not None:  # fed what it had to
-                b.done = True
 
 
 def prompt_branches(engine: TreeEngine, prompts: list[tuple[list[int], Branch]]) -> list[Branch]:
@@ -215,24 +410,37 @@ def _leaves(engine: TreeEngine, req: Request) -> Branch:
     """The branch that prefills ``req``'s prompt; its ``n`` samples are ``req.branches``."""
     p = req.params
     sampler, stop = Sampler(p, engine.device), p.stop_ids(engine.tokenizer)
-    if req.n == 1:
-        req.branches = [Branch(None, sampler, stop, p.max_new_tokens)]
-        return req.branches[0]
-    req.branches = [Branch(None, sampler, stop, p.max_new_tokens) for _ in range(req.n)]
-    return Branch(None, then=req.branches)
+    req.branches = [Branch(None, sampler, stop, p.max_new_tokens, owner=req,
+                           top_logprobs=req.top_logprobs) for _ in range(req.n)]
+    if req.n == 1 and not req.pin_prompt:
+        req.root = req.branches[0]
+    else:
+        req.root = Branch(None, then=req.branches, owner=req)
+    return req.root
 
 
-def _sample(engine: TreeEngine, branches: list[Branch]) -> None:
-    """Pick each branch's next token (one batched call per sampler) and finish branches."""
+def _sample(engine: TreeEngine, branches: list[Branch], keep: Collection[int] = ()) -> None:
+    """Pick each branch's next token (one batched call per sampler) and finish branches.
+
+    A finished branch releases its node and the ancestors it alone used, up to ``keep``.
+    """
     groups: dict[int, list[Branch]] = {}
     for b in branches:
         groups.setdefault(id(b.sampler), []).append(b)
     for group in groups.values():
-        tokens, logps = group[0].sampler(torch.stack([b.logits for b in group]))
-        for b, t, lp in zip(group, tokens, logps):
+        logits = torch.stack([b.logits for b in group])
+        tokens, logps = group[0].sampler(logits)
+        k = max(b.top_logprobs for b in group)
+        if k:
+            top = torch.topk(torch.log_softmax(logits.float(), -1), k, dim=-1)
+            tops = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+        for i, (b, t, lp) in enumerate(zip(group, tokens, logps)):
             b.logits = None
             b.tokens.append(t)
             b.logprob += lp
+            b.logprobs.append(lp)
+            if b.top_logprobs:
+                b.tops.append(tops[i][:b.top_logprobs])
             room = engine.position(b.node) < engine.max_positions  # can t still be fed?
             reason = ("stop" if t in b.stop_ids else
                       "length" if len(b.tokens) >= b.max_new_tokens or not room else None)
@@ -245,7 +453,7 @@ def _sample(engine: TreeEngine, branches: list[Branch]) -> None:
             else:
                 b.done = True
                 if not b.keep_last:
-                    engine.cache.prune(b.node, release_unused_ancestors=True)
+                    engine.cache.prune(b.node, release_unused_ancestors=True, keep=keep)
 
 
 def run_requests(
