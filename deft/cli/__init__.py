@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from . import bench, demo, generate, replay, speculate
+from . import bench, demo, generate, replay, serve, speculate
 from .common import CliError, Parser
 
 __all__ = ["CliError", "build_parser", "main"]
@@ -23,6 +23,7 @@ def build_parser() -> Parser:
     replay.add_parser(sub)
     demo.add_parser(sub)
     bench.add_parser(sub)
+    serve.add_parser(sub)
     return parser
 
 

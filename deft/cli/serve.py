@@ -1,0 +1,83 @@
+"""``deft serve``: the OpenAI-compatible HTTP server (:mod:`deft.serve`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from . import common
+from .common import CliError, in_range
+
+__all__ = ["add_parser", "run"]
+
+DEFAULT_PAGES = 4096
+
+
+def add_parser(subparsers: Any) -> None:
+    """Add the ``serve`` command to ``deft``'s subcommands."""
+    p = subparsers.add_parser(
+        "serve", parents=[common.model_flags()], help="an OpenAI-compatible server (continuous batching)",
+        description="Serve the model over OpenAI's HTTP API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics). One scheduler owns the engine: requests join the running "
+        "batch at the next step, and prompts that share a prefix share its KV across requests.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback)")
+    p.add_argument("--port", type=int, default=8000, help="default 8000")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $DEFT_API_KEY, or none)")
+    p.add_argument("--max-running", type=int, default=32, metavar="N",
+                   help="requests decoding at once (default 32)")
+    p.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="requests waiting to run; beyond, HTTP 429 (default 256)")
+    p.add_argument("--num-pages", type=int, default=DEFAULT_PAGES, metavar="N",
+                   help=f"KV cache pages of {common.PAGE_SIZE} tokens (default {DEFAULT_PAGES})")
+    p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
+                   help="prompt tokens per request per step (default 256)")
+    p.add_argument("--draft-model", metavar="PATH",
+                   help="draft model for speculative requests with drafter 'model' (same vocabulary)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not keep finished prompts for later requests")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Load the model(s), start the scheduler and serve until SIGINT/SIGTERM (exit 0)."""
+    port = in_range(args.port, "--port", 0, 65535)
+    max_running = in_range(args.max_running, "--max-running", 1, 4096)
+    max_queue = in_range(args.max_queue, "--max-queue", 0, 1 << 20)
+    num_pages = in_range(args.num_pages, "--num-pages", 1, 1 << 26)
+    chunk = in_range(args.prefill_chunk, "--prefill-chunk", 1, 1 << 16)
+    if getattr(args, "kv_memory", None) is not None:
+        raise CliError("--kv-memory: deft serve sizes its cache with --num-pages")
+    try:
+        import uvicorn
+
+        from ..serve import Metrics, Scheduler, create_app
+    except ImportError as exc:
+        raise CliError(f"deft serve needs the serve extra: pip install 'deft-llm[serve]' ({exc})") from exc
+    from ..engine import ModelDrafter, NgramDrafter, TreeEngine
+
+    model, tok = common.load(args)
+    engine = TreeEngine(model, tok, num_pages, common.PAGE_SIZE, device=args.device, prefill_chunk=chunk)
+    drafters: dict[str, Any] = {"ngram": NgramDrafter}
+    if args.draft_model is not None:
+        draft, draft_tok = common.load_from(args.draft_model, args.device, "--draft-model")
+        draft_engine = TreeEngine(draft, draft_tok, num_pages, common.PAGE_SIZE, device=args.device)
+        drafters["model"] = lambda: ModelDrafter(draft_engine)
+    name = os.path.splitext(os.path.basename(args.model))[0] if args.model else "SmolLM2-135M-Instruct"
+    scheduler = Scheduler(engine, max_running, max_queue, Metrics(),
+                          prefix_cache=not args.no_prefix_cache, drafters=drafters)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("DEFT_API_KEY")
+    app = create_app(scheduler, name, api_key)
+    config = uvicorn.Config(app, host=args.host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    scheduler.start()
+    print(f"deft serve: {name} on http://{args.host}:{port} ({engine!r})", file=sys.stderr, flush=True)
+    try:
+        server.run()
+    finally:
+        scheduler.stop()
+    if not server.started:
+        raise CliError(f"--port: could not listen on {args.host}:{port}")

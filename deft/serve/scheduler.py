@@ -1,0 +1,257 @@
+"""The scheduler: one thread owns the engine and runs the batch step by step.
+
+HTTP handlers :meth:`Scheduler.submit` and :meth:`Scheduler.cancel` jobs from the event
+loop; the scheduler thread takes them in at the next step boundary. Sampling jobs join
+the running :class:`~deft.engine.decoding.Batch` (continuous batching; prompts prefilled
+in chunks next to the others' decoding, forked from the prefix cache where it helps).
+Beam-search and speculative jobs run alone, in this thread, once the batch has drained
+(later jobs wait behind them, in order). After every step the new tokens of every job
+are posted to its queue as text deltas.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from ..cache import CacheFullError
+from ..engine import TreeEngine, beam_search, speculative_generate
+from ..engine.decoding import Batch, Request
+from ..engine.params import GenerationResult
+from .jobs import ChoiceText, Delta, End, Job, TokenLogprob
+from .metrics import Metrics
+from .prefix_cache import PrefixCache
+
+__all__ = ["Scheduler"]
+
+_IDLE_WAIT_S = 0.5
+
+
+class Scheduler:
+    """Owns ``engine``: at most ``max_running`` sampling jobs decode at once, at most
+    ``max_queue`` wait (:meth:`submit` refuses more). ``drafters`` maps a speculative
+    drafter name to its :class:`~deft.engine.Drafter` factory."""
+
+    def __init__(self, engine: TreeEngine, max_running: int, max_queue: int, metrics: Metrics,
+                 prefix_cache: bool = True, drafters: dict[str, Any] | None = None) -> None:
+        self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
+        self.prefixes = PrefixCache(engine.cache) if prefix_cache else None
+        self.batch = Batch(engine, max_running, self.prefixes)
+        self.drafters = drafters or {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: list[tuple[str, Job]] = []
+        self._queued = 0  # submitted jobs not running yet
+        self._closed = False
+        self._pending: deque[Job] = deque()  # not yet in the batch
+        self._active: list[Job] = []  # in the batch
+        self._thread = threading.Thread(target=self._run, name="deft-scheduler", daemon=True)
+        self._seen = {"prefill": 0, "preempted": 0, "lookups": 0, "hits": 0, "hit_tokens": 0}
+        metrics.pages_total.set(engine.cache.num_pages)
+
+    # ------------------------------------------------------------ any thread
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> bool:
+        """Queue ``job``; ``False`` (nothing queued) when ``max_queue`` jobs wait already."""
+        with self._lock:
+            if self._closed or self._queued >= self.max_queue:
+                return False
+            self._queued += 1
+            self._inbox.append(("submit", job))
+        self._wake.set()
+        return True
+
+    def cancel(self, job: Job) -> None:
+        """Stop ``job`` at the next step boundary and release its pages."""
+        with self._lock:
+            self._inbox.append(("cancel", job))
+        self._wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Refuse new jobs, end the running ones, and stop the thread."""
+        with self._lock:
+            self._closed = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            with self._lock:
+                inbox, self._inbox, closed = self._inbox, [], self._closed
+            for what, job in inbox:
+                if what == "submit":
+                    self._pending.append(job)
+                else:
+                    self._drop(job, None)
+            if closed:
+                for job in list(self._pending) + list(self._active):
+                    self._drop(job, (503, "the server is shutting down"))
+                return
+            self._feed_batch()
+            busy = bool(self.batch.live or self.batch.waiting)
+            try:
+                if busy:
+                    self._step()
+                elif self._pending:
+                    self._run_alone(self._pending.popleft())
+            except Exception as exc:  # a bug must not stop the server: fail what was running
+                for job in list(self._pending) + list(self._active):
+                    self._drop(job, (500, f"internal error: {type(exc).__name__}: {exc}"))
+                self.batch = Batch(self.engine, self.batch.max_running, self.prefixes)
+            self._count()
+            if not busy and not self._pending:
+                self._wake.wait(_IDLE_WAIT_S)
+
+    def _feed_batch(self) -> None:
+        """Move sampling jobs into the batch, in order, up to the first job that runs alone."""
+        while self._pending and self._pending[0].kind == "sample":
+            job = self._pending.popleft()
+            job.request = Request(job.prompt, max(job.n, job.best_of), job.params,
+                                  top_logprobs=job.top_logprobs or 0, pin_prompt=self.prefixes is not None)
+            self.metrics.prompt.inc(len(job.prompt))
+            self.batch.add(job.request)
+            self._active.append(job)
+
+    def _step(self) -> None:
+        try:
+            self.batch.step()
+        except CacheFullError as exc:  # the oldest request alone does not fit
+            for job in list(self._active):
+                self._drop(job, (400, str(exc)))
+            return
+        if self.batch.sampled:
+            self.metrics.count_tokens(self.batch.sampled)
+        now = time.monotonic()
+        for job in list(self._active):
+            if job.request.status != "waiting":
+                self._publish(job, now)
+
+    def _publish(self, job: Job, now: float) -> None:
+        """Post ``job``'s new text; end it once all its branches have ended."""
+        branches, tok = job.request.branches, self.engine.tokenizer
+        if not job.choices:
+            job.choices = [ChoiceText(tok, job.stop) for _ in branches]
+        new_tokens = 0
+        for i, (b, text) in enumerate(zip(branches, job.choices)):
+            if text.ended:
+                continue
+            start = text.seen
+            delta, new, stopped = text.update(b.tokens, b.done)
+            new_tokens += new
+            if stopped:
+                self.batch.finish(b, "stop")
+            if job.best_of > job.n or not (new or text.ended):
+                continue
+            logprobs = [] if job.top_logprobs is None else [
+                TokenLogprob(t, lp, top) for t, lp, top in
+                zip(b.tokens[start:], b.logprobs[start:], b.tops[start:] or [[]] * new)]
+            reason = ("stop" if stopped else b.finish_reason) if text.ended else None
+            job.post(Delta(job.base_index + i, delta, logprobs, reason))
+        if new_tokens:
+            if job.last_token_at is None:
+                self.metrics.ttft.observe(now - job.arrival)
+            else:
+                gap = (now - job.last_token_at) / max(1, new_tokens // max(1, len(branches)))
+                self.metrics.itl.observe(gap)
+            job.last_token_at = now
+        if all(t.ended for t in job.choices) or job.request.status == "done":
+            if job.best_of > job.n:
+                self._post_best(job)
+            self._active.remove(job)
+            self.batch.cancel(job.request)  # no-op unless a branch is still running
+            job.finished = True
+            self.metrics.requests.labels("ok").inc()
+            job.post(End(len(job.prompt), sum(len(b.tokens) for b in branches)))
+
+    def _post_best(self, job: Job) -> None:
+        """``best_of`` sampled: post the ``n`` most likely choices, whole."""
+        tok = self.engine.tokenizer
+        ranked = sorted(zip(job.request.branches, job.choices), key=lambda bc: -bc[0].logprob)
+        for i, (b, _) in enumerate(ranked[:job.n]):
+            text = ChoiceText(tok, job.stop)
+            delta, _, stopped = text.update(b.tokens, True)
+            logprobs = [] if job.top_logprobs is None else [
+                TokenLogprob(t, lp, top) for t, lp, top in
+                zip(b.tokens, b.logprobs, b.tops or [[]] * len(b.tokens))]
+            job.post(Delta(job.base_index + i, delta, logprobs, "stop" if stopped else b.finish_reason))
+
+    def _run_alone(self, job: Job) -> None:
+        """A beam-search or speculative job, run to completion on the idle engine."""
+        self.metrics.prompt.inc(len(job.prompt))
+        for attempt in range(2):
+            try:
+                results = self._strategy(job)
+                break
+            except CacheFullError as exc:
+                if attempt or self.prefixes is None:
+                    self._drop(job, (400, str(exc)))
+                    return
+                self.prefixes.clear()
+            except ValueError as exc:
+                self._drop(job, (400, str(exc)))
+                return
+        tok = self.engine.tokenizer
+        for i, r in enumerate(results):
+            text = ChoiceText(tok, job.stop)
+            delta, _, stopped = text.update(r.token_ids, True)
+            job.post(Delta(job.base_index + i, delta, [], "stop" if stopped else r.stats["finish_reason"]))
+        self.metrics.count_tokens(sum(len(r.token_ids) for r in results))
+        self.metrics.ttft.observe(time.monotonic() - job.arrival)
+        job.finished = True
+        self.metrics.requests.labels("ok").inc()
+        job.post(End(len(job.prompt), sum(len(r.token_ids) for r in results)))
+
+    def _strategy(self, job: Job) -> list[GenerationResult]:
+        p, o = job.params, job.options
+        if job.kind == "beam":
+            return beam_search(self.engine, [job.prompt], o["num_beams"], p.max_new_tokens,
+                               o["length_penalty"], o["early_stopping"], job.n, p.stop_token_ids)[0]
+        drafter = self.drafters[o["drafter"]]()
+        return speculative_generate(self.engine, [job.prompt], p, drafter, o["tree"])
+
+    def _drop(self, job: Job, error: tuple[int, str] | None) -> None:
+        """End ``job`` without a result: cancelled (``error`` None) or failed."""
+        if job.finished:
+            return
+        job.finished = True
+        if job in self._pending:
+            self._pending.remove(job)
+        if job in self._active:
+            self._active.remove(job)
+            self.batch.cancel(job.request)
+        self.metrics.requests.labels("error" if error else "cancelled").inc()
+        job.post(End(error=error or (499, "cancelled")))
+
+    def _count(self) -> None:
+        """Refresh the gauges and counters, and the number of queued jobs."""
+        m, batch, cache = self.metrics, self.batch, self.engine.cache
+        waiting = sum(1 for j in self._active if j.request.status == "waiting")
+        with self._lock:
+            self._queued = len(self._pending) + waiting + sum(1 for w, _ in self._inbox if w == "submit")
+        m.waiting.set(len(self._pending) + waiting)
+        m.running.set(len(self._active) - waiting)
+        m.pages_used.set(cache.num_pages - cache.num_free_pages)
+        nodes = [b.node for b in batch.live if b.node is not None and not b.done]
+        slots = [cache.path_slots(n) for n in nodes]
+        m.pages_requests.set(len(np.unique(np.concatenate(slots) // cache.page_size)) if slots else 0)
+        now = {"prefill": batch.stats["prefill_tokens"], "preempted": batch.stats["preempted"]}
+        if self.prefixes is not None:
+            pc = self.prefixes
+            now |= {"lookups": pc.lookups, "hits": pc.hits, "hit_tokens": pc.hit_tokens}
+            m.hit_rate.set(pc.hits / pc.lookups if pc.lookups else 0.0)
+            m.entries.set(len(pc))
+        for key, counter in (("prefill", m.computed), ("preempted", m.preempted), ("lookups", m.lookups),
+                             ("hits", m.hits), ("hit_tokens", m.hit_tokens)):
+            if key in now and now[key] > self._seen[key]:
+                counter.inc(now[key] - self._seen[key])
+                self._seen[key] = now[key]
