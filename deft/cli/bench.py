@@ -41,12 +41,18 @@ def add_parser(subparsers: Any) -> None:
     att.add_argument("--out", metavar="DIR", help="(cuda) also write JSON details here")
     att.set_defaults(func=run_attention)
 
-    e2e = bsub.add_parser("e2e", help="the engine against transformers generate (SmolLM2)",
-                          description="End to end on one machine: DeFT's engine against "
+    e2e = bsub.add_parser("e2e", help="the engine end to end, against per-branch decoding and "
+                          "transformers generate",
+                          description="End to end on one machine. On cpu: DeFT's engine against "
                           "transformers generate with SmolLM2-135M-Instruct from the same GGUF: "
                           "greedy decoding (one prompt, a batch, a shared few-shot prompt) and "
                           "beam search k=4; tokens/s, speed-up, same-token check and where "
-                          "DeFT's time goes.")
+                          "DeFT's time goes. On cuda: a Llama-3-8B-shaped model with random bf16 "
+                          "weights, the paper's workloads (parallel sampling b=20/30/50 from a "
+                          "4,000-token prompt, beam search k=4/8/16, Medusa tree verification, "
+                          "greedy decoding) with steps replayed as CUDA graphs, launched eagerly "
+                          "and with per-branch attention, against transformers and the step's "
+                          "floor (benchmarks.e2e_gpu).")
     e2e.add_argument("--device", choices=common.DEVICES, default="cpu")
     e2e.add_argument("--reps", type=int, default=3, help="timed runs of each side (best counts, default 3)")
     e2e.add_argument("--workload", action="append", metavar="NAME",
@@ -56,6 +62,11 @@ def add_parser(subparsers: Any) -> None:
                      help="also speculative decoding against greedy decoding (benchmarks.speculative)")
     e2e.add_argument("--json", metavar="PATH", help="also write the result as JSON (machine, commit, "
                      "date, command, rows; with --speculative also PATH_speculative.json)")
+    e2e.add_argument("--layers", type=int, default=32,
+                     help="(cuda) layers of the Llama-3-8B-shaped model (default 32)")
+    e2e.add_argument("--no-transformers", action="store_true",
+                     help="(cuda) skip transformers generate")
+    common.add_workloads_flag(e2e)
     e2e.set_defaults(func=run_e2e)
 
 
@@ -84,9 +95,12 @@ def run_attention(args: argparse.Namespace) -> None:
 def run_e2e(args: argparse.Namespace) -> None:
     import torch
 
+    common.require_device(args.device)
+    if args.device == "cuda":
+        run_gpu_e2e(args)
+        return
     from benchmarks.e2e import WORKLOADS, e2e_table
 
-    common.require_device(args.device)
     known = [w.name for w in WORKLOADS]
     for name in args.workload or []:
         if name not in known:
@@ -102,3 +116,16 @@ def run_e2e(args: argparse.Namespace) -> None:
         spec_json = args.json and args.json.removesuffix(".json") + "_speculative.json"
         print()
         print(spec_table(device=args.device, reps=args.reps, progress=common.progress, json_path=spec_json))
+
+
+def run_gpu_e2e(args: argparse.Namespace) -> None:
+    from benchmarks.e2e_gpu import GPU_WORKLOADS, gpu_e2e_table
+
+    known = [w.name for w in GPU_WORKLOADS]
+    for name in args.workload or []:
+        if name not in known:
+            raise CliError(f"--workload: expected one of {', '.join(map(repr, known))}, got {name!r}")
+    in_range(args.layers, "--layers", 1, 32)
+    print(gpu_e2e_table(args.workload, common.workloads(args.workloads), args.layers,
+                        not args.no_transformers, progress=common.progress, json_path=args.json),
+          flush=True)

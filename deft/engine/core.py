@@ -55,6 +55,9 @@ class TreeEngine:
         Pool geometry: ``num_pages * page_size`` token slots, shared by every tree.
     backend:
         The :class:`~deft.TreeAttention` backend (``"auto"``: triton on CUDA, else torch).
+    plan_kind:
+        The attention plan (``"flatten"``: DeFT; ``"per_query"``: each query reads its whole
+        path, as per-branch decoding does, for comparisons).
     device:
         Where the pool and plans live; the model's device by default (and required).
     count_io:
@@ -73,7 +76,8 @@ class TreeEngine:
     the cache's own ``fork``/``prune``/``split``/``commit_path``; the position of a token
     is its depth, read from the cache. ``stats`` accumulates ``steps``, ``tokens``
     (queries computed), ``logit_rows``, ``forward_s``, ``plan_s`` (layout and plan,
-    part of ``forward_s``) and ``graph_steps`` (steps replayed as graphs); while ``count_io``
+    part of ``forward_s``), ``graph_steps`` (steps replayed as graphs) and ``plan_tokens``
+    (K/V tokens the steps' plans load per layer and KV head); while ``count_io``
     is true also ``kv_bytes_deft`` and ``kv_bytes_per_branch`` (K/V bytes all layers
     read under DeFT's plan and under per-branch decoding, where each query reads its
     whole path) and ``io_s``, the time that counting took (outside ``forward_s``).
@@ -86,6 +90,7 @@ class TreeEngine:
         num_pages: int = 4096,
         page_size: int = 16,
         backend: str = "auto",
+        plan_kind: str = "flatten",
         device: str | torch.device | None = None,
         count_io: bool = False,
         prefill_chunk: int = 256,
@@ -100,7 +105,7 @@ class TreeEngine:
         if self.device.type != model.device.type:
             raise ValueError(f"device: expected the model's device {model.device}, got {self.device}")
         self.model, self.tokenizer = model, tokenizer
-        self.attn = model.attention(device=self.device, backend=backend)
+        self.attn = model.attention(device=self.device, backend=backend, plan_kind=plan_kind)
         graph_safe = get_backend(self.attn.backend_name).graph_safe
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and graph_safe
@@ -112,7 +117,7 @@ class TreeEngine:
                                            device=self.device)
         self.cache = TreeKVCache(num_pages, page_size, pool=self.pool)
         self.graphs = (StepGraphs(model, self.pool, num_pages * self.pool.page_size,
-                                  graph_buckets, self.attn.backend_name, self.device)
+                                  graph_buckets, self.attn.backend_name, plan_kind, self.device)
                        if cuda_graphs else None)
         self.count_io = bool(count_io)
         self.prefill_chunk = int_at_least(prefill_chunk, "prefill_chunk", 1)
@@ -129,7 +134,7 @@ class TreeEngine:
     def reset_stats(self) -> None:
         """Zero the counters in :attr:`stats`."""
         self.stats = dict.fromkeys(("steps", "tokens", "logit_rows", "forward_s", "plan_s",
-                                    "graph_steps", "kv_bytes_deft", "kv_bytes_per_branch", "io_s"), 0)
+                                    "graph_steps", "plan_tokens", "kv_bytes_deft", "kv_bytes_per_branch", "io_s"), 0)
 
     # ------------------------------------------------------------------ tree
 
@@ -288,6 +293,10 @@ class TreeEngine:
         st = self.stats
         st["steps"] += 1
         st["graph_steps"] += bucket is not None
+        if bucket is None:
+            st["plan_tokens"] += plan.num_plan_tokens
+        else:  # without the padding's scratch token
+            st["plan_tokens"] += bucket.attn.current_plan.num_plan_tokens - (bucket.queries > n)
         st["tokens"] += n
         st["logit_rows"] += len(rows)
         st["forward_s"] += time.perf_counter() - t0

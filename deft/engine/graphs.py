@@ -59,13 +59,13 @@ class StepGraphs:
 
     ``model`` and ``pool`` are the engine's; ``scratch_slot`` is a pool slot no cache node
     uses; ``buckets`` the query counts that get graphs (steps beyond the largest run
-    eagerly). ``backend`` must be graph-safe. ``captures`` counts the graphs captured.
+    eagerly). ``backend`` must be graph-safe; ``plan_kind`` is the attention's. ``captures`` counts the graphs captured.
     """
 
     def __init__(self, model: LlamaModel, pool: KVPool, scratch_slot: int,
                  buckets: Sequence[int] = DEFAULT_BUCKETS, backend: str = "triton",
-                 device: torch.device | None = None) -> None:
-        self.model, self.pool, self.backend = model, pool, backend
+                 plan_kind: str = "flatten", device: torch.device | None = None) -> None:
+        self.model, self.pool, self.backend, self.plan_kind = model, pool, backend, plan_kind
         self.scratch_slot = int(scratch_slot)
         self.device = model.device if device is None else torch.device(device)
         self.buckets = tuple(sorted({int(b) for b in buckets}))
@@ -118,11 +118,12 @@ class StepGraphs:
     def _new_bucket(self, q: int, layout: TreeLayout) -> _Bucket:
         """A bucket of ``q`` queries with room for ``layout`` (planned into it) and more."""
         m = self.model
-        bound = make_plan(layout, "flatten", self._block_kv)
+        bound = make_plan(layout, self.plan_kind, self._block_kv)
         # The uncoarsened plan's partials bound the coarsened plan's.
         tokens, partials = bound.num_plan_tokens, bound.num_partials
         while True:
-            attn = m.attention(device=self.device, backend=self.backend, capacity=Capacity(
+            attn = m.attention(device=self.device, backend=self.backend,
+                               plan_kind=self.plan_kind, capacity=Capacity(
                 q, _room(tokens, _MIN_TOKENS), _room(partials, 4 * q)))
             try:
                 attn.plan(layout)

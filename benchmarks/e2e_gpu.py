@@ -1,0 +1,258 @@
+"""``deft bench e2e --device cuda``: whole decode steps of a Llama-3-8B-shaped model on a GPU.
+
+The model has Llama-3-8B's shapes (32 layers, hidden 4096, 32/8 heads of 128, MLP 14336,
+vocabulary 128256) and random bf16 weights, so nothing is downloaded. Every workload runs on
+the same model in three engines: DeFT-Flatten with steps replayed as CUDA graphs (the
+default), the same launched eagerly, and per-branch attention (``plan_kind="per_query"``:
+each query reads its whole path, as Radix/Flash-Decoding do) replayed as graphs; and,
+where it has the strategy, ``transformers`` ``generate`` on a model of the same shapes.
+
+ms/step is the wall time of the decode steps (a run's time minus its prefill, measured by a
+run that stops after the first token), divided by their number: what a user pays, host
+work, planning and sampling included. The floor of a step is the larger of (weights read +
+the step's unique K/V bytes) over the HBM read bandwidth and the matmul FLOPs (2 per weight
+per query token; attention FLOPs left out) over the bf16 matmul rate, both measured in the
+same run; a workload's floor is its steps' mean.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .report import markdown_table, record, write_record
+
+__all__ = ["GPU_WORKLOADS", "gpu_e2e_table", "llama3_8b_shapes"]
+
+
+@dataclass(frozen=True)
+class GpuWorkload:
+    """``kind``: ``sample`` (``width`` branches), ``beam`` (``width`` beams), ``greedy``
+    (``width`` independent prompts) or ``verify`` (Medusa tree ``APPS_tree_size{width}``)."""
+
+    name: str
+    kind: str
+    prompt: int
+    width: int
+    new_tokens: int
+
+
+GPU_WORKLOADS = [
+    GpuWorkload("few-shot b=20", "sample", 4000, 20, 200),
+    GpuWorkload("few-shot b=30", "sample", 4000, 30, 200),
+    GpuWorkload("few-shot b=50", "sample", 4000, 50, 200),
+    GpuWorkload("beam k=4", "beam", 2000, 4, 128),
+    GpuWorkload("beam k=8", "beam", 2000, 8, 128),
+    GpuWorkload("beam k=16", "beam", 2000, 16, 128),
+    GpuWorkload("Medusa APPS-32 verify", "verify", 4000, 32, 20),
+    GpuWorkload("Medusa APPS-64 verify", "verify", 4000, 64, 20),
+    GpuWorkload("Medusa APPS-128 verify", "verify", 4000, 128, 20),
+    GpuWorkload("Medusa APPS-256 verify", "verify", 4000, 256, 20),
+    GpuWorkload("greedy, 1 sequence", "greedy", 1000, 1, 128),
+    GpuWorkload("greedy, 32 prompts", "greedy", 1000, 32, 128),
+]
+
+
+def llama3_8b_shapes(layers: int = 32) -> Any:
+    from deft.model import LlamaConfig
+
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_layers=layers, num_heads=32, num_kv_heads=8,
+                       max_position_embeddings=8192, rope_theta=500000.0)
+
+
+def _random_model(config: Any) -> Any:
+    """Our model with random bf16 weights, initialised on the GPU."""
+    from deft.model import LlamaModel
+
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        model = LlamaModel(config)
+    return model.to(torch.bfloat16).eval().requires_grad_(False)
+
+
+def _tokenizer(vocab: int) -> Any:
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
+
+    from deft.model import Tokenizer
+
+    return Tokenizer(Backend(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0")),
+                     eos_token_ids=[])
+
+
+def _medusa_parents(size: int, workloads: Path) -> list[int]:
+    """Parents of the draft tree ``APPS_tree_size{size}``: a root token, then each choice path."""
+    from deft.recorded import load_medusa_choices
+
+    choices = load_medusa_choices(workloads / "deft" / "speculative" / f"APPS_tree_size{size}.json")
+    index, parents = {(): 0}, [-1]
+    for path in sorted((tuple(p) for p in choices), key=lambda p: (len(p), p)):
+        index[path] = len(parents)
+        parents.append(index[path[:-1]])
+    return parents
+
+
+def _run(engine: Any, w: GpuWorkload, prompts: list[list[int]], new_tokens: int,
+         parents: list[int] | None) -> Callable[[], None]:
+    """One complete run of ``w`` on ``engine`` with ``new_tokens`` per branch."""
+    from deft.engine import SamplingParams, beam_search, generate, sample
+
+    never = frozenset()
+    if w.kind == "sample":
+        params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0, stop_token_ids=never)
+        return lambda: sample(engine, prompts[0], w.width, params)
+    if w.kind == "beam":
+        return lambda: beam_search(engine, prompts[0], w.width, new_tokens, stop_token_ids=never)
+    if w.kind == "greedy":
+        params = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=never)
+        return lambda: generate(engine, prompts, params)
+
+    def verify() -> None:  # prefill, then ``new_tokens`` verifications of the draft tree
+        root = engine.add_prompt(prompts[0][:-1])
+        last = engine.extend([(root, prompts[0][-1:])])[0]
+        tokens = list(range(len(parents)))
+        for _ in range(new_tokens):
+            nodes, logits = engine.extend_tree(root, parents, tokens)
+            logits.argmax(-1).tolist()  # the acceptance decision waits for the logits
+            engine.cache.prune(nodes[0])
+        del last
+        engine.cache.prune(root)
+    return verify
+
+
+def _timed(run: Callable[[], None]) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    run()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
+             parents: list[int] | None) -> dict[str, float]:
+    """Warm run, prefill-only run, full run: ms per decode step and what the steps held."""
+    full, first = _run(engine, w, prompts, w.new_tokens, parents), _run(engine, w, prompts, 1, parents)
+    full()  # warm-up: compiles, captures graphs
+    engine.reset_stats()
+    t_prefill = _timed(first)
+    steps0, tok0 = engine.stats["steps"], engine.stats["plan_tokens"]
+    engine.reset_stats()
+    t_full = _timed(full)
+    st = engine.stats
+    steps, plan_tokens = st["steps"] - steps0, st["plan_tokens"] - tok0
+    return {"ms_step": 1e3 * (t_full - t_prefill) / steps, "steps": steps, "wall": t_full,
+            "plan_tokens": plan_tokens / steps, "queries": (st["tokens"] - _prefill_tokens(w)) / steps,
+            "plan_ms": 1e3 * st["plan_s"] / st["steps"],
+            "host": 1 - st["graph_steps"] / max(st["steps"], 1)}
+
+
+def _prefill_tokens(w: GpuWorkload) -> int:
+    return w.prompt * (w.width if w.kind == "greedy" else 1)
+
+
+def _hf_seconds(hf: Any, w: GpuWorkload, prompts: list[list[int]]) -> float | None:
+    """Wall time of ``transformers`` ``generate`` for ``w`` (``None``: it has no such strategy)."""
+    if w.kind not in ("sample", "beam"):
+        return None
+    ids = torch.tensor(prompts[:1], device="cuda")
+    kw = dict(max_new_tokens=w.new_tokens, min_new_tokens=w.new_tokens, eos_token_id=None,
+              pad_token_id=0, attention_mask=torch.ones_like(ids))
+    if w.kind == "sample":
+        kw.update(do_sample=True, num_return_sequences=w.width, top_k=0)
+    else:
+        kw.update(do_sample=False, num_beams=w.width)
+    with torch.no_grad():
+        hf.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
+        return _timed(lambda: hf.generate(ids, **kw))
+
+
+def _hf_model(config: Any) -> Any:
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+        max_position_embeddings=config.max_position_embeddings, rope_theta=config.rope_theta)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            return transformers.LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
+                  layers: int = 32, with_transformers: bool = True,
+                  progress: Callable[[str], None] | None = None,
+                  json_path: str | None = None) -> str:
+    """Markdown table of the GPU workloads (see the module docstring); also a result record."""
+    from deft.engine import TreeEngine
+    from deft.recorded import workloads_dir
+
+    from .attention_gpu import measure_ceilings
+
+    say = progress or (lambda msg: None)
+    chosen = [w for w in GPU_WORKLOADS if not names or w.name in names]
+    if names and len(chosen) != len(set(names)):
+        known = ", ".join(w.name for w in GPU_WORKLOADS)
+        raise ValueError(f"workload: unknown name in {names}; known: {known}")
+    config = llama3_8b_shapes(layers)
+    bw, rate = measure_ceilings()
+    model, tok = _random_model(config), _tokenizer(config.vocab_size)
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                       if not n.startswith("embed.") or model.lm_head is None)
+    matmul_weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2
+                         and not n.startswith("embed."))
+    kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
+    pages = 4096  # 65,536 slots: the largest workload holds 32 x 1,128 tokens
+    engines = {"graph": TreeEngine(model, tok, num_pages=pages),
+               "eager": TreeEngine(model, tok, num_pages=pages, cuda_graphs=False),
+               "per-branch": TreeEngine(model, tok, num_pages=pages, plan_kind="per_query")}
+    hf = _hf_model(config) if with_transformers else None
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for w in chosen:
+        parents = None
+        if w.kind == "verify":
+            try:
+                parents = _medusa_parents(w.width, workloads_dir(workloads))
+            except FileNotFoundError as exc:
+                say(f"{w.name}: skipped ({exc})")
+                continue
+        count = w.width if w.kind == "greedy" else 1
+        prompts = torch.randint(0, config.vocab_size, (count, w.prompt), generator=gen).tolist()
+        got = {}
+        for mode, engine in engines.items():
+            say(f"{w.name}: {mode}")
+            got[mode] = _measure(engine, w, prompts, parents)
+        g = got["graph"]
+        floor_ms = 1e3 * max((weight_bytes + g["plan_tokens"] * kv_token_bytes) / bw,
+                             2 * matmul_weights * g["queries"] / rate)
+        new = w.new_tokens * (w.width if w.kind in ("sample", "greedy") else 1)
+        hf_s = None
+        if hf is not None:
+            say(f"{w.name}: transformers")
+            hf_s = _hf_seconds(hf, w, prompts)
+        rows.append([w.name, w.prompt, round(g["queries"], 1), g["ms_step"], got["eager"]["ms_step"],
+                     got["per-branch"]["ms_step"], floor_ms, 100 * floor_ms / g["ms_step"],
+                     got["per-branch"]["ms_step"] / g["ms_step"],
+                     new / g["wall"], None if hf_s is None else hf_s / g["wall"],
+                     g["plan_ms"], 100 * g["host"]])
+    headers = ["workload", "prompt", "queries/step", "graph ms/step", "eager ms/step",
+               "per-branch ms/step", "floor ms/step", "% of floor", "speed-up over per-branch",
+               "tokens/s", "speed-up over transformers", "plan ms/step", "eager steps %"]
+    name = torch.cuda.get_device_name()
+    if json_path:
+        write_record(json_path, record(headers, rows, "cuda", gpu=name, layers=layers,
+                                       hbm_bytes_per_s=bw, matmul_flops=rate,
+                                       model="Llama-3-8B shapes, random bf16 weights"))
+    return (f"Llama-3-8B shapes ({layers} layers, random bf16 weights) on {name}; HBM "
+            f"{bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s measured in this run.\n\n"
+            + markdown_table(headers, rows))
