@@ -9,9 +9,10 @@ GQA, with tied or untied embeddings. Built from a Hugging Face ``config.json``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from numbers import Real
 from typing import Any, Mapping
 
-from ..checks import int_in_range, positive_int, real_number
+from ..checks import int_in_range, is_int, positive_int, real_number
 
 __all__ = ["LlamaConfig", "RopeScaling", "ROPE_SCALING_KINDS", "HF_MODEL_TYPES", "GGUF_ARCHITECTURES"]
 
@@ -188,42 +189,50 @@ class LlamaConfig:
         ``rope_freqs`` tensor, which the loader sets as ``rope_freq_factors``.
         """
         arch = metadata.get("general.architecture")
-        if arch not in GGUF_ARCHITECTURES:
+        if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
             raise ValueError(
                 f"general.architecture: expected one of {', '.join(GGUF_ARCHITECTURES)}, got {arch!r}"
             )
 
-        def need(key: str) -> Any:
-            if f"{arch}.{key}" not in metadata:
-                raise ValueError(f"{arch}.{key}: missing from the GGUF metadata")
-            return int(metadata[f"{arch}.{key}"])
+        def num(key: str, default: Any = None, kind: type = int) -> Any:
+            """``{arch}.{key}`` as an ``int`` (or ``float``); ``default`` if absent (None: required)."""
+            name, value = f"{arch}.{key}", metadata.get(f"{arch}.{key}", default)
+            if value is None:
+                raise ValueError(f"{name}: missing from the GGUF metadata")
+            number = isinstance(value, Real) and not isinstance(value, bool)
+            if not (is_int(value) or kind is float and number):
+                expected = "an integer" if kind is int else "a number"
+                raise ValueError(f"{name}: expected {expected}, got {value!r}")
+            return kind(value)
 
-        hidden, heads = need("embedding_length"), need("attention.head_count")
-        head_dim = int(metadata.get(f"{arch}.attention.key_length", 0)) or (hidden // heads)
-        rope_dim = int(metadata.get(f"{arch}.rope.dimension_count", head_dim))
+        hidden = num("embedding_length")
+        heads = positive_int(num("attention.head_count"), f"{arch}.attention.head_count")
+        head_dim = num("attention.key_length", 0) or (hidden // heads)
+        rope_dim = num("rope.dimension_count", head_dim)
         if rope_dim != head_dim:
             raise ValueError(
                 f"{arch}.rope.dimension_count: expected head_dim={head_dim} (partial RoPE is not "
                 f"supported), got {rope_dim}"
             )
-        kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+        scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
         scaling = None
-        if kind not in ("none", "linear"):
-            raise ValueError(f"{arch}.rope.scaling.type: expected 'none' or 'linear', got {kind!r}")
-        if kind == "linear":
-            scaling = RopeScaling("linear", float(metadata.get(f"{arch}.rope.scaling.factor", 1.0)))
-        vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
+        if not isinstance(scaling_type, str) or scaling_type not in ("none", "linear"):
+            raise ValueError(f"{arch}.rope.scaling.type: expected 'none' or 'linear', got {scaling_type!r}")
+        if scaling_type == "linear":
+            scaling = RopeScaling("linear", num("rope.scaling.factor", 1.0, float))
+        tokens = metadata.get("tokenizer.ggml.tokens", ())
+        vocab = num("vocab_size", 0) or (len(tokens) if isinstance(tokens, list) else 0)
         return cls(
-            vocab_size=int(vocab),
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=need("feed_forward_length"),
-            num_layers=need("block_count"),
+            intermediate_size=num("feed_forward_length"),
+            num_layers=num("block_count"),
             num_heads=heads,
-            num_kv_heads=int(metadata.get(f"{arch}.attention.head_count_kv", heads)),
+            num_kv_heads=num("attention.head_count_kv", heads),
             head_dim=head_dim,
-            rms_norm_eps=float(metadata.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
+            rms_norm_eps=num("attention.layer_norm_rms_epsilon", 1e-5, float),
+            rope_theta=num("rope.freq_base", 10000.0, float),
             rope_scaling=scaling,
-            max_position_embeddings=int(metadata.get(f"{arch}.context_length", 4096)),
+            max_position_embeddings=num("context_length", 4096),
             tie_word_embeddings=tie_word_embeddings,
         )

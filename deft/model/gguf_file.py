@@ -8,6 +8,7 @@ memory-mapped until a tensor is asked for.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -17,6 +18,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
+
+from ..checks import is_int
 
 __all__ = ["GGUFFile", "GGUFTensor"]
 
@@ -150,12 +153,14 @@ class GGUFFile:
             except ValueError:
                 raise _Corrupt(f"tensor {name!r} has unknown type id {raw_type}") from None
             infos.append((name, dims, qtype, offset))
-        align = int(metadata.get("general.alignment", 32))
+        align = metadata.get("general.alignment", 32)
+        if not is_int(align) or align < 1:
+            raise _Corrupt(f"general.alignment: expected a positive integer, got {align!r}")
         start = cur.pos + (-cur.pos) % align
         tensors = {}
         for name, dims, qtype, offset in infos:
             block, type_size = GGML_QUANT_SIZES[qtype]
-            elems = int(np.prod(dims, dtype=np.int64)) if dims else 1
+            elems = math.prod(dims)  # exact: a damaged dim must not wrap around
             if dims and dims[0] % block:
                 raise _Corrupt(f"tensor {name!r}: row length {dims[0]} is not a multiple of {block}")
             nbytes = elems // block * type_size
@@ -167,7 +172,9 @@ class GGUFFile:
     def dequantize(self, name: str) -> np.ndarray:
         """Tensor ``name`` as float32 ``[*shape]`` (a fresh array, not tied to the file)."""
         t = self.tensors[name]
-        rows = int(np.prod(t.shape[:-1], dtype=np.int64)) if len(t.shape) > 1 else 1
+        if t.nbytes == 0:
+            return np.zeros(t.shape, np.float32)
+        rows = math.prod(t.shape[:-1])
         raw = np.frombuffer(self._buf, np.uint8, t.nbytes, t.offset).reshape(rows, t.nbytes // rows)
         try:
             out = dequantize(raw, t.qtype)

@@ -9,11 +9,13 @@ are converted by ``transformers``, which must then be installed.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, NoReturn
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
+from ..checks import is_int
 from .tokenizer import Tokenizer, end_of_turn_ids
 
 __all__ = ["tokenizer_from_gguf", "PRE_TOKENIZERS"]
@@ -55,9 +57,15 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], path: str) -> Tokenizer:
     tokens = metadata.get("tokenizer.ggml.tokens")
     if tokens is None:
         raise ValueError(f"{path}: the GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
+    _check_types(metadata, path)
     types = [int(t) for t in metadata.get("tokenizer.ggml.token_type", ())]
     if kind == "gpt2":
-        backend = _byte_level_bpe(metadata, types, path)
+        try:
+            backend = _byte_level_bpe(metadata, types, path)
+        except ValueError:
+            raise
+        except Exception as exc:  # tokenizers raises a bare Exception for a vocabulary it rejects
+            raise ValueError(f"{path}: invalid tokenizer ({exc})") from None
     elif kind == "llama":
         backend = _sentencepiece_via_transformers(path)
     else:
@@ -77,6 +85,34 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], path: str) -> Tokenizer:
         bos_token=text("bos"),
         eos_token=text("eos"),
     )
+
+
+def _check_types(metadata: Mapping[str, Any], path: str) -> None:
+    """``ValueError`` naming ``path`` and the key for tokenizer metadata of the wrong type."""
+    def fail(key: str, expected: str) -> NoReturn:
+        got = repr(metadata[key])
+        raise ValueError(f"{path}: {key}: expected {expected}, got {got[:60] + '...' if len(got) > 60 else got}")
+
+    for key in ("model", "pre"):
+        if not isinstance(metadata.get(f"tokenizer.ggml.{key}", ""), str):
+            fail(f"tokenizer.ggml.{key}", "a string")
+    if not isinstance(metadata.get("tokenizer.chat_template", ""), str):
+        fail("tokenizer.chat_template", "a string")
+    if not isinstance(metadata.get("tokenizer.ggml.add_bos_token", False), bool):
+        fail("tokenizer.ggml.add_bos_token", "a bool")
+    for key in ("bos", "eos", "eot", "eom"):
+        if not is_int(metadata.get(f"tokenizer.ggml.{key}_token_id", 0)):
+            fail(f"tokenizer.ggml.{key}_token_id", "an integer")
+    tokens = metadata["tokenizer.ggml.tokens"]
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        fail("tokenizer.ggml.tokens", "a list of strings")
+    merges = metadata.get("tokenizer.ggml.merges", [])
+    if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
+        fail("tokenizer.ggml.merges", "a list of 'left right' strings")
+    types = metadata.get("tokenizer.ggml.token_type", [])
+    if not (isinstance(types, np.ndarray) and types.dtype.kind in "iu"
+            or isinstance(types, list) and all(is_int(t) for t in types)):
+        fail("tokenizer.ggml.token_type", "a list of integers")
 
 
 def _byte_level_bpe(metadata: Mapping[str, Any], types: list[int], path: str) -> _Backend:

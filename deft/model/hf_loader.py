@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tokenizers import Tokenizer as _Backend
 
+from ..checks import is_int
 from .config import LlamaConfig
 from .llama import LlamaModel, build_model, fuse_hf_weights
 from .tokenizer import Tokenizer, end_of_turn_ids
@@ -65,25 +66,39 @@ def _load_tensors(folder: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _token_text(value: Any) -> str | None:
-    return value.get("content") if isinstance(value, dict) else value
+def _token_text(config: dict[str, Any], key: str, file: str) -> str | None:
+    """A special token's text: a string, ``{"content": string}`` or absent."""
+    value = config.get(key)
+    text = value.get("content") if isinstance(value, dict) else value
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"{file}: {key}: expected a token's text, got {value!r}")
+    return text
 
 
-def _ids(value: Any) -> set[int]:
-    if value is None:
-        return set()
-    return {int(v) for v in value} if isinstance(value, list) else {int(value)}
+def _ids(config: dict[str, Any], key: str, file: str) -> set[int]:
+    """Token ids under ``key``: one id, a list of them or absent."""
+    value = config.get(key)
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(is_int(i) and i >= 0 for i in ids):
+        raise ValueError(f"{file}: {key}: expected a token id or a list of them, got {value!r}")
+    return {int(i) for i in ids}
 
 
 def _chat_template(folder: str, tok_config: dict[str, Any]) -> str | None:
     jinja = os.path.join(folder, "chat_template.jinja")
     if os.path.isfile(jinja):
-        with open(jinja, encoding="utf-8") as fh:
-            return fh.read()
+        try:
+            with open(jinja, encoding="utf-8") as fh:
+                return fh.read()
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{jinja}: not UTF-8 text ({exc})") from None
     template = tok_config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{os.path.join(folder, 'tokenizer_config.json')}: chat_template: expected "
+                         f"a Jinja template string, got {type(template).__name__}")
     return template
 
 
@@ -96,10 +111,11 @@ def hf_tokenizer(folder: str, config: dict[str, Any]) -> Tokenizer:
         backend = _Backend.from_file(tok_file)
     except Exception as exc:  # tokenizers raises a bare Exception for malformed files
         raise ValueError(f"{tok_file}: invalid tokenizer ({exc})") from None
-    tok_config = _read_json(os.path.join(folder, "tokenizer_config.json"), required=False)
-    gen_config = _read_json(os.path.join(folder, "generation_config.json"), required=False)
-    bos, eos = _token_text(tok_config.get("bos_token")), _token_text(tok_config.get("eos_token"))
-    eos_ids = _ids(config.get("eos_token_id")) | _ids(gen_config.get("eos_token_id"))
+    tok_file, gen_file = (os.path.join(folder, f) for f in ("tokenizer_config.json", "generation_config.json"))
+    tok_config, gen_config = _read_json(tok_file, required=False), _read_json(gen_file, required=False)
+    bos, eos = _token_text(tok_config, "bos_token", tok_file), _token_text(tok_config, "eos_token", tok_file)
+    eos_ids = (_ids(config, "eos_token_id", os.path.join(folder, "config.json"))
+               | _ids(gen_config, "eos_token_id", gen_file))
     if eos is not None and backend.token_to_id(eos) is not None:
         eos_ids.add(backend.token_to_id(eos))
     special = [t.content for t in backend.get_added_tokens_decoder().values() if t.special]
