@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Any
 
@@ -73,6 +74,8 @@ def run(args: argparse.Namespace) -> None:
     config = uvicorn.Config(app, host=args.host, port=port, log_level="warning",
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal once shut down;
+        signal.signal(sig, lambda *_: None)       # after a clean shutdown it must not kill us
     scheduler.start()
     print(f"deft serve: {name} on http://{args.host}:{port} ({engine!r})", file=sys.stderr, flush=True)
     try:
