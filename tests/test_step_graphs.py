@@ -77,7 +77,7 @@ def test_padded_bucket_steps_equal_the_plain_forward(monkeypatch):
         want = eager_logits(model, cache, pool, queries, ids, pos, slots, rows)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
         assert not torch.isnan(got).any()
-    assert len(built) >= 3  # buckets 8 and 4, and at least one rebuilt for more tokens
+    assert len(built) >= 3 and graphs.rebuilds >= 1  # buckets 8 and 4, one rebuilt
 
 
 def _path(cache, node):
@@ -106,9 +106,11 @@ def test_graphs_are_off_without_cuda_and_refused_there():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_engine_replays_graphs_equal_to_eager_steps():
+def test_engine_replays_graphs_equal_to_eager_steps(monkeypatch):
     from strategies_on_device import PROMPT, model, tokenizer
     from deft.engine import SamplingParams, generate, sample
+
+    monkeypatch.setattr(graphs_mod, "_MIN_TOKENS", 16)  # buckets outgrow their capacity
 
     m = model("cuda", torch.float32)
     on = TreeEngine(m, tokenizer(), num_pages=512, backend="triton")
@@ -123,5 +125,5 @@ def test_engine_replays_graphs_equal_to_eager_steps():
     a = [[r.token_ids for r in rs] for rs in sample(on, PROMPT[:100], 6, sampled)]
     b = [[r.token_ids for r in rs] for rs in sample(off, PROMPT[:100], 6, sampled)]
     assert a == b
-    assert on.graphs.captures <= 3 * len(on.graphs.buckets)
+    assert on.graphs.rebuilds >= 1 and on.graphs.captures <= 4 * len(on.graphs.buckets)
     assert on.cache.live_nodes == [] and on.cache.num_free_pages == on.cache.num_pages

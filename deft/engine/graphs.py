@@ -59,7 +59,8 @@ class StepGraphs:
 
     ``model`` and ``pool`` are the engine's; ``scratch_slot`` is a pool slot no cache node
     uses; ``buckets`` the query counts that get graphs (steps beyond the largest run
-    eagerly). ``backend`` must be graph-safe; ``plan_kind`` is the attention's. ``captures`` counts the graphs captured.
+    eagerly). ``backend`` must be graph-safe; ``plan_kind`` is the attention's.
+    ``captures`` counts the graphs captured, ``rebuilds`` the buckets a step outgrew.
     """
 
     def __init__(self, model: LlamaModel, pool: KVPool, scratch_slot: int,
@@ -73,9 +74,8 @@ class StepGraphs:
             raise ValueError(f"buckets: expected positive query counts, got {tuple(buckets)}")
         self.capture = self.device.type == "cuda"
         self._buckets: dict[int, _Bucket] = {}
-        self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
         self._block_kv = model.attention(device=self.device, backend=backend).block_kv
-        self.captures = 0
+        self.captures = self.rebuilds = 0
 
     def bucket(self, n: int) -> int | None:
         """The query count of the bucket a step of ``n`` queries runs in, or ``None``."""
@@ -98,7 +98,7 @@ class StepGraphs:
                 b.attn.plan(padded)
                 return b
             except CapacityError:
-                pass
+                self.rebuilds += 1
         b = self._buckets[q] = self._new_bucket(q, padded)
         return b
 
@@ -147,7 +147,7 @@ class StepGraphs:
                 self._model_step(b, logits)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool):
+            with torch.cuda.graph(graph):  # a private pool: a rebuilt bucket frees its graphs
                 out = self._model_step(b, logits)
             b.graphs[logits] = (graph, out)
             self.captures += 1

@@ -70,6 +70,32 @@ class LlamaLayer(nn.Module):
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
+    def forward_fused(
+        self,
+        x: torch.Tensor,  # [N, hidden]: the residual stream before ``delta`` is added
+        delta: torch.Tensor | None,  # [N, hidden]: the previous layer's MLP output
+        positions: torch.Tensor,  # [N]
+        table: torch.Tensor,  # [max_positions, D]: the model's cos/sin table
+        write_slots: torch.Tensor,
+        attn: TreeAttention,
+        pool: KVPool,
+        layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` through the fused kernels of :mod:`.fused`; returns the residual
+        stream and this layer's MLP output, which the next layer's norm adds."""
+        from . import fused
+
+        n, h, h_kv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        normed, x = fused.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps, delta)
+        qkv = self.qkv(normed).view(n, h + 2 * h_kv, d)
+        k, v = pool.k[layer], pool.v[layer]
+        q = fused.rope_write(qkv, table, positions, write_slots, k.view(-1, h_kv, d),
+                             v.view(-1, h_kv, d), h)
+        o = attn.run(q, k, v)
+        normed, x = fused.rms_norm(x, self.mlp_norm.weight, self.mlp_norm.eps,
+                                   self.o(o.reshape(n, self.q_size)))
+        return x, self.down(fused.silu_mul(self.gate_up(normed)))
+
 
 class LlamaModel(nn.Module):
     """Llama-family causal LM over a tree KV cache.
@@ -95,6 +121,10 @@ class LlamaModel(nn.Module):
             None if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        # On CUDA, the layers' memory-bound ops run as the fused kernels of ``deft.model.fused``
+        # (``None``); ``False``: the plain PyTorch ops everywhere; ``True``: fused on any
+        # device Triton runs on (CPU tensors when it interprets, for tests).
+        self.fused_ops: bool | None = None
         # [max_positions, D]: cos then sin of every position's angles (not a checkpoint tensor).
         self.register_buffer("rope", rope_table(config, self.embed.weight.dtype,
                                                 self.embed.weight.device), persistent=False)
@@ -160,12 +190,23 @@ class LlamaModel(nn.Module):
         """
         self._check_step(input_ids, positions, write_slots, attn, pool, logits_rows)
         x = self.embed(input_ids)  # [N, hidden]
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        if x.dtype != torch.float64 and (self.fused_ops or (self.fused_ops is None and x.is_cuda)):
+            from .fused import rms_norm
+
+            delta = None
+            for i, layer in enumerate(self.layers):
+                x, delta = layer.forward_fused(x, delta, positions, self.rope, write_slots,
+                                               attn, pool, i)
+            if logits_rows is not None:
+                x, delta = x[logits_rows], delta[logits_rows]
+            logits = F.linear(rms_norm(x, self.norm.weight, self.norm.eps, delta)[0], head)
+            return logits if logits.dtype == torch.float64 else logits.float()
         cos, sin = self.rope[positions].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D/2] each
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, write_slots, attn, pool, i)
         if logits_rows is not None:
             x = x[logits_rows]
-        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(self.norm(x), head)  # [N or R, vocab]
         return logits if logits.dtype == torch.float64 else logits.float()
 

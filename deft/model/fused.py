@@ -1,0 +1,134 @@
+"""Fused Triton kernels of the Llama layer's memory-bound ops, for CUDA tensors.
+
+Each replaces several PyTorch kernels (and their HBM round trips) of a decode step:
+
+* :func:`rms_norm`: optional residual add, then RMSNorm, one read of the row;
+* :func:`rope_write`: rotary embedding of the q and k heads of the fused qkv projection,
+  straight from the model's cos/sin table, with rotated k and v written into the K/V pool
+  slots and q into a contiguous buffer for attention;
+* :func:`silu_mul`: ``silu(gate) * up`` of the fused gate/up projection.
+
+They round where the PyTorch ops they replace round (the residual sum and the normalised
+row in the activations' dtype) except inside RoPE, which is computed in float32 and rounded
+once. The CPU path keeps the plain PyTorch ops (:mod:`deft.model.llama`); tests compare
+the two on random inputs (interpreted on CPU, compiled under ``pytest -m gpu``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["rms_norm", "rope_write", "silu_mul"]
+
+
+@triton.jit
+def _rms_norm_kernel(X, R, W, OUT, X_OUT, n, eps, stride_x, stride_r, stride_o,
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n
+    x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RES:  # the residual stream, rounded to its dtype as ``x + r`` is
+        x = (x.to(tl.float32) + tl.load(R + row * stride_r + cols, mask=ok, other=0.0)
+             .to(tl.float32)).to(x.dtype)
+        tl.store(X_OUT + row * n + cols, x, mask=ok)
+    h = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / n + eps)
+    normed = (h * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(OUT + row * stride_o + cols, (w * normed).to(OUT.dtype.element_ty), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight * norm(s), s)`` with ``s = x + residual`` (``x`` without one), rows of ``[N, C]``."""
+    n_rows, n = x.shape
+    out = torch.empty(x.shape, dtype=weight.dtype, device=x.device)
+    s = x if residual is None else torch.empty_like(x)
+    r = x if residual is None else residual
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(n_rows,)](x, r, weight, out, s, n, eps, x.stride(0), r.stride(0),
+                                out.stride(0), HAS_RES=residual is not None, BLOCK=block,
+                                num_warps=min(16, max(1, block // 256)))
+    return out, s
+
+
+@triton.jit
+def _rotate(X, row_stride, heads, cos, sin, OUT, out_row, out_head,
+            HP: tl.constexpr, HALF: tl.constexpr):
+    """Rotate-half RoPE of ``heads`` heads at ``X`` (rows of ``2 * HALF``) into ``OUT``."""
+    hh = tl.arange(0, HP)[:, None]
+    c = tl.arange(0, HALF)[None, :]
+    ok = hh < heads
+    x1 = tl.load(X + hh * row_stride + c, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(X + hh * row_stride + HALF + c, mask=ok, other=0.0).to(tl.float32)
+    ty = OUT.dtype.element_ty
+    tl.store(OUT + out_row + hh * out_head + c, (x1 * cos - x2 * sin).to(ty), mask=ok)
+    tl.store(OUT + out_row + hh * out_head + HALF + c, (x2 * cos + x1 * sin).to(ty), mask=ok)
+
+
+@triton.jit
+def _rope_write_kernel(QKV, TABLE, POS, SLOTS, Q_OUT, K, V, h, h_kv, stride_qkv, stride_t,
+                       stride_qo, stride_kn, stride_kh,
+                       HP: tl.constexpr, HKP: tl.constexpr, HALF: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.load(POS + row).to(tl.int64)
+    slot = tl.load(SLOTS + row).to(tl.int64)
+    c = tl.arange(0, HALF)[None, :]
+    cos = tl.load(TABLE + pos * stride_t + c).to(tl.float32)
+    sin = tl.load(TABLE + pos * stride_t + HALF + c).to(tl.float32)
+    d = 2 * HALF
+    base = QKV + row * stride_qkv
+    _rotate(base, d, h, cos, sin, Q_OUT, row * stride_qo, d, HP, HALF)
+    _rotate(base + h * d, d, h_kv, cos, sin, K, slot * stride_kn, stride_kh, HKP, HALF)
+    hh = tl.arange(0, HKP)[:, None]
+    cd = tl.arange(0, 2 * HALF)[None, :]
+    ok = hh < h_kv
+    v = tl.load(base + (h + h_kv) * d + hh * d + cd, mask=ok, other=0.0)
+    tl.store(V + slot * stride_kn + hh * stride_kh + cd, v.to(V.dtype.element_ty), mask=ok)
+
+
+def rope_write(qkv: torch.Tensor, table: torch.Tensor, positions: torch.Tensor,
+               slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               num_heads: int) -> torch.Tensor:
+    """Rotated q ``[N, H, D]`` of ``qkv [N, H + 2 H_kv, D]``; rotated k and v go to
+    ``k_cache, v_cache [slots, H_kv, D]`` at ``slots``. ``table [P, D]``: cos then sin."""
+    n, heads, d = qkv.shape
+    h_kv = (heads - num_heads) // 2
+    q = torch.empty((n, num_heads, d), dtype=qkv.dtype, device=qkv.device)
+    if n == 0:
+        return q
+    if qkv.stride(2) != 1 or qkv.stride(1) != d or k_cache.stride() != v_cache.stride() \
+            or k_cache.stride(2) != 1 or table.stride(1) != 1:
+        raise ValueError("rope_write: expected rows of contiguous heads and a K/V pool of one layout")
+    _rope_write_kernel[(n,)](qkv, table, positions, slots, q, k_cache, v_cache, num_heads, h_kv,
+                             qkv.stride(0), table.stride(0), q.stride(0), k_cache.stride(0),
+                             k_cache.stride(1), HP=triton.next_power_of_2(num_heads),
+                             HKP=triton.next_power_of_2(h_kv), HALF=d // 2, num_warps=4)
+    return q
+
+
+@triton.jit
+def _silu_mul_kernel(GU, OUT, n, stride_gu, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n
+    g = tl.load(GU + row * stride_gu + cols, mask=ok, other=0.0)
+    u = tl.load(GU + row * stride_gu + n + cols, mask=ok, other=0.0).to(tl.float32)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)  # silu, rounded as F.silu's
+    tl.store(OUT + row * stride_o + cols, (act * u).to(g.dtype), mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up [N, 2 I]`` (gate first), ``[N, I]``."""
+    rows, two_i = gate_up.shape
+    n = two_i // 2
+    out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    if rows:
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0),
+                                                        out.stride(0), BLOCK=block, num_warps=4)
+    return out
