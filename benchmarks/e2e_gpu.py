@@ -2,8 +2,9 @@
 
 The model has Llama-3-8B's shapes (32 layers, hidden 4096, 32/8 heads of 128, MLP 14336,
 vocabulary 128256) and random bf16 weights, so nothing is downloaded. Every workload runs on
-the same model in three engines: DeFT-Flatten with steps replayed as CUDA graphs (the
-default), the same launched eagerly, and per-branch attention (``plan_kind="per_query"``:
+the same model in four engines: DeFT-Flatten with steps replayed as CUDA graphs (the
+default), the same with the plain PyTorch ops instead of the fused kernels
+(:mod:`deft.model.fused`), the same launched eagerly, and per-branch attention (``plan_kind="per_query"``:
 each query reads its whole path, as Radix/Flash-Decoding do) replayed as graphs; and,
 where it has the strategy, ``transformers`` ``generate`` on a model of the same shapes.
 
@@ -213,6 +214,7 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
     kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
     pages = 4096  # 65,536 slots: the largest workload holds 32 x 1,128 tokens
     engines = {"graph": TreeEngine(model, tok, num_pages=pages),
+               "graph, unfused": TreeEngine(model, tok, num_pages=pages),
                "eager": TreeEngine(model, tok, num_pages=pages, cuda_graphs=False),
                "per-branch": TreeEngine(model, tok, num_pages=pages, plan_kind="per_query")}
     hf = _hf_model(config) if with_transformers else None
@@ -231,7 +233,9 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
         got = {}
         for mode, engine in engines.items():
             say(f"{w.name}: {mode}")
+            model.fused_ops = False if mode == "graph, unfused" else None  # graphs keep theirs
             got[mode] = _measure(engine, w, prompts, parents)
+        model.fused_ops = None
         g = got["graph"]
         floor_ms = 1e3 * max((weight_bytes + g["plan_tokens"] * kv_token_bytes) / bw,
                              2 * matmul_weights * g["queries"] / rate)
@@ -240,12 +244,14 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
         if hf is not None:
             say(f"{w.name}: transformers")
             hf_s = _hf_seconds(hf, w, prompts)
-        rows.append([w.name, w.prompt, round(g["queries"], 1), g["ms_step"], got["eager"]["ms_step"],
+        rows.append([w.name, w.prompt, round(g["queries"], 1), g["ms_step"],
+                     got["graph, unfused"]["ms_step"], got["eager"]["ms_step"],
                      got["per-branch"]["ms_step"], floor_ms, 100 * floor_ms / g["ms_step"],
                      got["per-branch"]["ms_step"] / g["ms_step"],
                      new / g["wall"], None if hf_s is None else hf_s / g["wall"],
                      g["plan_ms"], 100 * g["host"]])
-    headers = ["workload", "prompt", "queries/step", "graph ms/step", "eager ms/step",
+    headers = ["workload", "prompt", "queries/step", "graph ms/step", "unfused graph ms/step",
+               "eager ms/step",
                "per-branch ms/step", "floor ms/step", "% of floor", "speed-up over per-branch",
                "tokens/s", "speed-up over transformers", "plan ms/step", "eager steps %"]
     name = torch.cuda.get_device_name()
