@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from deft.engine import (Expansion, ModelDrafter, NgramDrafter, SamplingParams, TreeEngine,
-                         beam_search, generate, replay_trace, sample, speculative_generate,
-                         tree_search)
+from deft.engine import (Expansion, ModelDrafter, NgramDrafter, SamplingParams, TopKShape,
+                         TreeEngine, beam_search, generate, replay_trace, sample,
+                         speculative_generate, tree_search)
 from deft.model import LlamaConfig, LlamaModel, Tokenizer
 
 VOCAB = 64
@@ -35,6 +35,10 @@ def model(device: str, dtype: torch.dtype, seed: int = 0, layers: int = 3) -> Ll
     m = LlamaModel(config).eval().requires_grad_(False)
     m.norm.weight.mul_(4.0)
     return m.to(device, dtype)
+
+
+# A small Medusa-style draft tree (choice paths: the i-th candidate at each depth).
+MEDUSA_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
 
 
 def write_trace(path: Path) -> None:
@@ -72,5 +76,9 @@ def run_strategies(engine: TreeEngine, draft: TreeEngine, prompt: list[int],
             engine, [prompt * 2], greedy, NgramDrafter())],
         "speculative model": [r.token_ids for r in speculative_generate(
             engine, [prompt], greedy, ModelDrafter(draft))],
+        "speculative Medusa tree": [r.token_ids for r in speculative_generate(
+            engine, [prompt], greedy, ModelDrafter(draft), tree=MEDUSA_CHOICES)],
+        "speculative top-k tree": [r.token_ids for r in speculative_generate(
+            engine, [prompt], greedy, ModelDrafter(draft), tree=TopKShape(k=3, depth=4, width=3))],
         "replay": replay_trace(engine, trace, tokens="greedy").decode_tokens,
     }

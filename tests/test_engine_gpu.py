@@ -65,5 +65,7 @@ def test_every_strategy_matches_the_torch_backend(tmp_path):
     got = run_strategies(tri, draft_tri, PROMPT[:60], trace)
     want = run_strategies(ref, draft_ref, PROMPT[:60], trace)
     assert got == want
+    for tree in ("model", "Medusa tree", "top-k tree"):  # greedy speculation = greedy
+        assert got[f"speculative {tree}"][0] == got["generate"][0]
     for engine in (tri, draft_tri):
         assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == engine.cache.num_pages
