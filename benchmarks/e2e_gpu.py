@@ -10,7 +10,8 @@ where it has the strategy, ``transformers`` ``generate`` on a model of the same 
 
 ms/step is the wall time of the decode steps (a run's time minus its prefill, measured by a
 run that stops after the first token), divided by their number: what a user pays, host
-work, planning and sampling included. The floor of a step is the larger of (weights read +
+work, planning and sampling included. GPU ms/step is the run's last step alone, its graph
+replayed again: the rest of a step is host time the GPU waits for. The floor of a step is the larger of (weights read +
 the step's unique K/V bytes) over the HBM read bandwidth and the matmul FLOPs (2 per weight
 per query token; attention FLOPs left out) over the bf16 matmul rate, both measured in the
 same run; a workload's floor is its steps' mean.
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import triton
 
 from .report import markdown_table, record, write_record
 
@@ -146,7 +148,11 @@ def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
     t_full = _timed(full)
     st = engine.stats
     steps, plan_tokens = st["steps"] - steps0, st["plan_tokens"] - tok0
+    # The GPU time of the run's last step alone: its graph replayed again (same inputs).
+    last = engine.graphs.last_graph if engine.graphs is not None else None
+    gpu_ms = None if last is None else triton.testing.do_bench(last.replay, return_mode="median")
     return {"ms_step": 1e3 * (t_full - t_prefill) / steps, "steps": steps, "wall": t_full,
+            "gpu_ms": gpu_ms,
             "plan_tokens": plan_tokens / steps, "queries": (st["tokens"] - _prefill_tokens(w)) / steps,
             "plan_ms": 1e3 * st["plan_s"] / st["steps"],
             "host": 1 - st["graph_steps"] / max(st["steps"], 1)}
@@ -244,13 +250,14 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
         if hf is not None:
             say(f"{w.name}: transformers")
             hf_s = _hf_seconds(hf, w, prompts)
-        rows.append([w.name, w.prompt, round(g["queries"], 1), g["ms_step"],
+        rows.append([w.name, w.prompt, round(g["queries"], 1), g["ms_step"], g["gpu_ms"],
                      got["graph, unfused"]["ms_step"], got["eager"]["ms_step"],
                      got["per-branch"]["ms_step"], floor_ms, 100 * floor_ms / g["ms_step"],
                      got["per-branch"]["ms_step"] / g["ms_step"],
                      new / g["wall"], None if hf_s is None else hf_s / g["wall"],
                      g["plan_ms"], 100 * g["host"]])
-    headers = ["workload", "prompt", "queries/step", "graph ms/step", "unfused graph ms/step",
+    headers = ["workload", "prompt", "queries/step", "graph ms/step", "GPU ms/step",
+               "unfused graph ms/step",
                "eager ms/step",
                "per-branch ms/step", "floor ms/step", "% of floor", "speed-up over per-branch",
                "tokens/s", "speed-up over transformers", "plan ms/step", "eager steps %"]

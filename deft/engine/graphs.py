@@ -76,6 +76,7 @@ class StepGraphs:
         self._buckets: dict[int, _Bucket] = {}
         self._block_kv = model.attention(device=self.device, backend=backend).block_kv
         self.captures = self.rebuilds = 0
+        self.last_graph: torch.cuda.CUDAGraph | None = None  # the last replayed (benchmarks time it)
 
     def bucket(self, n: int) -> int | None:
         """The query count of the bucket a step of ``n`` queries runs in, or ``None``."""
@@ -152,6 +153,7 @@ class StepGraphs:
             b.graphs[logits] = (graph, out)
             self.captures += 1
         graph.replay()
+        self.last_graph = graph
         return out
 
     def _model_step(self, b: _Bucket, logits: bool) -> torch.Tensor:
