@@ -171,7 +171,14 @@ class TreeAttention:
         Returns
         -------
         ``o`` ``[num_queries, num_qo_heads, head_dim]`` in ``q.dtype`` (and ``lse``); ``out``
-        and ``lse_out`` themselves when given.
+        and ``lse_out`` themselves when given. A query that sees no token gets ``o = 0`` and
+        ``lse = -inf``.
+
+        Non-finite K/V, on every backend: a (query, head) whose KV head holds a NaN or ±inf in
+        a K or V row the query sees gets NaN ``o`` and NaN ``lse``; every other (query, head)
+        is bitwise what it is when those rows are finite. Rows a query does not see (other
+        branches, other trees, unused slots, its own node's tokens past ``query_kv_len``)
+        never enter its arithmetic: masked entries are selected away, not multiplied by 0.
         """
         plan = self.current_plan
         k_flat, v_flat = self._check_inputs(q, k_cache, v_cache, plan)

@@ -1,7 +1,10 @@
 """Dense masked attention in float64: the independent reference the tests compare against.
 
 It reads the layout directly (never the plan), builds the full ``[Q, num_tokens]``
-visibility mask by walking ancestors, and runs plain softmax attention.
+visibility mask by walking ancestors, and runs plain softmax attention. It is also the
+specification of non-finite K/V: a (query, head) that sees a token whose K or V row of its
+KV head holds a NaN or ±inf gets NaN ``o`` and ``lse``; every other (query, head) is exactly
+what it would be with any finite values in the rows it does not see.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ def reference_attention(
     layout: TreeLayout,
     sm_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 ``(o [Q, H_q, D], lse [Q, H_q])``; a query that sees nothing gets 0 and -inf."""
+    """Float64 ``(o [Q, H_q, D], lse [Q, H_q])``; a query that sees nothing gets 0 and -inf,
+    a (query, head) that sees a non-finite K/V row of its KV head NaN and NaN."""
     h_q, h_kv = q.shape[1], k_cache.shape[-2]
     slots = torch.tensor(layout.kv_indices, device=q.device)
     k = k_cache.reshape(-1, h_kv, k_cache.shape[-1])[slots].double()
@@ -49,13 +53,16 @@ def reference_attention(
     g = h_q // h_kv
     k = k.repeat_interleave(g, dim=1)  # [T, H_q, D]
     v = v.repeat_interleave(g, dim=1)
+    bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [T, H_q]
+    k, v = (torch.where(torch.isfinite(x), x, 0.0) for x in (k, v))
     scores = torch.einsum("qhd,thd->hqt", q.double(), k) * sm_scale
     mask = torch.as_tensor(visibility_mask(layout), device=q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [H, Q]
     p = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
     o = torch.einsum("hqt,thd->qhd", p, v)
-    return o, lse.transpose(0, 1).contiguous()
+    seen = (mask[None] & bad.T[:, None, :]).any(-1).T  # [Q, H_q]
+    return o.masked_fill(seen[..., None], float("nan")), lse.T.masked_fill(seen, float("nan"))
 
 
 @dataclass(frozen=True)

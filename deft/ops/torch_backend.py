@@ -7,6 +7,10 @@ buckets of equal padded shape (tile length and group size rounded up to a power 
 gathered once and all queries of its group and all GQA heads of each KV head are computed
 against it. Partial states are merged through the plan's reduction map, padded to a dense
 ``[Q, S]`` index. Accumulation is float32 (float64 inputs stay float64).
+
+Non-finite K/V are isolated: gathered rows holding a NaN or ±inf are zeroed before any
+matmul (a masked probability times 0 is exactly what it was times a finite value), and the
+(query, head) pairs that see such a row of their KV head get NaN ``o`` and ``lse``.
 """
 
 from __future__ import annotations
@@ -193,22 +197,23 @@ def _dense_attention(
         q, k, v = q.float(), k.float(), v.float()
     elif q.dtype == torch.float64:
         bias = bias.double()
+    bad = _sanitize(k, v)  # [N, H_kv] or None
     # Rows of one KV head: (query, GQA head) pairs, matching the bias rows.
     qh = q.reshape(nq, h_kv, g, d).transpose(0, 1).reshape(h_kv, nq * g, d)
     s = torch.baddbmm(bias, qh, k.permute(1, 2, 0), alpha=sm_scale)  # [H_kv, Q*g, N]
-    # An inf/NaN key a row cannot see gives -inf + inf = NaN there: make it -inf again, so
-    # one sequence's overflow never reaches another (a NaN key a row sees is then ignored
-    # rather than propagated; a masked fill would be exact but costs 2-3x on CPU).
-    s.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     p = torch.softmax(s, dim=-1)
     if prepared.empty_rows is not None:
         p.index_fill_(1, prepared.empty_rows, 0.0)  # their NaN rows: output 0
     o = torch.bmm(p, v.transpose(0, 1)).view(h_kv, nq, g, d).transpose(0, 1)
     o = o.reshape(nq, h_q, d).to(out_dtype)
-    if not return_lse:
-        return o, None
-    lse = torch.logsumexp(s, dim=-1)  # [H_kv, Q*g]; -inf for empty rows
-    return o, lse.view(h_kv, nq, g).transpose(0, 1).reshape(nq, h_q).float()
+    lse = None
+    if return_lse:
+        lse = torch.logsumexp(s, dim=-1)  # [H_kv, Q*g]; -inf for empty rows
+        lse = lse.view(h_kv, nq, g).transpose(0, 1).reshape(nq, h_q).float()
+    if bad is not None:
+        seen = (bias == 0).to(k.dtype) @ bad.to(k.dtype) > 0  # [Q*g, H_kv]
+        o, lse = _poison(o, lse, seen.view(nq, g, h_kv).transpose(1, 2).reshape(nq, h_q))
+    return o, lse
 
 
 def _tile_attention(
@@ -227,6 +232,7 @@ def _tile_attention(
     qh = q.to(acc).view(nt, gq, h_kv, g, d).permute(0, 2, 1, 3, 4).reshape(nt, h_kv, gq * g, d)
     kh = k.to(acc).permute(0, 2, 1, 3)  # [nt, H_kv, L, D]
     vh = v.to(acc).permute(0, 2, 1, 3)
+    bad = _sanitize(kh, vh)  # [nt, H_kv, L] or None
     s = torch.matmul(qh, kh.transpose(-1, -2)) * sm_scale  # [nt, H_kv, G*g, L]
     if mask is not None:
         m = mask[:, None, :, None, :].expand(nt, 1, gq, g, mask.shape[-1]).reshape(nt, 1, gq * g, -1)
@@ -236,7 +242,36 @@ def _tile_attention(
     o = torch.matmul(p, vh)  # [nt, H_kv, G*g, D]
     o = o.view(nt, h_kv, gq, g, d).permute(0, 2, 1, 3, 4).reshape(nt, gq, h_q, d)
     lse = lse.view(nt, h_kv, gq, g).permute(0, 2, 1, 3).reshape(nt, gq, h_q)
+    if bad is not None:
+        if mask is None:
+            seen = bad.any(-1)[:, None, :].expand(nt, gq, h_kv)
+        else:
+            seen = mask.to(acc) @ bad.transpose(1, 2).to(acc) > 0  # [nt, G, H_kv]
+        o, lse = _poison(o, lse, seen.repeat_interleave(g, dim=2))
     return o, lse
+
+
+def _sanitize(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """Zero the NaN/±inf values of the gathered ``k, v [..., D]`` (copies of the cache) in
+    place; return which rows ``[...]`` held one, or ``None`` if none can have.
+
+    Any NaN or inf makes a sum non-finite, so on CPU one reduction per tensor clears clean
+    K/V; elsewhere the exact test always runs (reading the sum would synchronise).
+    """
+    if k.device.type == "cpu" and bool(torch.isfinite(k.sum() + v.sum())):
+        return None
+    bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))
+    k.nan_to_num_(0.0, 0.0, 0.0)
+    v.nan_to_num_(0.0, 0.0, 0.0)
+    return bad
+
+
+def _poison(o: torch.Tensor, lse: torch.Tensor | None,
+            seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """NaN ``o [..., H_q, D]`` and ``lse [..., H_q]`` where ``seen [..., H_q]``: the (query,
+    head) pairs that see a non-finite K/V row."""
+    nan = float("nan")
+    return o.masked_fill(seen[..., None], nan), None if lse is None else lse.masked_fill(seen, nan)
 
 
 def _merge_partials(

@@ -11,9 +11,15 @@ and writes one partial state per (query, head): ``o`` in ``PO``'s dtype (q's for
 fp16/bf16), ``lse`` in fp32. With ``FUSE_MERGE`` the program that writes a row's last
 partial state also merges the row (off by default: measured slower, see CHANGELOG.md).
 
+Non-finite K/V stay with the rows that see them: a row that sees a token whose K or V row
+holds a NaN or ±inf gets a running max of +inf, which no later block lowers, and a NaN
+state. In a block some of whose rows do not see some token (masked blocks, a TMA box's
+tail), non-finite V values are zeroed before ``p @ V``: a probability of 0 times NaN is NaN.
+Masked scores are selected to -inf, so raw non-finite K never reach a row that cannot see it.
+
 ``merge_kernel``: one program per (query, block of heads); merges the query's partial states
 through the reduction map (CSR), a block of them per step, into ``o`` (output dtype) and
-``lse`` (natural log).
+``lse`` (natural log). A state with an ``lse`` of NaN or +inf makes its row NaN.
 """
 
 import types
@@ -26,6 +32,18 @@ from ...plan.visibility import visible
 
 # The planner's predicate, compiled with this module's globals (Triton resolves names there).
 _visible = triton.jit(types.FunctionType(visible.__code__, globals(), "visible"))
+
+
+@triton.jit
+def _finite(x):
+    """Elementwise: ``x`` is neither NaN nor ±inf (NaN fails every comparison)."""
+    return tl.abs(x) < float("inf")
+
+
+@triton.jit
+def _bad_rows(x):
+    """``[BLOCK_N]`` int32: 1 where a row of ``x [BLOCK_N, D]`` holds a NaN or ±inf."""
+    return tl.max(tl.where(_finite(x), 0, 1), 1)
 
 
 @triton.jit
@@ -69,6 +87,7 @@ def _tile_loop(
             next_slot = tl.load(tok_slot + ahead, mask=ahead < tok1, other=0)
         kv_off = slot[:, None] * stride_kn + kvh * stride_kh + d[None, :]
         k = tl.load(K + kv_off, mask=tok_ok[:, None], other=0.0)
+        bad = _bad_rows(k)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -82,6 +101,12 @@ def _tile_loop(
         s = tl.where(vis, s, float("-inf"))
         p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
         v = tl.load(V + kv_off, mask=tok_ok[:, None], other=0.0)
+        bad = tl.maximum(bad, _bad_rows(v))
+        if MASKED:
+            v = tl.where(_finite(v), v, 0.0)
+            m_i = tl.where(tl.max(tl.where(vis, bad[None, :], 0), 1) > 0, float("inf"), m_i)
+        else:  # every row sees every token (padding loads as 0)
+            m_i = tl.where(tl.max(bad, 0) > 0, float("inf"), m_i)
         if IEEE:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         else:
@@ -97,9 +122,10 @@ def _tma_block(
 ):
     """One online-softmax step over the ``BLOCK_N`` consecutive slots from ``slot``, loaded
     by TMA. ``TAIL``: only tokens before ``tok1`` count; the box's rows past it (another
-    node's KV, or unwritten cache) are masked out of the scores and zeroed in V, so even
-    NaN/inf there cannot leak in."""
+    node's KV, or unwritten cache) are masked out of the scores, their non-finite V values
+    zeroed and their K/V never flag a row."""
     k = desc_k.load([slot, kvh * D])
+    bad = _bad_rows(k)
     if IEEE:
         s = tl.dot(q, k.T, input_precision="ieee")
     else:
@@ -118,8 +144,15 @@ def _tma_block(
         s = tl.where(vis, s, float("-inf"))
     p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
     v = desc_v.load([slot, kvh * D])
-    if TAIL:
-        v = tl.where((start + tl.arange(0, BLOCK_N) < tok1)[:, None], v, 0.0)
+    bad = tl.maximum(bad, _bad_rows(v))
+    if MASKED or TAIL:
+        v = tl.where(_finite(v), v, 0.0)
+    if MASKED:
+        m_i = tl.where(tl.max(tl.where(vis, bad[None, :], 0), 1) > 0, float("inf"), m_i)
+    elif TAIL:
+        m_i = tl.where(tl.max(tl.where(tok_ok, bad, 0), 0) > 0, float("inf"), m_i)
+    else:
+        m_i = tl.where(tl.max(bad, 0) > 0, float("inf"), m_i)
     if IEEE:
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
     else:
@@ -302,6 +335,9 @@ def _work_item(
     # Natural-log lse from the base-2 running max and sum.
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
+    bad = m_i == float("inf")  # the row saw a non-finite K/V row
+    o = tl.where(bad[:, None], float("nan"), o)
+    lse = tl.where(bad, float("nan"), lse)
     pid = (p0 + qi).to(tl.int64)
     tl.store(PO + pid[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :],
              o.to(PO.dtype.element_ty), mask=row_ok[:, None])
@@ -336,6 +372,7 @@ def _merge_if_last(
         m = tl.full(cnt.shape, float("-inf"), tl.float32)
         den = tl.zeros(cnt.shape, tl.float32)
         acc = tl.zeros([cnt.shape[0], D], tl.float32)
+        invalid = tl.zeros(cnt.shape, tl.int32)  # some state's lse is NaN or +inf
         for j in range(0, tl.max(cnt, 0)):
             ok = j < cnt
             p = tl.load(merge_partials + start + j, mask=ok, other=0).to(tl.int64)
@@ -344,6 +381,7 @@ def _merge_if_last(
                         cache_modifier=".cg")
             o = tl.load(PO + p[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :],
                         mask=ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+            invalid = tl.maximum(invalid, tl.where(s < float("inf"), 0, 1))
             m_new = tl.maximum(m, s)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             a = tl.exp(m - m_safe)
@@ -352,8 +390,10 @@ def _merge_if_last(
             den = den * a + b
             m = m_new
         has = den > 0
-        out = acc / tl.where(has, den, 1.0)[:, None]
-        lse = tl.where(has, m + tl.log(tl.where(has, den, 1.0)), float("-inf"))
+        bad = invalid > 0
+        out = tl.where(bad[:, None], float("nan"), acc / tl.where(has, den, 1.0)[:, None])
+        lse = tl.where(bad, float("nan"), tl.where(has, m + tl.log(tl.where(has, den, 1.0)),
+                                                    float("-inf")))
         tl.store(O + qorig[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
                  out.to(O.dtype.element_ty), mask=last[:, None])
         tl.store(LSE + qorig * num_heads + head, lse, mask=last)
@@ -390,6 +430,7 @@ def merge_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
+    invalid = tl.zeros([BLOCK_H], tl.int32)  # some state's lse is NaN or +inf
     # BLOCK_S partial states of BLOCK_H heads at a time (a state's heads are contiguous):
     # independent loads in flight, one rescale per block.
     for c in range(start, end, BLOCK_S):
@@ -402,6 +443,7 @@ def merge_kernel(
                     other=float("-inf"))
         o = tl.load(PO + p[:, None, None] * stride_pn + heads[None, :, None] * stride_ph
                     + d[None, None, :], mask=ok[:, :, None], other=0.0).to(tl.float32)
+        invalid = tl.maximum(invalid, tl.max(tl.where(s < float("inf"), 0, 1), 0))
         m_new = tl.maximum(m, tl.max(s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         a = tl.exp(m - m_safe)
@@ -410,8 +452,10 @@ def merge_kernel(
         den = den * a + tl.sum(b, 0)
         m = m_new
     has = den > 0
-    out = acc / tl.where(has, den, 1.0)[:, None]
-    lse = tl.where(has, m + tl.log(tl.where(has, den, 1.0)), float("-inf"))
+    bad = invalid > 0
+    out = tl.where(bad[:, None], float("nan"), acc / tl.where(has, den, 1.0)[:, None])
+    lse = tl.where(bad, float("nan"), tl.where(has, m + tl.log(tl.where(has, den, 1.0)),
+                                                float("-inf")))
     n64 = n.to(tl.int64)
     tl.store(O + n64 * stride_on + heads[:, None] * stride_oh + d[None, :],
              out.to(O.dtype.element_ty), mask=h_ok[:, None])
