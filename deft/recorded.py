@@ -13,26 +13,30 @@ from typing import Any
 
 __all__ = ["workloads_dir", "load_medusa_choices", "load_reasoning_records"]
 
+# The directory holding the deft package: the checkout for a source or editable install.
+_CHECKOUT = Path(__file__).resolve().parents[1]
+
 
 def workloads_dir(path: str | os.PathLike[str] | None = None) -> Path:
     """The recorded-workloads directory: ``path``, else ``$DEFT_WORKLOADS``, else
-    ``../shared/workloads`` next to the repository. ``FileNotFoundError`` names what was tried."""
-    tried = []
-    candidates = [path] if path is not None else [
-        os.environ.get("DEFT_WORKLOADS"),
-        Path(__file__).resolve().parents[2] / "shared" / "workloads",
-        Path.cwd().parent / "shared" / "workloads",
-    ]
-    for cand in candidates:
-        if cand is None:
-            continue
-        p = Path(cand)
-        tried.append(str(p))
+    ``shared/workloads`` beside the deft checkout (found from any working directory), else
+    beside the working directory. ``FileNotFoundError`` names each place tried once.
+    """
+    given = path if path is not None else os.environ.get("DEFT_WORKLOADS") or None
+    if given is not None:
+        p = Path(given)
         if p.is_dir():
             return p
-    raise FileNotFoundError(
-        "recorded workloads not found (tried: " + ", ".join(tried) + "); pass a path or set DEFT_WORKLOADS"
-    )
+        source = "" if path is not None else "DEFT_WORKLOADS="
+        raise FileNotFoundError(f"recorded workloads not found: {source}{p} is not a directory")
+    tried: list[str] = []
+    for p in (_CHECKOUT.parent / "shared" / "workloads", Path.cwd().parent / "shared" / "workloads"):
+        if p.is_dir():
+            return p
+        if str(p) not in tried:
+            tried.append(str(p))
+    raise FileNotFoundError("recorded workloads not found (tried " + " and ".join(tried)
+                            + "); set DEFT_WORKLOADS to their directory or pass it")
 
 
 def load_medusa_choices(path: str | os.PathLike[str]) -> list[list[int]]:

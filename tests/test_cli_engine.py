@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -157,3 +159,71 @@ def test_demo_core_only(capsys):
     assert main(["demo", "--core"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("DeFT attention core demo") and "engine demo" not in out
+
+
+# ------------------------------------------------ the K/V budget (--kv-memory)
+
+
+@pytest.mark.parametrize("value, size", [("2GiB", 2 << 30), ("512MB", 512 * 10**6), ("1048576", 1 << 20),
+                                         ("1.5 kib", 1536), ("3B", 3)])
+def test_kv_memory_sizes(value, size):
+    assert cli_common.byte_size(value) == size
+
+
+@pytest.mark.parametrize("value", ["", "0", "2 GiBs", "-1", "1e9", "0.5B", "GiB"])
+def test_kv_memory_bad_sizes_are_one_line(capsys, value):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", PROMPT, "--kv-memory", value])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1
+    assert f"argument --kv-memory: expected a size of at least one byte such as 2GiB, 512MB or 1048576" in err
+
+
+def test_kv_memory_too_small(loaded, capsys):
+    """A budget below one page, then one that cannot hold the prompt: one line each, exit 2."""
+    assert main(["generate", PROMPT, "--kv-memory", "100KB"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--kv-memory: the K/V budget of 97.7 KiB (--kv-memory) holds no " \
+        "16-token page of 720.0 KiB" in err, err
+    assert main(["generate", "word " * 100, "--kv-memory", "2MiB"]) == 2  # 101 tokens: 7 pages
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("deft: error: KV cache is full: needed 7 free pages of "
+                                                   "16 tokens, 2 free of 2 in a K/V budget of 2.0 MiB "
+                                                   "(--kv-memory); raise --kv-memory"), err
+
+
+def test_requests_that_do_not_fit_together_wait(loaded, capsys):
+    """A budget that holds one request's worst case at a time runs the prompts one after another,
+    with the tokens of a run where all fit at once."""
+    prompts = [PROMPT, "Name a colour.", "One, two, three,"]
+    free = run_json(capsys, ["generate", *prompts, "--max-new-tokens", "4"])
+    tight = run_json(capsys, ["generate", *prompts, "--max-new-tokens", "4", "--kv-memory", "9MiB"])
+    assert [r["token_ids"] for r in tight] == [r["token_ids"] for r in free]
+
+
+CHILD = """
+import resource, sys
+from deft.cli import main
+with open("/proc/self/status") as f:
+    mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (768 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux's")
+def test_worst_case_pool_is_not_allocated_under_a_memory_limit(tmp_path):
+    """``deft sample hi -n 256 --max-new-tokens 8192`` with 768 MiB of address space to spare:
+    the worst case would be 262 GB of K/V (1 MiB pages); the pool takes a share of what is
+    free, and the run succeeds or stops with one line, exit code 2."""
+    from test_fuzz_loaders import write_tiny_gguf
+
+    model = tmp_path / "wide.gguf"
+    write_tiny_gguf(model, max_position_embeddings=8192, num_layers=8, num_heads=8, num_kv_heads=8, head_dim=128)
+    argv = ["sample", "hi", "-n", "256", "--max-new-tokens", "8192", "--model", str(model), "--json"]
+    done = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in done.stderr and "MemoryError" not in done.stderr, done.stderr[-2000:]
+    assert done.returncode in (0, 2), done.stderr[-2000:]
+    if done.returncode == 2:
+        err = [line for line in done.stderr.splitlines() if line.startswith("deft")]
+        assert err == [done.stderr.strip().splitlines()[-1]] and err[0].startswith("deft: error: KV cache is full")

@@ -1,12 +1,108 @@
-"""Per-layer paged K/V tensors: the memory a tree cache hands out page by page."""
+"""Per-layer paged K/V tensors: the memory a tree cache hands out page by page, and how many
+pages a memory budget holds."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 
-from ..checks import positive_int
+from ..checks import int_at_least, positive_int
 
-__all__ = ["KVPool"]
+__all__ = ["KV_MEMORY_FRACTION", "KVPool", "default_kv_budget", "free_memory", "page_bytes",
+           "pages_for_budget"]
+
+# The default K/V budget is this fraction of the memory still free once the model is loaded;
+# the rest is left to activations, the logits and everything else in the process.
+KV_MEMORY_FRACTION = 0.5
+_FALLBACK_FREE = 1 << 31  # CPU bytes assumed free where the system says nothing
+_UNLIMITED = 1 << 60  # cgroup limits at or above this are "no limit"
+# (limit file, usage file) of the process's memory cgroup, v2 then v1, as a container sees them.
+_CGROUP_FILES = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
+
+
+def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+               dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of one page of K and V in every layer."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * page_size * num_kv_heads * head_dim * elem
+
+
+def pages_for_budget(budget: int, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype = torch.float32) -> int:
+    """Whole pages (K and V of every layer) that fit in ``budget`` bytes; 0 if not one does."""
+    budget = int_at_least(budget, "budget", 0)
+    return budget // page_bytes(num_layers, page_size, num_kv_heads, head_dim, dtype)
+
+
+def free_memory(device: str | torch.device = "cpu") -> int:
+    """Bytes this process can still allocate on ``device``.
+
+    CUDA: the device's free memory. CPU: the least of the available RAM (``MemAvailable``),
+    what the memory cgroup (a container's limit) leaves and what the address-space and data
+    limits (``ulimit -v``, ``RLIMIT_AS``/``RLIMIT_DATA``) leave; 2 GiB where none is known.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    known = [n for n in (_meminfo_available(), _cgroup_free(), *_rlimit_free()) if n is not None]
+    return max(0, min(known)) if known else _FALLBACK_FREE
+
+
+def default_kv_budget(device: str | torch.device = "cpu") -> int:
+    """The K/V budget when none is given: :data:`KV_MEMORY_FRACTION` of :func:`free_memory`."""
+    return int(KV_MEMORY_FRACTION * free_memory(device))
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _cgroup_free() -> int | None:
+    for limit_file, usage_file in _CGROUP_FILES:
+        try:
+            limit = Path(limit_file).read_text().strip()
+            if limit == "max" or int(limit) >= _UNLIMITED:
+                return None
+            return int(limit) - int(Path(usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _rlimit_free() -> list[int | None]:
+    """Room left under ``RLIMIT_AS`` (against VmSize) and ``RLIMIT_DATA`` (against VmData)."""
+    try:
+        import resource
+
+        with open("/proc/self/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+    except (ImportError, OSError):
+        return []
+    out: list[int | None] = []
+    for limit, field in ((resource.RLIMIT_AS, "VmSize"), (resource.RLIMIT_DATA, "VmData")):
+        soft = resource.getrlimit(limit)[0]
+        if soft == resource.RLIM_INFINITY or field not in status:
+            continue
+        try:
+            out.append(soft - int(status[field].split()[0]) * 1024)
+        except ValueError:
+            continue
+    return out
 
 
 class KVPool:

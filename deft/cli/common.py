@@ -4,19 +4,28 @@ once here), model loading, value checks and progress lines."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..checks import int_in_range
+
+if TYPE_CHECKING:
+    from ..cache import CacheFullError
 
 __all__ = [
     "DEVICES",
     "PAGE_SIZE",
     "CliError",
+    "KVBudget",
     "Parser",
     "add_workloads_flag",
+    "byte_size",
     "flag_error",
+    "format_bytes",
     "in_range",
     "load",
     "load_from",
@@ -32,6 +41,9 @@ __all__ = [
 
 DEVICES = ("cpu", "cuda")
 PAGE_SIZE = 16  # the engines the commands build use the default page size
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
 
 
 class CliError(Exception):
@@ -49,11 +61,18 @@ class Parser(argparse.ArgumentParser):
 
 
 def model_flags() -> argparse.ArgumentParser:
-    """``--model PATH`` and ``--device``, as a parent parser."""
+    """``--model PATH``, ``--device`` and ``--kv-memory SIZE``, as a parent parser."""
+    from ..cache.pool import KV_MEMORY_FRACTION
+
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--model", metavar="PATH",
                    help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct GGUF)")
     p.add_argument("--device", choices=DEVICES, default="cpu", help="default cpu")
+    p.add_argument("--kv-memory", type=byte_size, metavar="SIZE",
+                   help="memory for the K/V cache, e.g. 2GiB, 512MB or a byte count (default: "
+                   f"{KV_MEMORY_FRACTION:.0%} of the memory free once the model is loaded, and "
+                   "never more than the requests could need); requests that do not fit wait "
+                   "for others to finish, or stop with an error")
     return p
 
 
@@ -98,6 +117,26 @@ def prompt_text(value: str) -> str:
     return raw.decode("utf-8", "replace")
 
 
+def byte_size(value: str) -> int:
+    """A ``--kv-memory`` size in bytes: ``2GiB``, ``512MB``, ``1.5 GB`` or a plain byte count."""
+    m = _SIZE.fullmatch(value)
+    unit = m and _UNITS.get(m.group(2).lower())
+    size = int(Fraction(m.group(1)) * unit) if m and unit else 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a size of at least one byte such as 2GiB, 512MB or 1048576 (bytes; units B, "
+            f"KB, MB, GB, TB, KiB, MiB, GiB, TiB), got {value!r}")
+    return size
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes for people: ``512 B``, ``1.5 MiB``, ``194.0 GiB``."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
 def flag_error(exc: ValueError) -> CliError:
     """A library ``ValueError`` ``"field_name: why"`` as a :class:`CliError` naming ``--field-name``."""
     field, _, why = str(exc).partition(": ")
@@ -139,6 +178,48 @@ def in_range(value: int, flag: str, low: int, high: int) -> int:
 def pages_for(tokens: int) -> int:
     """Pages of :data:`PAGE_SIZE` slots that hold ``tokens`` tokens."""
     return -(-tokens // PAGE_SIZE)
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """The bytes the commands' K/V pools may take: ``--kv-memory``, else a fraction of the
+    memory free on ``--device`` when the budget is taken (after the models are loaded)."""
+
+    bytes: int
+    source: str  # how the user would name it in a message
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> "KVBudget":
+        from ..cache.pool import KV_MEMORY_FRACTION, default_kv_budget
+
+        if args.kv_memory is not None:
+            return cls(args.kv_memory, "--kv-memory")
+        return cls(default_kv_budget(args.device), f"the default, {KV_MEMORY_FRACTION:.0%} of free memory")
+
+    def pages(self, needs: Sequence[tuple[Any, int]]) -> list[int]:
+        """Pages of :data:`PAGE_SIZE` for each ``(model, pages it could need at most)`` pool:
+        all of them if they fit in the budget together, else each cut in the same proportion."""
+        from ..cache.pool import page_bytes
+
+        sizes = [page_bytes(m.config.num_layers, PAGE_SIZE, m.config.num_kv_heads, m.config.head_dim,
+                            m.dtype) for m, _ in needs]
+        total = sum(n * size for (_, n), size in zip(needs, sizes))
+        if total <= self.bytes:
+            return [n for _, n in needs]
+        pages = [n * self.bytes // total for _, n in needs]
+        if min(pages) < 1:
+            hint = " (set --kv-memory)" if self.source != "--kv-memory" else ""
+            raise CliError(f"--kv-memory: the K/V budget of {format_bytes(self.bytes)} ({self.source}) "
+                           f"holds no {PAGE_SIZE}-token page of {format_bytes(max(sizes))}{hint}")
+        return pages
+
+    def error(self, exc: CacheFullError) -> CliError:
+        """A full K/V cache (``CacheFullError``) as one line with what was needed, what is free
+        and the budget to raise."""
+        return CliError(f"KV cache is full: needed {exc.needed} free pages of {PAGE_SIZE} tokens, "
+                        f"{exc.free} free of {exc.total} in a K/V budget of "
+                        f"{format_bytes(self.bytes)} ({self.source}); raise --kv-memory, or ask for "
+                        "fewer or shorter sequences")
 
 
 def workloads(path: str | None) -> Path | None:

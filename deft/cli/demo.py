@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -15,13 +18,15 @@ from ..ops.reference import reference_attention
 from ..plan import make_plan
 from ..table import markdown_table
 from . import common
+from .common import CliError
 
-__all__ = ["add_parser", "attention_demo", "engine_demo", "run"]
+__all__ = ["add_parser", "attention_demo", "engine_demo", "reasoning_trace", "run"]
 
 BEAM_PROMPTS = ["Name three colours.", "What is the capital of France?"]
 SAMPLE_PROMPT = "Write a short poem about the sea."
 SPEC_PROMPT = ("Copy this list exactly, one item per line: apple, banana, cherry, grape, lemon, "
                "mango, orange, peach, pear, plum.")
+DEMO_PAGES = 1024  # 16,384 token slots, more than any of the demo's trees holds at once
 
 
 def add_parser(subparsers: Any) -> None:
@@ -33,31 +38,59 @@ def add_parser(subparsers: Any) -> None:
                                  "tree (4,000-token prompt, 20 branches of 200 tokens) checked against "
                                  "dense attention.")
     demo.add_argument("--core", action="store_true", help="only the attention-core part (no model)")
+    common.add_workloads_flag(demo)
     demo.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> None:
+    from ..cache import CacheFullError
+
     if not args.core:
-        print(engine_demo(common.load(args), progress=common.progress), flush=True)
+        loaded = common.load(args)
+        trace = reasoning_trace(args.workloads)
+        budget = common.KVBudget.of(args)
+        (pages,) = budget.pages([(loaded[0], DEMO_PAGES)])
+        try:
+            print(engine_demo(loaded, trace=trace, num_pages=pages, progress=common.progress), flush=True)
+        except CacheFullError as exc:
+            raise budget.error(exc) from exc
         print()
     print(attention_demo())
 
 
-def engine_demo(loaded: tuple[Any, Any], new_tokens: int = 24, replay_iterations: int = 60,
+def reasoning_trace(workloads: str | None) -> Path | None:
+    """The recorded ``keywordToT`` trace the demo replays; ``None``, with a one-line note on
+    stderr saying why, when the recorded workloads or the file are not there."""
+    from ..recorded import workloads_dir
+
+    try:
+        trace = workloads_dir(workloads) / "deft" / "reasoning" / "keywordToT.json"
+    except FileNotFoundError as exc:
+        if workloads is not None:
+            raise CliError(f"--workloads: {exc}") from exc
+        print(f"note: the reasoning-trace replay is skipped: {exc}", file=sys.stderr)
+        return None
+    if not trace.is_file():
+        print(f"note: the reasoning-trace replay is skipped: {trace} is not there", file=sys.stderr)
+        return None
+    return trace
+
+
+def engine_demo(loaded: tuple[Any, Any], new_tokens: int = 24, trace: str | os.PathLike[str] | None = None,
+                replay_iterations: int = 60, num_pages: int = DEMO_PAGES,
                 progress: Callable[[str], None] | None = None) -> str:
-    """Beam search, parallel sampling, speculative decoding and a reasoning trace replay
-    (``replay_iterations`` > 0) on built-in prompts; texts, tokens/s and K/V bytes read
-    (decode steps).
+    """Beam search, parallel sampling, speculative decoding and, with a ``trace`` file, a
+    reasoning trace replay of ``replay_iterations`` on built-in prompts; texts, tokens/s and
+    K/V bytes read (decode steps), in a pool of ``num_pages`` pages.
 
     K/V bytes are those all layers read in the decode steps after each prompt's prefill:
     under DeFT's plan, and under per-branch decoding, where every query reads its whole path.
     """
     from ..engine import SamplingParams, TreeEngine, beam_search, replay_trace, sample
-    from ..recorded import workloads_dir
 
     model, tok = loaded
     say = progress or (lambda msg: None)
-    engine = TreeEngine(model, tok, num_pages=1024, backend="torch")
+    engine = TreeEngine(model, tok, num_pages=num_pages, page_size=common.PAGE_SIZE, backend="torch")
     chat = [tok.apply_chat_template(p) for p in BEAM_PROMPTS]
     params_m = sum(p.numel() for p in model.parameters()) / 1e6
     lines = [f"DeFT engine demo: {model.config.num_layers}-layer SmolLM2 ({params_m:.0f}M parameters, "
@@ -85,11 +118,7 @@ def engine_demo(loaded: tuple[Any, Any], new_tokens: int = 24, replay_iterations
     say("speculative decoding")
     lines += ["", *_speculative_lines(engine, tok, 2 * new_tokens)]
 
-    try:
-        trace = workloads_dir() / "deft" / "reasoning" / "keywordToT.json"
-    except FileNotFoundError:
-        trace = None
-    if replay_iterations and trace is not None and trace.is_file():
+    if replay_iterations and trace is not None:
         say("reasoning trace replay")
         r = replay_trace(engine, trace, 0, max_iterations=replay_iterations)
         lines += ["", f"Reasoning-tree replay ({r.trace}, record 0, first {r.iterations} iterations: "

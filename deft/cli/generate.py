@@ -99,7 +99,11 @@ def _params(args: argparse.Namespace, default_temperature: float) -> Any:
 
 def _run_engine(args: argparse.Namespace, branches: int,
                 run: Callable[[Any, list[list[int]], Callable[[int], None]], list]) -> list:
-    """Load the model, encode the prompts, size the cache and call ``run(engine, prompts, progress)``."""
+    """Load the model, encode the prompts, size the cache and call ``run(engine, prompts, progress)``.
+
+    The pool holds what every request could need at once, or what the K/V budget allows if
+    that is less: then the engine runs the requests that fit and the others wait.
+    """
     from tqdm import tqdm
 
     from ..cache import CacheFullError
@@ -117,14 +121,20 @@ def _run_engine(args: argparse.Namespace, branches: int,
         if len(p) > model.config.max_position_embeddings:
             raise CliError(f"PROMPT {i + 1}: {len(p)} tokens, longer than the model's context of "
                            f"{model.config.max_position_embeddings}")
-    tokens = sum(len(p) + branches * (args.max_new_tokens + 16) for p in prompts)
-    engine = TreeEngine(model, tok, num_pages=2 * common.pages_for(tokens) + 8,
-                        page_size=common.PAGE_SIZE, device=args.device)
+    # What the requests could need at most: each prompt, each branch's tokens up to the model's
+    # context, a page per branch for copying a partly filled page, doubled as headroom.
+    context = model.config.max_position_embeddings
+    tokens = sum(len(p) + branches * (min(args.max_new_tokens, context - len(p)) + 16) for p in prompts)
+    budget = common.KVBudget.of(args)
+    (num_pages,) = budget.pages([(model, 2 * common.pages_for(tokens) + 8)])
+    engine = TreeEngine(model, tok, num_pages=num_pages, page_size=common.PAGE_SIZE, device=args.device)
     total = len(prompts) * branches * args.max_new_tokens
     with tqdm(total=total, unit="tok", desc=args.command, leave=False, disable=None) as bar:
         try:
             return run(engine, prompts, bar.update)
-        except (ValueError, CacheFullError) as exc:
+        except CacheFullError as exc:
+            raise budget.error(exc) from exc
+        except ValueError as exc:
             raise CliError(str(exc)) from exc
 
 

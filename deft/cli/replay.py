@@ -39,15 +39,12 @@ def run(args: argparse.Namespace) -> None:
 
     from tqdm import tqdm
 
+    from ..cache import CacheFullError
     from ..engine import TreeEngine, load_trace, replay_trace
 
     path = Path(args.trace)
     if not path.suffix:  # a task name
-        base = common.workloads(args.workloads)
-        if base is None:
-            raise CliError(f"TRACE {args.trace!r}: a task name needs the recorded workloads; "
-                           "pass a file path or --workloads DIR")
-        path = base / "deft" / "reasoning" / f"{args.trace}.json"
+        path = _task_trace(args.trace, args.workloads)
     if args.iterations is not None:
         in_range(args.iterations, "--iterations", 1, 1 << 30)
     try:
@@ -56,12 +53,16 @@ def run(args: argparse.Namespace) -> None:
         raise CliError(f"TRACE: {exc}") from exc
     model, tok = common.load(args)
     tokens = sum(v["value"] for v in data.values())
-    engine = TreeEngine(model, tok, num_pages=common.pages_for(tokens) + 2 * len(data) + 8,
-                        page_size=common.PAGE_SIZE, device=args.device)
+    budget = common.KVBudget.of(args)
+    (num_pages,) = budget.pages([(model, common.pages_for(tokens) + 2 * len(data) + 8)])
+    engine = TreeEngine(model, tok, num_pages=num_pages, page_size=common.PAGE_SIZE, device=args.device)
     last = max(v["end"] for v in data.values())
     total = min(last, args.iterations or last)
     with tqdm(total=total, unit="it", desc="replay", leave=False, disable=None) as bar:
-        r = replay_trace(engine, path, args.record, args.iterations, args.tokens, progress=bar.update)
+        try:
+            r = replay_trace(engine, path, args.record, args.iterations, args.tokens, progress=bar.update)
+        except CacheFullError as exc:
+            raise budget.error(exc) from exc
     if args.json:
         print(json.dumps({**asdict(r), "tokens_per_s": r.tokens_per_s, "kv_ratio": r.kv_ratio}))
         return
@@ -72,3 +73,19 @@ def run(args: argparse.Namespace) -> None:
           f"({r.tokens_per_s:.1f} tokens/s)")
     print(f"K/V read in decode: DeFT {r.kv_bytes_deft / 2**20:,.0f} MiB, per-branch decoding "
           f"{r.kv_bytes_per_branch / 2**20:,.0f} MiB ({r.kv_ratio:.1f}x less)")
+
+
+def _task_trace(task: str, workloads: str | None) -> Path:
+    """The trace file of reasoning task ``task`` under the recorded workloads."""
+    from ..recorded import workloads_dir
+
+    try:
+        folder = workloads_dir(workloads) / "deft" / "reasoning"
+    except FileNotFoundError as exc:
+        raise CliError(f"TRACE {task!r}: a task name needs the recorded workloads, and {exc}; "
+                       "set DEFT_WORKLOADS, pass --workloads DIR or a trace file") from exc
+    path = folder / f"{task}.json"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in folder.glob("*.json"))) or "none"
+        raise CliError(f"TRACE {task!r}: no such task in {folder} (there: {known})")
+    return path

@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> list:
+    from ..cache import CacheFullError
     from ..engine import (ModelDrafter, NgramDrafter, SamplingParams, TreeEngine, TreeShape, as_shape,
                           speculative_generate)
 
@@ -77,15 +78,19 @@ def _generate(args: argparse.Namespace) -> list:
     prompts = [tok.apply_chat_template(p) if args.chat else tok.encode(p) for p in args.prompt]
     # The engine checks free pages per append, rounded up: a page per draft node covers the
     # draft model's level-by-level appends, a page per PAGE_SIZE drafts one verified tree.
+    needs = [(model, _pages(prompts, params, common.pages_for(shape.num_drafts + 1)))]
     if args.drafter == "model":
         draft_model, draft_tok = common.load_from(args.draft_model, args.device, "--draft-model")
-        pages = _pages(prompts, params, shape.num_drafts)
-        drafter = ModelDrafter(TreeEngine(draft_model, draft_tok, pages, common.PAGE_SIZE))
-    else:
-        drafter = NgramDrafter()
-    engine = TreeEngine(model, tok, _pages(prompts, params, common.pages_for(shape.num_drafts + 1)),
-                        common.PAGE_SIZE)
-    return speculative_generate(engine, prompts, params, drafter, shape)
+        needs.append((draft_model, _pages(prompts, params, shape.num_drafts)))
+    budget = common.KVBudget.of(args)
+    pages = budget.pages(needs)
+    drafter = (ModelDrafter(TreeEngine(draft_model, draft_tok, pages[1], common.PAGE_SIZE))
+               if args.drafter == "model" else NgramDrafter())
+    engine = TreeEngine(model, tok, pages[0], common.PAGE_SIZE)
+    try:
+        return speculative_generate(engine, prompts, params, drafter, shape)
+    except CacheFullError as exc:
+        raise budget.error(exc) from exc
 
 
 def _pages(prompts: list[list[int]], params: Any, per_step: int) -> int:
