@@ -169,11 +169,13 @@ class Batch:
     Requests join at any step (:meth:`add`; admitted in order while fewer than
     ``max_running`` run) and their prompts are prefilled in chunks next to the other
     requests' decode tokens; a request whose last branch ends (or that :meth:`cancel`
-    stops) leaves and releases its nodes at once. When a step's tokens do not fit in the
-    free pages, the batch asks ``prefixes`` to evict, then defers prompt chunks, then
+    stops) leaves and releases its nodes at once. A request is admitted when its prompt
+    and first tokens fit next to the running branches; when a step's tokens do not fit in
+    the free pages, the batch asks ``prefixes`` to evict, then defers prompt chunks, then
     preempts the youngest request (it restarts from its prompt later, with its sampler
-    reseeded: a seeded or greedy request gives the same tokens); only what still does not
-    fit with one request running raises :class:`~deft.CacheFullError`.
+    reseeded: a seeded or greedy request gives the same tokens; nothing is admitted until
+    a running request leaves); only what still does not fit with one request running
+    raises :class:`~deft.CacheFullError`.
     """
 
     def __init__(self, engine: TreeEngine, max_running: int | None = None,
@@ -183,6 +185,7 @@ class Batch:
         self.running: list[Request] = []
         self.live: list[Branch] = []
         self.sampled = 0  # tokens sampled by the last step
+        self._hold = False  # no admission after a preemption until a request leaves
         self.stats = {"prefill_tokens": 0, "preempted": 0}
 
     @property
@@ -213,8 +216,11 @@ class Batch:
         for r in self.running:
             if all(b.done for b in r.branches):
                 r.status = "done"
+        left = len(self.running)
         self.running = [r for r in self.running if r.status == "running"]
-        self._admit()
+        self._hold = self._hold and len(self.running) == left  # until a request leaves
+        if not self._hold:
+            self._admit()
         feeding = self._fit([b for b in self.live if b.feed])
         if not feeding:
             return False
@@ -318,6 +324,7 @@ class Batch:
         req.branches, req.root = [], None
         req.restarts += 1
         self.stats["preempted"] += 1
+        self._hold = True
         self.waiting.appendleft(req)
         req.status = "waiting"
 
