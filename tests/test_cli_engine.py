@@ -73,6 +73,8 @@ def test_text_output_and_speed_line(loaded, capsys):
     (["beam", PROMPT, "-k", "0"], "-k: expected an integer in [1, 64], got 0"),
     (["beam", PROMPT, "-k", "2", "--num-return-sequences", "3"],
      "--num-return-sequences: expected an integer in [1, 2], got 3"),
+    (["beam", PROMPT, "-k", "2", "--length-penalty", str(2**64)], "--length-penalty: expected a number in [-32, 32]"),
+    (["beam", PROMPT, "-k", "2", "--length-penalty", "nan"], "--length-penalty: expected a number in [-32, 32]"),
     (["generate", PROMPT, "--top-k", "5"], "--top-k: has no effect with --temperature 0"),
     (["generate", PROMPT, "--seed", "3"], "--seed: has no effect with --temperature 0"),
     (["sample", PROMPT, "-n", "2", "--temperature", "0"], "--temperature 0: the samples would all be"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any, Callable
 
@@ -13,6 +14,7 @@ from .common import CliError, in_range
 __all__ = ["MAX_BEAMS", "MAX_SAMPLES", "add_parsers"]
 
 MAX_SAMPLES, MAX_BEAMS = 256, 64
+MAX_LENGTH_PENALTY = 32  # length ** 32 stays finite for any length a context can hold (< 2**24)
 EARLY_STOPPING = {"false": False, "true": True, "never": "never"}
 
 
@@ -40,7 +42,8 @@ def add_parsers(subparsers: Any) -> None:
                               "release their KV at once.")
     b.add_argument("-k", type=int, required=True, help=f"beams per prompt (1..{MAX_BEAMS})")
     b.add_argument("--length-penalty", type=float, default=1.0,
-                   help="score = sum logprob / length ** this (default 1.0)")
+                   help=f"score = sum logprob / length ** this (default 1.0, at most {MAX_LENGTH_PENALTY} "
+                   "either way)")
     b.add_argument("--early-stopping", choices=list(EARLY_STOPPING), default="false",
                    help="transformers' early_stopping (default false)")
     b.add_argument("--num-return-sequences", type=int, default=1, metavar="R",
@@ -72,6 +75,9 @@ def run_beam(args: argparse.Namespace) -> None:
     from ..engine import beam_search
 
     k = in_range(args.k, "-k", 1, MAX_BEAMS)
+    if not (math.isfinite(args.length_penalty) and abs(args.length_penalty) <= MAX_LENGTH_PENALTY):
+        raise CliError(f"--length-penalty: expected a number in [-{MAX_LENGTH_PENALTY}, "
+                       f"{MAX_LENGTH_PENALTY}], got {args.length_penalty}")
     ret = in_range(args.num_return_sequences, "--num-return-sequences", 1, k)
     stop = EARLY_STOPPING[args.early_stopping]
     results = _run_engine(args, k, lambda eng, prompts, bar: beam_search(

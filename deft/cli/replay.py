@@ -63,6 +63,8 @@ def run(args: argparse.Namespace) -> None:
             r = replay_trace(engine, path, args.record, args.iterations, args.tokens, progress=bar.update)
         except CacheFullError as exc:
             raise budget.error(exc) from exc
+        except ValueError as exc:  # e.g. a trace deeper than the model's context
+            raise CliError(f"TRACE {path.name}: {exc}") from exc
     if args.json:
         print(json.dumps({**asdict(r), "tokens_per_s": r.tokens_per_s, "kv_ratio": r.kv_ratio}))
         return
