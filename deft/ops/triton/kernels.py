@@ -11,11 +11,14 @@ and writes one partial state per (query, head): ``o`` in ``PO``'s dtype (q's for
 fp16/bf16), ``lse`` in fp32. With ``FUSE_MERGE`` the program that writes a row's last
 partial state also merges the row (off by default: measured slower, see CHANGELOG.md).
 
-Non-finite K/V stay with the rows that see them: a row that sees a token whose K or V row
-holds a NaN or ±inf gets a running max of +inf, which no later block lowers, and a NaN
-state. In a block some of whose rows do not see some token (masked blocks, a TMA box's
-tail), non-finite V values are zeroed before ``p @ V``: a probability of 0 times NaN is NaN.
-Masked scores are selected to -inf, so raw non-finite K never reach a row that cannot see it.
+Non-finite K/V stay with the rows that see them, at the cost of checks on values already in
+registers. A non-finite K row makes the score of every row that sees it non-finite: such rows
+get a running max of +inf, which no later block lowers, and a NaN state; masked scores are
+selected to -inf, so it never reaches a row that cannot see it. In a block some of whose rows
+do not see some token (masked blocks, a TMA box's tail), non-finite V values are zeroed
+before ``p @ V`` (a probability of 0 times NaN is NaN) and the rows that see them flagged the
+same way; in the other blocks every row sees every token, so a non-finite V row reaches
+exactly the rows that see it, and the epilogue makes a row with a non-finite output NaN.
 
 ``merge_kernel``: one program per (query, block of heads); merges the query's partial states
 through the reduction map (CSR), a block of them per step, into ``o`` (output dtype) and
@@ -44,6 +47,12 @@ def _finite(x):
 def _bad_rows(x):
     """``[BLOCK_N]`` int32: 1 where a row of ``x [BLOCK_N, D]`` holds a NaN or ±inf."""
     return tl.max(tl.where(_finite(x), 0, 1), 1)
+
+
+@triton.jit
+def _sees_bad(vis, x):
+    """``[M]`` int32: 1 where a row sees (``vis [M, N]``) a non-finite entry of ``x [M, N]``."""
+    return tl.max(tl.where(vis, tl.where(_finite(x), 0, 1), 0), 1)
 
 
 @triton.jit
@@ -87,7 +96,6 @@ def _tile_loop(
             next_slot = tl.load(tok_slot + ahead, mask=ahead < tok1, other=0)
         kv_off = slot[:, None] * stride_kn + kvh * stride_kh + d[None, :]
         k = tl.load(K + kv_off, mask=tok_ok[:, None], other=0.0)
-        bad = _bad_rows(k)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -98,15 +106,14 @@ def _tile_loop(
             hi = tl.load(tok_hi + offs, mask=tok_ok, other=0)
             off = tl.load(tok_off + offs, mask=tok_ok, other=0)
             vis = vis & _visible(pre[:, None], qlen[:, None], lo[None, :], hi[None, :], off[None, :])
+        bad = _sees_bad(vis, s)  # a non-finite K row a row sees
         s = tl.where(vis, s, float("-inf"))
         p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
         v = tl.load(V + kv_off, mask=tok_ok[:, None], other=0.0)
-        bad = tl.maximum(bad, _bad_rows(v))
-        if MASKED:
+        if MASKED:  # padding loads as 0; unmasked blocks need no V check (see the top)
+            bad = tl.maximum(bad, tl.max(tl.where(vis, _bad_rows(v)[None, :], 0), 1))
             v = tl.where(_finite(v), v, 0.0)
-            m_i = tl.where(tl.max(tl.where(vis, bad[None, :], 0), 1) > 0, float("inf"), m_i)
-        else:  # every row sees every token (padding loads as 0)
-            m_i = tl.where(tl.max(bad, 0) > 0, float("inf"), m_i)
+        m_i = tl.where(bad > 0, float("inf"), m_i)
         if IEEE:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         else:
@@ -125,7 +132,6 @@ def _tma_block(
     node's KV, or unwritten cache) are masked out of the scores, their non-finite V values
     zeroed and their K/V never flag a row."""
     k = desc_k.load([slot, kvh * D])
-    bad = _bad_rows(k)
     if IEEE:
         s = tl.dot(q, k.T, input_precision="ieee")
     else:
@@ -141,18 +147,16 @@ def _tma_block(
             vis = vis & tok_ok[None, :]
         else:
             vis = tok_ok[None, :]
+        bad = _sees_bad(vis, s)  # a non-finite K row a row sees
         s = tl.where(vis, s, float("-inf"))
+    else:
+        bad = tl.max(tl.where(_finite(s), 0, 1), 1)
     p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
     v = desc_v.load([slot, kvh * D])
-    bad = tl.maximum(bad, _bad_rows(v))
-    if MASKED or TAIL:
+    if MASKED or TAIL:  # unmasked blocks need no V check (see the top)
+        bad = tl.maximum(bad, tl.max(tl.where(vis, _bad_rows(v)[None, :], 0), 1))
         v = tl.where(_finite(v), v, 0.0)
-    if MASKED:
-        m_i = tl.where(tl.max(tl.where(vis, bad[None, :], 0), 1) > 0, float("inf"), m_i)
-    elif TAIL:
-        m_i = tl.where(tl.max(tl.where(tok_ok, bad, 0), 0) > 0, float("inf"), m_i)
-    else:
-        m_i = tl.where(tl.max(bad, 0) > 0, float("inf"), m_i)
+    m_i = tl.where(bad > 0, float("inf"), m_i)
     if IEEE:
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
     else:
@@ -335,7 +339,8 @@ def _work_item(
     # Natural-log lse from the base-2 running max and sum.
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
-    bad = m_i == float("inf")  # the row saw a non-finite K/V row
+    # The row saw a non-finite K/V row: flagged, or (a V row of an unmasked block) in its o.
+    bad = (m_i == float("inf")) | (tl.max(tl.where(_finite(o), 0, 1), 1) > 0)
     o = tl.where(bad[:, None], float("nan"), o)
     lse = tl.where(bad, float("nan"), lse)
     pid = (p0 + qi).to(tl.int64)
