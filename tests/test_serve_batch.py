@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from deft.engine import SamplingParams, TreeEngine, generate
-from deft.engine.decoding import Batch, Request
-from deft.serve import PrefixCache
+pytest.importorskip("fastapi")
+from deft.engine import SamplingParams, TreeEngine, generate  # noqa: E402
+from deft.engine.decoding import Batch, Request  # noqa: E402
+from deft.serve import PrefixCache  # noqa: E402
 
 
 def run(batch: Batch, limit: int = 500) -> int:

@@ -70,7 +70,7 @@ def model_flags() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=DEVICES, default="cpu", help="default cpu")
     p.add_argument("--kv-memory", type=byte_size, metavar="SIZE",
                    help="memory for the K/V cache, e.g. 2GiB, 512MB or a byte count (default: "
-                   f"{KV_MEMORY_FRACTION:.0%} of the memory free once the model is loaded, and "
+                   f"{KV_MEMORY_FRACTION:.0%}% of the memory free once the model is loaded, and "
                    "never more than the requests could need); requests that do not fit wait "
                    "for others to finish, or stop with an error")
     return p
