@@ -229,3 +229,17 @@ def test_worst_case_pool_is_not_allocated_under_a_memory_limit(tmp_path):
     if done.returncode == 2:
         err = [line for line in done.stderr.splitlines() if line.startswith("deft")]
         assert err == [done.stderr.strip().splitlines()[-1]] and err[0].startswith("deft: error: KV cache is full")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_pool_memory_is_not_touched_until_used():
+    """A 1 GiB pool is not zero-filled: the process's resident memory barely grows."""
+    from deft.cache import KVPool
+
+    def resident() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    before = resident()
+    pool = KVPool(1, 1 << 14, 16, 8, 64)  # K and V: 2 x 512 MiB of float32
+    assert pool.k[0].numel() * 4 == 1 << 29 and resident() - before < 64 << 20

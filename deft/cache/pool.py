@@ -129,8 +129,10 @@ class KVPool:
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Not zero-filled: a slot is written before any query sees it, and attention never lets
+        # rows a query cannot see into its arithmetic; untouched host pages cost no memory.
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @property
     def num_slots(self) -> int:
