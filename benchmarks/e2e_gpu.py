@@ -2,11 +2,12 @@
 
 The model has Llama-3-8B's shapes (32 layers, hidden 4096, 32/8 heads of 128, MLP 14336,
 vocabulary 128256) and random bf16 weights, so nothing is downloaded. Every workload runs on
-the same model in four engines: DeFT-Flatten with steps replayed as CUDA graphs (the
-default), the same with the plain PyTorch ops instead of the fused kernels
-(:mod:`deft.model.fused`), the same launched eagerly, and per-branch attention (``plan_kind="per_query"``:
+the same model in three engines: DeFT-Flatten with steps replayed as CUDA graphs (the
+default), the same launched eagerly, and per-branch attention (``plan_kind="per_query"``:
 each query reads its whole path, as Radix/Flash-Decoding do) replayed as graphs; and,
 where it has the strategy, ``transformers`` ``generate`` on a model of the same shapes.
+With ``unfused``, a fourth: graphs with the plain PyTorch ops instead of the fused kernels
+(:mod:`deft.model.fused`).
 
 ms/step is the wall time of the decode steps (a run's time minus its prefill, measured by a
 run that stops after the first token), divided by their number: what a user pays, host
@@ -196,7 +197,7 @@ def _hf_model(config: Any) -> Any:
 
 
 def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
-                  layers: int = 32, with_transformers: bool = True,
+                  layers: int = 32, with_transformers: bool = True, unfused: bool = False,
                   progress: Callable[[str], None] | None = None,
                   json_path: str | None = None) -> str:
     """Markdown table of the GPU workloads (see the module docstring); also a result record."""
@@ -220,9 +221,10 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
     kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
     pages = 4096  # 65,536 slots: the largest workload holds 32 x 1,128 tokens
     engines = {"graph": TreeEngine(model, tok, num_pages=pages),
-               "graph, unfused": TreeEngine(model, tok, num_pages=pages),
                "eager": TreeEngine(model, tok, num_pages=pages, cuda_graphs=False),
                "per-branch": TreeEngine(model, tok, num_pages=pages, plan_kind="per_query")}
+    if unfused:
+        engines["graph, unfused"] = TreeEngine(model, tok, num_pages=pages)
     hf = _hf_model(config) if with_transformers else None
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -251,14 +253,13 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
             say(f"{w.name}: transformers")
             hf_s = _hf_seconds(hf, w, prompts)
         rows.append([w.name, w.prompt, round(g["queries"], 1), g["ms_step"], g["gpu_ms"],
-                     got["graph, unfused"]["ms_step"], got["eager"]["ms_step"],
+                     *([got["graph, unfused"]["ms_step"]] if unfused else []), got["eager"]["ms_step"],
                      got["per-branch"]["ms_step"], floor_ms, 100 * floor_ms / g["ms_step"],
                      got["per-branch"]["ms_step"] / g["ms_step"],
                      new / g["wall"], None if hf_s is None else hf_s / g["wall"],
                      g["plan_ms"], 100 * g["host"]])
     headers = ["workload", "prompt", "queries/step", "graph ms/step", "GPU ms/step",
-               "unfused graph ms/step",
-               "eager ms/step",
+               *(["unfused graph ms/step"] if unfused else []), "eager ms/step",
                "per-branch ms/step", "floor ms/step", "% of floor", "speed-up over per-branch",
                "tokens/s", "speed-up over transformers", "plan ms/step", "eager steps %"]
     name = torch.cuda.get_device_name()

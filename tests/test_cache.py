@@ -208,8 +208,11 @@ def test_split_shares_the_boundary_page():
 
 def test_bad_arguments_name_the_argument():
     pool = KVPool(1, 4, 4, 1, 2)
-    with pytest.raises(ValueError, match="pool: expected num_pages=5, page_size=4"):
+    with pytest.raises(ValueError, match="pool: expected at least num_pages=5 and page_size=4"):
         TreeKVCache(5, 4, pool)
+    with pytest.raises(ValueError, match="page_size=2 like the cache, got num_pages=4, page_size=4"):
+        TreeKVCache(4, 2, pool)
+    assert TreeKVCache(3, 4, pool).num_pages == 3  # a larger pool: pages the cache never hands out
     with pytest.raises(TypeError, match="pool"):
         TreeKVCache(4, 4, pool=object())
     with pytest.raises(ValueError, match="page_size: expected a positive integer, got 0"):

@@ -66,6 +66,8 @@ def add_parser(subparsers: Any) -> None:
                      help="(cuda) layers of the Llama-3-8B-shaped model (default 32)")
     e2e.add_argument("--no-transformers", action="store_true",
                      help="(cuda) skip transformers generate")
+    e2e.add_argument("--unfused", action="store_true",
+                     help="(cuda) also the graph engine with the plain PyTorch ops instead of the fused kernels")
     common.add_workloads_flag(e2e)
     e2e.set_defaults(func=run_e2e)
 
@@ -127,5 +129,6 @@ def run_gpu_e2e(args: argparse.Namespace) -> None:
             raise CliError(f"--workload: expected one of {', '.join(map(repr, known))}, got {name!r}")
     in_range(args.layers, "--layers", 1, 32)
     print(gpu_e2e_table(args.workload, common.workloads(args.workloads), args.layers,
-                        not args.no_transformers, progress=common.progress, json_path=args.json),
+                        not args.no_transformers, args.unfused, progress=common.progress,
+                        json_path=args.json),
           flush=True)

@@ -11,14 +11,15 @@ and writes one partial state per (query, head): ``o`` in ``PO``'s dtype (q's for
 fp16/bf16), ``lse`` in fp32. With ``FUSE_MERGE`` the program that writes a row's last
 partial state also merges the row (off by default: measured slower, see CHANGELOG.md).
 
-Non-finite K/V stay with the rows that see them, at the cost of checks on values already in
-registers. A non-finite K row makes the score of every row that sees it non-finite: such rows
-get a running max of +inf, which no later block lowers, and a NaN state; masked scores are
-selected to -inf, so it never reaches a row that cannot see it. In a block some of whose rows
-do not see some token (masked blocks, a TMA box's tail), non-finite V values are zeroed
-before ``p @ V`` (a probability of 0 times NaN is NaN) and the rows that see them flagged the
-same way; in the other blocks every row sees every token, so a non-finite V row reaches
-exactly the rows that see it, and the epilogue makes a row with a non-finite output NaN.
+Non-finite K/V stay with the rows that see them, with checks only on values already in
+registers. A non-finite K row makes the score of every row that sees it non-finite: NaN and
++inf scores make the row's state NaN by themselves, a -inf score (which would silently drop
+the token) becomes NaN first; masked scores are selected to -inf, so none of it reaches a
+row that cannot see it. In a block some of whose rows do not see some token (masked blocks,
+a TMA box's tail), non-finite V values are zeroed before ``p @ V`` (a probability of 0 times
+NaN is NaN) and the probabilities of the rows that see them made NaN; in the other blocks
+every row sees every token, so a non-finite V row reaches exactly the rows that see it. The
+epilogue makes a row with a non-finite output NaN (o and lse).
 
 ``merge_kernel``: one program per (query, block of heads); merges the query's partial states
 through the reduction map (CSR), a block of them per step, into ``o`` (output dtype) and
@@ -50,9 +51,9 @@ def _bad_rows(x):
 
 
 @triton.jit
-def _sees_bad(vis, x):
-    """``[M]`` int32: 1 where a row sees (``vis [M, N]``) a non-finite entry of ``x [M, N]``."""
-    return tl.max(tl.where(vis, tl.where(_finite(x), 0, 1), 0), 1)
+def _no_neg_inf(s):
+    """Scores with -inf (a non-finite K row's, never a masked one's yet) made NaN."""
+    return tl.where(s == float("-inf"), float("nan"), s)
 
 
 @triton.jit
@@ -106,14 +107,12 @@ def _tile_loop(
             hi = tl.load(tok_hi + offs, mask=tok_ok, other=0)
             off = tl.load(tok_off + offs, mask=tok_ok, other=0)
             vis = vis & _visible(pre[:, None], qlen[:, None], lo[None, :], hi[None, :], off[None, :])
-        bad = _sees_bad(vis, s)  # a non-finite K row a row sees
-        s = tl.where(vis, s, float("-inf"))
+        s = tl.where(vis, _no_neg_inf(s), float("-inf"))
         p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
         v = tl.load(V + kv_off, mask=tok_ok[:, None], other=0.0)
         if MASKED:  # padding loads as 0; unmasked blocks need no V check (see the top)
-            bad = tl.maximum(bad, tl.max(tl.where(vis, _bad_rows(v)[None, :], 0), 1))
+            p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
             v = tl.where(_finite(v), v, 0.0)
-        m_i = tl.where(bad > 0, float("inf"), m_i)
         if IEEE:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         else:
@@ -147,16 +146,14 @@ def _tma_block(
             vis = vis & tok_ok[None, :]
         else:
             vis = tok_ok[None, :]
-        bad = _sees_bad(vis, s)  # a non-finite K row a row sees
-        s = tl.where(vis, s, float("-inf"))
+        s = tl.where(vis, _no_neg_inf(s), float("-inf"))
     else:
-        bad = tl.max(tl.where(_finite(s), 0, 1), 1)
+        s = _no_neg_inf(s)
     p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
     v = desc_v.load([slot, kvh * D])
     if MASKED or TAIL:  # unmasked blocks need no V check (see the top)
-        bad = tl.maximum(bad, tl.max(tl.where(vis, _bad_rows(v)[None, :], 0), 1))
+        p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
         v = tl.where(_finite(v), v, 0.0)
-    m_i = tl.where(bad > 0, float("inf"), m_i)
     if IEEE:
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
     else:
@@ -339,8 +336,7 @@ def _work_item(
     # Natural-log lse from the base-2 running max and sum.
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
-    # The row saw a non-finite K/V row: flagged, or (a V row of an unmasked block) in its o.
-    bad = (m_i == float("inf")) | (tl.max(tl.where(_finite(o), 0, 1), 1) > 0)
+    bad = tl.max(tl.where(_finite(o), 0, 1), 1) > 0  # the row saw a non-finite K/V row
     o = tl.where(bad[:, None], float("nan"), o)
     lse = tl.where(bad, float("nan"), lse)
     pid = (p0 + qi).to(tl.int64)
