@@ -258,6 +258,7 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
                      got["per-branch"]["ms_step"] / g["ms_step"],
                      new / g["wall"], None if hf_s is None else hf_s / g["wall"],
                      g["plan_ms"], 100 * g["host"]])
+        say(f"{w.name}: {rows[-1]}")
     headers = ["workload", "prompt", "queries/step", "graph ms/step", "GPU ms/step",
                *(["unfused graph ms/step"] if unfused else []), "eager ms/step",
                "per-branch ms/step", "floor ms/step", "% of floor", "speed-up over per-branch",
