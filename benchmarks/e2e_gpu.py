@@ -141,13 +141,16 @@ def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
              parents: list[int] | None) -> dict[str, float]:
     """Warm run, prefill-only run, full run: ms per decode step and what the steps held."""
     full, first = _run(engine, w, prompts, w.new_tokens, parents), _run(engine, w, prompts, 1, parents)
-    full()  # warm-up: compiles, captures graphs
+    full(), first()  # warm-up: compiles and captures every graph both timed runs replay
     engine.reset_stats()
+    captures = engine.graphs.captures if engine.graphs is not None else 0
     t_prefill = _timed(first)
     steps0, tok0 = engine.stats["steps"], engine.stats["plan_tokens"]
     engine.reset_stats()
     t_full = _timed(full)
     st = engine.stats
+    if engine.graphs is not None and engine.graphs.captures != captures:
+        raise RuntimeError(f"{w.name}: a timed run captured a graph; the warm-up missed it")
     steps, plan_tokens = st["steps"] - steps0, st["plan_tokens"] - tok0
     # The GPU time of the run's last step alone: its graph replayed again (same inputs).
     last = engine.graphs.last_graph if engine.graphs is not None else None
