@@ -31,8 +31,9 @@ def add_parser(subparsers: Any) -> None:
                    help="requests decoding at once (default 32)")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="requests waiting to run; beyond, HTTP 429 (default 256)")
-    p.add_argument("--num-pages", type=int, default=DEFAULT_PAGES, metavar="N",
-                   help=f"KV cache pages of {common.PAGE_SIZE} tokens (default {DEFAULT_PAGES})")
+    p.add_argument("--num-pages", type=int, metavar="N",
+                   help=f"KV cache pages of {common.PAGE_SIZE} tokens (default {DEFAULT_PAGES}, or "
+                   "as many as --kv-memory holds)")
     p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
                    help="prompt tokens per request per step (default 256)")
     p.add_argument("--draft-model", metavar="PATH",
@@ -47,10 +48,11 @@ def run(args: argparse.Namespace) -> None:
     port = in_range(args.port, "--port", 0, 65535)
     max_running = in_range(args.max_running, "--max-running", 1, 4096)
     max_queue = in_range(args.max_queue, "--max-queue", 0, 1 << 20)
-    num_pages = in_range(args.num_pages, "--num-pages", 1, 1 << 26)
+    if args.num_pages is not None and args.kv_memory is not None:
+        raise CliError("--kv-memory: give either --kv-memory or --num-pages, not both")
+    num_pages = in_range(DEFAULT_PAGES if args.num_pages is None else args.num_pages,
+                         "--num-pages", 1, 1 << 26)
     chunk = in_range(args.prefill_chunk, "--prefill-chunk", 1, 1 << 16)
-    if getattr(args, "kv_memory", None) is not None:
-        raise CliError("--kv-memory: deft serve sizes its cache with --num-pages")
     try:
         import uvicorn
 
@@ -60,11 +62,18 @@ def run(args: argparse.Namespace) -> None:
     from ..engine import ModelDrafter, NgramDrafter, TreeEngine
 
     model, tok = common.load(args)
-    engine = TreeEngine(model, tok, num_pages, common.PAGE_SIZE, device=args.device, prefill_chunk=chunk)
-    drafters: dict[str, Any] = {"ngram": NgramDrafter}
+    draft = draft_tok = None
     if args.draft_model is not None:
         draft, draft_tok = common.load_from(args.draft_model, args.device, "--draft-model")
-        draft_engine = TreeEngine(draft, draft_tok, num_pages, common.PAGE_SIZE, device=args.device)
+    if args.kv_memory is not None:  # as many pages as the budget holds, shared like the CLI's
+        models = [model] + ([draft] if draft is not None else [])
+        num_pages, *draft_pages = common.KVBudget.of(args).pages([(m, 1 << 26) for m in models])
+    else:
+        draft_pages = [num_pages]
+    engine = TreeEngine(model, tok, num_pages, common.PAGE_SIZE, device=args.device, prefill_chunk=chunk)
+    drafters: dict[str, Any] = {"ngram": NgramDrafter}
+    if draft is not None:
+        draft_engine = TreeEngine(draft, draft_tok, draft_pages[0], common.PAGE_SIZE, device=args.device)
         drafters["model"] = lambda: ModelDrafter(draft_engine)
     name = os.path.splitext(os.path.basename(args.model))[0] if args.model else "SmolLM2-135M-Instruct"
     scheduler = Scheduler(engine, max_running, max_queue, Metrics(),
