@@ -118,13 +118,12 @@ def _run(engine: Any, w: GpuWorkload, prompts: list[list[int]], new_tokens: int,
 
     def verify() -> None:  # prefill, then ``new_tokens`` verifications of the draft tree
         root = engine.add_prompt(prompts[0][:-1])
-        last = engine.extend([(root, prompts[0][-1:])])[0]
+        engine.extend([(root, prompts[0][-1:])])
         tokens = list(range(len(parents)))
         for _ in range(new_tokens):
             nodes, logits = engine.extend_tree(root, parents, tokens)
             logits.argmax(-1).tolist()  # the acceptance decision waits for the logits
             engine.cache.prune(nodes[0])
-        del last
         engine.cache.prune(root)
     return verify
 

@@ -303,7 +303,8 @@ def test_triton_merge_kernel_propagates_invalid_states(bad):
 @pytest.mark.parametrize("path", ["torch-dense", "torch-tiled"])
 def test_engine_a_poisoned_request_leaves_the_others_exact(monkeypatch, path):
     """Two requests in one engine: NaN in request A's K/V (every layer) leaves request B's
-    logits bitwise equal on a step where only B decodes; A's own next logits are NaN."""
+    logits bitwise equal, on a step where only B decodes and on one where both do (their
+    tokens share tiles); A's own next logits are NaN."""
     from deft.engine import TreeEngine
     from strategies_on_device import PROMPT, model, tokenizer
 
@@ -322,11 +323,13 @@ def test_engine_a_poisoned_request_leaves_the_others_exact(monkeypatch, path):
                 engine.pool.v[layer].view(-1, 2, 32)[slots[1::3]] = float("nan")
         (logits_b,) = engine.extend([(b, [5])])
         (logits_a,) = engine.extend([(a, [5])])
-        runs.append((logits_b, logits_a))
-    (clean_b, clean_a), (got_b, got_a) = runs
-    assert torch.isfinite(clean_b).all() and torch.isfinite(clean_a).all()
-    assert torch.equal(got_b, clean_b)
-    assert torch.isnan(got_a).all()
+        both_a, both_b = engine.extend([(a, [6]), (b, [6])])
+        runs.append((logits_b, logits_a, both_b, both_a))
+    (clean_b, clean_a, clean_both_b, clean_both_a), (got_b, got_a, got_both_b, got_both_a) = runs
+    for t in (clean_b, clean_a, clean_both_b, clean_both_a):
+        assert torch.isfinite(t).all()
+    assert torch.equal(got_b, clean_b) and torch.equal(got_both_b, clean_both_b)
+    assert torch.isnan(got_a).all() and torch.isnan(got_both_a).all()
 
 
 # ---------------------------------------------------------------- GPU

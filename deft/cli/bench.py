@@ -54,9 +54,11 @@ def add_parser(subparsers: Any) -> None:
                           "and with per-branch attention, against transformers and the step's "
                           "floor (benchmarks.e2e_gpu).")
     e2e.add_argument("--device", choices=common.DEVICES, default="cpu")
-    e2e.add_argument("--reps", type=int, default=3, help="timed runs of each side (best counts, default 3)")
+    e2e.add_argument("--reps", type=int, default=3,
+                     help="(cpu) timed runs of each side (best counts, default 3)")
     e2e.add_argument("--workload", action="append", metavar="NAME",
-                     help="run only this workload (repeatable); see benchmarks.e2e.WORKLOADS")
+                     help="run only this workload (repeatable); see benchmarks.e2e.WORKLOADS "
+                     "(cpu) and benchmarks.e2e_gpu.GPU_WORKLOADS (cuda)")
     e2e.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     e2e.add_argument("--speculative", action="store_true",
                      help="also speculative decoding against greedy decoding (benchmarks.speculative)")
@@ -127,6 +129,10 @@ def run_gpu_e2e(args: argparse.Namespace) -> None:
     for name in args.workload or []:
         if name not in known:
             raise CliError(f"--workload: expected one of {', '.join(map(repr, known))}, got {name!r}")
+    for flag, given in (("--reps", args.reps != 3), ("--threads", args.threads is not None),
+                        ("--speculative", args.speculative)):
+        if given:
+            raise CliError(f"{flag}: applies to --device cpu only")
     in_range(args.layers, "--layers", 1, 32)
     print(gpu_e2e_table(args.workload, common.workloads(args.workloads), args.layers,
                         not args.no_transformers, args.unfused, progress=common.progress,

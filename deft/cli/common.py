@@ -71,8 +71,9 @@ def model_flags() -> argparse.ArgumentParser:
     p.add_argument("--kv-memory", type=byte_size, metavar="SIZE",
                    help="memory for the K/V cache, e.g. 2GiB, 512MB or a byte count (default: "
                    f"{KV_MEMORY_FRACTION:.0%}% of the memory free once the model is loaded, and "
-                   "never more than the requests could need); requests that do not fit wait "
-                   "for others to finish, or stop with an error")
+                   "never more than the requests could need; deft serve: --num-pages); generate "
+                   "and sample requests that do not fit wait for others to finish, others stop "
+                   "with an error")
     return p
 
 
@@ -101,7 +102,8 @@ def sampling_flags(temperature: float | None, temperature_help: str) -> argparse
 def add_workloads_flag(parser: argparse.ArgumentParser) -> None:
     """``--workloads DIR``: where the recorded workloads are."""
     parser.add_argument("--workloads", metavar="DIR",
-                        help="recorded workloads directory (default: $DEFT_WORKLOADS or ../shared/workloads)")
+                        help="recorded workloads directory (default: $DEFT_WORKLOADS, else "
+                        "shared/workloads beside the checkout, else beside the working directory)")
 
 
 # ------------------------------------------------------------------ helpers

@@ -108,7 +108,8 @@ def _run_engine(args: argparse.Namespace, branches: int,
     """Load the model, encode the prompts, size the cache and call ``run(engine, prompts, progress)``.
 
     The pool holds what every request could need at once, or what the K/V budget allows if
-    that is less: then the engine runs the requests that fit and the others wait.
+    that is less: then generate and sample run the requests that fit and the others wait
+    (beam search stops with the one-line error).
     """
     from tqdm import tqdm
 

@@ -5,8 +5,8 @@ A step of ``n`` queries runs in the smallest bucket ``Q >= n``. Its layout is pa
 cache never hands out), so every step of a bucket has ``Q`` queries: it plans into the
 fixed buffers of the bucket's graph-safe :class:`~deft.TreeAttention` (``capacity``),
 writes its token ids, positions, slots and logits rows into static device buffers, and
-replays the forward captured once (embedding, every layer, final norm, LM head on the
-wanted rows). The padding queries write their K/V to the scratch slot and see only it, so
+replays the forward captured once per count of logits rows (embedding, every layer, final
+norm, LM head on the wanted rows, their count rounded up to a power of two). The padding queries write their K/V to the scratch slot and see only it, so
 they touch nothing a real query reads.
 
 A step that outgrows a bucket's reserved plan tokens or partial states rebuilds the bucket
@@ -50,8 +50,8 @@ class _Bucket:
     queries: int
     attn: TreeAttention
     inputs: torch.Tensor  # [4, Q] int64: token ids, positions, slots, logits rows
-    graphs: dict[bool, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = field(
-        default_factory=dict)  # keyed by "computes logits": (graph, its output)
+    graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = field(
+        default_factory=dict)  # keyed by the logits rows computed: (graph, its output)
 
 
 class StepGraphs:
@@ -100,7 +100,7 @@ class StepGraphs:
                 return b
             except CapacityError:
                 self.rebuilds += 1
-        b = self._buckets[q] = self._new_bucket(q, padded)
+        b = self._buckets[q] = self._new_bucket(q, padded, b.attn.capacity if b else None)
         return b
 
     def replay(self, b: _Bucket, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
@@ -113,15 +113,19 @@ class StepGraphs:
         host[2, n:] = self.scratch_slot
         host[3, :len(rows)] = rows
         b.inputs.copy_(torch.from_numpy(host), non_blocking=True)
-        out = self._forward(b, bool(len(rows)))
-        return out[:len(rows)].clone()
+        r = len(rows)
+        out = self._forward(b, 0 if r == 0 else min(1 << (r - 1).bit_length(), b.queries))
+        return out[:r].clone()
 
-    def _new_bucket(self, q: int, layout: TreeLayout) -> _Bucket:
-        """A bucket of ``q`` queries with room for ``layout`` (planned into it) and more."""
+    def _new_bucket(self, q: int, layout: TreeLayout, old: Capacity | None) -> _Bucket:
+        """A bucket of ``q`` queries with room for ``layout`` (planned into it) and more, and
+        at least the ``old`` bucket's capacity (so rebuilds only ever grow it)."""
         m = self.model
         bound = make_plan(layout, self.plan_kind, self._block_kv)
         # The uncoarsened plan's partials bound the coarsened plan's.
         tokens, partials = bound.num_plan_tokens, bound.num_partials
+        if old is not None:
+            tokens, partials = max(tokens, old.tokens), max(partials, old.partials)
         while True:
             attn = m.attention(device=self.device, backend=self.backend,
                                plan_kind=self.plan_kind, capacity=Capacity(
@@ -136,8 +140,9 @@ class StepGraphs:
         inputs = torch.zeros((4, q), dtype=torch.int64, device=self.device)
         return _Bucket(q, attn, inputs)
 
-    def _forward(self, b: _Bucket, logits: bool) -> torch.Tensor:
-        """Replay (capturing first if needed) the bucket's forward; its output buffer."""
+    def _forward(self, b: _Bucket, logits: int) -> torch.Tensor:
+        """Replay (capturing first if needed) the bucket's forward with ``logits`` rows of
+        logits; its output buffer."""
         graph, out = b.graphs.get(logits, (None, None))
         if not self.capture:
             return self._model_step(b, logits)
@@ -156,9 +161,9 @@ class StepGraphs:
         self.last_graph = graph
         return out
 
-    def _model_step(self, b: _Bucket, logits: bool) -> torch.Tensor:
+    def _model_step(self, b: _Bucket, logits: int) -> torch.Tensor:
         ids, pos, slots, rows = b.inputs
-        return self.model(ids, pos, slots, b.attn, self.pool, rows if logits else rows[:0])
+        return self.model(ids, pos, slots, b.attn, self.pool, rows[:logits])
 
 
 def _pad(layout: TreeLayout, extra: int, scratch_slot: int) -> TreeLayout:

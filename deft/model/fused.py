@@ -49,6 +49,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     s = x if residual is None else torch.empty_like(x)
     r = x if residual is None else residual
     block = triton.next_power_of_2(n)
+    if n_rows == 0:
+        return out, s
     _rms_norm_kernel[(n_rows,)](x, r, weight, out, s, n, eps, x.stride(0), r.stride(0),
                                 out.stride(0), HAS_RES=residual is not None, BLOCK=block,
                                 num_warps=min(16, max(1, block // 256)))

@@ -200,8 +200,7 @@ class LlamaModel(nn.Module):
                                                attn, pool, i)
             if logits_rows is not None:
                 x, delta = x[logits_rows], delta[logits_rows]
-            logits = F.linear(rms_norm(x, self.norm.weight, self.norm.eps, delta)[0], head)
-            return logits if logits.dtype == torch.float64 else logits.float()
+            return F.linear(rms_norm(x, self.norm.weight, self.norm.eps, delta)[0], head).float()
         cos, sin = self.rope[positions].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D/2] each
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, write_slots, attn, pool, i)

@@ -50,8 +50,9 @@ class Capacity(NamedTuple):
 
 
 class CapacityError(ValueError):
-    """A step that does not fit a reserved :class:`Capacity`: ``what`` (``"tokens"``,
-    ``"partials"``, or a count derived from them) needs ``needed``, beyond ``room``."""
+    """A step that does not fit a reserved :class:`Capacity`: ``what`` (the triton backend's
+    ``"plan tokens"``, ``"partial states"``, or the ``"work items"`` and ``"plan ints"``
+    derived from both) needs ``needed``, beyond ``room``."""
 
     def __init__(self, what: str, needed: int, room: int) -> None:
         super().__init__(f"layout: this step needs {needed} {what}, beyond the reserved "
