@@ -1,15 +1,23 @@
 """The stepwise :class:`~deft.engine.decoding.Batch` and the prefix cache, without HTTP:
 requests joining mid-run, a page budget too small for all at once, cancellation, and
-cached prompts that are forked (and split) by later requests."""
+cached prompts that are forked (and split) by later requests; then the scheduler's jobs
+driven from an event loop, and request checks through FastAPI's test client."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
 pytest.importorskip("fastapi")
+from pydantic import ValidationError  # noqa: E402
+
 from deft.engine import SamplingParams, TreeEngine, generate  # noqa: E402
 from deft.engine.decoding import Batch, Request  # noqa: E402
-from deft.serve import PrefixCache  # noqa: E402
+from deft.serve import Metrics, PrefixCache, Scheduler, create_app  # noqa: E402
+from deft.serve.app import _Format  # noqa: E402
+from deft.serve.jobs import Delta, End, Job, TokenLogprob  # noqa: E402
+from deft.serve.protocol import CompletionRequest  # noqa: E402
 
 
 def run(batch: Batch, limit: int = 500) -> int:
@@ -143,3 +151,148 @@ def test_prefix_cache_evicts_unreferenced_entries_when_pages_run_out(smol, promp
     assert 0 < len(cache) < len(prompts)  # the oldest prompts made room for the newer ones
     cache.clear()
     assert engine.cache.num_free_pages == 4
+
+
+def test_cancelling_the_last_running_request_after_a_preemption_admits_the_waiting_one(smol, prompts):
+    engine = TreeEngine(*smol, num_pages=5, page_size=16)
+    batch = Batch(engine)
+    params = SamplingParams(max_new_tokens=24)
+    reqs = [Request(p, 1, params) for p in prompts[:2]]
+    for r in reqs:
+        batch.add(r)
+    while not batch.stats["preempted"]:
+        assert batch.step()
+    batch.cancel(reqs[0])
+    run(batch)
+    solo = generate(TreeEngine(*smol, num_pages=8), [prompts[1]], params)[0].token_ids
+    assert reqs[1].status == "done" and reqs[1].branches[0].tokens == solo
+    assert engine.cache.num_free_pages == 5
+
+
+def test_an_inserted_prompt_is_never_evicted_before_its_fork(smol, prompts, alone):
+    """At ``max_entries`` with the only other entry referenced, the new entry stays."""
+    engine = TreeEngine(*smol, num_pages=32)
+    cache = PrefixCache(engine.cache, max_entries=1)
+    batch = Batch(engine, prefixes=cache)
+    reqs = [Request(p, 2, SamplingParams(max_new_tokens=3), pin_prompt=True) for p in prompts[:2]]
+    for r in reqs:
+        batch.add(r)
+    run(batch)
+    assert [[b.tokens for b in r.branches] for r in reqs] == [[a[:3]] * 2 for a in alone[:2]]
+
+
+# ------------------------------------------------ the scheduler, its jobs driven without HTTP
+
+
+def serve(scheduler: Scheduler, specs: list[dict]) -> list[list]:
+    """Run one job per ``specs`` entry (``Job`` keyword arguments) on a started ``scheduler``;
+    each job's events, up to its ``End``."""
+
+    async def main() -> list[list]:
+        queue, loop = asyncio.Queue(), asyncio.get_running_loop()
+        jobs = [Job(stop=[], events=queue, loop=loop, **spec) for spec in specs]
+        for job in jobs:
+            assert scheduler.submit(job)
+        events: dict[int, list] = {id(j): [] for j in jobs}
+        while not all(evs and isinstance(evs[-1], End) for evs in events.values()):
+            job, ev = await asyncio.wait_for(queue.get(), 60)
+            events[id(job)].append(ev)
+        return [events[id(j)] for j in jobs]
+
+    scheduler.start()
+    try:
+        return asyncio.run(main())
+    finally:
+        scheduler.stop()
+
+
+def sample(prompt: list[int], tokens: int = 4) -> dict:
+    return {"prompt": prompt, "n": 1, "params": SamplingParams(max_new_tokens=tokens)}
+
+
+def test_a_job_run_alone_that_raises_fails_alone(smol, prompts, monkeypatch):
+    engine = TreeEngine(*smol, num_pages=32)
+    scheduler = Scheduler(engine, 4, 8, Metrics())
+
+    def boom(job: Job) -> None:
+        engine.add_prompt(job.prompt)  # a node the strategy leaves behind
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(scheduler, "_strategy", boom)
+    beam = {"prompt": prompts[0], "n": 1, "params": SamplingParams(max_new_tokens=4), "kind": "beam",
+            "options": {"num_beams": 2, "length_penalty": 1.0, "early_stopping": False}}
+    failed, ok = serve(scheduler, [beam, sample(prompts[1])])
+    assert failed[-1].error == (500, "internal error: RuntimeError: boom")
+    assert ok[-1].error is None and ok[-1].completion_tokens == 4
+    scheduler.prefixes.clear()
+    assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 32
+
+
+def test_a_request_too_big_for_the_cache_fails_alone(smol, prompts, alone):
+    """The request that cannot fit even alone is a 400; the one waiting behind it runs."""
+    engine = TreeEngine(*smol, num_pages=3, page_size=16)
+    scheduler = Scheduler(engine, 1, 8, Metrics(), prefix_cache=False)
+    too_big, ok = serve(scheduler, [sample(prompts[0] * 5), sample(prompts[1])])
+    assert too_big[-1].error[0] == 400 and "KV cache is full" in too_big[-1].error[1]
+    assert ok[-1].error is None and "".join(e.text for e in ok[:-1]) == engine.tokenizer.decode(alone[1][:4])
+
+
+def test_an_error_mid_step_releases_every_page(smol, monkeypatch):
+    """Two prompts prefilled through a shared root (no request owns it) when a step raises:
+    both jobs are a 500 and every page is free again."""
+    model, tok = smol
+    engine = TreeEngine(model, tok, num_pages=32, prefill_chunk=4)
+    scheduler = Scheduler(engine, 4, 8, Metrics())
+    base = tok.encode("A long shared preamble about the weather, the sea and the mountains of the north")
+    extend, calls = engine.extend, []
+
+    def flaky(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("flaky")
+        return extend(*args, **kw)
+
+    monkeypatch.setattr(engine, "extend", flaky)
+    events = serve(scheduler, [sample(base + tok.encode(" and then rain.")),
+                               sample(base + tok.encode(" or snow today?"))])
+    assert [evs[-1].error for evs in events] == [(500, "internal error: RuntimeError: flaky")] * 2
+    assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 32
+
+
+# ------------------------------------------------ HTTP shapes, without a running scheduler
+
+
+@pytest.fixture(scope="module")
+def client(smol):
+    from fastapi.testclient import TestClient
+
+    engine = TreeEngine(*smol, num_pages=8, page_size=16)
+    return TestClient(create_app(Scheduler(engine, 4, 8, Metrics()), "m"))
+
+
+def test_an_empty_prompt_list_is_a_400_naming_prompt(client):
+    r = client.post("/v1/completions", json={"model": "m", "prompt": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_too_many_pages_names_the_server_pages_not_a_flag(client):
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1000})
+    assert r.status_code == 400 and r.json()["error"]["message"].endswith("more than the server's 8 KV pages")
+
+
+@pytest.mark.parametrize("penalty", [1e20, -33, float("inf")])
+def test_length_penalty_is_bounded(penalty):
+    with pytest.raises(ValidationError, match="length_penalty"):
+        CompletionRequest(model="m", prompt="hi", use_beam_search=True, length_penalty=penalty)
+
+
+def test_streamed_text_offsets_run_on_across_chunks(smol):
+    tok = smol[1]
+    fmt = _Format(tok, "text_completion", 0)
+    ids = tok.encode("the sky is blue and the sea is green")
+    pieces = [tok.decode([t]) for t in ids]
+    first, second = (fmt.chunk(Delta(0, "", [TokenLogprob(t, -1.0, []) for t in part]))
+                     for part in (ids[:3], ids[3:]))
+    assert first["logprobs"]["text_offset"][0] == 0
+    assert second["logprobs"]["text_offset"][0] == len("".join(pieces[:3]))
+    assert fmt.chunk(Delta(1, "", [TokenLogprob(ids[0], -1.0, [])]))["logprobs"]["text_offset"] == [0]

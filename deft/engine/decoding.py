@@ -204,7 +204,7 @@ class Batch:
     def step(self) -> bool:
         """Sample every branch that waits for a token, admit requests, run ONE forward.
 
-        Returns ``False`` when nothing is left to compute (every branch has ended).
+        Returns ``False`` only when nothing is left: no live branch and no waiting request.
         """
         engine = self.engine
         ready = [b for b in self.live if b.feed == [] and b.logits is not None
@@ -239,12 +239,23 @@ class Batch:
         """Stop ``request`` now: its unfinished branches end with ``reason``, nodes released."""
         if request in self.waiting:
             self.waiting.remove(request)
+        if request in self.running:
+            self._hold = False  # a request left: admission resumes
         for b in request.branches:
             self.finish(b, reason)
         if request.root is not None and not request.root.done:
             self._release(request.root, reason)
         request.status = "done"
         self.running = [r for r in self.running if r is not request]
+
+    def close(self, reason: str = "cancelled") -> None:
+        """End every request and branch now and release all their nodes (e.g. after an error)."""
+        for r in list(self.running) + list(self.waiting):
+            self.cancel(r, reason)
+        for b in self.live:
+            if not b.done:
+                self._release(b, reason)
+        self.live = []
 
     def finish(self, branch: Branch, reason: str) -> None:
         """End ``branch`` now (e.g. a stop string matched) and release its node."""

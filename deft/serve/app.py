@@ -186,6 +186,7 @@ class _Format:
     def __init__(self, tokenizer: Any, kind: str, top: int | None) -> None:
         self.tok, self.chat, self.top = tokenizer, kind == "chat.completion", top
         self.chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
+        self._offsets: dict[int, int] = {}  # per streamed choice: the text its chunks covered
 
     def gather(self, acc: dict, ev: Delta) -> None:
         acc["text"] += ev.text
@@ -200,7 +201,10 @@ class _Format:
         return {"index": index, "text": acc["text"], "logprobs": lp, "finish_reason": acc["finish"]}
 
     def chunk(self, ev: Delta) -> dict:
-        lp = self._logprobs(ev.logprobs, 0)
+        at = self._offsets.get(ev.index, 0)
+        lp = self._logprobs(ev.logprobs, at)
+        if lp is not None and not self.chat:
+            self._offsets[ev.index] = at + sum(len(t) for t in lp["tokens"])
         if self.chat:
             return {"index": ev.index, "delta": {"content": ev.text} if ev.text else {},
                     "logprobs": lp, "finish_reason": ev.finish_reason}

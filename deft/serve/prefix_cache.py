@@ -59,7 +59,7 @@ class PrefixCache:
             return
         self._entries[node] = key
         self.pinned.add(node)
-        while len(self._entries) > self.max_entries and self._evict_one():
+        while len(self._entries) > self.max_entries and self._evict_one(spare=node):
             pass
 
     def evict(self, pages: int) -> None:
@@ -75,10 +75,11 @@ class PrefixCache:
 
     # ------------------------------------------------------------ internals
 
-    def _evict_one(self) -> bool:
+    def _evict_one(self, spare: int | None = None) -> bool:
+        """Release the oldest unreferenced entry but ``spare`` (one about to be forked)."""
         self._drop_dead()
         for node in self._entries:
-            if not self.cache.children(node):
+            if node != spare and not self.cache.children(node):
                 del self._entries[node]
                 self.pinned.discard(node)
                 self.cache.prune(node, release_unused_ancestors=True, keep=self.pinned)

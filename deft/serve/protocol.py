@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = ["ChatRequest", "CompletionRequest", "Message", "SpeculativeOptions", "error_body"]
 
 MAX_N = 64
+MAX_LENGTH_PENALTY = 32  # as the CLI's: length ** 32 stays finite for any context length
 
 
 class SpeculativeOptions(BaseModel):
@@ -41,7 +42,7 @@ class _Sampling(BaseModel):
     presence_penalty: float = Field(0.0, ge=0, le=0)
     frequency_penalty: float = Field(0.0, ge=0, le=0)
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY, allow_inf_nan=False)
     early_stopping: bool | Literal["never"] = False
     speculative: SpeculativeOptions | None = None
 

@@ -55,6 +55,8 @@ def completion_jobs(body: Any, prompts: list[list[int]], top: int | None, limits
     if len(stop) > MAX_STOP or any(not s for s in stop):
         raise ApiError(400, f"stop: expected at most {MAX_STOP} non-empty strings", "stop")
     param = "messages" if chat else "prompt"
+    if not prompts:
+        raise ApiError(400, f"{param}: expected a prompt or a non-empty list of prompts, got []", param)
     for i, ids in enumerate(prompts):
         if not ids:
             raise ApiError(400, f"{param}: prompt {i} encodes to no tokens", param)
@@ -101,7 +103,7 @@ def completion_jobs(body: Any, prompts: list[list[int]], top: int | None, limits
         worst += width * (-(-max_tokens // ps) + 2)  # beams fork and prune as they go
     if worst > limits.num_pages:
         raise ApiError(400, f"max_tokens: the request may need {worst} KV pages, more than the "
-                       f"server's {limits.num_pages} (--num-pages)", "max_tokens")
+                       f"server's {limits.num_pages} KV pages", "max_tokens")
     return [Job(ids, n, params, stop, queue, loop, top_logprobs=top, best_of=best_of, kind=kind,
                 options=options, base_index=i * n) for i, ids in enumerate(prompts)]
 

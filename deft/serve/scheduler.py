@@ -20,7 +20,7 @@ import numpy as np
 
 from ..cache import CacheFullError
 from ..engine import TreeEngine, beam_search, speculative_generate
-from ..engine.decoding import Batch, Request
+from ..engine.decoding import Batch, Request, release_on_error
 from ..engine.params import GenerationResult
 from .jobs import ChoiceText, Delta, End, Job, TokenLogprob
 from .metrics import Metrics
@@ -106,7 +106,8 @@ class Scheduler:
                     self._run_alone(self._pending.popleft())
             except Exception as exc:  # a bug must not stop the server: fail what was running
                 for job in list(self._pending) + list(self._active):
-                    self._drop(job, (500, f"internal error: {type(exc).__name__}: {exc}"))
+                    self._drop(job, _internal(exc))
+                self.batch.close("error")
                 self.batch = Batch(self.engine, self.batch.max_running, self.prefixes)
             self._count()
             if not busy and not self._pending:
@@ -125,8 +126,8 @@ class Scheduler:
     def _step(self) -> None:
         try:
             self.batch.step()
-        except CacheFullError as exc:  # the oldest request alone does not fit
-            for job in list(self._active):
+        except CacheFullError as exc:  # the request running alone does not fit: fail it only
+            for job in [j for j in self._active if j.request.status == "running"]:
                 self._drop(job, (400, str(exc)))
             return
         if self.batch.sampled:
@@ -190,7 +191,8 @@ class Scheduler:
         self.metrics.prompt.inc(len(job.prompt))
         for attempt in range(2):
             try:
-                results = self._strategy(job)
+                with release_on_error(self.engine):
+                    results = self._strategy(job)
                 break
             except CacheFullError as exc:
                 if attempt or self.prefixes is None:
@@ -199,6 +201,9 @@ class Scheduler:
                 self.prefixes.clear()
             except ValueError as exc:
                 self._drop(job, (400, str(exc)))
+                return
+            except Exception as exc:  # a bug fails this job only
+                self._drop(job, _internal(exc))
                 return
         tok = self.engine.tokenizer
         for i, r in enumerate(results):
@@ -255,3 +260,8 @@ class Scheduler:
             if key in now and now[key] > self._seen[key]:
                 counter.inc(now[key] - self._seen[key])
                 self._seen[key] = now[key]
+
+
+def _internal(exc: Exception) -> tuple[int, str]:
+    """The HTTP error of an unexpected exception: 500, naming it."""
+    return 500, f"internal error: {type(exc).__name__}: {exc}"
