@@ -6,12 +6,13 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from . import common
 from .common import CliError, in_range
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "model_id", "run"]
 
 DEFAULT_PAGES = 4096
 
@@ -41,6 +42,15 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="do not keep finished prompts for later requests")
     p.set_defaults(func=run)
+
+
+def model_id(path: str | None) -> str:
+    """The id /v1/models gives the model at ``path``: its file name without the extension,
+    or its directory's name (a trailing slash allowed); the default model's name for ``None``."""
+    if not path:
+        return "SmolLM2-135M-Instruct"
+    p = Path(path.rstrip("/\\") or path)
+    return p.stem if p.is_file() else p.name
 
 
 def run(args: argparse.Namespace) -> None:
@@ -75,7 +85,7 @@ def run(args: argparse.Namespace) -> None:
     if draft is not None:
         draft_engine = TreeEngine(draft, draft_tok, draft_pages[0], common.PAGE_SIZE, device=args.device)
         drafters["model"] = lambda: ModelDrafter(draft_engine)
-    name = os.path.splitext(os.path.basename(args.model))[0] if args.model else "SmolLM2-135M-Instruct"
+    name = model_id(args.model)
     scheduler = Scheduler(engine, max_running, max_queue, Metrics(),
                           prefix_cache=not args.no_prefix_cache, drafters=drafters)
     api_key = args.api_key if args.api_key is not None else os.environ.get("DEFT_API_KEY")
