@@ -134,7 +134,8 @@ class TreeEngine:
     def reset_stats(self) -> None:
         """Zero the counters in :attr:`stats`."""
         self.stats = dict.fromkeys(("steps", "tokens", "logit_rows", "forward_s", "plan_s",
-                                    "graph_steps", "plan_tokens", "kv_bytes_deft", "kv_bytes_per_branch", "io_s"), 0)
+                                    "graph_steps", "plan_tokens", "kv_bytes_deft",
+                                    "kv_bytes_per_branch", "io_s"), 0)
 
     # ------------------------------------------------------------------ tree
 
@@ -281,7 +282,8 @@ class TreeEngine:
         bucket = None if self.graphs is None else self.graphs.plan(layout)
         plan = self.attn.plan(layout) if bucket is None else None
         t_plan = time.perf_counter() - t0
-        feed = [np.concatenate([getattr(f, a) for f in feeds]) for a in ("tokens", "positions", "slots")]
+        feed = [np.concatenate([getattr(f, a) for f in feeds])
+                for a in ("tokens", "positions", "slots")]
         with torch.no_grad():
             if bucket is not None:
                 out = self.graphs.replay(bucket, *feed, rows)
