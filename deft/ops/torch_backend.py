@@ -92,25 +92,27 @@ class TorchBackend(Backend):
         buckets = []
         num_p = plan.num_partials
         # Tiles whose whole group sees all their tokens (most prompt tiles) need no
-        # per-token visibility test.
-        seen_whole = mask_from(plan) == plan.tile_indptr[1:] if plan.needs_mask else None
-        for l_pad, g_pad in sorted(set(zip(lp.tolist(), gp.tolist()))):
-            tiles = np.flatnonzero((lp == l_pad) & (gp == g_pad))
+        # per-token visibility test: they form buckets of their own, without a mask when
+        # unpadded; in the others, tokens before ``mask_from`` are seen by the whole group.
+        first = mask_from(plan) if plan.needs_mask else plan.tile_indptr[1:]
+        partly = first < plan.tile_indptr[1:]
+        for l_pad, g_pad, part in sorted(set(zip(lp.tolist(), gp.tolist(), partly.tolist()))):
+            tiles = np.flatnonzero((lp == l_pad) & (gp == g_pad) & (partly == part))
             t_pos = plan.tile_indptr[tiles, None] + np.arange(l_pad)
             t_ok = np.arange(l_pad) < tile_len[tiles, None]
             t_pos = np.where(t_ok, t_pos, 0)
             q_pos = plan.tile_q_start[tiles, None] + np.arange(g_pad)
             q_ok = np.arange(g_pad) < group[tiles, None]
             q_pos = np.where(q_ok, q_pos, 0)
-            partly = seen_whole is not None and not seen_whole[tiles].all()
             unpadded = bool(q_ok.all() and t_ok.all())
-            mask = None if unpadded and not partly else q_ok[:, :, None] & t_ok[:, None, :]
-            if partly:
-                some = ~seen_whole[tiles]
-                qp, tp = q_pos[some], t_pos[some]
-                mask[some] &= visible(plan.query_pre[qp][:, :, None], plan.query_len[qp][:, :, None],
-                                      plan.token_lo[tp][:, None, :], plan.token_hi[tp][:, None, :],
-                                      plan.token_off[tp][:, None, :])
+            mask = None if unpadded and not part else q_ok[:, :, None] & t_ok[:, None, :]
+            if part:
+                c0 = int((first[tiles] - plan.tile_indptr[tiles]).min())
+                tp = t_pos[:, c0:]
+                mask[:, :, c0:] &= visible(
+                    plan.query_pre[q_pos][:, :, None], plan.query_len[q_pos][:, :, None],
+                    plan.token_lo[tp][:, None, :], plan.token_hi[tp][:, None, :],
+                    plan.token_off[tp][:, None, :])
             pid = plan.partial_indptr[tiles, None] + np.arange(g_pad)
             pid = np.where(q_ok, pid, num_p)
             per_tile = max(1, g_pad * l_pad)
