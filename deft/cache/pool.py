@@ -8,10 +8,9 @@ from pathlib import Path
 
 import torch
 
-from ..checks import int_at_least, positive_int
+from ..checks import positive_int
 
-__all__ = ["KV_MEMORY_FRACTION", "KVPool", "default_kv_budget", "free_memory", "page_bytes",
-           "pages_for_budget"]
+__all__ = ["KV_MEMORY_FRACTION", "KVPool", "default_kv_budget", "free_memory", "page_bytes"]
 
 # The default K/V budget is this fraction of the memory still free once the model is loaded;
 # the rest is left to activations, the logits and everything else in the process.
@@ -30,13 +29,6 @@ def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int
     """Bytes of one page of K and V in every layer."""
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * page_size * num_kv_heads * head_dim * elem
-
-
-def pages_for_budget(budget: int, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
-                     dtype: torch.dtype = torch.float32) -> int:
-    """Whole pages (K and V of every layer) that fit in ``budget`` bytes; 0 if not one does."""
-    budget = int_at_least(budget, "budget", 0)
-    return budget // page_bytes(num_layers, page_size, num_kv_heads, head_dim, dtype)
 
 
 def free_memory(device: str | torch.device = "cpu") -> int:
