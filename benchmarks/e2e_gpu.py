@@ -29,6 +29,7 @@ import torch
 import triton
 
 from .report import markdown_table, record, write_record
+from .trees import apps_tree, medusa_parents
 
 __all__ = ["GPU_WORKLOADS", "gpu_e2e_table", "llama3_8b_shapes"]
 
@@ -87,18 +88,6 @@ def _tokenizer(vocab: int) -> Any:
 
     return Tokenizer(Backend(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0")),
                      eos_token_ids=[])
-
-
-def _medusa_parents(size: int, workloads: Path) -> list[int]:
-    """Parents of the draft tree ``APPS_tree_size{size}``: a root token, then each choice path."""
-    from deft.recorded import load_medusa_choices
-
-    choices = load_medusa_choices(workloads / "deft" / "speculative" / f"APPS_tree_size{size}.json")
-    index, parents = {(): 0}, [-1]
-    for path in sorted((tuple(p) for p in choices), key=lambda p: (len(p), p)):
-        index[path] = len(parents)
-        parents.append(index[path[:-1]])
-    return parents
 
 
 def _run(engine: Any, w: GpuWorkload, prompts: list[list[int]], new_tokens: int,
@@ -234,7 +223,7 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
         parents = None
         if w.kind == "verify":
             try:
-                parents = _medusa_parents(w.width, workloads_dir(workloads))
+                parents = medusa_parents(apps_tree(w.width, workloads_dir(workloads)))
             except FileNotFoundError as exc:
                 say(f"{w.name}: skipped ({exc})")
                 continue

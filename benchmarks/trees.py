@@ -19,7 +19,7 @@ from deft.recorded import load_medusa_choices, load_reasoning_records
 
 __all__ = [
     "WORKLOADS", "GPU_SUITE", "CPU_SUITE", "PLAN_SUITE", "build", "available",
-    "few_shot_layout", "fan_layout", "medusa_layout", "reasoning_layout", "random_forest_layout",
+    "few_shot_layout", "fan_layout", "medusa_parents", "apps_tree", "medusa_layout", "reasoning_layout", "random_forest_layout",
     "shuffle_slots",
 ]
 
@@ -46,18 +46,30 @@ def fan_layout(prompt_len: int, leaves: int) -> TreeLayout:
     return few_shot_layout(prompt_len, leaves, 1)
 
 
-def medusa_layout(choices: Sequence[Sequence[int]], prompt_len: int) -> TreeLayout:
-    """A prompt node, then the draft tree: a root token and one 1-token node per choice path.
-
-    Every draft token is a query that sees the prompt, its ancestors and itself.
-    """
-    index = {(): 1}
-    parents = [-1, 0]
+def medusa_parents(choices: Sequence[Sequence[int]]) -> list[int]:
+    """Parents of a Medusa draft tree: a root token (``-1``), then one token per choice path
+    (shortest first), each a child of its path without the last choice."""
+    index = {(): 0}
+    parents = [-1]
     for path in sorted((tuple(p) for p in choices), key=lambda p: (len(p), p)):
         if path[:-1] not in index:
             raise ValueError(f"choices: path {list(path)} has no parent path {list(path[:-1])}")
         index[path] = len(parents)
         parents.append(index[path[:-1]])
+    return parents
+
+
+def apps_tree(size: int, workloads: Path) -> list[list[int]]:
+    """The recorded Medusa choices ``APPS_tree_size{size}``."""
+    return load_medusa_choices(workloads / "deft" / "speculative" / f"APPS_tree_size{size}.json")
+
+
+def medusa_layout(choices: Sequence[Sequence[int]], prompt_len: int) -> TreeLayout:
+    """A prompt node, then the draft tree: a root token and one 1-token node per choice path.
+
+    Every draft token is a query that sees the prompt, its ancestors and itself.
+    """
+    parents = [-1] + [p + 1 for p in medusa_parents(choices)]
     lens = [prompt_len] + [1] * (len(parents) - 1)
     return TreeLayout.from_node_lengths(parents, lens, list(range(1, len(parents))))
 
@@ -128,9 +140,7 @@ def random_forest_layout(num_nodes: int = 1000, num_tokens: int = 100_000, seed:
 
 
 def _medusa(size: int) -> Callable[[Path], TreeLayout]:
-    return lambda d: medusa_layout(
-        load_medusa_choices(d / "deft" / "speculative" / f"APPS_tree_size{size}.json"), 4096
-    )
+    return lambda d: medusa_layout(apps_tree(size, d), 4096)
 
 
 def _reasoning(task: str) -> Callable[[Path], TreeLayout]:
