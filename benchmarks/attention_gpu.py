@@ -74,7 +74,7 @@ def time_us(step: Callable[[], object], graph: bool) -> float:
 
 
 def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
-                progress: Callable[[str], None] | None) -> dict:
+                progress: Callable[[str], None] | None, flex: bool = True) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     n = layout.num_tokens
     ks = [torch.randn(n, H_KV, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(LAYERS)]
@@ -111,13 +111,14 @@ def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
                                "tiles": plan.num_tiles, "partials": plan.num_partials}
         impls[label] = lambda l, a=attn: a.run(q, ks[l], vs[l])
     sm_scale = D**-0.5
-    try:
-        torch._dynamo.reset()  # a fresh compile per tree, not a fallback past the recompile limit
-        impls["FlexAttention"] = flex_tree_attention(layout, q, ks, vs, sm_scale,
-                                                     kernel_options={"BACKEND": "TRITON"})
-        row["impls"]["FlexAttention"] = {}
-    except Exception as exc:  # noqa: BLE001 - report, keep benchmarking the rest
-        row["impls"]["FlexAttention"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+    if flex:
+        try:
+            torch._dynamo.reset()  # a fresh compile per tree, not a fallback past the recompile limit
+            impls["FlexAttention"] = flex_tree_attention(layout, q, ks, vs, sm_scale,
+                                                         kernel_options={"BACKEND": "TRITON"})
+            row["impls"]["FlexAttention"] = {}
+        except Exception as exc:  # noqa: BLE001 - report, keep benchmarking the rest
+            row["impls"]["FlexAttention"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
     try:
         sdpa = sdpa_per_query(layout, q, ks[0], vs[0], sm_scale)
         impls["SDPA per-query"] = lambda l: sdpa()
@@ -152,14 +153,14 @@ def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
 
 def gpu_attention_report(names: list[str] | None = None, workloads: Path | None = None,
                          out: str | None = None, progress=None,  # noqa: ANN001
-                         json_path: str | None = None) -> str:
-    """Run the GPU suite; return a Markdown report (and write JSON details under ``out``, and
+                         json_path: str | None = None, flex: bool = True) -> str:
+    """Run the GPU suite (``flex``: with FlexAttention); return a Markdown report (and write JSON details under ``out``, and
     the tables as a result record to ``json_path``)."""
     bw, flops = measure_ceilings()
     cfg = {f"{a} rows>={r}": c for (a, d, r), c in CONFIGS.items() if d == D}
     rows = []
     for name, layout in available(names or GPU_SUITE, workloads):
-        rows.append(_bench_tree(name, layout, bw, flops, progress))
+        rows.append(_bench_tree(name, layout, bw, flops, progress, flex))
     header = (f"GPU: {torch.cuda.get_device_name()}; measured HBM read {bw / 1e12:.2f} TB/s, "
               f"bf16 matmul {flops / 1e12:.0f} TFLOP/s. Kernel config (head_dim {D}): {cfg}.")
     table = []

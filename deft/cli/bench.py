@@ -87,7 +87,8 @@ def run_attention(args: argparse.Namespace) -> None:
         from benchmarks.attention_gpu import gpu_attention_report
 
         print(gpu_attention_report(args.workload or None, common.workloads(args.workloads),
-                                   out=args.out, progress=common.progress, json_path=args.json))
+                                   out=args.out, progress=common.progress, json_path=args.json,
+                                   flex=not args.no_flex))
         return
     from benchmarks.attention_cpu import cpu_attention_table
 
