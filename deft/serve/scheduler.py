@@ -210,6 +210,7 @@ class Scheduler:
             text = ChoiceText(tok, job.stop)
             delta, _, stopped = text.update(r.token_ids, True)
             job.post(Delta(job.base_index + i, delta, [], "stop" if stopped else r.stats["finish_reason"]))
+        self.metrics.computed.inc(len(job.prompt))  # run alone: the whole prompt, no prefix cache
         self.metrics.count_tokens(sum(len(r.token_ids) for r in results))
         self.metrics.ttft.observe(time.monotonic() - job.arrival)
         job.finished = True
