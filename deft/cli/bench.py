@@ -1,4 +1,4 @@
-"""``deft bench plan|attention|e2e``: the benchmarks, run from the ``benchmarks`` package."""
+"""``deft bench plan|attention|e2e|serve``: the benchmarks, run from the ``benchmarks`` package."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ __all__ = ["add_parser"]
 
 def add_parser(subparsers: Any) -> None:
     """Add ``bench`` and its subcommands to ``deft``'s subcommands."""
-    bench = subparsers.add_parser("bench", help="benchmarks (plan, attention, e2e)")
+    bench = subparsers.add_parser("bench", help="benchmarks (plan, attention, e2e, serve)")
     bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     shared = argparse.ArgumentParser(add_help=False)
     common.add_workloads_flag(shared)
@@ -72,6 +72,31 @@ def add_parser(subparsers: Any) -> None:
                      help="(cuda) also the graph engine with the plain PyTorch ops instead of the fused kernels")
     common.add_workloads_flag(e2e)
     e2e.set_defaults(func=run_e2e)
+
+    srv = bsub.add_parser(
+        "serve", parents=[common.model_flags()],
+        help="deft serve under concurrent load, against the library one request at a time",
+        description="Start deft serve on 127.0.0.1 (a free port; stopped at the end, on errors and "
+        "on Ctrl-C), replay a fixed mix of chat requests (a shared system prompt and different "
+        "questions; streamed greedy and seeded sampled completions, n=4 sampling and beam search "
+        "k=4) at each concurrency level, and report tokens/s, client-side time to first token and "
+        "inter-token latency (p50/p99, streamed requests) and the prefix-cache hit rate (from "
+        "/metrics); then the same requests one by one through the library in this process. "
+        "--device cuda serves --model PATH (e.g. a Llama-3-8B checkpoint) on the GPU; "
+        "the random-weight model of bench e2e --device cuda has no tokenizer to serve.")
+    srv.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], metavar="N",
+                     help="concurrent clients, one level each (default 1 8 32)")
+    srv.add_argument("--requests", type=int, default=32, metavar="N",
+                     help="requests per level (default 32)")
+    srv.add_argument("--max-tokens", type=int, default=32, metavar="N",
+                     help="max_tokens of every request (default 32)")
+    srv.add_argument("--num-pages", type=int, metavar="N",
+                     help="KV cache pages of the server and the library's engine (default: deft serve's)")
+    srv.add_argument("--max-running", type=int, metavar="N",
+                     help="the server's --max-running (default: deft serve's)")
+    srv.add_argument("--json", metavar="PATH",
+                     help="also write the result as JSON (machine, commit, date, command, rows)")
+    srv.set_defaults(func=run_serve)
 
 
 def run_plan(args: argparse.Namespace) -> None:
@@ -139,3 +164,20 @@ def run_gpu_e2e(args: argparse.Namespace) -> None:
                         not args.no_transformers, args.unfused, progress=common.progress,
                         json_path=args.json),
           flush=True)
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    from benchmarks.serve import ServerError, serve_table
+
+    common.require_device(args.device)
+    if args.num_pages is not None and args.kv_memory is not None:
+        raise CliError("--kv-memory: give either --kv-memory or --num-pages, not both")
+    levels = [in_range(c, "--concurrency", 1, 256) for c in args.concurrency]
+    try:
+        print(serve_table(levels, in_range(args.requests, "--requests", 1, 1024),
+                          in_range(args.max_tokens, "--max-tokens", 1, 1024), args.model, args.device,
+                          args.num_pages and in_range(args.num_pages, "--num-pages", 1, 1 << 26),
+                          args.kv_memory, args.max_running and in_range(args.max_running, "--max-running", 1, 4096),
+                          progress=common.progress, json_path=args.json), flush=True)
+    except ServerError as exc:
+        raise CliError(str(exc)) from exc

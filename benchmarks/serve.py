@@ -1,0 +1,377 @@
+"""``deft bench serve``: the OpenAI-compatible server under load, against the library.
+
+The benchmark starts ``deft serve`` as a subprocess on 127.0.0.1 (a free port), waits for
+``/health`` and always stops it (SIGTERM, then a kill after :data:`STOP_S`), also on errors,
+Ctrl-C and a SIGTERM of its own. It replays the same deterministic mix of chat requests at
+each concurrency level (a closed loop: that many clients, each sending its next request
+when the last one is answered): one shared system prompt (~290 tokens of quiz examples) and
+a question per request, cycling through
+
+- greedy and seeded sampled completions (temperature 0.8), **streamed**: the client times the
+  first chunk with text (TTFT, from sending the request) and the gaps between chunks with
+  text (ITL; one chunk per decode step);
+- ``n=4`` seeded samples and beam search with 4 beams (the ``use_beam_search`` extra; the
+  server runs it alone once the batch has drained), not streamed.
+
+One warm-up request (another question) comes first, so the system prompt is in the prefix
+cache before the first level; the same prompts recur at every level. Throughput is all
+completion tokens of a level over its wall time; the prefix-cache hit rate and the share of
+prompt tokens computed are differences of ``/metrics`` across the level. Last, the model is
+loaded in this process (after the server has stopped) and the same requests run one by one
+through the library's strategies (``generate``, ``sample``, ``beam_search``) on a
+``TreeEngine`` built as the server builds it, with no prefix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .e2e import FEW_SHOT, QUESTIONS
+from .report import markdown_table, record, write_record
+
+__all__ = ["BenchRequest", "ServerError", "ServerProcess", "request_mix", "serve_table"]
+
+SYSTEM = "Answer the question in one short sentence, as in these examples.\n\n" + FEW_SHOT
+WARM_UP = "What colour is the sky on a clear day?"
+KINDS = ("greedy", "sampled", "n", "beam", "greedy", "sampled", "greedy", "sampled")
+WIDTH = 4  # samples of an "n" request, beams of a "beam" request
+TEMPERATURE = 0.8
+STARTUP_S = 300.0  # loading the model (a large one on a GPU) may take minutes
+STOP_S = 20.0  # the server lets running requests finish for up to 5 s, then cancels them
+REQUEST_S = 600.0
+
+
+class ServerError(RuntimeError):
+    """The server did not start, or stopped during the benchmark."""
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One chat request of the mix: ``kind`` is ``greedy``, ``sampled`` (both streamed),
+    ``n`` (``WIDTH`` seeded samples) or ``beam`` (``WIDTH`` beams, the best returned)."""
+
+    question: str
+    kind: str
+    max_tokens: int
+    seed: int | None = None
+
+    @property
+    def stream(self) -> bool:
+        return self.kind in ("greedy", "sampled")
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": self.question}]
+
+
+def request_mix(count: int, max_tokens: int) -> list[BenchRequest]:
+    """The first ``count`` requests of the mix (every kind within the first four)."""
+    out = []
+    for i in range(count):
+        kind = KINDS[i % len(KINDS)]
+        question = QUESTIONS[(i + i // len(KINDS)) % len(QUESTIONS)]
+        out.append(BenchRequest(question, kind, max_tokens, seed=i if kind in ("sampled", "n") else None))
+    return out
+
+
+@dataclass
+class Outcome:
+    """What the client saw of one request: ``ttft`` and ``gaps`` (s) only when streamed."""
+
+    tokens: int = 0
+    prompt_tokens: int = 0
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+# ------------------------------------------------------------------ the server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+class ServerProcess:
+    """``deft serve FLAGS`` on 127.0.0.1 as a context manager: entered once ``/health``
+    answers (:class:`ServerError` past ``startup_s`` or if it exits), stopped on exit."""
+
+    def __init__(self, flags: Sequence[str], startup_s: float = STARTUP_S,
+                 progress: Callable[[str], None] | None = None) -> None:
+        self.flags, self.startup_s = list(flags), startup_s
+        self.say = progress or (lambda msg: None)
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self._on_sigterm: Any = None
+
+    def __enter__(self) -> "ServerProcess":
+        if threading.current_thread() is threading.main_thread():  # SIGTERM unwinds, as Ctrl-C does
+            self._on_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        cmd = [sys.executable, "-m", "deft.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+               *self.flags]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=self._log)
+        self.say(f"deft serve (pid {self.proc.pid}) starting on {self.url}")
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _wait_healthy(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + self.startup_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise ServerError(f"deft serve did not answer /health within {self.startup_s:g} s")
+
+    def check_alive(self) -> None:
+        """:class:`ServerError` with the end of the server's stderr if it has exited."""
+        if self.proc is not None and self.proc.poll() is not None:
+            raise ServerError(f"deft serve exited with status {self.proc.returncode}: {self.log_tail()}")
+
+    def log_tail(self, chars: int = 2000) -> str:
+        self._log.seek(0)
+        return self._log.read()[-chars:].strip()
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it is still there after :data:`STOP_S`; idempotent."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(STOP_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(STOP_S)
+        self._log.close()
+        self.say(f"deft serve (pid {proc.pid}) stopped ({proc.returncode})")
+        self.proc = None
+        if self._on_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._on_sigterm = None
+
+    def metrics(self) -> dict[str, float]:
+        """The unlabelled samples of ``/metrics``, by name."""
+        import httpx
+
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^([a-z_]+) (\S+)$", text, re.M)}
+
+    def idle_metrics(self, timeout: float = 30.0) -> dict[str, float]:
+        """:meth:`metrics` once nothing runs or waits (the scheduler has counted its last step)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["deft_requests_running"] == m["deft_requests_waiting"] == 0 or time.monotonic() > deadline:
+                return m
+            time.sleep(0.05)
+
+
+# ------------------------------------------------------------------ the client
+
+
+async def _send(client: Any, model: str, req: BenchRequest) -> Outcome:
+    """Send ``req``; its completion tokens, and TTFT and ITL gaps when streamed."""
+    kw: dict[str, Any] = {"model": model, "messages": req.messages, "max_tokens": req.max_tokens}
+    if req.kind == "greedy":
+        kw["temperature"] = 0
+    elif req.kind in ("sampled", "n"):
+        kw.update(temperature=TEMPERATURE, seed=req.seed, n=WIDTH if req.kind == "n" else 1)
+    else:
+        kw.update(temperature=0, extra_body={"use_beam_search": True, "best_of": WIDTH})
+    t0 = time.perf_counter()
+    if not req.stream:
+        out = await client.chat.completions.create(**kw)
+        return Outcome(out.usage.completion_tokens, out.usage.prompt_tokens)
+    outcome, last = Outcome(), None
+    stream = await client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    async for chunk in stream:
+        if chunk.usage is not None:
+            outcome.tokens, outcome.prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
+        if not chunk.choices or not chunk.choices[0].delta.content:
+            continue
+        now = time.perf_counter()
+        if last is None:
+            outcome.ttft = now - t0
+        else:
+            outcome.gaps.append(now - last)
+        last = now
+    return outcome
+
+
+async def _replay(url: str, model: str, reqs: list[BenchRequest], concurrency: int,
+                  say: Callable[[str], None]) -> tuple[list[Outcome], float]:
+    """``reqs`` sent by ``concurrency`` clients; the outcomes in order and the wall time (s)."""
+    from openai import AsyncOpenAI
+
+    outcomes: list[Outcome | None] = [None] * len(reqs)
+    todo = iter(range(len(reqs)))
+    done = [0]
+    every = max(1, len(reqs) // 4)
+
+    async def client_loop(client: Any) -> None:
+        for i in todo:
+            try:
+                outcomes[i] = await _send(client, model, reqs[i])
+            except Exception as exc:  # a failed request is counted, not fatal
+                outcomes[i] = Outcome(error=f"{type(exc).__name__}: {exc}")
+                say(f"request {i} ({reqs[i].kind}) failed: {outcomes[i].error}")
+            done[0] += 1
+            if done[0] % every == 0 or done[0] == len(reqs):
+                say(f"concurrency {concurrency}: {done[0]}/{len(reqs)} requests")
+
+    async with AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=REQUEST_S) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client_loop(client) for _ in range(min(concurrency, len(reqs)))))
+        wall = time.perf_counter() - t0
+    return [o for o in outcomes if o is not None], wall
+
+
+def _ms(values: list[float], q: float) -> float:
+    return 1e3 * float(np.percentile(values, q)) if values else float("nan")
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else float("nan")
+
+
+# ------------------------------------------------------------------ the library
+
+
+def _library_tokens_per_s(model_path: str | None, device: str, num_pages: int | None,
+                          kv_memory: int | None, reqs: list[BenchRequest],
+                          say: Callable[[str], None]) -> tuple[int, int, float]:
+    """``reqs`` one by one through the library's strategies: prompt and completion tokens,
+    and seconds."""
+    from deft.cli.common import PAGE_SIZE, KVBudget
+    from deft.cli.serve import DEFAULT_PAGES
+    from deft.engine import SamplingParams, TreeEngine, beam_search, generate, sample
+    from deft.model import load_model
+
+    model, tok = load_model(model_path, device=device)
+    if kv_memory is not None:
+        num_pages = KVBudget(kv_memory, "--kv-memory").pages([(model, 1 << 26)])[0]
+    engine = TreeEngine(model, tok, num_pages or DEFAULT_PAGES, PAGE_SIZE, device=device, prefill_chunk=256)
+
+    prompt_tokens = [0]
+
+    def run(req: BenchRequest) -> int:
+        ids = tok.apply_chat_template(req.messages)
+        prompt_tokens[0] += len(ids)
+        if req.kind == "beam":
+            return sum(len(h.token_ids) for h in beam_search(engine, [ids], WIDTH, req.max_tokens)[0])
+        greedy = req.kind == "greedy"
+        params = SamplingParams(temperature=0.0 if greedy else TEMPERATURE, seed=None if greedy else req.seed,
+                                max_new_tokens=req.max_tokens)
+        if req.kind == "n":
+            return sum(len(r.token_ids) for r in sample(engine, [ids], WIDTH, params)[0])
+        return len(generate(engine, [ids], params)[0].token_ids)
+
+    say("library: warm-up")
+    run(BenchRequest(WARM_UP, "greedy", reqs[0].max_tokens))
+    say(f"library: {len(reqs)} requests one by one")
+    prompt_tokens[0] = 0
+    t0 = time.perf_counter()
+    tokens = sum(run(r) for r in reqs)
+    return prompt_tokens[0], tokens, time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------ the table
+
+
+HEADERS = ["side", "concurrency", "requests", "completed", "prompt tokens", "completion tokens", "wall s",
+           "tok/s", "x library", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "prefix hit rate",
+           "prompt computed %"]
+
+
+def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max_tokens: int = 32,
+                model: str | None = None, device: str = "cpu", num_pages: int | None = None,
+                kv_memory: int | None = None, max_running: int | None = None,
+                progress: Callable[[str], None] | None = None, json_path: str | None = None,
+                startup_s: float = STARTUP_S) -> str:
+    """Markdown table of the server at each ``concurrency`` and of the library sequentially
+    (also written as a result record to ``json_path``, when given)."""
+    import torch
+
+    from deft.cli.serve import model_id
+
+    say = progress or (lambda msg: None)
+    reqs = request_mix(requests, max_tokens)
+    name = model_id(model)
+    flags = [*(["--model", model] if model else []), "--device", device,
+             *(["--num-pages", str(num_pages)] if num_pages is not None else []),
+             *(["--kv-memory", str(kv_memory)] if kv_memory is not None else []),
+             *(["--max-running", str(max_running)] if max_running is not None else [])]
+    rows = []
+    with ServerProcess(flags, startup_s, say) as server:
+        say("warm-up request")
+        (warm,), _ = asyncio.run(_replay(server.url, name, [BenchRequest(WARM_UP, "greedy", max_tokens)], 1,
+                                         lambda msg: None))
+        if warm.error is not None:
+            raise ServerError(f"the warm-up request failed: {warm.error}")
+        for c in concurrency:
+            before = server.idle_metrics()
+            outcomes, wall = asyncio.run(_replay(server.url, name, reqs, c, say))
+            server.check_alive()
+            after = server.idle_metrics()
+            delta = {k: after[k] - before[k] for k in after if k.endswith("_total")}
+            ok = [o for o in outcomes if o.error is None]
+            tokens = sum(o.tokens for o in ok)
+            ttft = [o.ttft for o in ok if o.ttft is not None]
+            gaps = [g for o in ok for g in o.gaps]
+            rows.append(["server", c, len(reqs), len(ok), sum(o.prompt_tokens for o in ok), tokens, wall,
+                         tokens / wall, None,
+                         _ms(ttft, 50), _ms(ttft, 99), _ms(gaps, 50), _ms(gaps, 99),
+                         _ratio(delta["deft_prefix_cache_hits_total"], delta["deft_prefix_cache_lookups_total"]),
+                         100 * _ratio(delta["deft_prompt_tokens_computed_total"],
+                                      delta["deft_prompt_tokens_total"])])
+    lib_prompt, lib_tokens, lib_s = _library_tokens_per_s(model, device, num_pages, kv_memory, reqs, say)
+    lib_rate = lib_tokens / lib_s
+    for row in rows:
+        row[8] = row[7] / lib_rate
+    nan = float("nan")
+    rows.append(["library, one by one", 1, len(reqs), len(reqs), lib_prompt, lib_tokens, lib_s, lib_rate,
+                 1.0, nan, nan, nan, nan, nan, nan])
+    threads = torch.get_num_threads()
+    mix = (f"chat: one ~290-token system prompt + a question; of every 8 requests 3 greedy and 3 "
+           f"sampled (T={TEMPERATURE}, seeded) streamed, 1 n={WIDTH} sampled, 1 beam search "
+           f"k={WIDTH}; max_tokens {max_tokens}")
+    if json_path:
+        write_record(json_path, record(HEADERS, rows, device, model=name, threads=threads,
+                                       requests=requests, max_tokens=max_tokens, mix=mix))
+    return (f"deft serve with {name} on {device} ({threads} torch threads in this process), {requests} "
+            f"requests per level; {mix}.\n\n" + markdown_table(HEADERS, rows))
