@@ -6,7 +6,9 @@ compute with numpy (about 150 small numpy calls, 0.5–1 ms per step), in one ca
 the layout's arrays as they are. It is the extension module ``deft.plan._flatten_plan``,
 compiled by ``pip install`` (``setup.py``). When the build failed (no compiler or Python
 headers), or with ``DEFT_FASTPLAN=0``, :func:`flatten_plan` returns ``None`` (with one
-warning for the former) and callers plan with numpy.
+warning for the former) and callers plan with numpy. For the torch backend the same module
+gives the uncoarsened plan with each tile's ``mask_from`` (:func:`flatten_tiles`) and
+dense visibility masks of any plan's tiles (:func:`tile_masks`); likewise ``None`` without it.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ import numpy as np
 
 from ..layout import TreeLayout
 from .coarsen import Coarsening
-from .packing import HostBuffer, PackedPlan
+from .packing import WORK_FIELDS, HostBuffer, PackedPlan
 from .tree_plan import TreePlan
 
-__all__ = ["flatten_plan", "load_library"]
+__all__ = ["flatten_plan", "flatten_tiles", "tile_masks", "load_library"]
 
 # The TreePlan arrays in the order flatten_plan.c writes them (then the reduction map).
 _PLAN_FIELDS = ("token_slots", "token_lo", "token_hi", "token_off", "tile_indptr",
@@ -109,6 +111,40 @@ def flatten_plan(layout: TreeLayout, block_kv: int, params: Coarsening,
     if os.environ.get("DEFT_FASTPLAN") == "0":
         return None
     return _plan(layout, block_kv, params, host_buffer, reuse)
+
+
+def flatten_tiles(layout: TreeLayout, block_kv: int) -> tuple[TreePlan, np.ndarray] | None:
+    """``make_plan(layout, "flatten", block_kv)`` with its arrays, and ``[T]``
+    :func:`~deft.plan.packing.mask_from` of it, in compiled code; ``None`` if unavailable."""
+    if os.environ.get("DEFT_FASTPLAN") == "0":
+        return None
+    # No coarsening, and programs as wide as the step: one work item per tile.
+    params = Coarsening(g=1, block_m=max(layout.num_queries, 1), num_kv_heads=1, sms=1,
+                        waves=1.0, min_tile_tokens=0, max_factor=1, slots=0, program_cost=0)
+    done = _plan(layout, block_kv, params, None, None)
+    if done is None:
+        return None
+    plan, packed = done
+    start = packed.starts[4]
+    work = packed.buffer[start:start + WORK_FIELDS * packed.num_work].reshape(-1, WORK_FIELDS)
+    first = np.empty(plan.num_tiles, np.int64)
+    first[np.searchsorted(plan.tile_indptr, work[:, 0])] = work[:, 5]
+    return plan, first
+
+
+def tile_masks(plan: TreePlan, tok0: np.ndarray, tok_len: np.ndarray, q0: np.ndarray,
+               group: np.ndarray, rows: int, cols: int) -> np.ndarray | None:
+    """``[nt, rows, cols]`` bool: the sorted query ``q0[t] + i`` sees the plan token
+    ``tok0[t] + j`` (:func:`~deft.plan.visible`), for ``i < group[t]`` and ``j <
+    tok_len[t]``; False elsewhere (all ``[nt]`` int64). ``None`` if unavailable."""
+    lib = load_library() if os.environ.get("DEFT_FASTPLAN") != "0" else None
+    if lib is None:
+        return None
+    out = np.empty((tok0.shape[0], rows, cols), bool)
+    arrays = (plan.query_pre, plan.query_len, plan.token_lo, plan.token_hi, plan.token_off,
+              tok0, tok_len, q0, group)
+    rc = lib.mask(*(np.ascontiguousarray(a, np.int64) for a in arrays), rows, cols, out)
+    return out if rc == 0 else None
 
 
 def _plan(layout: TreeLayout, block_kv: int, params: Coarsening,
