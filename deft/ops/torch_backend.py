@@ -6,7 +6,8 @@ buckets of equal padded shape (tile length and group size rounded up to a power 
 1.5 times one), so ``run`` is a handful of batched matmuls per bucket: every tile's K/V is
 gathered once and all queries of its group and all GQA heads of each KV head are computed
 against it. Partial states are merged through the plan's reduction map, padded to a dense
-``[Q, S]`` index. Accumulation is float32 (float64 inputs stay float64).
+``[Q, S]`` index. Accumulation is float32 (float64 inputs stay float64). ``flatten`` plans
+and the visibility masks come from the compiled planner when it is built (the same arrays).
 
 Non-finite K/V are isolated: gathered rows holding a NaN or ±inf are zeroed before any
 matmul (a masked probability times 0 is exactly what it was times a finite value), and the
@@ -22,6 +23,7 @@ import torch
 
 from ..layout import TreeLayout
 from ..plan import TreePlan, make_plan, visible
+from ..plan.compiled import flatten_tiles, tile_masks
 from ..plan.packing import mask_from
 from .base import Backend, Heads
 
@@ -83,49 +85,60 @@ class TorchBackend(Backend):
 
     def plan(self, layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
              device: torch.device, previous: object = None) -> _Prepared | _Dense:
-        plan = make_plan(layout, plan_kind, block_kv)
+        fast = flatten_tiles(layout, block_kv) if plan_kind == "flatten" else None
+        plan, first = fast if fast is not None else (make_plan(layout, plan_kind, block_kv), None)
+        g = heads.num_qo_heads // heads.num_kv_heads
         if plan.kind != "per_query" and plan.num_queries * plan.num_plan_tokens <= self.dense_limit:
-            return _dense(plan, heads.num_qo_heads // heads.num_kv_heads, device)
-        tile_len = np.diff(plan.tile_indptr)
+            return _dense(plan, g, device)
+        if first is None:
+            first = mask_from(plan) if plan.needs_mask else plan.tile_indptr[1:]
+        tile_len = plan.tile_indptr[1:] - plan.tile_indptr[:-1]
         group = plan.tile_q_end - plan.tile_q_start
         lp, gp = _pad_size(tile_len), _pad_size(group)
-        buckets = []
-        num_p = plan.num_partials
-        # Tiles whose whole group sees all their tokens (most prompt tiles) need no
-        # per-token visibility test: they form buckets of their own, without a mask when
-        # unpadded; in the others, tokens before ``mask_from`` are seen by the whole group.
-        first = mask_from(plan) if plan.needs_mask else plan.tile_indptr[1:]
+        # Tiles whose whole group sees all their tokens (``first``, the first token some
+        # group query may not see, is the tile's end: most prompt tiles) need no per-token
+        # visibility test: they form buckets of their own, without a mask when unpadded.
         partly = first < plan.tile_indptr[1:]
-        for l_pad, g_pad, part in sorted(set(zip(lp.tolist(), gp.tolist(), partly.tolist()))):
-            tiles = np.flatnonzero((lp == l_pad) & (gp == g_pad) & (partly == part))
-            t_pos = plan.tile_indptr[tiles, None] + np.arange(l_pad)
-            t_ok = np.arange(l_pad) < tile_len[tiles, None]
-            t_pos = np.where(t_ok, t_pos, 0)
-            q_pos = plan.tile_q_start[tiles, None] + np.arange(g_pad)
-            q_ok = np.arange(g_pad) < group[tiles, None]
-            q_pos = np.where(q_ok, q_pos, 0)
-            unpadded = bool(q_ok.all() and t_ok.all())
-            mask = None if unpadded and not part else q_ok[:, :, None] & t_ok[:, None, :]
-            if part:
-                c0 = int((first[tiles] - plan.tile_indptr[tiles]).min())
-                tp = t_pos[:, c0:]
-                mask[:, :, c0:] &= visible(
-                    plan.query_pre[q_pos][:, :, None], plan.query_len[q_pos][:, :, None],
-                    plan.token_lo[tp][:, None, :], plan.token_hi[tp][:, None, :],
-                    plan.token_off[tp][:, None, :])
+        order = np.lexsort((partly, gp, lp))  # tiles by bucket
+        new = np.ones(order.shape[0] + 1, bool)
+        lpo, gpo, pao = lp[order], gp[order], partly[order]
+        new[1:-1] = (lpo[1:] != lpo[:-1]) | (gpo[1:] != gpo[:-1]) | (pao[1:] != pao[:-1])
+        bounds = np.flatnonzero(new).tolist()
+        firsts = order[bounds[:-1]]
+        num_p = plan.num_partials
+        buckets = []
+        for s, e, l_pad, g_pad, part in zip(bounds[:-1], bounds[1:], lp[firsts].tolist(),
+                                            gp[firsts].tolist(), partly[firsts].tolist()):
+            tiles = order[s:e]
+            t0, q0, lens, grp = (plan.tile_indptr[tiles], plan.tile_q_start[tiles],
+                                 tile_len[tiles], group[tiles])
+            t_pos = t0[:, None] + np.arange(l_pad)
+            q_pos = q0[:, None] + np.arange(g_pad)
             pid = plan.partial_indptr[tiles, None] + np.arange(g_pad)
-            pid = np.where(q_ok, pid, num_p)
-            per_tile = max(1, g_pad * l_pad)
+            t_ok = None if (lens == l_pad).all() else np.arange(l_pad) < lens[:, None]
+            q_ok = None if (grp == g_pad).all() else np.arange(g_pad) < grp[:, None]
+            if t_ok is not None:
+                t_pos[~t_ok] = 0
+            if q_ok is not None:
+                q_pos[~q_ok] = 0
+                pid[~q_ok] = num_p  # the dump row
+            if part:
+                mask = _masks(plan, t0, lens, q0, grp, g_pad, l_pad)
+            elif t_ok is None and q_ok is None:
+                mask = None
+            else:
+                mask = ((np.arange(g_pad) < grp[:, None])[:, :, None]
+                        & (np.arange(l_pad) < lens[:, None])[:, None, :])
             buckets.append(
                 _Bucket(
-                    tok=torch.as_tensor(plan.token_slots[t_pos], device=device),
-                    qry=torch.as_tensor(plan.query_order[q_pos], device=device),
-                    mask=None if mask is None else torch.as_tensor(mask, device=device),
-                    pid=torch.as_tensor(pid, device=device),
-                    chunk=max(1, _SCORE_BUDGET // per_tile),
+                    tok=_tensor(plan.token_slots[t_pos], device),
+                    qry=_tensor(plan.query_order[q_pos], device),
+                    mask=None if mask is None else _tensor(mask, device),
+                    pid=_tensor(pid, device),
+                    chunk=max(1, _SCORE_BUDGET // max(1, g_pad * l_pad)),
                 )
             )
-        count = np.diff(plan.merge_indptr)
+        count = plan.merge_indptr[1:] - plan.merge_indptr[:-1]
         width = int(count.max(initial=0))
         col = np.arange(width)
         pos = np.minimum(plan.merge_indptr[:-1, None] + col, max(num_p - 1, 0))
@@ -133,7 +146,7 @@ class TorchBackend(Backend):
         return _Prepared(
             plan=plan,
             buckets=tuple(buckets),
-            merge_idx=torch.as_tensor(merge_idx, device=device),
+            merge_idx=_tensor(merge_idx, device),
             num_partials=num_p,
         )
 
@@ -163,24 +176,49 @@ class TorchBackend(Backend):
         return _merge_partials(po, plse, prepared.merge_idx, q.dtype)
 
 
+def _tensor(x: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The new (writable) array ``x`` on ``device``; no copy on the CPU."""
+    return torch.from_numpy(x).to(device)
+
+
 def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``x[idx]`` for an index tensor of any shape, through ``index_select`` (faster on CPU)."""
     return x.index_select(0, idx.reshape(-1)).view(*idx.shape, *x.shape[1:])
 
 
+def _masks(plan: TreePlan, tok0: np.ndarray, tok_len: np.ndarray, q0: np.ndarray,
+           group: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """``[nt, rows, cols]`` bool: sorted query ``q0[t] + i`` sees plan token ``tok0[t] + j``
+    (False past ``group[t]`` rows and ``tok_len[t]`` columns); compiled when built."""
+    mask = tile_masks(plan, tok0, tok_len, q0, group, rows, cols)
+    if mask is not None:
+        return mask
+    t_ok = np.arange(cols) < tok_len[:, None]
+    t_pos = np.where(t_ok, tok0[:, None] + np.arange(cols), 0)[:, None, :]
+    q_ok = np.arange(rows) < group[:, None]
+    q_pos = np.where(q_ok, q0[:, None] + np.arange(rows), 0)[:, :, None]
+    vis = visible(plan.query_pre[q_pos], plan.query_len[q_pos], plan.token_lo[t_pos],
+                  plan.token_hi[t_pos], plan.token_off[t_pos])
+    return vis & q_ok[:, :, None] & t_ok[:, None, :]
+
+
+_NEG_INF_BITS = np.uint32(0xFF800000)  # float32 -inf, as its bits
+
+
 def _dense(plan: TreePlan, g: int, device: torch.device) -> _Dense:
     """Visibility of every plan token to every query (original query order), as a bias."""
-    inv = np.empty_like(plan.query_order)
-    inv[plan.query_order] = np.arange(plan.num_queries)
-    pre, qlen = plan.query_pre[inv][:, None], plan.query_len[inv][:, None]
-    lo, hi, off = plan.token_lo[None, :], plan.token_hi[None, :], plan.token_off[None, :]
-    vis = visible(pre, qlen, lo, hi, off)  # [Q, N]
-    rows = np.repeat(vis, g, axis=0)
-    bias = np.where(rows, 0.0, -np.inf).astype(np.float32)
-    empty = np.flatnonzero(~rows.any(axis=1))
-    return _Dense(plan=plan, slots=torch.as_tensor(plan.token_slots.copy(), device=device),
-                  bias=torch.as_tensor(bias, device=device),
-                  empty_rows=torch.as_tensor(empty, device=device) if empty.size else None)
+    nq, n = plan.num_queries, plan.num_plan_tokens
+    zero = np.zeros(1, np.int64)  # one tile of every token and query
+    vis = _masks(plan, zero, zero + n, zero, zero + nq, nq, n)[0]  # [Q, N], sorted query order
+    rank = np.empty(nq, np.int64)  # sorted position of each query
+    rank[plan.query_order] = np.arange(nq)
+    rows = np.repeat(rank, g)  # bias rows: (query, GQA head) pairs, original query order
+    # 0.0 (all bits 0) where visible, -inf elsewhere, in one integer multiply.
+    bias = (np.logical_not(vis).view(np.uint8) * _NEG_INF_BITS).view(np.float32)[rows]
+    empty = np.flatnonzero(~vis.any(axis=1)[rows])
+    return _Dense(plan=plan, slots=_tensor(plan.token_slots.copy(), device),
+                  bias=_tensor(bias, device),
+                  empty_rows=_tensor(empty, device) if empty.size else None)
 
 
 def _dense_attention(
