@@ -2,11 +2,13 @@
 
 The model has Llama-3-8B's shapes (32 layers, hidden 4096, 32/8 heads of 128, MLP 14336,
 vocabulary 128256) and random bf16 weights, so nothing is downloaded. Every workload runs on
-the same model in three engines: DeFT-Flatten with steps replayed as CUDA graphs (the
-default), the same launched eagerly, and per-branch attention (``plan_kind="per_query"``:
+the same model in four engines: DeFT-Flatten with steps replayed as CUDA graphs (the
+default; the host plans a step while the GPU runs the one before, see
+:mod:`deft.engine.inflight`), the same waiting for each step's tokens ("no overlap"), the
+same launched eagerly, and per-branch attention (``plan_kind="per_query"``:
 each query reads its whole path, as Radix/Flash-Decoding do) replayed as graphs; and,
 where it has the strategy, ``transformers`` ``generate`` on a model of the same shapes.
-With ``unfused``, a fourth: graphs with the plain PyTorch ops instead of the fused kernels
+With ``unfused``, a fifth: graphs with the plain PyTorch ops instead of the fused kernels
 (:mod:`deft.model.fused`).
 
 ms/step is the wall time of the decode steps (a run's time minus its prefill, measured by a
@@ -212,6 +214,7 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
     kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
     pages = 4096  # 65,536 slots: the largest workload holds 32 x 1,128 tokens
     engines = {"graph": TreeEngine(model, tok, num_pages=pages),
+               "graph, no overlap": TreeEngine(model, tok, num_pages=pages, overlap=False),
                "eager": TreeEngine(model, tok, num_pages=pages, cuda_graphs=False),
                "per-branch": TreeEngine(model, tok, num_pages=pages, plan_kind="per_query")}
     if unfused:
@@ -244,6 +247,7 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
             say(f"{w.name}: transformers")
             hf_s = _hf_seconds(hf, w, prompts)
         rows.append([w.name, w.prompt, round(g["queries"], 1), g["ms_step"], g["gpu_ms"],
+                     got["graph, no overlap"]["ms_step"],
                      *([got["graph, unfused"]["ms_step"]] if unfused else []), got["eager"]["ms_step"],
                      got["per-branch"]["ms_step"], floor_ms, 100 * floor_ms / g["ms_step"],
                      got["per-branch"]["ms_step"] / g["ms_step"],
@@ -251,6 +255,7 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
                      g["plan_ms"], 100 * g["host"]])
         say(f"{w.name}: {rows[-1]}")
     headers = ["workload", "prompt", "queries/step", "graph ms/step", "GPU ms/step",
+               "no-overlap ms/step",
                *(["unfused graph ms/step"] if unfused else []), "eager ms/step",
                "per-branch ms/step", "floor ms/step", "% of floor", "speed-up over per-branch",
                "tokens/s", "speed-up over transformers", "plan ms/step", "eager steps %"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deft.engine import NgramDrafter, SamplingParams, TreeEngine, generate, speculative_generate
+from deft.engine import NgramDrafter, SamplingParams, TreeEngine, generate, sample, speculative_generate
 from strategies_on_device import PROMPT, VOCAB, model, run_strategies, tokenizer, write_trace
 
 pytestmark = [pytest.mark.gpu,
@@ -69,3 +69,22 @@ def test_every_strategy_matches_the_torch_backend(tmp_path):
         assert got[f"speculative {tree}"][0] == got["generate"][0]
     for engine in (tri, draft_tri):
         assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == engine.cache.num_pages
+
+
+def test_overlapped_steps_equal_steps_that_wait_on_gpu():
+    """Graph-replayed steps fed with tokens drawn on the device (the default on CUDA)."""
+    m = model("cuda", torch.float32)
+    prompts = [PROMPT[:n] for n in (40, 120, 300)]
+    plain = TreeEngine(m, tokenizer(), num_pages=512, overlap=False)
+    stops = frozenset(generate(plain, prompts, SamplingParams(max_new_tokens=12))[1].token_ids[3:5])
+    got = []
+    for overlap in (True, False):
+        engine = TreeEngine(m, tokenizer(), num_pages=512, overlap=overlap)
+        assert engine.graphs is not None and engine.overlap == overlap
+        greedy = generate(engine, prompts, SamplingParams(max_new_tokens=12, stop_token_ids=stops))
+        sampled = sample(engine, PROMPT[:200], 6, SamplingParams(
+            max_new_tokens=10, temperature=1.0, seed=2, stop_token_ids=frozenset()))[0]
+        got.append([(r.token_ids, r.stats["finish_reason"]) for r in greedy + sampled])
+        assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 512
+    assert got[0] == got[1]
+    assert {reason for _, reason in got[0]} == {"stop", "length"}

@@ -25,7 +25,7 @@ from ..model.llama import LlamaModel
 from ..model.tokenizer import Tokenizer
 from ..ops import get_backend
 from ..plan import make_plan
-from .graphs import DEFAULT_BUCKETS, StepGraphs
+from .graphs import DEFAULT_BUCKETS, StepGraphs, put_device_ids
 
 __all__ = ["TreeEngine", "LOGITS_MODES"]
 
@@ -42,6 +42,7 @@ class _Feed:
     positions: np.ndarray  # [n]
     slots: np.ndarray  # [n]
     logits: str  # "last", "all" or "none"
+    source: int = -1  # >= 0: the one token is this row of the step's device tokens
 
 
 class TreeEngine:
@@ -71,6 +72,11 @@ class TreeEngine:
         ``None``: on for CUDA with a graph-safe backend (``triton``), else off.
     graph_buckets:
         The query counts that get a graph; a step runs in the smallest that holds it.
+    overlap:
+        The decode loop's default (:class:`~deft.engine.decoding.Batch`): tokens sampled on
+        the device feed the next step there and reach the host one step later, so the host
+        plans a step while the GPU runs the one before (:mod:`deft.engine.inflight`).
+        ``None``: on for CUDA.
 
     Change the tree through the engine (``add_prompt``, ``extend``, ``extend_tree``) or
     the cache's own ``fork``/``prune``/``split``/``commit_path``; the position of a token
@@ -96,6 +102,7 @@ class TreeEngine:
         prefill_chunk: int = 256,
         cuda_graphs: bool | None = None,
         graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
+        overlap: bool | None = None,
     ) -> None:
         if not isinstance(model, LlamaModel):
             raise TypeError(f"model: expected a deft LlamaModel, got {type(model).__name__}")
@@ -120,6 +127,7 @@ class TreeEngine:
                                   graph_buckets, self.attn.backend_name, plan_kind, self.device)
                        if cuda_graphs else None)
         self.count_io = bool(count_io)
+        self.overlap = self.device.type == "cuda" if overlap is None else bool(overlap)
         self.prefill_chunk = int_at_least(prefill_chunk, "prefill_chunk", 1)
         self.vocab_size = model.config.vocab_size
         self.max_positions = model.config.max_position_embeddings
@@ -170,7 +178,8 @@ class TreeEngine:
     # --------------------------------------------------------------- forward
 
     def extend(
-        self, items: Sequence[tuple[int, Sequence[int]]], logits: str | Sequence[str] = "last"
+        self, items: Sequence[tuple[int, Sequence[int]]], logits: str | Sequence[str] = "last",
+        device_tokens: tuple[torch.Tensor, Sequence[int]] | None = None,
     ) -> list[torch.Tensor]:
         """Append each item's tokens to its node and compute them all in ONE forward.
 
@@ -181,6 +190,12 @@ class TreeEngine:
 
         ``logits``: per call or per item, ``"last"`` -> float32 ``[vocab]`` of the item's
         last token, ``"all"`` -> ``[n, vocab]``, ``"none"`` -> ``[0, vocab]`` (no LM head).
+
+        ``device_tokens``: ``(values, sources)``, an int64 tensor on the engine's device and
+        one index per item; an item whose source is ``>= 0`` holds one token whose id is
+        ``values[source]``, read on the device (tokens sampled by the last step feed the next
+        without a host round trip; the id in ``items`` is a placeholder). Returns at once:
+        the logits are computed in the stream's order, nothing waits for them.
 
         Raises ``ValueError`` (bad node, token ids, context overflow) or
         :class:`~deft.CacheFullError` before anything changes. The page check is
@@ -197,11 +212,12 @@ class TreeEngine:
             grow[node] = grow.get(node, 0) + ids.shape[0]
             self._check_context(node, grow[node], f"items[{i}]")
             checked.append((node, ids))
+        sources, values = self._check_sources(device_tokens, checked)
         self._check_pages([ids.shape[0] for _, ids in checked])
         start = len(self._staged)
-        for (node, ids), mode in zip(checked, modes):
-            self._stage(node, ids, mode)
-        return self._step()[start:]
+        for (node, ids), mode, src in zip(checked, modes, sources):
+            self._stage(node, ids, mode, src)
+        return self._step(values)[start:]
 
     def extend_tree(
         self, node: int, parents: Sequence[int], token_ids: Sequence[int]
@@ -251,17 +267,18 @@ class TreeEngine:
 
     # -------------------------------------------------------------- internals
 
-    def _stage(self, node: int, ids: np.ndarray, mode: str) -> None:
+    def _stage(self, node: int, ids: np.ndarray, mode: str, source: int = -1) -> None:
         """Append ``ids`` to ``node`` (slots now, K/V at the next forward)."""
         base, have = self.position(node), self.cache.num_tokens(node)
         slots = self.cache.append(node, ids.shape[0])
         n = ids.shape[0]
         queries = [(node, have + j + 1) for j in range(n)]
-        self._staged.append(_Feed(queries, ids, base + np.arange(n, dtype=_I), slots, mode))
+        self._staged.append(_Feed(queries, ids, base + np.arange(n, dtype=_I), slots, mode, source))
 
-    def _step(self) -> list[torch.Tensor | None]:
+    def _step(self, values: torch.Tensor | None = None) -> list[torch.Tensor | None]:
         """Run every staged feed in one forward; per staged feed the logits its mode asked
-        for (``None`` for one whose node was pruned since: it is dropped)."""
+        for (``None`` for one whose node was pruned since: it is dropped). A feed with a
+        ``source`` takes its token from ``values`` on the device."""
         staged, self._staged = self._staged, []
         live = set(self.cache.live_nodes)
         kept = [i for i, f in enumerate(staged) if f.queries[0][0] in live]
@@ -270,13 +287,16 @@ class TreeEngine:
         if not feeds:
             return result
         queries = [q for f in feeds for q in f.queries]
-        rows, bounds, n = [], [], 0
+        rows, bounds, n, moved = [], [], 0, []
         for f in feeds:
             k = len(f.queries)
             want = {"last": [n + k - 1], "all": list(range(n, n + k)), "none": []}[f.logits]
             bounds.append((len(rows), len(rows) + len(want)))
             rows += want
+            if f.source >= 0:
+                moved.append((n, f.source))
             n += k
+        device_ids = None if not moved else (values, np.array(moved, _I).T.copy())
         t0 = time.perf_counter()
         layout = self.cache.layout(queries)
         bucket = None if self.graphs is None else self.graphs.plan(layout)
@@ -286,9 +306,11 @@ class TreeEngine:
                 for a in ("tokens", "positions", "slots")]
         with torch.no_grad():
             if bucket is not None:
-                out = self.graphs.replay(bucket, *feed, rows)
+                out = self.graphs.replay(bucket, *feed, rows, device_ids)
             else:
                 ids, pos, slots = (torch.from_numpy(a).to(self.device) for a in feed)
+                if device_ids is not None:
+                    put_device_ids(ids, *device_ids)
                 row_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
                 out = self.model(ids, pos, slots, self.attn, self.pool, row_t)  # [len(rows), vocab]
         out = out.float()
@@ -315,6 +337,30 @@ class TreeEngine:
         for i, f, (a, b) in zip(kept, feeds, bounds):
             result[i] = out[a] if f.logits == "last" else out[a:b]
         return result
+
+    def _check_sources(self, device_tokens: tuple[torch.Tensor, Sequence[int]] | None,
+                       checked: list[tuple[int, np.ndarray]]) -> tuple[list[int], torch.Tensor | None]:
+        """Per item its device-token source (``-1``: none), and the values tensor."""
+        if device_tokens is None:
+            return [-1] * len(checked), None
+        values, sources = device_tokens
+        if not isinstance(values, torch.Tensor) or values.ndim != 1 or values.dtype != torch.int64 \
+                or values.device.type != self.device.type:
+            raise ValueError(f"device_tokens: expected a 1-D int64 tensor on {self.device}, got "
+                             f"{getattr(values, 'dtype', type(values).__name__)} "
+                             f"on {getattr(values, 'device', None)}")
+        src = as_index_array(sources, "device_tokens sources")
+        if src.shape[0] != len(checked):
+            raise ValueError(f"device_tokens: expected one source per item ({len(checked)}), "
+                             f"got {src.shape[0]}")
+        for i, (s, (_, ids)) in enumerate(zip(src.tolist(), checked)):
+            if not -1 <= s < values.shape[0]:
+                raise ValueError(f"device_tokens sources[{i}]: expected -1 or an index in "
+                                 f"[0, {values.shape[0]}), got {s}")
+            if s >= 0 and ids.shape[0] != 1:
+                raise ValueError(f"items[{i}]: a device token source needs exactly one "
+                                 f"(placeholder) token id, got {ids.shape[0]}")
+        return src.tolist(), values
 
     def _check_modes(self, logits: str | Sequence[str], n: int) -> list[str]:
         modes = [logits] * n if isinstance(logits, str) else list(logits)

@@ -28,6 +28,7 @@ import torch
 from ..checks import is_int
 from ..layout import as_index_array
 from .core import TreeEngine
+from .inflight import InFlight, draw
 from .params import GenerationResult, SamplingParams
 from .sampling import Sampler
 
@@ -66,6 +67,7 @@ class Branch:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: int = 0
     tops: list[list[tuple[int, float]]] = field(default_factory=list)
+    source: int = -1  # >= 0: ``feed`` is one token drawn on the device, this row of the batch's
 
     def wants_logits(self) -> bool:
         """Whether the last token of the feed needs its logits."""
@@ -176,15 +178,22 @@ class Batch:
     reseeded: a seeded or greedy request gives the same tokens; nothing is admitted until
     a running request leaves); only what still does not fit with one request running
     raises :class:`~deft.CacheFullError`.
+
+    With ``overlap`` (default: the engine's, on for CUDA) a step draws the sampled tokens on the
+    device and feeds them to its forward there; the host reads them at the next step, while
+    the GPU computes (:mod:`deft.engine.inflight`): stop tokens are seen one step late, the
+    results are the same. Steps that sample a ``keep_last`` branch wait for their tokens.
     """
 
     def __init__(self, engine: TreeEngine, max_running: int | None = None,
-                 prefixes: PrefixStore | None = None) -> None:
+                 prefixes: PrefixStore | None = None, overlap: bool | None = None) -> None:
         self.engine, self.max_running, self.prefixes = engine, max_running, prefixes
+        self.overlap = engine.overlap if overlap is None else bool(overlap)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.live: list[Branch] = []
-        self.sampled = 0  # tokens sampled by the last step
+        self.sampled = 0  # tokens that reached the host in the last step
+        self._inflight: InFlight | None = None
         self._hold = False  # no admission after a preemption until a request leaves
         self.stats = {"prefill_tokens": 0, "preempted": 0}
 
@@ -207,11 +216,14 @@ class Batch:
         Returns ``False`` only when nothing is left: no live branch and no waiting request.
         """
         engine = self.engine
+        self.sampled = self._land()
         ready = [b for b in self.live if b.feed == [] and b.logits is not None
                  and b.sampler is not None and not b.done]
-        if ready:
+        if ready and self.overlap and not any(b.keep_last for b in ready):
+            self._draw(ready)
+        elif ready:
             _sample(engine, ready, self.pinned)
-        self.sampled = len(ready)
+            self.sampled += len(ready)
         self.live = [b for b in self.live if not b.done]
         for r in self.running:
             if all(b.done for b in r.branches):
@@ -223,11 +235,15 @@ class Batch:
             self._admit()
         feeding = self._fit([b for b in self.live if b.feed])
         if not feeding:
-            return False
+            return self._inflight is not None
         chunk = engine.prefill_chunk
         modes = ["last" if len(b.feed) <= chunk and b.wants_logits() else "none" for b in feeding]
-        rows = engine.extend([(b.node, b.feed[:chunk]) for b in feeding], logits=modes)
+        drawn = None if self._inflight is None else (self._inflight.tokens,
+                                                      [b.source for b in feeding])
+        rows = engine.extend([(b.node, b.feed[:chunk]) for b in feeding], logits=modes,
+                             device_tokens=drawn)
         for b, row, mode in zip(feeding, rows, modes):
+            b.source = -1
             if not b.tokens:
                 self.stats["prefill_tokens"] += len(b.feed[:chunk])
             b.feed = b.feed[chunk:]
@@ -256,6 +272,7 @@ class Batch:
             if not b.done:
                 self._release(b, reason)
         self.live = []
+        self._inflight = None
 
     def finish(self, branch: Branch, reason: str) -> None:
         """End ``branch`` now (e.g. a stop string matched) and release its node."""
@@ -265,9 +282,42 @@ class Batch:
 
     # ------------------------------------------------------------ internals
 
+    def _draw(self, ready: list[Branch]) -> None:
+        """Draw ``ready``'s tokens on the device; each feeds them from there unless it ends."""
+        engine = self.engine
+        last = [len(b.tokens) + 1 >= b.max_new_tokens  # can the token still be fed?
+                or engine.position(b.node) >= engine.max_positions for b in ready]
+        self._inflight = draw(ready, last)
+        for i, (b, end) in enumerate(zip(self._inflight.branches, self._inflight.last)):
+            b.logits = None
+            if not end:
+                b.feed, b.source = [0], i  # a placeholder id: the forward reads row i
+
+    def _land(self) -> int:
+        """Take in the tokens the last step drew (see :mod:`deft.engine.inflight`): append
+        them, and end branches at a stop token or their last token; how many landed."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return 0
+        landed = 0
+        for b, t, lp, top, end in inflight.results():
+            if b.done:  # cancelled, preempted or finished since: its token goes too
+                continue
+            landed += 1
+            b.tokens.append(t)
+            b.logprob += lp
+            b.logprobs.append(lp)
+            if b.top_logprobs:
+                b.tops.append(top[:b.top_logprobs])
+            if t in b.stop_ids or end:
+                self._release(b, "stop" if t in b.stop_ids else "length")
+            elif b.source >= 0:  # not fed yet (its step deferred it): feed the id from here
+                b.feed, b.source = [t], -1
+        return landed
+
     def _release(self, b: Branch, reason: str) -> None:
         b.done = True
-        b.feed, b.logits = [], None
+        b.feed, b.logits, b.source = [], None, -1
         b.finish_reason = b.finish_reason or reason
         if b.node is not None and b.node in self.engine.cache.live_nodes:
             self.engine.cache.prune(b.node, release_unused_ancestors=True, keep=self.pinned)
@@ -318,7 +368,7 @@ class Batch:
         while need(feeding) > cache.num_free_pages:
             oldest = self.running[0] if self.running else None
             prompts = [b for b in feeding if b.owner is not None and b.owner is not oldest
-                       and not b.tokens]
+                       and not b.tokens and b.source < 0]
             if prompts and len(feeding) > 1:
                 youngest = max(prompts, key=lambda b: order.get(id(b.owner), -1))
                 feeding = [b for b in feeding if b is not youngest]

@@ -30,7 +30,7 @@ from ..model.llama import LlamaModel
 from ..ops import Capacity, CapacityError
 from ..plan import make_plan
 
-__all__ = ["DEFAULT_BUCKETS", "StepGraphs"]
+__all__ = ["DEFAULT_BUCKETS", "StepGraphs", "put_device_ids"]
 
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _HEADROOM = 1.25  # capacities reserved beyond a step's needs, before rounding up to 2^k
@@ -104,15 +104,19 @@ class StepGraphs:
         return b
 
     def replay(self, b: _Bucket, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-               rows: Sequence[int]) -> torch.Tensor:
+               rows: Sequence[int],
+               device_ids: tuple[torch.Tensor, np.ndarray] | None = None) -> torch.Tensor:
         """Logits ``[len(rows), vocab]`` of the step planned into ``b`` (by :meth:`plan`),
-        whose queries' tokens, positions and write slots are ``ids``, ``positions``, ``slots``."""
+        whose queries' tokens, positions and write slots are ``ids``, ``positions``, ``slots``
+        (``device_ids``: tokens read on the device, see :func:`put_device_ids`)."""
         n = ids.shape[0]
         host = np.zeros((4, b.queries), _I)
         host[0, :n], host[1, :n], host[2, :n] = ids, positions, slots
         host[2, n:] = self.scratch_slot
         host[3, :len(rows)] = rows
         b.inputs.copy_(torch.from_numpy(host), non_blocking=True)
+        if device_ids is not None:
+            put_device_ids(b.inputs[0], *device_ids)
         r = len(rows)
         out = self._forward(b, 0 if r == 0 else min(1 << (r - 1).bit_length(), b.queries))
         return out[:r].clone()
@@ -164,6 +168,12 @@ class StepGraphs:
     def _model_step(self, b: _Bucket, logits: int) -> torch.Tensor:
         ids, pos, slots, rows = b.inputs
         return self.model(ids, pos, slots, b.attn, self.pool, rows[:logits])
+
+
+def put_device_ids(ids: torch.Tensor, values: torch.Tensor, moved: np.ndarray) -> None:
+    """``ids[moved[0]] = values[moved[1]]`` on the device, in the stream's order (no sync)."""
+    index = torch.from_numpy(moved).to(ids.device, non_blocking=True)
+    ids[index[0]] = values[index[1]]
 
 
 def _pad(layout: TreeLayout, extra: int, scratch_slot: int) -> TreeLayout:

@@ -55,10 +55,16 @@ class Sampler:
         The log-probability is of the unfiltered distribution (``log_softmax(logits)``),
         whatever the temperature, so scores of greedy and sampled sequences compare.
         """
+        tokens, logp = self.draw(logits)
+        return tokens.tolist(), logp.tolist()
+
+    def draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As a call, but int64 tokens ``[B]`` and float32 log-probabilities ``[B]`` stay on
+        the logits' device (no host synchronisation)."""
         if self.params.greedy:
             tokens = logits.argmax(-1)
         else:
             probs = probabilities(logits, self.params)
             tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
         logp = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
-        return tokens.tolist(), logp.tolist()
+        return tokens, logp

@@ -1,0 +1,80 @@
+"""Tokens sampled on the device and on their way to the host: decode steps that overlap.
+
+An overlapped :class:`~deft.engine.decoding.Batch` step draws its branches' next tokens on
+the device (:func:`draw`), feeds them to the next forward there (``TreeEngine.extend``'s
+``device_tokens``) and copies them to the host without waiting. The host reads them at the
+start of the following step (:meth:`InFlight.results`), while the GPU runs the forward it
+has just queued, and plans that step meanwhile. So a stop token is seen one step late: its
+branch has fed one token more, which is discarded with the branch. Each sampler still draws
+the same rows in the same order, so the results equal those of steps that wait.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from .decoding import Branch
+
+__all__ = ["InFlight", "draw"]
+
+
+class InFlight:
+    """Tokens drawn for ``branches`` (row ``i`` for branch ``i``).
+
+    ``tokens`` (int64 ``[B]``) stays on the device for the next forward; a copy of the
+    tokens, their log-probabilities and the ``top`` most likely ``(token, log-probability)``
+    pairs travels to the host. ``last[i]``: branch ``i`` ends after this token, whatever it is.
+    """
+
+    def __init__(self, branches: list[Branch], last: list[bool], tokens: torch.Tensor,
+                 logps: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self.branches, self.last, self.tokens = branches, last, tokens
+        parts = [tokens, logps] + (list(top) if top is not None else [])
+        self._event = None
+        if tokens.device.type == "cuda":
+            parts = [p.to("cpu", non_blocking=True) for p in parts]  # pinned: truly async
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._host = parts
+
+    def results(self) -> list[tuple[Branch, int, float, list[tuple[int, float]], bool]]:
+        """Per row: the branch, its token, the token's log-probability, the top pairs and
+        ``last``; waits for the copy (the draw, queued before the forward, is done first)."""
+        if self._event is not None:
+            self._event.synchronize()
+        tokens, logps = self._host[0].tolist(), self._host[1].tolist()
+        if len(self._host) > 2:
+            values, indices = self._host[2].tolist(), self._host[3].tolist()
+            tops = [list(zip(i, v)) for i, v in zip(indices, values)]
+        else:
+            tops = [[] for _ in tokens]
+        return list(zip(self.branches, tokens, logps, tops, self.last))
+
+
+def draw(branches: Sequence[Branch], last: Sequence[bool]) -> InFlight:
+    """Draw the next token of every branch from its ``logits`` on their device, one batched
+    call per sampler (as :func:`~deft.engine.decoding._sample` does, without a host copy)."""
+    groups: dict[int, list[tuple[Branch, bool]]] = {}
+    for b, end in zip(branches, last):
+        groups.setdefault(id(b.sampler), []).append((b, end))
+    k = max(b.top_logprobs for b in branches)
+    order: list[Branch] = []
+    ends: list[bool] = []
+    tokens, logps, values, indices = [], [], [], []
+    for group in groups.values():
+        logits = torch.stack([b.logits for b, _ in group])
+        t, lp = group[0][0].sampler.draw(logits)
+        tokens.append(t)
+        logps.append(lp)
+        if k:
+            top = torch.topk(torch.log_softmax(logits.float(), -1), k, dim=-1)
+            values.append(top.values)
+            indices.append(top.indices)
+        order += [b for b, _ in group]
+        ends += [end for _, end in group]
+    cat = (lambda xs: xs[0]) if len(groups) == 1 else torch.cat  # one sampler: no copy
+    top = (cat(values), cat(indices)) if k else None
+    return InFlight(order, ends, cat(tokens).to(torch.int64), cat(logps), top)
