@@ -25,6 +25,7 @@ through the library's strategies (``generate``, ``sample``, ``beam_search``) on 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import socket
@@ -304,9 +305,13 @@ def _library_tokens_per_s(model_path: str | None, device: str, num_pages: int | 
     say("library: warm-up")
     run(BenchRequest(WARM_UP, "greedy", reqs[0].max_tokens))
     say(f"library: {len(reqs)} requests one by one")
-    prompt_tokens[0] = 0
+    prompt_tokens[0] = tokens = 0
+    every = max(1, len(reqs) // 4)
     t0 = time.perf_counter()
-    tokens = sum(run(r) for r in reqs)
+    for i, req in enumerate(reqs, 1):
+        tokens += run(req)
+        if i % every == 0 or i == len(reqs):
+            say(f"library: {i}/{len(reqs)} requests")
     return prompt_tokens[0], tokens, time.perf_counter() - t0
 
 
@@ -330,6 +335,7 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
     from deft.cli.serve import model_id
 
     say = progress or (lambda msg: None)
+    load = os.getloadavg()[0]  # other work on the machine skews every figure
     reqs = request_mix(requests, max_tokens)
     name = model_id(model)
     flags = [*(["--model", model] if model else []), "--device", device,
@@ -372,6 +378,7 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
            f"k={WIDTH}; max_tokens {max_tokens}")
     if json_path:
         write_record(json_path, record(HEADERS, rows, device, model=name, threads=threads,
-                                       requests=requests, max_tokens=max_tokens, mix=mix))
+                                       requests=requests, max_tokens=max_tokens, mix=mix,
+                                       load_average=round(load, 2)))
     return (f"deft serve with {name} on {device} ({threads} torch threads in this process), {requests} "
             f"requests per level; {mix}.\n\n" + markdown_table(HEADERS, rows))
