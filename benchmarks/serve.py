@@ -113,11 +113,13 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 class ServerProcess:
     """``deft serve FLAGS`` on 127.0.0.1 as a context manager: entered once ``/health``
-    answers (:class:`ServerError` past ``startup_s`` or if it exits), stopped on exit."""
+    answers (:class:`ServerError` past ``startup_s`` or if it exits), stopped on exit;
+    ``threads``: its torch threads (``OMP_NUM_THREADS``), else torch's choice."""
 
     def __init__(self, flags: Sequence[str], startup_s: float = STARTUP_S,
-                 progress: Callable[[str], None] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, threads: int | None = None) -> None:
         self.flags, self.startup_s = list(flags), startup_s
+        self.env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
         self.say = progress or (lambda msg: None)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -131,7 +133,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "deft.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                *self.flags]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=self._log)
+                                     stderr=self._log, env=self.env)
         self.say(f"deft serve (pid {self.proc.pid}) starting on {self.url}")
         try:
             self._wait_healthy()
@@ -325,11 +327,12 @@ HEADERS = ["side", "concurrency", "requests", "completed", "prompt tokens", "com
 
 def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max_tokens: int = 32,
                 model: str | None = None, device: str = "cpu", num_pages: int | None = None,
-                kv_memory: int | None = None, max_running: int | None = None,
+                kv_memory: int | None = None, max_running: int | None = None, threads: int | None = None,
                 progress: Callable[[str], None] | None = None, json_path: str | None = None,
                 startup_s: float = STARTUP_S) -> str:
     """Markdown table of the server at each ``concurrency`` and of the library sequentially
-    (also written as a result record to ``json_path``, when given)."""
+    (also written as a result record to ``json_path``, when given); ``threads``: torch
+    threads of the server and of this process, else torch's choice."""
     import torch
 
     from deft.cli.serve import model_id
@@ -343,7 +346,9 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
              *(["--kv-memory", str(kv_memory)] if kv_memory is not None else []),
              *(["--max-running", str(max_running)] if max_running is not None else [])]
     rows = []
-    with ServerProcess(flags, startup_s, say) as server:
+    if threads is not None:
+        torch.set_num_threads(threads)
+    with ServerProcess(flags, startup_s, say, threads) as server:
         say("warm-up request")
         (warm,), _ = asyncio.run(_replay(server.url, name, [BenchRequest(WARM_UP, "greedy", max_tokens)], 1,
                                          lambda msg: None))
@@ -372,7 +377,7 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
     nan = float("nan")
     rows.append(["library, one by one", 1, len(reqs), len(reqs), lib_prompt, lib_tokens, lib_s, lib_rate,
                  1.0, nan, nan, nan, nan, nan, nan])
-    threads = torch.get_num_threads()
+    threads = torch.get_num_threads()  # the server's too: OMP_NUM_THREADS, or the same default
     mix = (f"chat: one ~290-token system prompt + a question; of every 8 requests 3 greedy and 3 "
            f"sampled (T={TEMPERATURE}, seeded) streamed, 1 n={WIDTH} sampled, 1 beam search "
            f"k={WIDTH}; max_tokens {max_tokens}")
@@ -380,5 +385,5 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
         write_record(json_path, record(HEADERS, rows, device, model=name, threads=threads,
                                        requests=requests, max_tokens=max_tokens, mix=mix,
                                        load_average=round(load, 2)))
-    return (f"deft serve with {name} on {device} ({threads} torch threads in this process), {requests} "
+    return (f"deft serve with {name} on {device} ({threads} torch threads each), {requests} "
             f"requests per level; {mix}.\n\n" + markdown_table(HEADERS, rows))

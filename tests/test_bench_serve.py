@@ -59,7 +59,7 @@ def default_model():
 def test_bench_serve_end_to_end(tmp_path, default_model):
     path = tmp_path / "serve.json"
     proc = _bench("--concurrency", "1", "2", "--requests", "4", "--max-tokens", "4", "--num-pages", "256",
-                  "--json", str(path))
+                  "--threads", "1", "--json", str(path))
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)
     finally:
@@ -68,7 +68,7 @@ def test_bench_serve_end_to_end(tmp_path, default_model):
     assert _gone(_server_pid(err)) and "stopped (0)" in err
     assert out.strip().splitlines()[-1].startswith("| library, one by one")
     rec = load_record(path)
-    assert rec["requests"] == 4 and rec["max_tokens"] == 4
+    assert rec["requests"] == 4 and rec["max_tokens"] == 4 and rec["threads"] == 1
     server, library = rec["rows"][:-1], rec["rows"][-1]
     assert [r["concurrency"] for r in server] == [1, 2]
     for row in rec["rows"]:
@@ -86,7 +86,8 @@ def test_bench_serve_end_to_end(tmp_path, default_model):
 
 
 def test_sigterm_stops_the_server(default_model):
-    proc = _bench("--concurrency", "1", "--requests", "8", "--max-tokens", "8", "--num-pages", "256")
+    proc = _bench("--concurrency", "1", "--requests", "8", "--max-tokens", "8", "--num-pages", "256",
+                  "--threads", "1")
     lines = []
     try:
         for line in proc.stderr:

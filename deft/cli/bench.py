@@ -94,6 +94,8 @@ def add_parser(subparsers: Any) -> None:
                      help="KV cache pages of the server and the library's engine (default: deft serve's)")
     srv.add_argument("--max-running", type=int, metavar="N",
                      help="the server's --max-running (default: deft serve's)")
+    srv.add_argument("--threads", type=int, metavar="N",
+                     help="torch threads of the server and of the library run (default: torch's choice)")
     srv.add_argument("--json", metavar="PATH",
                      help="also write the result as JSON (machine, commit, date, command, rows)")
     srv.set_defaults(func=run_serve)
@@ -178,6 +180,7 @@ def run_serve(args: argparse.Namespace) -> None:
                           in_range(args.max_tokens, "--max-tokens", 1, 1024), args.model, args.device,
                           args.num_pages and in_range(args.num_pages, "--num-pages", 1, 1 << 26),
                           args.kv_memory, args.max_running and in_range(args.max_running, "--max-running", 1, 4096),
+                          args.threads and in_range(args.threads, "--threads", 1, 1024),
                           progress=common.progress, json_path=args.json), flush=True)
     except ServerError as exc:
         raise CliError(str(exc)) from exc
