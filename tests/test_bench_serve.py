@@ -92,7 +92,7 @@ def test_sigterm_stops_the_server(default_model):
     try:
         for line in proc.stderr:
             lines.append(line)
-            if "concurrency 1: 2/8" in line:
+            if "warm-up request" in line:  # the server is up; the first request goes out
                 break
         proc.send_signal(signal.SIGTERM)
         rest = proc.communicate(timeout=60)[1]
