@@ -325,7 +325,7 @@ HEADERS = ["side", "concurrency", "requests", "completed", "prompt tokens", "com
            "prompt computed %"]
 
 
-def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max_tokens: int = 32,
+def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max_tokens: int = 16,
                 model: str | None = None, device: str = "cpu", num_pages: int | None = None,
                 kv_memory: int | None = None, max_running: int | None = None, threads: int | None = None,
                 progress: Callable[[str], None] | None = None, json_path: str | None = None,

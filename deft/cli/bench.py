@@ -88,8 +88,8 @@ def add_parser(subparsers: Any) -> None:
                      help="concurrent clients, one level each (default 1 8 32)")
     srv.add_argument("--requests", type=int, default=32, metavar="N",
                      help="requests per level (default 32)")
-    srv.add_argument("--max-tokens", type=int, default=32, metavar="N",
-                     help="max_tokens of every request (default 32)")
+    srv.add_argument("--max-tokens", type=int, default=16, metavar="N",
+                     help="max_tokens of every request (default 16)")
     srv.add_argument("--num-pages", type=int, metavar="N",
                      help="KV cache pages of the server and the library's engine (default: deft serve's)")
     srv.add_argument("--max-running", type=int, metavar="N",
