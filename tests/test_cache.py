@@ -542,6 +542,7 @@ class CacheModel(RuleBasedStateMachine):
                 expect = self.values[cur] + expect
                 cur = self.parent[cur]
             assert read_values(self.pool, self.cache.path_slots(n)).tolist() == expect
+            assert self.cache.position(n) == len(expect)  # kept, never walked
 
     @invariant()
     def layout_matches_model(self):

@@ -26,12 +26,15 @@ def concat(arrays: list[np.ndarray]) -> np.ndarray:
 class Node:
     """One live node: its own slots ``buf[:n]`` and the pages those slots lie in.
 
+    ``start`` is the number of tokens on the path above it (its first token's position),
+    fixed at creation: a node with children never grows.
+
     ``group_page`` is the page this node's token-less children start filling (``-1``:
     wherever this node's own next token would go), so siblings share one partly filled
     page.
     """
 
-    __slots__ = ("id", "parent", "children", "buf", "n", "pages", "group_page", "dense")
+    __slots__ = ("id", "parent", "children", "buf", "n", "pages", "group_page", "dense", "start")
 
     def __init__(
         self,
@@ -48,6 +51,7 @@ class Node:
         self.pages: list[int] = pages if pages is not None else []  # distinct pages of its slots
         self.group_page = -1
         self.dense = -1
+        self.start = 0 if parent is None else parent.start + parent.n
 
     @property
     def slots(self) -> np.ndarray:

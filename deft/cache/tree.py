@@ -103,6 +103,11 @@ class TreeKVCache:
     def num_tokens(self, node: int) -> int:
         return self._get(node).n
 
+    def position(self, node: int) -> int:
+        """Tokens on the path root..``node``: the position of its next token (O(1))."""
+        nd = self._get(node)
+        return nd.start + nd.n
+
     def parent(self, node: int) -> int:
         """The parent's id, ``-1`` for a root."""
         par = self._get(node).parent
@@ -199,6 +204,7 @@ class TreeKVCache:
         at = int_in_range(at, "at", 1, nd.n - 1)
         old_parent = nd.parent
         head = Node(self._next_id, old_parent, *self._slot_alloc.split(nd, at))
+        nd.start = head.start + head.n
         self._next_id += 1
         if old_parent is not None:
             old_parent.children = {

@@ -149,11 +149,7 @@ class TreeEngine:
 
     def position(self, node: int) -> int:
         """Number of tokens on the path root..``node``: the position of its next token."""
-        cache, total = self.cache, 0
-        while node >= 0:
-            total += cache.num_tokens(node)
-            node = cache.parent(node)
-        return total
+        return self.cache.position(node)
 
     def add_prompt(self, token_ids: Sequence[int]) -> int:
         """A new root holding ``token_ids`` (may be empty); returns its node id.
@@ -308,10 +304,11 @@ class TreeEngine:
             if bucket is not None:
                 out = self.graphs.replay(bucket, *feed, rows, device_ids)
             else:
-                ids, pos, slots = (torch.from_numpy(a).to(self.device) for a in feed)
+                # Copies that do not wait for the GPU: a step may be queued behind the last.
+                ids, pos, slots, row_t = (torch.from_numpy(a).to(self.device, non_blocking=True)
+                                          for a in (*feed, np.array(rows, _I)))
                 if device_ids is not None:
                     put_device_ids(ids, *device_ids)
-                row_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
                 out = self.model(ids, pos, slots, self.attn, self.pool, row_t)  # [len(rows), vocab]
         out = out.float()
         st = self.stats
