@@ -11,7 +11,10 @@ finished branch releases its K/V at once (``prune(release_unused_ancestors=True)
 unless it keeps its last token for children (``keep_last``, tree search).
 
 :class:`Batch` holds that loop's state so that requests can join and leave at any step
-(the server's continuous batching); :func:`decode` runs one to completion.
+(the server's continuous batching); :func:`decode` runs one to completion. A request
+with ``beam`` params is a beam search (:class:`~deft.engine.strategies.beam.BeamSearch`):
+after its prompt, each step scores its beams' logits and feeds their next tokens in the
+same forward as the branches.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +34,9 @@ from .core import TreeEngine
 from .inflight import InFlight, draw
 from .params import GenerationResult, SamplingParams
 from .sampling import Sampler
+
+if TYPE_CHECKING:
+    from .strategies.beam import BeamParams, BeamSearch
 
 __all__ = ["Batch", "Branch", "PrefixStore", "Request", "as_prompts", "decode", "prefill",
            "release_on_error", "run_requests"]
@@ -80,9 +86,10 @@ class Request:
     """A prompt decoded into ``n`` branches that share its K/V.
 
     ``pin_prompt``: prefill the prompt into a node of its own and offer it to the batch's
-    :class:`PrefixStore`. Set by the batch: ``root`` (the branch that prefills the
-    prompt), ``branches`` (the ``n`` samples), ``status`` (``"waiting"``, ``"running"``,
-    ``"done"``) and ``restarts`` (times it was preempted).
+    :class:`PrefixStore`. ``beam``: run a beam search instead (``n`` and ``params`` are
+    then unused). Set by the batch: ``root`` (the branch that prefills the prompt),
+    ``branches`` (the ``n`` samples), ``search`` (the beam search), ``status``
+    (``"waiting"``, ``"running"``, ``"done"``) and ``restarts`` (times it was preempted).
     """
 
     prompt: list[int]
@@ -90,8 +97,10 @@ class Request:
     params: SamplingParams
     top_logprobs: int = 0
     pin_prompt: bool = False
+    beam: BeamParams | None = None
     branches: list[Branch] = field(default_factory=list)
     root: Branch | None = None
+    search: BeamSearch | None = None
     status: str = "waiting"
     restarts: int = 0
 
@@ -177,12 +186,14 @@ class Batch:
     preempts the youngest request (it restarts from its prompt later, with its sampler
     reseeded: a seeded or greedy request gives the same tokens; nothing is admitted until
     a running request leaves); only what still does not fit with one request running
-    raises :class:`~deft.CacheFullError`.
+    raises :class:`~deft.CacheFullError`. Beam searches are admitted, preempted and
+    cancelled the same way; their tokens are never deferred.
 
     With ``overlap`` (default: the engine's, on for CUDA) a step draws the sampled tokens on the
     device and feeds them to its forward there; the host reads them at the next step, while
     the GPU computes (:mod:`deft.engine.inflight`): stop tokens are seen one step late, the
-    results are the same. Steps that sample a ``keep_last`` branch wait for their tokens.
+    results are the same. Steps that sample a ``keep_last`` branch wait for their tokens;
+    beam searches read their logits on the host (a step with beams waits for the last one).
     """
 
     def __init__(self, engine: TreeEngine, max_running: int | None = None,
@@ -193,6 +204,7 @@ class Batch:
         self.running: list[Request] = []
         self.live: list[Branch] = []
         self.sampled = 0  # tokens that reached the host in the last step
+        self.beam_tokens = 0  # beam candidates taken in the last step
         self._inflight: InFlight | None = None
         self._hold = False  # no admission after a preemption until a request leaves
         self.stats = {"prefill_tokens": 0, "preempted": 0}
@@ -224,24 +236,26 @@ class Batch:
         elif ready:
             _sample(engine, ready, self.pinned)
             self.sampled += len(ready)
+        beams = self._advance_beams()
         self.live = [b for b in self.live if not b.done]
         for r in self.running:
-            if all(b.done for b in r.branches):
+            if r.search.done if r.search is not None else all(b.done for b in r.branches):
                 r.status = "done"
         left = len(self.running)
         self.running = [r for r in self.running if r.status == "running"]
         self._hold = self._hold and len(self.running) == left  # until a request leaves
         if not self._hold:
             self._admit()
-        feeding = self._fit([b for b in self.live if b.feed])
-        if not feeding:
+        feeding, beams = self._fit([b for b in self.live if b.feed], beams)
+        if not feeding and not beams:
             return self._inflight is not None
         chunk = engine.prefill_chunk
+        items = [(b.node, b.feed[:chunk]) for b in feeding] + [it for _, its in beams for it in its]
         modes = ["last" if len(b.feed) <= chunk and b.wants_logits() else "none" for b in feeding]
-        drawn = None if self._inflight is None else (self._inflight.tokens,
-                                                      [b.source for b in feeding])
-        rows = engine.extend([(b.node, b.feed[:chunk]) for b in feeding], logits=modes,
-                             device_tokens=drawn)
+        modes += ["last"] * (len(items) - len(feeding))
+        drawn = None if self._inflight is None else (
+            self._inflight.tokens, [b.source for b in feeding] + [-1] * (len(items) - len(feeding)))
+        rows = engine.extend(items, logits=modes, device_tokens=drawn)
         for b, row, mode in zip(feeding, rows, modes):
             b.source = -1
             if not b.tokens:
@@ -249,6 +263,10 @@ class Batch:
             b.feed = b.feed[chunk:]
             if not b.feed:
                 self._fed(b, row if mode == "last" else None)
+        at = len(feeding)
+        for r, its in beams:
+            r.search.take(rows[at:at + len(its)])
+            at += len(its)
         return True
 
     def cancel(self, request: Request, reason: str = "cancelled") -> None:
@@ -261,6 +279,8 @@ class Batch:
             self.finish(b, reason)
         if request.root is not None and not request.root.done:
             self._release(request.root, reason)
+        if request.search is not None and not request.search.done:
+            request.search.release(self.pinned)
         request.status = "done"
         self.running = [r for r in self.running if r is not request]
 
@@ -281,6 +301,18 @@ class Batch:
             self._release(branch, reason)
 
     # ------------------------------------------------------------ internals
+
+    def _advance_beams(self) -> list[tuple[Request, list[tuple[int, list[int]]]]]:
+        """Step every running search whose logits are in; per search, the items it feeds."""
+        steps = []
+        self.beam_tokens = 0
+        for r in self.running:
+            if r.search is not None and r.search.logits is not None:
+                items = r.search.step(self.pinned)
+                self.beam_tokens += len(items)
+                if items:
+                    steps.append((r, items))
+        return steps
 
     def _draw(self, ready: list[Branch]) -> None:
         """Draw ``ready``'s tokens on the device; each feeds them from there unless it ends."""
@@ -347,42 +379,50 @@ class Batch:
     def _room(self, req: Request, admit: list[Request]) -> bool:
         """Whether ``req``'s prompt and first tokens fit next to the running branches."""
         ps = self.engine.pool.page_size
-        want = -(-len(req.prompt) // ps) + 1 + req.n + len(self.live)
-        want += sum(-(-len(r.prompt) // ps) + 1 + r.n for r in admit)
+
+        def width(r: Request) -> int:
+            return r.beam.num_beams if r.beam is not None else r.n
+
+        want = -(-len(req.prompt) // ps) + 1 + width(req) + len(self.live)
+        want += sum(len(r.search.running) for r in self.running if r.search is not None)
+        want += sum(-(-len(r.prompt) // ps) + 1 + width(r) for r in admit)
         free = self.engine.cache.num_free_pages
         if want > free and self.prefixes is not None:
             self.prefixes.evict(want - free)
         return want <= self.engine.cache.num_free_pages
 
-    def _fit(self, feeding: list[Branch]) -> list[Branch]:
-        """``feeding`` cut to what fits the free pages (see the class docstring)."""
+    def _fit(self, feeding: list[Branch], beams: list[tuple[Request, list]]
+             ) -> tuple[list[Branch], list[tuple[Request, list]]]:
+        """``feeding`` and ``beams`` cut to what fits the free pages (see the class docstring)."""
         ps, cache = self.engine.pool.page_size, self.engine.cache
         chunk = self.engine.prefill_chunk
 
-        def need(bs: list[Branch]) -> int:
-            return sum(-(-min(len(b.feed), chunk) // ps) for b in bs)
+        def need() -> int:  # a beam token may need a fresh page
+            return (sum(-(-min(len(b.feed), chunk) // ps) for b in feeding)
+                    + sum(len(items) for _, items in beams))
 
-        if need(feeding) > cache.num_free_pages and self.prefixes is not None:
-            self.prefixes.evict(need(feeding) - cache.num_free_pages)
+        if need() > cache.num_free_pages and self.prefixes is not None:
+            self.prefixes.evict(need() - cache.num_free_pages)
         order = {id(r): i for i, r in enumerate(self.running)}
-        while need(feeding) > cache.num_free_pages:
+        while need() > cache.num_free_pages:
             oldest = self.running[0] if self.running else None
             prompts = [b for b in feeding if b.owner is not None and b.owner is not oldest
                        and not b.tokens and b.source < 0]
-            if prompts and len(feeding) > 1:
+            if prompts and (len(feeding) > 1 or beams):
                 youngest = max(prompts, key=lambda b: order.get(id(b.owner), -1))
                 feeding = [b for b in feeding if b is not youngest]
             elif len(self.running) > 1:
                 self._preempt(self.running[-1])
                 feeding = [b for b in feeding if not b.done]
+                beams = [(r, items) for r, items in beams if r.status == "running"]
             else:
                 break
-        return feeding
+        return feeding, beams
 
     def _preempt(self, req: Request) -> None:
         """Release ``req`` and queue it first, to restart from its prompt."""
         self.cancel(req, "preempted")
-        req.branches, req.root = [], None
+        req.branches, req.root, req.search = [], None, None
         req.restarts += 1
         self.stats["preempted"] += 1
         self._hold = True
@@ -396,7 +436,11 @@ class Batch:
         req = b.owner
         if req is not None and b is req.root and req.pin_prompt and self.prefixes is not None:
             self.prefixes.insert(req.prompt, b.node)
-        if b.then:
+        if req is not None and b is req.root and req.search is not None:
+            node = cache.fork(b.node, 1)[0] if req.pin_prompt else b.node  # the prompt stays put
+            req.search.start(node, logits)
+            b.done, b.logits = True, None
+        elif b.then:
             kids = [c for c in b.then if not c.done]
             for c, node in zip(kids, cache.fork(b.node, len(kids)) if kids else []):
                 c.node = node
@@ -421,7 +465,8 @@ def decode(
 
     Requests are admitted in order while fewer than ``max_batch`` are running (all at
     once by default); an admitted prompt is prefilled in the same forwards as the other
-    requests' decode tokens. ``progress(n)`` is called with the tokens sampled each step.
+    requests' decode tokens. ``progress(n)`` is called with the tokens sampled (and the
+    beam tokens computed) each step.
     """
     batch = Batch(engine, max_batch)
     batch.add_branches(branches)
@@ -429,8 +474,8 @@ def decode(
         batch.add(r)
     while True:
         more = batch.step()
-        if progress is not None and batch.sampled:
-            progress(batch.sampled)
+        if progress is not None and batch.sampled + batch.beam_tokens:
+            progress(batch.sampled + batch.beam_tokens)
         if not more:
             return
 
@@ -475,7 +520,12 @@ def prefill(engine: TreeEngine, prompts: list[list[int]]) -> list[tuple[int, tor
 
 
 def _leaves(engine: TreeEngine, req: Request) -> Branch:
-    """The branch that prefills ``req``'s prompt; its ``n`` samples are ``req.branches``."""
+    """The branch that prefills ``req``'s prompt; its ``n`` samples are ``req.branches``
+    (a beam search, ``req.search``, starts from its logits instead)."""
+    if req.beam is not None:
+        req.branches, req.search = [], req.beam.search(engine, len(req.prompt))
+        req.root = Branch(None, finish_reason="prefill", owner=req)
+        return req.root
     p = req.params
     sampler, stop = Sampler(p, engine.device), p.stop_ids(engine.tokenizer)
     req.branches = [Branch(None, sampler, stop, p.max_new_tokens, owner=req,

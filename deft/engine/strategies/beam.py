@@ -2,8 +2,10 @@
 
 The beams of a prompt are leaves of one tree: a beam continued by one candidate grows
 in place, a beam continued by several is forked (its K/V shared, not copied), a beam
-not continued is pruned at once with every ancestor no other beam uses. All prompts'
-beams advance in one forward per step.
+not continued is pruned at once with every ancestor no other beam uses. A
+:class:`BeamSearch` is one prompt's search, a step at a time; a
+:class:`~deft.engine.decoding.Batch` runs searches next to sampled requests, each step's
+beam tokens in the same forward as everything else (:func:`beam_search` is such a batch).
 
 Scores follow ``transformers``' ``_beam_search`` (v5): each step the top ``max(2, 1 +
 #stop ids) * k`` continuations of all beams by summed log-probability (float32); the
@@ -20,20 +22,64 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
 import torch
 
 from ...checks import int_at_least, real_number
+from ...model.tokenizer import Tokenizer
 from ..core import TreeEngine
-from ..decoding import Prompt, as_prompts, prefill, release_on_error
+from ..decoding import Prompt, Request, as_prompts, decode, release_on_error
 from ..params import GenerationResult, SamplingParams
 
-__all__ = ["beam_search"]
+__all__ = ["BeamParams", "BeamSearch", "beam_search"]
 
 _F = np.float32
+
+
+@dataclass(frozen=True)
+class BeamParams:
+    """How one prompt's beam search runs: ``num_beams`` beams, at most ``max_new_tokens``
+    new tokens, the ``num_return_sequences`` best hypotheses returned (see the module
+    docstring for ``length_penalty`` and ``early_stopping``); ``stop_token_ids`` ``None``
+    means the tokenizer's end-of-sequence ids."""
+
+    num_beams: int
+    max_new_tokens: int = 64
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    num_return_sequences: int = 1
+    stop_token_ids: frozenset[int] | None = None
+
+    def __post_init__(self) -> None:
+        k = int_at_least(self.num_beams, "num_beams", 1)
+        int_at_least(self.max_new_tokens, "max_new_tokens", 1)
+        n_ret = int_at_least(self.num_return_sequences, "num_return_sequences", 1)
+        if n_ret > k:
+            raise ValueError(f"num_return_sequences: expected at most num_beams={k}, got {n_ret}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping: expected True, False or 'never', "
+                             f"got {self.early_stopping!r}")
+        object.__setattr__(self, "length_penalty", real_number(self.length_penalty, "length_penalty"))
+        stop = SamplingParams(stop_token_ids=self.stop_token_ids).stop_token_ids  # validated
+        object.__setattr__(self, "stop_token_ids", stop)
+
+    def stop_ids(self, tokenizer: Tokenizer) -> frozenset[int]:
+        """``stop_token_ids``, or the tokenizer's EOS ids when ``None``."""
+        return tokenizer.eos_token_ids if self.stop_token_ids is None else self.stop_token_ids
+
+    def check(self, engine: TreeEngine) -> None:
+        """Raise ``ValueError`` unless ``engine``'s vocabulary holds a step's candidates."""
+        width = max(2, 1 + len(self.stop_ids(engine.tokenizer))) * self.num_beams
+        if width > engine.vocab_size:
+            raise ValueError(f"num_beams: {self.num_beams} beams need {width} candidates per step, "
+                             f"more than the vocabulary of {engine.vocab_size}")
+
+    def search(self, engine: TreeEngine, prompt_len: int) -> BeamSearch:
+        """A new search for a prompt of ``prompt_len`` tokens."""
+        return BeamSearch(engine, self, prompt_len)
 
 
 @dataclass
@@ -43,17 +89,118 @@ class _Beam:
     score: np.float32  # sum of log-probabilities, float32 as in transformers
 
 
-@dataclass
-class _Search:
-    """One prompt's beam search."""
+class BeamSearch:
+    """One prompt's beam search over ``engine``'s tree cache, a step at a time.
 
-    prompt_len: int
-    max_new: int  # max_new_tokens, capped by the context
-    running: list[_Beam]
-    logits: torch.Tensor | None = None  # [len(running), vocab] of the running beams
-    finished: list[tuple[np.float32, list[int], np.float32]] = field(default_factory=list)
-    improvable: bool = True
-    done: bool = False
+    :meth:`start` with the prompt's node and its last logits; then each :meth:`step`
+    scores the running beams' logits, moves their K/V to the new beams and returns the
+    ``(node, [token])`` items to compute, whose logits rows go to :meth:`take`, until
+    ``done``. ``finished`` holds the kept hypotheses ``(score, tokens, sum_logprob)``,
+    best first.
+    """
+
+    def __init__(self, engine: TreeEngine, params: BeamParams, prompt_len: int) -> None:
+        params.check(engine)
+        self.cache, self.params, self.prompt_len = engine.cache, params, prompt_len
+        self.stop = params.stop_ids(engine.tokenizer)
+        self.width = max(2, 1 + len(self.stop)) * params.num_beams
+        self.max_new = min(params.max_new_tokens, engine.max_positions - prompt_len + 1)
+        self.running: list[_Beam] = []
+        self.logits: torch.Tensor | None = None  # [len(running), vocab] of the running beams
+        self.finished: list[tuple[np.float32, list[int], np.float32]] = []
+        self.improvable = True
+        self.done = False
+
+    @property
+    def nodes(self) -> list[int]:
+        """The running beams' nodes (leaves of the prompt's tree)."""
+        return [b.node for b in self.running]
+
+    def start(self, node: int, logits: torch.Tensor) -> None:
+        """Begin from the prompt in ``node`` and its last token's ``logits`` ``[vocab]``."""
+        self.running, self.logits = [_Beam(node, [], _F(0))], logits[None]
+
+    def step(self, keep: Collection[int] = ()) -> list[tuple[int, list[int]]]:
+        """Advance one step from ``logits``; the ``(node, [token])`` items to compute next
+        (none once ``done``). Released nodes' ancestors in ``keep`` stay."""
+        return self._grow(self._advance(), keep)
+
+    def take(self, rows: Sequence[torch.Tensor]) -> None:
+        """The logits ``[vocab]`` of the last step's items, in order."""
+        self.logits = torch.stack(list(rows))
+
+    def release(self, keep: Collection[int] = ()) -> None:
+        """End the search now (a cancel) and prune the running beams."""
+        for b in self.running:
+            if b.node in self.cache.live_nodes:
+                self.cache.prune(b.node, release_unused_ancestors=True, keep=keep)
+        self.running, self.logits, self.done = [], None, True
+
+    def results(self, tokenizer: Tokenizer, stats: dict[str, Any]) -> list[GenerationResult]:
+        """The ``num_return_sequences`` best hypotheses; ``stats`` are added to each's."""
+        return [GenerationResult(toks, tokenizer.decode(toks, skip_special_tokens=True), float(score),
+                                 {"sum_logprob": float(logp),
+                                  "finish_reason": "stop" if toks and toks[-1] in self.stop else "length",
+                                  "prompt_tokens": self.prompt_len, **stats})
+                for score, toks, logp in self.finished[:self.params.num_return_sequences]]
+
+    def _advance(self) -> list[_Beam]:
+        """Score one step from ``logits``: new running beams, finished hypotheses.
+
+        Returns the previous running beams (their nodes are the new beams' parents).
+        """
+        k, lp, early_stopping = self.params.num_beams, self.params.length_penalty, self.params.early_stopping
+        logp = torch.log_softmax(self.logits.float(), dim=-1)  # [beams, vocab]
+        scores = torch.tensor([b.score for b in self.running], dtype=torch.float32, device=logp.device)
+        acc = (logp + scores[:, None]).reshape(-1)
+        top = torch.topk(acc, min(self.width, acc.shape[0]))
+        vocab = logp.shape[1]
+        gen_len = len(self.running[0].tokens) + 1
+        last = gen_len >= self.max_new
+        cands = [(_F(v), i // vocab, i % vocab) for v, i in zip(top.values.tolist(), top.indices.tolist())]
+        hits = [last or tok in self.stop for _, _, tok in cands]
+
+        full = len(self.finished) == k
+        if self.improvable and not (full and early_stopping is True):
+            denom = _F(gen_len ** lp)
+            for (v, beam, tok), hit in zip(cands[:k], hits[:k]):
+                if hit:
+                    self.finished.append((_F(v / denom), self.running[beam].tokens + [tok], v))
+            self.finished.sort(key=lambda h: -h[0])  # stable: earlier hypotheses win ties
+            del self.finished[k:]
+
+        parents = self.running
+        self.running = [_Beam(parents[beam].node, parents[beam].tokens + [tok], v)
+                        for (v, beam, tok), hit in zip(cands, hits) if not hit][:k]
+        self.logits = None
+        if self.running:
+            best_len = self.max_new if early_stopping == "never" and lp > 0 else gen_len
+            best = _F(self.running[0].score / _F(best_len ** lp))
+            self.improvable = self.improvable and (
+                len(self.finished) < k or best > min(h[0] for h in self.finished))
+        full = len(self.finished) == k
+        self.done = all(hits) or not self.improvable or (full and early_stopping is True)
+        return parents
+
+    def _grow(self, parents: list[_Beam], keep: Collection[int]) -> list[tuple[int, list[int]]]:
+        """Move the K/V from ``parents`` to the new beams; the (node, [token]) items to compute."""
+        cache = self.cache
+        if self.done:
+            for b in parents:
+                cache.prune(b.node, release_unused_ancestors=True, keep=keep)
+            self.running = []
+            return []
+        by_node = Counter(b.node for b in self.running)
+        for b in parents:
+            if b.node not in by_node:
+                cache.prune(b.node, release_unused_ancestors=True, keep=keep)
+        forks = {node: cache.fork(node, n) for node, n in by_node.items() if n > 1}
+        items = []
+        for b in self.running:
+            if b.node in forks:
+                b.node = forks[b.node].pop()
+            items.append((b.node, b.tokens[-1:]))
+        return items
 
 
 def beam_search(
@@ -72,116 +219,18 @@ def beam_search(
     Returns the same sequences as ``transformers`` ``generate(num_beams=k,
     do_sample=False, length_penalty=..., early_stopping=...)`` with the same stop ids.
     Each result's ``score`` is the hypothesis' length-penalised score (``transformers``'
-    ``sequences_scores``); ``stats`` has ``sum_logprob`` and ``finish_reason``.
+    ``sequences_scores``); ``stats`` has ``sum_logprob`` and ``finish_reason``. All
+    prompts' beams advance in one forward per step (a :class:`~deft.engine.decoding.Batch`);
+    ``progress(n)`` is called with the beam tokens computed each step.
     """
-    k = int_at_least(num_beams, "num_beams", 1)
-    max_new = int_at_least(max_new_tokens, "max_new_tokens", 1)
-    n_ret = int_at_least(num_return_sequences, "num_return_sequences", 1)
-    if n_ret > k:
-        raise ValueError(f"num_return_sequences: expected at most num_beams={k}, got {n_ret}")
-    if early_stopping not in (True, False, "never"):
-        raise ValueError(f"early_stopping: expected True, False or 'never', got {early_stopping!r}")
-    length_penalty = real_number(length_penalty, "length_penalty")
-    stop = SamplingParams(stop_token_ids=stop_token_ids).stop_ids(engine.tokenizer)  # validated
-    width = max(2, 1 + len(stop)) * k
-    if width > engine.vocab_size:
-        raise ValueError(f"num_beams: {k} beams need {width} candidates per step, more than "
-                         f"the vocabulary of {engine.vocab_size}")
-    batch = as_prompts(prompts, engine)
+    params = BeamParams(num_beams, max_new_tokens, length_penalty, early_stopping,
+                        num_return_sequences, stop_token_ids)
+    params.check(engine)
+    requests = [Request(p, params.num_beams, SamplingParams(max_new_tokens=params.max_new_tokens),
+                        beam=params) for p in as_prompts(prompts, engine)]
     t0, steps0, io0 = time.perf_counter(), engine.stats["steps"], engine.stats["io_s"]
-
     with release_on_error(engine):
-        searches = _run(engine, batch, max_new, (k, width, stop, length_penalty, early_stopping),
-                        progress)
+        decode(engine, requests=requests, progress=progress)
     seconds = time.perf_counter() - t0 - (engine.stats["io_s"] - io0)
     call = {"seconds": seconds, "steps": engine.stats["steps"] - steps0}
-    tok = engine.tokenizer
-    return [[GenerationResult(toks, tok.decode(toks, skip_special_tokens=True), float(score),
-                              {"sum_logprob": float(logp),
-                               "finish_reason": "stop" if toks and toks[-1] in stop else "length",
-                               "prompt_tokens": s.prompt_len, **call})
-             for score, toks, logp in s.finished[:n_ret]] for s in searches]
-
-
-def _run(engine: TreeEngine, batch: list[list[int]], max_new: int, cfg: tuple,
-         progress: Callable[[int], None] | None) -> list[_Search]:
-    """Prefill ``batch`` and step every search until all are done; one forward per step."""
-    searches = [
-        _Search(len(p), min(max_new, engine.max_positions - len(p) + 1), [_Beam(node, [], _F(0))], row[None])
-        for p, (node, row) in zip(batch, prefill(engine, batch))
-    ]
-    while True:
-        items, owners = [], []
-        for s in searches:
-            if s.done:
-                continue
-            new_items = _grow(engine, s, _advance(s, *cfg))
-            items += new_items
-            owners += [s] * len(new_items)
-        if not items:
-            return searches
-        rows = engine.extend(items, logits="last")
-        for s in {id(s): s for s in owners}.values():
-            s.logits = torch.stack([row for row, o in zip(rows, owners) if o is s])
-        if progress is not None:
-            progress(len(items))
-
-
-def _advance(s: _Search, k: int, width: int, stop: frozenset[int], lp: float,
-             early_stopping: bool | str) -> list[_Beam]:
-    """One beam-search step of ``s`` from its logits: new running beams, finished hypotheses.
-
-    Returns the previous running beams (their nodes are the new beams' parents).
-    """
-    logp = torch.log_softmax(s.logits.float(), dim=-1)  # [beams, vocab]
-    scores = torch.tensor([b.score for b in s.running], dtype=torch.float32, device=logp.device)
-    acc = (logp + scores[:, None]).reshape(-1)
-    top = torch.topk(acc, min(width, acc.shape[0]))
-    vocab = logp.shape[1]
-    gen_len = len(s.running[0].tokens) + 1
-    last = gen_len >= s.max_new
-    cands = [(_F(v), i // vocab, i % vocab) for v, i in zip(top.values.tolist(), top.indices.tolist())]
-    hits = [last or tok in stop for _, _, tok in cands]
-
-    full = len(s.finished) == k
-    if s.improvable and not (full and early_stopping is True):
-        denom = _F(gen_len ** lp)
-        for (v, beam, tok), hit in zip(cands[:k], hits[:k]):
-            if hit:
-                s.finished.append((_F(v / denom), s.running[beam].tokens + [tok], v))
-        s.finished.sort(key=lambda h: -h[0])  # stable: earlier hypotheses win ties
-        del s.finished[k:]
-
-    parents = s.running
-    s.running = [_Beam(parents[beam].node, parents[beam].tokens + [tok], v)
-                 for (v, beam, tok), hit in zip(cands, hits) if not hit][:k]
-    s.logits = None
-    if s.running:
-        best_len = s.max_new if early_stopping == "never" and lp > 0 else gen_len
-        best = _F(s.running[0].score / _F(best_len ** lp))
-        s.improvable = s.improvable and (len(s.finished) < k or best > min(h[0] for h in s.finished))
-    full = len(s.finished) == k
-    s.done = all(hits) or not s.improvable or (full and early_stopping is True)
-    return parents
-
-
-def _grow(engine: TreeEngine, s: _Search, parents: list[_Beam]) -> list[tuple[int, list[int]]]:
-    """Move ``s``'s K/V from ``parents`` to its new beams; the (node, [token]) items to compute."""
-    cache = engine.cache
-    if s.done:
-        for b in parents:
-            cache.prune(b.node, release_unused_ancestors=True)
-        s.running = []
-        return []
-    by_node = Counter(b.node for b in s.running)
-    for b in parents:
-        if b.node not in by_node:
-            cache.prune(b.node, release_unused_ancestors=True)
-    forks = {node: cache.fork(node, n) for node, n in by_node.items() if n > 1}
-    items = []
-    for b in s.running:
-        if b.node in forks:
-            b.node = forks[b.node].pop()
-        items.append((b.node, b.tokens[-1:]))
-    return items
-
+    return [r.search.results(engine.tokenizer, call) for r in requests]
