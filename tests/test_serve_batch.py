@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("fastapi")
 from pydantic import ValidationError  # noqa: E402
 
-from deft.engine import SamplingParams, TreeEngine, generate  # noqa: E402
+from deft.engine import SamplingParams, TreeEngine, beam_search, generate  # noqa: E402
 from deft.engine.decoding import Batch, Request  # noqa: E402
 from deft.serve import Metrics, PrefixCache, Scheduler, create_app  # noqa: E402
 from deft.serve.app import _Format  # noqa: E402
@@ -219,13 +219,39 @@ def test_a_job_run_alone_that_raises_fails_alone(smol, prompts, monkeypatch):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(scheduler, "_strategy", boom)
-    beam = {"prompt": prompts[0], "n": 1, "params": SamplingParams(max_new_tokens=4), "kind": "beam",
-            "options": {"num_beams": 2, "length_penalty": 1.0, "early_stopping": False}}
-    failed, ok = serve(scheduler, [beam, sample(prompts[1])])
+    spec = {"prompt": prompts[0], "n": 1, "params": SamplingParams(max_new_tokens=4),
+            "kind": "speculative", "options": {"drafter": "ngram", "tree": None}}
+    failed, ok = serve(scheduler, [spec, sample(prompts[1])])
     assert failed[-1].error == (500, "internal error: RuntimeError: boom")
     assert ok[-1].error is None and ok[-1].completion_tokens == 4
     scheduler.prefixes.clear()
     assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 32
+
+
+def test_beam_jobs_join_the_batch_and_equal_the_library(smol, prompts, alone):
+    """Beam jobs (``n`` of ``best_of`` beams, a length penalty, early stopping) between
+    sampling jobs: all run in one batch, each beam job's choices equal ``beam_search``'s."""
+    engine = TreeEngine(*smol, num_pages=64)
+    scheduler = Scheduler(engine, 8, 16, Metrics())
+    beams = [{"num_beams": 3, "length_penalty": 0.5, "early_stopping": True},
+             {"num_beams": 2, "length_penalty": 1.0, "early_stopping": False}]
+    specs = [sample(prompts[0])]
+    specs += [{"prompt": prompts[1 + i], "n": 2, "params": SamplingParams(max_new_tokens=5),
+               "kind": "beam", "options": o} for i, o in enumerate(beams)]
+    specs += [sample(prompts[3])]
+    steps = engine.stats["steps"]
+    events = serve(scheduler, specs)
+    ref = TreeEngine(*smol, num_pages=64)
+    for evs, o, p in zip(events[1:3], beams, prompts[1:3]):
+        want = beam_search(ref, p, o["num_beams"], 5, o["length_penalty"], o["early_stopping"], 2)[0]
+        assert [(e.index, e.text, e.finish_reason) for e in evs[:-1]] == [
+            (i, h.text, h.stats["finish_reason"]) for i, h in enumerate(want)]
+        assert evs[-1].completion_tokens == sum(len(h.token_ids) for h in want)
+    for evs, a in ((events[0], alone[0]), (events[3], alone[3])):
+        assert "".join(e.text for e in evs[:-1]) == engine.tokenizer.decode(a[:4])
+    assert engine.stats["steps"] - steps < 14  # together: one after another takes 22 or more
+    scheduler.prefixes.clear()
+    assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 64
 
 
 def test_a_request_too_big_for_the_cache_fails_alone(smol, prompts, alone):

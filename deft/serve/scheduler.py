@@ -1,12 +1,13 @@
 """The scheduler: one thread owns the engine and runs the batch step by step.
 
 HTTP handlers :meth:`Scheduler.submit` and :meth:`Scheduler.cancel` jobs from the event
-loop; the scheduler thread takes them in at the next step boundary. Sampling jobs join
-the running :class:`~deft.engine.decoding.Batch` (continuous batching; prompts prefilled
-in chunks next to the others' decoding, forked from the prefix cache where it helps).
-Beam-search and speculative jobs run alone, in this thread, once the batch has drained
-(later jobs wait behind them, in order). After every step the new tokens of every job
-are posted to its queue as text deltas.
+loop; the scheduler thread takes them in at the next step boundary. Sampling and
+beam-search jobs join the running :class:`~deft.engine.decoding.Batch` (continuous
+batching; prompts prefilled in chunks next to the others' decoding, forked from the
+prefix cache where it helps; beams advance a step per forward). Speculative jobs run
+alone, in this thread, once the batch has drained (later jobs wait behind them, in
+order). After every step the new tokens of every sampling job are posted to its queue as
+text deltas; a beam-search job's choices are posted whole when its search ends.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from typing import Any
 import numpy as np
 
 from ..cache import CacheFullError
-from ..engine import TreeEngine, beam_search, speculative_generate
+from ..engine import TreeEngine, speculative_generate
 from ..engine.decoding import Batch, Request, release_on_error
 from ..engine.params import GenerationResult
+from ..engine.strategies.beam import BeamParams
 from .jobs import ChoiceText, Delta, End, Job, TokenLogprob
 from .metrics import Metrics
 from .prefix_cache import PrefixCache
@@ -32,7 +34,7 @@ _IDLE_WAIT_S = 0.5
 
 
 class Scheduler:
-    """Owns ``engine``: at most ``max_running`` sampling jobs decode at once, at most
+    """Owns ``engine``: at most ``max_running`` jobs of the batch decode at once, at most
     ``max_queue`` wait (:meth:`submit` refuses more). ``drafters`` maps a speculative
     drafter name to its :class:`~deft.engine.Drafter` factory."""
 
@@ -98,7 +100,7 @@ class Scheduler:
                     self._drop(job, (503, "the server is shutting down"))
                 return
             self._feed_batch()
-            busy = bool(self.batch.live or self.batch.waiting)
+            busy = bool(self.batch.live or self.batch.waiting or self.batch.running)
             try:
                 if busy:
                     self._step()
@@ -114,11 +116,22 @@ class Scheduler:
                 self._wake.wait(_IDLE_WAIT_S)
 
     def _feed_batch(self) -> None:
-        """Move sampling jobs into the batch, in order, up to the first job that runs alone."""
-        while self._pending and self._pending[0].kind == "sample":
+        """Move jobs into the batch, in order, up to the first job that runs alone."""
+        while self._pending and self._pending[0].kind != "speculative":
             job = self._pending.popleft()
+            beam = None
+            if job.kind == "beam":
+                p, o = job.params, job.options
+                try:
+                    beam = BeamParams(o["num_beams"], p.max_new_tokens, o["length_penalty"],
+                                      o["early_stopping"], job.n, p.stop_token_ids)
+                    beam.check(self.engine)
+                except ValueError as exc:
+                    self._drop(job, (400, str(exc)))
+                    continue
             job.request = Request(job.prompt, max(job.n, job.best_of), job.params,
-                                  top_logprobs=job.top_logprobs or 0, pin_prompt=self.prefixes is not None)
+                                  top_logprobs=job.top_logprobs or 0,
+                                  pin_prompt=self.prefixes is not None, beam=beam)
             self.metrics.prompt.inc(len(job.prompt))
             self.batch.add(job.request)
             self._active.append(job)
@@ -139,6 +152,11 @@ class Scheduler:
 
     def _publish(self, job: Job, now: float) -> None:
         """Post ``job``'s new text; end it once all its branches have ended."""
+        if job.kind == "beam":
+            if job.request.status == "done":
+                self._active.remove(job)
+                self._post_whole(job, job.request.search.results(self.engine.tokenizer, {}))
+            return
         branches, tok = job.request.branches, self.engine.tokenizer
         if not job.choices:
             job.choices = [ChoiceText(tok, job.stop) for _ in branches]
@@ -187,7 +205,7 @@ class Scheduler:
             job.post(Delta(job.base_index + i, delta, logprobs, "stop" if stopped else b.finish_reason))
 
     def _run_alone(self, job: Job) -> None:
-        """A beam-search or speculative job, run to completion on the idle engine."""
+        """A speculative job, run to completion on the idle engine."""
         self.metrics.prompt.inc(len(job.prompt))
         for attempt in range(2):
             try:
@@ -205,12 +223,16 @@ class Scheduler:
             except Exception as exc:  # a bug fails this job only
                 self._drop(job, _internal(exc))
                 return
+        self.metrics.computed.inc(len(job.prompt))  # run alone: the whole prompt, no prefix cache
+        self._post_whole(job, results)
+
+    def _post_whole(self, job: Job, results: list[GenerationResult]) -> None:
+        """Post each of ``results``' text at once, then end ``job``."""
         tok = self.engine.tokenizer
         for i, r in enumerate(results):
             text = ChoiceText(tok, job.stop)
             delta, _, stopped = text.update(r.token_ids, True)
             job.post(Delta(job.base_index + i, delta, [], "stop" if stopped else r.stats["finish_reason"]))
-        self.metrics.computed.inc(len(job.prompt))  # run alone: the whole prompt, no prefix cache
         self.metrics.count_tokens(sum(len(r.token_ids) for r in results))
         self.metrics.ttft.observe(time.monotonic() - job.arrival)
         job.finished = True
@@ -218,12 +240,9 @@ class Scheduler:
         job.post(End(len(job.prompt), sum(len(r.token_ids) for r in results)))
 
     def _strategy(self, job: Job) -> list[GenerationResult]:
-        p, o = job.params, job.options
-        if job.kind == "beam":
-            return beam_search(self.engine, [job.prompt], o["num_beams"], p.max_new_tokens,
-                               o["length_penalty"], o["early_stopping"], job.n, p.stop_token_ids)[0]
-        drafter = self.drafters[o["drafter"]]()
-        return speculative_generate(self.engine, [job.prompt], p, drafter, o["tree"])
+        o = job.options
+        return speculative_generate(self.engine, [job.prompt], job.params, self.drafters[o["drafter"]](),
+                                    o["tree"])
 
     def _drop(self, job: Job, error: tuple[int, str] | None) -> None:
         """End ``job`` without a result: cancelled (``error`` None) or failed."""
@@ -248,6 +267,7 @@ class Scheduler:
         m.running.set(len(self._active) - waiting)
         m.pages_used.set(cache.num_pages - cache.num_free_pages)
         nodes = [b.node for b in batch.live if b.node is not None and not b.done]
+        nodes += [n for r in batch.running if r.search is not None for n in r.search.nodes]
         slots = [cache.path_slots(n) for n in nodes]
         m.pages_requests.set(len(np.unique(np.concatenate(slots) // cache.page_size)) if slots else 0)
         now = {"prefill": batch.stats["prefill_tokens"], "preempted": batch.stats["preempted"]}
