@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from deft import CacheFullError
 from deft.engine import SamplingParams, TreeEngine, beam_search, generate
 from deft.engine.decoding import Batch, Request
 from deft.engine.strategies.beam import BeamParams
@@ -147,6 +148,27 @@ def test_cancelling_a_search_releases_all_its_nodes(smol, prompts, sampled_alone
                     for n in [b.node, *ancestors(engine, b.node)]}  # only the others' paths
     run(batch)
     assert [[(b.tokens, b.finish_reason) for b in r.branches] for r in first] == sampled_alone
+    assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 64
+
+
+def test_a_step_that_raises_leaves_the_beam_tokens_to_feed_again(smol, prompts, alone, monkeypatch):
+    engine = TreeEngine(*smol, num_pages=64)
+    batch = Batch(engine)
+    beam = beam_request(prompts[2], BEAMS[0])
+    batch.add(beam)
+    extend, calls = engine.extend, []
+
+    def flaky(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:  # a beam step's forward
+            raise CacheFullError(1, 0)
+        return extend(*args, **kw)
+
+    monkeypatch.setattr(engine, "extend", flaky)
+    with pytest.raises(CacheFullError):
+        run(batch)
+    run(batch)
+    assert_alone(results(engine, beam), alone[0])
     assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 64
 
 

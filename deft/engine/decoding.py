@@ -303,16 +303,13 @@ class Batch:
     # ------------------------------------------------------------ internals
 
     def _advance_beams(self) -> list[tuple[Request, list[tuple[int, list[int]]]]]:
-        """Step every running search whose logits are in; per search, the items it feeds."""
-        steps = []
+        """Step every running search whose logits are in; per search with a feed, its items
+        (a feed a failed step left is fed again)."""
         self.beam_tokens = 0
         for r in self.running:
             if r.search is not None and r.search.logits is not None:
-                items = r.search.step(self.pinned)
-                self.beam_tokens += len(items)
-                if items:
-                    steps.append((r, items))
-        return steps
+                self.beam_tokens += len(r.search.step(self.pinned))
+        return [(r, r.search.feed) for r in self.running if r.search is not None and r.search.feed]
 
     def _draw(self, ready: list[Branch]) -> None:
         """Draw ``ready``'s tokens on the device; each feeds them from there unless it ends."""

@@ -51,9 +51,9 @@ class End:
 
 @dataclass(eq=False)
 class Job:
-    """One prompt's request. ``kind``: ``"sample"`` (in the batch), ``"beam"`` or
+    """One prompt's request. ``kind``: ``"sample"`` or ``"beam"`` (in the batch), or
     ``"speculative"`` (run alone between steps). ``best_of`` > ``n`` samples that many and
-    keeps the ``n`` most likely. ``top_logprobs`` ``None``: no log-probabilities."""
+    keeps the ``n`` most likely (beam search: ``best_of`` beams). ``top_logprobs`` ``None``: no log-probabilities."""
 
     prompt: list[int]
     n: int

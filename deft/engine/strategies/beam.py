@@ -93,8 +93,8 @@ class BeamSearch:
     """One prompt's beam search over ``engine``'s tree cache, a step at a time.
 
     :meth:`start` with the prompt's node and its last logits; then each :meth:`step`
-    scores the running beams' logits, moves their K/V to the new beams and returns the
-    ``(node, [token])`` items to compute, whose logits rows go to :meth:`take`, until
+    scores the running beams' logits, moves their K/V to the new beams and sets ``feed``,
+    the ``(node, [token])`` items to compute, whose logits rows go to :meth:`take`, until
     ``done``. ``finished`` holds the kept hypotheses ``(score, tokens, sum_logprob)``,
     best first.
     """
@@ -107,6 +107,7 @@ class BeamSearch:
         self.max_new = min(params.max_new_tokens, engine.max_positions - prompt_len + 1)
         self.running: list[_Beam] = []
         self.logits: torch.Tensor | None = None  # [len(running), vocab] of the running beams
+        self.feed: list[tuple[int, list[int]]] = []  # items to compute before the next step
         self.finished: list[tuple[np.float32, list[int], np.float32]] = []
         self.improvable = True
         self.done = False
@@ -121,20 +122,21 @@ class BeamSearch:
         self.running, self.logits = [_Beam(node, [], _F(0))], logits[None]
 
     def step(self, keep: Collection[int] = ()) -> list[tuple[int, list[int]]]:
-        """Advance one step from ``logits``; the ``(node, [token])`` items to compute next
-        (none once ``done``). Released nodes' ancestors in ``keep`` stay."""
-        return self._grow(self._advance(), keep)
+        """Advance one step from ``logits``; returns ``feed``, the ``(node, [token])`` items
+        to compute next (none once ``done``). Released nodes' ancestors in ``keep`` stay."""
+        self.feed = self._grow(self._advance(), keep)
+        return self.feed
 
     def take(self, rows: Sequence[torch.Tensor]) -> None:
-        """The logits ``[vocab]`` of the last step's items, in order."""
-        self.logits = torch.stack(list(rows))
+        """The logits ``[vocab]`` of ``feed``'s items, in order: the feed is computed."""
+        self.logits, self.feed = torch.stack(list(rows)), []
 
     def release(self, keep: Collection[int] = ()) -> None:
         """End the search now (a cancel) and prune the running beams."""
         for b in self.running:
             if b.node in self.cache.live_nodes:
                 self.cache.prune(b.node, release_unused_ancestors=True, keep=keep)
-        self.running, self.logits, self.done = [], None, True
+        self.running, self.logits, self.feed, self.done = [], None, [], True
 
     def results(self, tokenizer: Tokenizer, stats: dict[str, Any]) -> list[GenerationResult]:
         """The ``num_return_sequences`` best hypotheses; ``stats`` are added to each's."""
