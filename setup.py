@@ -29,6 +29,7 @@ class OptionalBuildExt(build_ext):
 
 setup(
     ext_modules=[Extension("deft.plan._flatten_plan", ["deft/plan/flatten_plan.c"],
+                           depends=["deft/plan/tile_masks.c"],  # included by flatten_plan.c
                            extra_compile_args=["-O3", "-std=c11"], libraries=["m"])],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -12,7 +12,7 @@ import pytest
 from deft import CacheFullError
 from deft.engine import SamplingParams, TreeEngine, beam_search, generate
 from deft.engine.decoding import Batch, Request
-from deft.engine.strategies.beam import BeamParams
+from deft.engine.beams import BeamParams
 
 BEAMS = [BeamParams(3, 6, 0.5, True, 2), BeamParams(2, 8, 1.0, "never", 2)]
 

@@ -12,7 +12,7 @@ unless it keeps its last token for children (``keep_last``, tree search).
 
 :class:`Batch` holds that loop's state so that requests can join and leave at any step
 (the server's continuous batching); :func:`decode` runs one to completion. A request
-with ``beam`` params is a beam search (:class:`~deft.engine.strategies.beam.BeamSearch`):
+with ``beam`` params is a beam search (:class:`~deft.engine.beams.BeamSearch`):
 after its prompt, each step scores its beams' logits and feeds their next tokens in the
 same forward as the branches.
 """
@@ -36,7 +36,7 @@ from .params import GenerationResult, SamplingParams
 from .sampling import Sampler
 
 if TYPE_CHECKING:
-    from .strategies.beam import BeamParams, BeamSearch
+    from .beams import BeamParams, BeamSearch
 
 __all__ = ["Batch", "Branch", "PrefixStore", "Request", "as_prompts", "decode", "prefill",
            "release_on_error", "run_requests"]
@@ -73,7 +73,7 @@ class Branch:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: int = 0
     tops: list[list[tuple[int, float]]] = field(default_factory=list)
-    source: int = -1  # >= 0: ``feed`` is one token drawn on the device, this row of the batch's
+    source: int = -1  # >= 0: ``feed`` is one token drawn on the device, this row of the draw
 
     def wants_logits(self) -> bool:
         """Whether the last token of the feed needs its logits."""

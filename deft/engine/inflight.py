@@ -11,14 +11,21 @@ the same rows in the same order, so the results equal those of steps that wait.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from .decoding import Branch
+from .sampling import Sampler
 
 __all__ = ["InFlight", "draw"]
+
+
+class Branch(Protocol):
+    """What drawing needs of a :class:`deft.engine.decoding.Branch`."""
+
+    sampler: Sampler | None
+    logits: torch.Tensor | None
+    top_logprobs: int
 
 
 class InFlight:

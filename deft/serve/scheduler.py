@@ -23,7 +23,7 @@ from ..cache import CacheFullError
 from ..engine import TreeEngine, speculative_generate
 from ..engine.decoding import Batch, Request, release_on_error
 from ..engine.params import GenerationResult
-from ..engine.strategies.beam import BeamParams
+from ..engine.beams import BeamParams
 from .jobs import ChoiceText, Delta, End, Job, TokenLogprob
 from .metrics import Metrics
 from .prefix_cache import PrefixCache
