@@ -190,7 +190,7 @@ def serve(scheduler: Scheduler, specs: list[dict]) -> list[list]:
 
     async def main() -> list[list]:
         queue, loop = asyncio.Queue(), asyncio.get_running_loop()
-        jobs = [Job(stop=[], events=queue, loop=loop, **spec) for spec in specs]
+        jobs = [Job(events=queue, loop=loop, **{"stop": [], **spec}) for spec in specs]
         for job in jobs:
             assert scheduler.submit(job)
         events: dict[int, list] = {id(j): [] for j in jobs}
@@ -226,6 +226,34 @@ def test_a_job_run_alone_that_raises_fails_alone(smol, prompts, monkeypatch):
     assert ok[-1].error is None and ok[-1].completion_tokens == 4
     scheduler.prefixes.clear()
     assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 32
+
+
+def test_overlapped_steps_stream_what_waiting_steps_stream(smol, prompts, alone):
+    """The scheduler on overlapped steps (the CUDA default, forced here): the same text,
+    finish reasons and token counts per choice as on steps that wait, with a stop string
+    that ends a choice while its next token is in flight, and pages back after."""
+    stop = smol[1].decode(alone[1][4:6])
+    got = []
+    for overlap in (False, True):
+        engine = TreeEngine(*smol, num_pages=64, overlap=overlap)
+        scheduler = Scheduler(engine, 8, 16, Metrics())
+        events = serve(scheduler, [
+            sample(prompts[0], 8), {**sample(prompts[1], 10), "stop": [stop]},
+            {"prompt": prompts[2], "n": 3,
+             "params": SamplingParams(max_new_tokens=6, temperature=1.0, seed=4)}])
+        per_choice = []
+        for evs in events:
+            texts: dict[int, str] = {}
+            reasons = {}
+            for e in evs[:-1]:
+                texts[e.index] = texts.get(e.index, "") + e.text
+                reasons[e.index] = e.finish_reason or reasons.get(e.index)
+            per_choice.append((texts, reasons, evs[-1].completion_tokens, evs[-1].error))
+        got.append(per_choice)
+        scheduler.prefixes.clear()
+        assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 64
+    assert got[0] == got[1]
+    assert got[1][1][1] == {0: "stop"} and got[1][0][1] == {0: "length"}
 
 
 def test_beam_jobs_join_the_batch_and_equal_the_library(smol, prompts, alone):
