@@ -111,3 +111,27 @@ def smol_ref():
 
     return transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(default_model_path()), gguf_file=DEFAULT_GGUF, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(smol):
+    """Four short prompts (modules with prompts of their own define this fixture again)."""
+    _, tok = smol
+    return [tok.encode(f"Item {i}: the colour of the sky at dusk is") for i in range(4)]
+
+
+# ------------------------------------------------ the stepwise decode loop
+
+
+def run_batch(batch, limit: int = 500, join=()) -> int:  # noqa: ANN001 - a deft Batch, Requests
+    """Step ``batch`` until it is done (at most ``limit`` steps); ``join``: requests added after
+    the second step (joining mid-run). Returns the steps taken."""
+    steps, join = 0, list(join)
+    while batch.step():
+        steps += 1
+        if join and steps == 2:
+            for r in join:
+                batch.add(r)
+            join = []
+        assert steps < limit
+    return steps

@@ -6,23 +6,16 @@ same tokens, log-probabilities, top pairs and finish reasons, same cache state a
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
+from conftest import run_batch
 from deft.engine import SamplingParams, TreeEngine
 from deft.engine.decoding import Batch, Request
 
-
-def run(batch: Batch, limit: int = 400, join: list[Request] = ()) -> int:
-    steps, join = 0, list(join)
-    while batch.step():
-        steps += 1
-        if join and steps == 2:  # requests joining mid-run
-            for r in join:
-                batch.add(r)
-            join = []
-        assert steps < limit
-    return steps
+run = partial(run_batch, limit=400)
 
 
 def outcome(requests: list[Request]) -> tuple[list, list]:

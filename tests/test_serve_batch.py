@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("fastapi")
 from pydantic import ValidationError  # noqa: E402
 
+from conftest import run_batch  # noqa: E402
 from deft.engine import SamplingParams, TreeEngine, beam_search, generate  # noqa: E402
 from deft.engine.decoding import Batch, Request  # noqa: E402
 from deft.serve import Metrics, PrefixCache, Scheduler, create_app  # noqa: E402
@@ -19,19 +20,7 @@ from deft.serve.app import _Format  # noqa: E402
 from deft.serve.jobs import Delta, End, Job, TokenLogprob  # noqa: E402
 from deft.serve.protocol import CompletionRequest  # noqa: E402
 
-
-def run(batch: Batch, limit: int = 500) -> int:
-    steps = 0
-    while batch.step():
-        steps += 1
-        assert steps < limit
-    return steps
-
-
-@pytest.fixture(scope="module")
-def prompts(smol):
-    _, tok = smol
-    return [tok.encode(f"Item {i}: the colour of the sky at dusk is") for i in range(4)]
+run = run_batch
 
 
 @pytest.fixture(scope="module")

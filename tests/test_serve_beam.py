@@ -7,26 +7,18 @@ mid-run, is preempted and restarted, or shares overlapped steps; a cancel releas
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
+from conftest import run_batch
 from deft import CacheFullError
 from deft.engine import SamplingParams, TreeEngine, beam_search, generate
 from deft.engine.decoding import Batch, Request
 from deft.engine.beams import BeamParams
 
 BEAMS = [BeamParams(3, 6, 0.5, True, 2), BeamParams(2, 8, 1.0, "never", 2)]
-
-
-def run(batch: Batch, limit: int = 400, join: list[Request] = ()) -> int:
-    steps, join = 0, list(join)
-    while batch.step():
-        steps += 1
-        if join and steps == 2:  # requests joining mid-run
-            for r in join:
-                batch.add(r)
-            join = []
-        assert steps < limit
-    return steps
+run = partial(run_batch, limit=400)
 
 
 def hypotheses(results) -> list[tuple[list[int], str]]:
@@ -47,12 +39,6 @@ def beam_request(prompt: list[int], params: BeamParams) -> Request:
 
 def results(engine: TreeEngine, req: Request):
     return req.search.results(engine.tokenizer, {})
-
-
-@pytest.fixture(scope="module")
-def prompts(smol):
-    _, tok = smol
-    return [tok.encode(f"Item {i}: the colour of the sky at dusk is") for i in range(4)]
 
 
 @pytest.fixture(scope="module")
