@@ -69,12 +69,14 @@ class BeamParams:
         """``stop_token_ids``, or the tokenizer's EOS ids when ``None``."""
         return tokenizer.eos_token_ids if self.stop_token_ids is None else self.stop_token_ids
 
-    def check(self, engine: TreeEngine) -> None:
-        """Raise ``ValueError`` unless ``engine``'s vocabulary holds a step's candidates."""
+    def check(self, engine: TreeEngine) -> int:
+        """The candidates a step keeps on ``engine``; ``ValueError`` when its vocabulary has
+        fewer."""
         width = max(2, 1 + len(self.stop_ids(engine.tokenizer))) * self.num_beams
         if width > engine.vocab_size:
             raise ValueError(f"num_beams: {self.num_beams} beams need {width} candidates per step, "
                              f"more than the vocabulary of {engine.vocab_size}")
+        return width
 
     def search(self, engine: TreeEngine, prompt_len: int) -> BeamSearch:
         """A new search for a prompt of ``prompt_len`` tokens."""
@@ -99,10 +101,9 @@ class BeamSearch:
     """
 
     def __init__(self, engine: TreeEngine, params: BeamParams, prompt_len: int) -> None:
-        params.check(engine)
         self.cache, self.params, self.prompt_len = engine.cache, params, prompt_len
         self.stop = params.stop_ids(engine.tokenizer)
-        self.width = max(2, 1 + len(self.stop)) * params.num_beams
+        self.width = params.check(engine)
         self.max_new = min(params.max_new_tokens, engine.max_positions - prompt_len + 1)
         self.running: list[_Beam] = []
         self.logits: torch.Tensor | None = None  # [len(running), vocab] of the running beams
