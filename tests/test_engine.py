@@ -393,6 +393,9 @@ def test_replay_trace(engine, tmp_path, tokens):
     assert not engine.count_io
     short = replay_trace(engine, path, max_iterations=4)
     assert short.decode_tokens == 3 * 3 + 2 and short.iterations == 4
+    uncounted = replay_trace(engine, path, tokens=tokens, count_io=False)
+    assert uncounted.decode_tokens == report.decode_tokens
+    assert uncounted.kv_bytes_deft == uncounted.kv_bytes_per_branch == 0
     assert_empty(engine)
 
 

@@ -91,13 +91,16 @@ def replay_trace(
     tokens: str = "random",
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
+    count_io: bool = True,
 ) -> ReplayReport:
     """Replay ``record`` of trace ``path`` for up to ``max_iterations`` decode iterations.
 
     ``tokens``: ``"random"`` (uniform token ids) or ``"greedy"`` (each child of a thought
     starts with the next most likely token after its parent, then decodes greedily).
-    Turns on ``engine.count_io`` for the replay (restored after). The replayed tree is
-    gone from the cache when this returns.
+    ``count_io``: turn on ``engine.count_io`` for the replay (restored after) to fill the
+    report's K/V byte counts; ``False`` leaves the engine as it is (the counts are then 0
+    unless it counts already): a timed replay without the per-step plan recount. The
+    replayed tree is gone from the cache when this returns.
     """
     if tokens not in TOKEN_MODES:
         raise ValueError(f"tokens: expected one of {', '.join(TOKEN_MODES)}, got {tokens!r}")
@@ -106,7 +109,8 @@ def replay_trace(
     last = max(v["end"] for v in data.values())
     if max_iterations is not None:
         last = min(last, max_iterations)
-    was_counting, engine.count_io = engine.count_io, True
+    was_counting = engine.count_io
+    engine.count_io = was_counting or bool(count_io)
     try:
         with release_on_error(engine):
             return _replay(engine, data, last, tokens, np.random.default_rng(seed), progress,
