@@ -33,7 +33,7 @@ import triton
 from .report import markdown_table, record, write_record
 from .trees import apps_tree, medusa_parents
 
-__all__ = ["GPU_WORKLOADS", "gpu_e2e_table", "llama3_8b_shapes"]
+__all__ = ["GPU_WORKLOADS", "gpu_e2e_table"]
 
 
 @dataclass(frozen=True)
@@ -62,34 +62,6 @@ GPU_WORKLOADS = [
     GpuWorkload("greedy, 1 sequence", "greedy", 1000, 1, 128),
     GpuWorkload("greedy, 32 prompts", "greedy", 1000, 32, 128),
 ]
-
-
-def llama3_8b_shapes(layers: int = 32) -> Any:
-    from deft.model import LlamaConfig
-
-    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                       num_layers=layers, num_heads=32, num_kv_heads=8,
-                       max_position_embeddings=8192, rope_theta=500000.0)
-
-
-def _random_model(config: Any) -> Any:
-    """Our model with random bf16 weights, initialised on the GPU."""
-    from deft.model import LlamaModel
-
-    with torch.device("cuda"):
-        torch.manual_seed(0)
-        model = LlamaModel(config)
-    return model.to(torch.bfloat16).eval().requires_grad_(False)
-
-
-def _tokenizer(vocab: int) -> Any:
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import models
-
-    from deft.model import Tokenizer
-
-    return Tokenizer(Backend(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0")),
-                     eos_token_ids=[])
 
 
 def _run(engine: Any, w: GpuWorkload, prompts: list[list[int]], new_tokens: int,
@@ -195,6 +167,7 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
                   json_path: str | None = None) -> str:
     """Markdown table of the GPU workloads (see the module docstring); also a result record."""
     from deft.engine import TreeEngine
+    from deft.model.synthetic import RandomSpec, byte_tokenizer, random_model
     from deft.recorded import workloads_dir
 
     from .attention_gpu import measure_ceilings
@@ -204,9 +177,9 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
     if names and len(chosen) != len(set(names)):
         known = ", ".join(w.name for w in GPU_WORKLOADS)
         raise ValueError(f"workload: unknown name in {names}; known: {known}")
-    config = llama3_8b_shapes(layers)
+    config = RandomSpec("llama-3-8b", layers).config
     bw, rate = measure_ceilings()
-    model, tok = _random_model(config), _tokenizer(config.vocab_size)
+    model, tok = random_model(config, "cuda"), byte_tokenizer(config.vocab_size)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                        if not n.startswith("embed.") or model.lm_head is None)
     matmul_weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2

@@ -4,14 +4,16 @@ The benchmark starts ``deft serve`` as a subprocess on 127.0.0.1 (a free port), 
 ``/health`` and always stops it (SIGTERM, then a kill after :data:`STOP_S`), also on errors,
 Ctrl-C and a SIGTERM of its own. It replays the same deterministic mix of chat requests at
 each concurrency level (a closed loop: that many clients, each sending its next request
-when the last one is answered): one shared system prompt (~290 tokens of quiz examples) and
-a question per request, cycling through
+when the last one is answered): one shared system prompt (quiz examples; ~290 tokens of
+SmolLM2, ~1,000 of the byte-level tokenizer of a random model) and a question per request,
+cycling through
 
 - greedy and seeded sampled completions (temperature 0.8), **streamed**: the client times the
   first chunk with text (TTFT, from sending the request) and the gaps between chunks with
   text (ITL; one chunk per decode step);
-- ``n=4`` seeded samples and beam search with 4 beams (the ``use_beam_search`` extra; the
-  server runs it alone once the batch has drained), not streamed.
+- ``n=4`` seeded samples and beam search with 4 beams (the ``use_beam_search`` extra; it
+  joins the running batch, a step of its beams in the same forward as the others), not
+  streamed.
 
 One warm-up request (another question) comes first, so the system prompt is in the prefix
 cache before the first level; the same prompts recur at every level. Throughput is all
@@ -19,7 +21,13 @@ completion tokens of a level over its wall time; the prefix-cache hit rate and t
 prompt tokens computed are differences of ``/metrics`` across the level. Last, the model is
 loaded in this process (after the server has stopped) and the same requests run one by one
 through the library's strategies (``generate``, ``sample``, ``beam_search``) on a
-``TreeEngine`` built as the server builds it, with no prefix cache.
+``TreeEngine`` built as the server builds it, with no prefix cache; only token counts and
+time are compared, not texts.
+
+The model is ``--model``'s, by default SmolLM2-135M-Instruct on CPU and on CUDA
+:data:`GPU_MODEL`, random weights of Llama-3-8B's shapes (:mod:`deft.model.synthetic`), which
+need no checkpoint: random weights cost what trained ones do per token, and greedy and
+seeded requests stay deterministic.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from .report import markdown_table, record, write_record
 
 __all__ = ["BenchRequest", "ServerError", "ServerProcess", "request_mix", "serve_table"]
 
+GPU_MODEL = "random:llama-3-8b"
 SYSTEM = "Answer the question in one short sentence, as in these examples.\n\n" + FEW_SHOT
 WARM_UP = "What colour is the sky on a clear day?"
 KINDS = ("greedy", "sampled", "n", "beam", "greedy", "sampled", "greedy", "sampled")
@@ -277,15 +286,14 @@ def _ratio(num: float, den: float) -> float:
 
 def _library_tokens_per_s(model_path: str | None, device: str, num_pages: int | None,
                           kv_memory: int | None, reqs: list[BenchRequest],
-                          say: Callable[[str], None]) -> tuple[int, int, float]:
+                          say: Callable[[str], None]) -> tuple[int, int, float, int]:
     """``reqs`` one by one through the library's strategies: prompt and completion tokens,
-    and seconds."""
-    from deft.cli.common import PAGE_SIZE, KVBudget
+    seconds, and the system prompt's length in tokens."""
+    from deft.cli.common import PAGE_SIZE, KVBudget, load_from
     from deft.cli.serve import DEFAULT_PAGES
     from deft.engine import SamplingParams, TreeEngine, beam_search, generate, sample
-    from deft.model import load_model
 
-    model, tok = load_model(model_path, device=device)
+    model, tok = load_from(model_path, device, "--model")
     if kv_memory is not None:
         num_pages = KVBudget(kv_memory, "--kv-memory").pages([(model, 1 << 26)])[0]
     engine = TreeEngine(model, tok, num_pages or DEFAULT_PAGES, PAGE_SIZE, device=device, prefill_chunk=256)
@@ -314,7 +322,8 @@ def _library_tokens_per_s(model_path: str | None, device: str, num_pages: int | 
         tokens += run(req)
         if i % every == 0 or i == len(reqs):
             say(f"library: {i}/{len(reqs)} requests")
-    return prompt_tokens[0], tokens, time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    return prompt_tokens[0], tokens, seconds, len(tok.encode(SYSTEM, add_special_tokens=False))
 
 
 # ------------------------------------------------------------------ the table
@@ -331,8 +340,9 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
                 progress: Callable[[str], None] | None = None, json_path: str | None = None,
                 startup_s: float = STARTUP_S) -> str:
     """Markdown table of the server at each ``concurrency`` and of the library sequentially
-    (also written as a result record to ``json_path``, when given); ``threads``: torch
-    threads of the server and of this process, else torch's choice."""
+    (also written as a result record to ``json_path``, when given); ``model`` ``None``: the
+    default model on CPU, :data:`GPU_MODEL` on CUDA; ``threads``: torch threads of the server
+    and of this process, else torch's choice."""
     import torch
 
     from deft.cli.serve import model_id
@@ -340,6 +350,8 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
     say = progress or (lambda msg: None)
     load = os.getloadavg()[0]  # other work on the machine skews every figure
     reqs = request_mix(requests, max_tokens)
+    if model is None and device == "cuda":
+        model = GPU_MODEL
     name = model_id(model)
     flags = [*(["--model", model] if model else []), "--device", device,
              *(["--num-pages", str(num_pages)] if num_pages is not None else []),
@@ -370,7 +382,8 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
                          _ratio(delta["deft_prefix_cache_hits_total"], delta["deft_prefix_cache_lookups_total"]),
                          100 * _ratio(delta["deft_prompt_tokens_computed_total"],
                                       delta["deft_prompt_tokens_total"])])
-    lib_prompt, lib_tokens, lib_s = _library_tokens_per_s(model, device, num_pages, kv_memory, reqs, say)
+    lib_prompt, lib_tokens, lib_s, system_tokens = _library_tokens_per_s(model, device, num_pages, kv_memory,
+                                                                         reqs, say)
     lib_rate = lib_tokens / lib_s
     for row in rows:
         row[8] = row[7] / lib_rate
@@ -378,7 +391,7 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
     rows.append(["library, one by one", 1, len(reqs), len(reqs), lib_prompt, lib_tokens, lib_s, lib_rate,
                  1.0, nan, nan, nan, nan, nan, nan])
     threads = torch.get_num_threads()  # the server's too: OMP_NUM_THREADS, or the same default
-    mix = (f"chat: one ~290-token system prompt + a question; of every 8 requests 3 greedy and 3 "
+    mix = (f"chat: one {system_tokens}-token system prompt + a question; of every 8 requests 3 greedy and 3 "
            f"sampled (T={TEMPERATURE}, seeded) streamed, 1 n={WIDTH} sampled, 1 beam search "
            f"k={WIDTH}; max_tokens {max_tokens}")
     if json_path:

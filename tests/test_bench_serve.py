@@ -1,5 +1,6 @@
-"""``deft bench serve`` end to end at a tiny size: a server subprocess, every kind of request,
-the library comparison, a sane result record, and no server left behind (also on SIGTERM)."""
+"""``deft bench serve`` end to end at a tiny size (the default model and ``random:tiny``): a
+server subprocess, every kind of request, the library comparison, a sane result record, and
+no server left behind (also on SIGTERM)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from benchmarks.report import load_record  # noqa: E402
-from benchmarks.serve import KINDS, request_mix  # noqa: E402
+import benchmarks.serve  # noqa: E402
+from benchmarks.serve import KINDS, SYSTEM, request_mix  # noqa: E402
 
 TIMEOUT_S = 150
 
@@ -56,10 +58,30 @@ def default_model():
         pytest.skip(str(exc))
 
 
-def test_bench_serve_end_to_end(tmp_path, default_model):
+def test_on_cuda_the_default_model_is_random_llama_3_8b(monkeypatch):
+    seen = []
+
+    class Started(Exception):
+        pass
+
+    def server(flags, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append(flags)
+        raise Started
+
+    monkeypatch.setattr(benchmarks.serve, "ServerProcess", server)
+    for device in ("cuda", "cpu"):
+        with pytest.raises(Started):
+            benchmarks.serve.serve_table(device=device)
+    assert seen == [["--model", "random:llama-3-8b", "--device", "cuda"], ["--device", "cpu"]]
+
+
+@pytest.mark.parametrize("model", [None, "random:tiny"])
+def test_bench_serve_end_to_end(tmp_path, model, request):
+    if model is None:
+        request.getfixturevalue("default_model")
     path = tmp_path / "serve.json"
     proc = _bench("--concurrency", "1", "2", "--requests", "4", "--max-tokens", "4", "--num-pages", "256",
-                  "--threads", "1", "--json", str(path))
+                  "--threads", "1", "--json", str(path), *(["--model", model] if model else []))
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)
     finally:
@@ -69,6 +91,9 @@ def test_bench_serve_end_to_end(tmp_path, default_model):
     assert out.strip().splitlines()[-1].startswith("| library, one by one")
     rec = load_record(path)
     assert rec["requests"] == 4 and rec["max_tokens"] == 4 and rec["threads"] == 1
+    assert rec["model"] == (model or "SmolLM2-135M-Instruct") and f"deft serve with {rec['model']} on cpu" in out
+    if model is not None:  # byte-level tokenizer: a token per byte
+        assert rec["mix"].startswith(f"chat: one {len(SYSTEM.encode())}-token system prompt")
     server, library = rec["rows"][:-1], rec["rows"][-1]
     assert [r["concurrency"] for r in server] == [1, 2]
     for row in rec["rows"]:

@@ -74,7 +74,7 @@ def add_parser(subparsers: Any) -> None:
     e2e.set_defaults(func=run_e2e)
 
     srv = bsub.add_parser(
-        "serve", parents=[common.model_flags()],
+        "serve", parents=[common.model_flags("SmolLM2-135M-Instruct GGUF on cpu, random:llama-3-8b on cuda")],
         help="deft serve under concurrent load, against the library one request at a time",
         description="Start deft serve on 127.0.0.1 (a free port; stopped at the end, on errors and "
         "on Ctrl-C), replay a fixed mix of chat requests (a shared system prompt and different "
@@ -82,8 +82,9 @@ def add_parser(subparsers: Any) -> None:
         "k=4) at each concurrency level, and report tokens/s, client-side time to first token and "
         "inter-token latency (p50/p99, streamed requests) and the prefix-cache hit rate (from "
         "/metrics); then the same requests one by one through the library in this process. "
-        "--device cuda serves --model PATH (e.g. a Llama-3-8B checkpoint) on the GPU; "
-        "the random-weight model of bench e2e --device cuda has no tokenizer to serve.")
+        "Without --model: SmolLM2-135M-Instruct on cpu; on cuda random:llama-3-8b, random bf16 "
+        "weights of Llama-3-8B's shapes with a byte-level tokenizer (as bench e2e --device cuda; "
+        "no checkpoint needed).")
     srv.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], metavar="N",
                      help="concurrent clients, one level each (default 1 8 32)")
     srv.add_argument("--requests", type=int, default=32, metavar="N",
@@ -171,9 +172,16 @@ def run_gpu_e2e(args: argparse.Namespace) -> None:
 def run_serve(args: argparse.Namespace) -> None:
     from benchmarks.serve import ServerError, serve_table
 
+    from deft.model.synthetic import is_random_spec, parse_spec
+
     common.require_device(args.device)
     if args.num_pages is not None and args.kv_memory is not None:
         raise CliError("--kv-memory: give either --kv-memory or --num-pages, not both")
+    if is_random_spec(args.model):
+        try:
+            parse_spec(args.model)
+        except ValueError as exc:
+            raise CliError(f"--model: {exc}") from exc
     levels = [in_range(c, "--concurrency", 1, 256) for c in args.concurrency]
     try:
         print(serve_table(levels, in_range(args.requests, "--requests", 1, 1024),

@@ -60,13 +60,16 @@ class Parser(argparse.ArgumentParser):
 # ------------------------------------------------------------------ shared flags
 
 
-def model_flags() -> argparse.ArgumentParser:
-    """``--model PATH``, ``--device`` and ``--kv-memory SIZE``, as a parent parser."""
+def model_flags(default_model: str = "SmolLM2-135M-Instruct GGUF") -> argparse.ArgumentParser:
+    """``--model MODEL``, ``--device`` and ``--kv-memory SIZE``, as a parent parser;
+    ``default_model`` says what runs without ``--model``."""
     from ..cache.pool import KV_MEMORY_FRACTION
 
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--model", metavar="PATH",
-                   help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--model", metavar="MODEL",
+                   help="GGUF file, Hugging Face directory, or random:NAME[:layers=N] for random "
+                   "weights of known shapes (NAME llama-3-8b or tiny; byte-level tokenizer) "
+                   f"(default: {default_model})")
     p.add_argument("--device", choices=DEVICES, default="cpu", help="default cpu")
     p.add_argument("--kv-memory", type=byte_size, metavar="SIZE",
                    help="memory for the K/V cache, e.g. 2GiB, 512MB or a byte count (default: "
@@ -159,12 +162,13 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def load_from(path: str | None, device: str, flag: str) -> tuple[Any, Any]:
-    """The model and tokenizer at ``path`` (of ``flag``) on ``device``."""
-    from ..model import load_model
+    """The model and tokenizer at ``path`` (of ``flag``), or of the random-model spec
+    ``random:...`` (:mod:`deft.model.synthetic`), on ``device``."""
+    from ..model import is_random_spec, load_model, load_random
 
     require_device(device)
     try:
-        return load_model(path, device=device)
+        return load_random(path, device) if is_random_spec(path) else load_model(path, device=device)
     except (FileNotFoundError, ValueError) as exc:
         raise CliError(f"{flag}: {exc}") from exc
 

@@ -46,9 +46,14 @@ def add_parser(subparsers: Any) -> None:
 
 def model_id(path: str | None) -> str:
     """The id /v1/models gives the model at ``path``: its file name without the extension,
-    or its directory's name (a trailing slash allowed); the default model's name for ``None``."""
+    or its directory's name (a trailing slash allowed); the default model's name for ``None``;
+    a random-model spec as written canonically (``random:tiny``)."""
+    from ..model.synthetic import is_random_spec, parse_spec
+
     if not path:
         return "SmolLM2-135M-Instruct"
+    if is_random_spec(path):
+        return str(parse_spec(path))
     p = Path(path.rstrip("/\\") or path)
     return p.stem if p.is_file() else p.name
 
