@@ -23,7 +23,7 @@ same run; a workload's floor is its steps' mean.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,14 +39,19 @@ __all__ = ["GPU_WORKLOADS", "gpu_e2e_table"]
 @dataclass(frozen=True)
 class GpuWorkload:
     """``kind``: ``sample`` (``width`` branches), ``beam`` (``width`` beams), ``greedy``
-    (``width`` independent prompts) or ``verify`` (Medusa tree ``APPS_tree_size{width}``)."""
+    (``width`` independent prompts), ``verify`` (Medusa tree ``APPS_tree_size{width}``) or
+    ``replay`` (reasoning trace ``trace``, its first ``new_tokens`` iterations; ``prompt`` and
+    ``width`` are the record's prompt length and most thoughts decoding at once)."""
 
     name: str
     kind: str
     prompt: int
     width: int
     new_tokens: int
+    trace: str = ""
 
+
+REPLAY_ITERATIONS = 500  # of a trace's 564-3,708: the steps of all three take about a minute
 
 GPU_WORKLOADS = [
     GpuWorkload("few-shot b=20", "sample", 4000, 20, 200),
@@ -59,27 +64,34 @@ GPU_WORKLOADS = [
     GpuWorkload("Medusa APPS-64 verify", "verify", 4000, 64, 20),
     GpuWorkload("Medusa APPS-128 verify", "verify", 4000, 128, 20),
     GpuWorkload("Medusa APPS-256 verify", "verify", 4000, 256, 20),
+    *(GpuWorkload(f"reasoning {t}", "replay", 0, 0, REPLAY_ITERATIONS, t)
+      for t in ("sorting128ToT", "docmergeToT", "keywordToT")),
     GpuWorkload("greedy, 1 sequence", "greedy", 1000, 1, 128),
     GpuWorkload("greedy, 32 prompts", "greedy", 1000, 32, 128),
 ]
 
 
 def _run(engine: Any, w: GpuWorkload, prompts: list[list[int]], new_tokens: int,
-         parents: list[int] | None) -> Callable[[], None]:
-    """One complete run of ``w`` on ``engine`` with ``new_tokens`` per branch."""
-    from deft.engine import SamplingParams, beam_search, generate, sample
+         parents: list[int] | None, trace: Path | None) -> Callable[[], int]:
+    """One complete run of ``w`` on ``engine`` with ``new_tokens`` per branch (a replay:
+    iterations); it returns the tokens decoded."""
+    from deft.engine import SamplingParams, beam_search, generate, replay_trace, sample
 
     never = frozenset()
     if w.kind == "sample":
         params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0, stop_token_ids=never)
-        return lambda: sample(engine, prompts[0], w.width, params)
+        return lambda: sum(len(r.token_ids) for r in sample(engine, prompts[0], w.width, params))
     if w.kind == "beam":
-        return lambda: beam_search(engine, prompts[0], w.width, new_tokens, stop_token_ids=never)
+        return lambda: len(beam_search(engine, prompts[0], w.width, new_tokens,
+                                       stop_token_ids=never)[0].token_ids)
     if w.kind == "greedy":
         params = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=never)
-        return lambda: generate(engine, prompts, params)
+        return lambda: sum(len(r.token_ids) for r in generate(engine, prompts, params))
+    if w.kind == "replay":
+        return lambda: replay_trace(engine, trace, max_iterations=new_tokens,
+                                    count_io=False).decode_tokens
 
-    def verify() -> None:  # prefill, then ``new_tokens`` verifications of the draft tree
+    def verify() -> int:  # prefill, then ``new_tokens`` verifications of the draft tree
         root = engine.add_prompt(prompts[0][:-1])
         engine.extend([(root, prompts[0][-1:])])
         tokens = list(range(len(parents)))
@@ -88,28 +100,31 @@ def _run(engine: Any, w: GpuWorkload, prompts: list[list[int]], new_tokens: int,
             logits.argmax(-1).tolist()  # the acceptance decision waits for the logits
             engine.cache.prune(nodes[0])
         engine.cache.prune(root)
+        return new_tokens
     return verify
 
 
-def _timed(run: Callable[[], None]) -> float:
+def _timed(run: Callable[[], int]) -> tuple[float, int]:
+    """Wall seconds of ``run`` (the GPU done), and what it returned."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    run()
+    out = run()
     torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, out
 
 
 def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
-             parents: list[int] | None) -> dict[str, float]:
+             parents: list[int] | None, trace: Path | None) -> dict[str, float]:
     """Warm run, prefill-only run, full run: ms per decode step and what the steps held."""
-    full, first = _run(engine, w, prompts, w.new_tokens, parents), _run(engine, w, prompts, 1, parents)
+    full = _run(engine, w, prompts, w.new_tokens, parents, trace)
+    first = _run(engine, w, prompts, 1, parents, trace)
     full(), first()  # warm-up: compiles and captures every graph both timed runs replay
     engine.reset_stats()
     captures = engine.graphs.captures if engine.graphs is not None else 0
-    t_prefill = _timed(first)
+    t_prefill, _ = _timed(first)
     steps0, tok0 = engine.stats["steps"], engine.stats["plan_tokens"]
     engine.reset_stats()
-    t_full = _timed(full)
+    t_full, new = _timed(full)
     st = engine.stats
     if engine.graphs is not None and engine.graphs.captures != captures:
         raise RuntimeError(f"{w.name}: a timed run captured a graph; the warm-up missed it")
@@ -117,7 +132,7 @@ def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
     # The GPU time of the run's last step alone: its graph replayed again (same inputs).
     last = engine.graphs.last_graph if engine.graphs is not None else None
     gpu_ms = None if last is None else triton.testing.do_bench(last.replay, return_mode="median")
-    return {"ms_step": 1e3 * (t_full - t_prefill) / steps, "steps": steps, "wall": t_full,
+    return {"ms_step": 1e3 * (t_full - t_prefill) / steps, "steps": steps, "wall": t_full, "new": new,
             "gpu_ms": gpu_ms,
             "plan_tokens": plan_tokens / steps, "queries": (st["tokens"] - _prefill_tokens(w)) / steps,
             "plan_ms": 1e3 * st["plan_s"] / st["steps"],
@@ -126,6 +141,17 @@ def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
 
 def _prefill_tokens(w: GpuWorkload) -> int:
     return w.prompt * (w.width if w.kind == "greedy" else 1)
+
+
+def _replayed(w: GpuWorkload, workloads: Path) -> tuple[GpuWorkload, Path]:
+    """``w`` with its trace's prompt length and widest iteration, and the trace's path."""
+    from deft.engine import load_trace
+
+    path = workloads / "deft" / "reasoning" / f"{w.trace}.json"
+    data = load_trace(path)
+    width = max(sum(v["start"] <= it <= v["end"] for n, v in data.items() if n)
+                for it in range(1, w.new_tokens + 1))
+    return replace(w, prompt=data[0]["value"], width=width), path
 
 
 def _hf_seconds(hf: Any, w: GpuWorkload, prompts: list[list[int]]) -> float | None:
@@ -196,25 +222,26 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
     gen = torch.Generator().manual_seed(0)
     rows = []
     for w in chosen:
-        parents = None
-        if w.kind == "verify":
-            try:
+        parents = trace = None
+        try:
+            if w.kind == "verify":
                 parents = medusa_parents(apps_tree(w.width, workloads_dir(workloads)))
-            except FileNotFoundError as exc:
-                say(f"{w.name}: skipped ({exc})")
-                continue
+            elif w.kind == "replay":
+                w, trace = _replayed(w, workloads_dir(workloads))
+        except FileNotFoundError as exc:
+            say(f"{w.name}: skipped ({exc})")
+            continue
         count = w.width if w.kind == "greedy" else 1
         prompts = torch.randint(0, config.vocab_size, (count, w.prompt), generator=gen).tolist()
         got = {}
         for mode, engine in engines.items():
             say(f"{w.name}: {mode}")
             model.fused_ops = False if mode == "graph, unfused" else None  # graphs keep theirs
-            got[mode] = _measure(engine, w, prompts, parents)
+            got[mode] = _measure(engine, w, prompts, parents, trace)
         model.fused_ops = None
         g = got["graph"]
         floor_ms = 1e3 * max((weight_bytes + g["plan_tokens"] * kv_token_bytes) / bw,
                              2 * matmul_weights * g["queries"] / rate)
-        new = w.new_tokens * (w.width if w.kind in ("sample", "greedy") else 1)
         hf_s = None
         if hf is not None:
             say(f"{w.name}: transformers")
@@ -224,7 +251,7 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
                      *([got["graph, unfused"]["ms_step"]] if unfused else []), got["eager"]["ms_step"],
                      got["per-branch"]["ms_step"], floor_ms, 100 * floor_ms / g["ms_step"],
                      got["per-branch"]["ms_step"] / g["ms_step"],
-                     new / g["wall"], None if hf_s is None else hf_s / g["wall"],
+                     g["new"] / g["wall"], None if hf_s is None else hf_s / g["wall"],
                      g["plan_ms"], 100 * g["host"]])
         say(f"{w.name}: {rows[-1]}")
     headers = ["workload", "prompt", "queries/step", "graph ms/step", "GPU ms/step",

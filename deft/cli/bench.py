@@ -50,9 +50,10 @@ def add_parser(subparsers: Any) -> None:
                           "DeFT's time goes. On cuda: a Llama-3-8B-shaped model with random bf16 "
                           "weights, the paper's workloads (parallel sampling b=20/30/50 from a "
                           "4,000-token prompt, beam search k=4/8/16, Medusa tree verification, "
-                          "greedy decoding) with steps replayed as CUDA graphs, launched eagerly "
-                          "and with per-branch attention, against transformers and the step's "
-                          "floor (benchmarks.e2e_gpu).")
+                          "trace replay of the recorded reasoning trees, greedy decoding) with "
+                          "steps replayed as CUDA graphs, launched eagerly and with per-branch "
+                          "attention, against transformers and the step's floor "
+                          "(benchmarks.e2e_gpu).")
     e2e.add_argument("--device", choices=common.DEVICES, default="cpu")
     e2e.add_argument("--reps", type=int, default=3,
                      help="(cpu) timed runs of each side (best counts, default 3)")
