@@ -178,7 +178,7 @@ def test_kv_memory_bad_sizes_are_one_line(capsys, value):
         main(["generate", PROMPT, "--kv-memory", value])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1
-    assert f"argument --kv-memory: expected a size of at least one byte such as 2GiB, 512MB or 1048576" in err
+    assert "argument --kv-memory: expected a size of at least one byte such as 2GiB, 512MB or 1048576" in err
 
 
 def test_kv_memory_too_small(loaded, capsys):

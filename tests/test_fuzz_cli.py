@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
