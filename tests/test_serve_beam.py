@@ -142,15 +142,15 @@ def test_a_step_that_raises_leaves_the_beam_tokens_to_feed_again(smol, prompts, 
     batch = Batch(engine)
     beam = beam_request(prompts[2], BEAMS[0])
     batch.add(beam)
-    extend, calls = engine.extend, []
+    forward, calls = engine.forward, []
 
     def flaky(*args, **kw):
         calls.append(1)
         if len(calls) == 3:  # a beam step's forward
             raise CacheFullError(1, 0)
-        return extend(*args, **kw)
+        return forward(*args, **kw)
 
-    monkeypatch.setattr(engine, "extend", flaky)
+    monkeypatch.setattr(engine, "forward", flaky)
     with pytest.raises(CacheFullError):
         run(batch)
     run(batch)

@@ -97,8 +97,11 @@ class BeamSearch:
     scores the running beams' logits, moves their K/V to the new beams and sets ``feed``,
     the ``(node, [token])`` items to compute, whose logits rows go to :meth:`take`, until
     ``done``. ``finished`` holds the kept hypotheses ``(score, tokens, sum_logprob)``,
-    best first.
+    best first. ``trees`` (draft trees to compute) is always empty: a batch's searches
+    share one protocol (:class:`~deft.engine.decoding.Search`).
     """
+
+    trees: Sequence[tuple[int, list[int], list[int]]] = ()
 
     def __init__(self, engine: TreeEngine, params: BeamParams, prompt_len: int) -> None:
         self.cache, self.params, self.prompt_len = engine.cache, params, prompt_len
@@ -121,14 +124,16 @@ class BeamSearch:
         """Begin from the prompt in ``node`` and its last token's ``logits`` ``[vocab]``."""
         self.running, self.logits = [_Beam(node, [], _F(0))], logits[None]
 
-    def step(self, keep: Collection[int] = ()) -> list[tuple[int, list[int]]]:
-        """Advance one step from ``logits``; returns ``feed``, the ``(node, [token])`` items
-        to compute next (none once ``done``). Released nodes' ancestors in ``keep`` stay."""
+    def step(self, keep: Collection[int] = ()) -> int:
+        """Advance one step from ``logits`` and set ``feed``, the ``(node, [token])`` items to
+        compute next (none once ``done``); returns their number. Released nodes' ancestors
+        in ``keep`` stay."""
         self.feed = self._grow(self._advance(), keep)
-        return self.feed
+        return len(self.feed)
 
-    def take(self, rows: Sequence[torch.Tensor]) -> None:
-        """The logits ``[vocab]`` of ``feed``'s items, in order: the feed is computed."""
+    def take(self, rows: Sequence[torch.Tensor], verified: Sequence = ()) -> None:
+        """The logits ``[vocab]`` of ``feed``'s items, in order: the feed is computed
+        (``verified``, of the empty ``trees``, is empty)."""
         self.logits, self.feed = torch.stack(list(rows)), []
 
     def release(self, keep: Collection[int] = ()) -> None:

@@ -1,8 +1,8 @@
 """The engine core: one model forward per step for every query of every tree.
 
 :class:`TreeEngine` owns a model, its paged K/V pool and the tree cache over it. Callers
-grow the tree (``add_prompt``, ``cache.fork``, ``extend``, ``extend_tree``) and every
-call that computes runs exactly ONE forward: it plans the step's layout once
+grow the tree (``add_prompt``, ``cache.fork``, ``extend``, ``extend_tree``, or both
+kinds at once with ``forward``) and every call that computes runs exactly ONE forward: it plans the step's layout once
 (``TreeAttention.plan``), the model runs it in every layer, and only the logits rows the
 caller asked for go through the LM head. Decoding policy lives in the strategies built on
 top (:mod:`deft.engine.strategies`: ``generate``, ``sample``, ``beam_search``,
@@ -197,23 +197,7 @@ class TreeEngine:
         :class:`~deft.CacheFullError` before anything changes. The page check is
         conservative: it needs ``sum(ceil(n / page_size))`` free pages.
         """
-        modes = self._check_modes(logits, len(items))
-        checked, grow = [], {}
-        for i, item in enumerate(items):
-            if not isinstance(item, (tuple, list)) or len(item) != 2:
-                raise ValueError(f"items[{i}]: expected a (node, token_ids) pair, got {item!r}")
-            node, toks = item
-            self._check_leaf(node, f"items[{i}]")
-            ids = self._check_tokens(toks, f"items[{i}]")
-            grow[node] = grow.get(node, 0) + ids.shape[0]
-            self._check_context(node, grow[node], f"items[{i}]")
-            checked.append((node, ids))
-        sources, values = self._check_sources(device_tokens, checked)
-        self._check_pages([ids.shape[0] for _, ids in checked])
-        start = len(self._staged)
-        for (node, ids), mode, src in zip(checked, modes, sources):
-            self._stage(node, ids, mode, src)
-        return self._step(values)[start:]
+        return self.forward(items, (), logits, device_tokens)[0]
 
     def extend_tree(
         self, node: int, parents: Sequence[int], token_ids: Sequence[int]
@@ -232,34 +216,46 @@ class TreeEngine:
         self, trees: Sequence[tuple[int, Sequence[int], Sequence[int]]]
     ) -> list[tuple[list[int], torch.Tensor]]:
         """Several :meth:`extend_tree` calls (``(node, parents, token_ids)`` each) in one forward."""
-        checked = []
-        for i, tree in enumerate(trees):
-            if not isinstance(tree, (tuple, list)) or len(tree) != 3:
-                raise ValueError(f"trees[{i}]: expected a (node, parents, token_ids) triple, got {tree!r}")
-            node, parents, toks = tree
-            self.cache.num_tokens(node)  # validates the id
-            par = as_index_array(parents, f"trees[{i}] parents")
-            ids = self._check_tokens(toks, f"trees[{i}] token_ids")
-            if par.shape != ids.shape:
-                raise ValueError(f"trees[{i}]: expected as many parents as token_ids, "
-                                 f"got {par.shape[0]} and {ids.shape[0]}")
-            bad = (par < -1) | (par >= np.arange(par.shape[0]))
-            if bad.any():
-                j = int(np.argmax(bad))
-                raise ValueError(f"trees[{i}] parents[{j}]: expected -1 or an earlier index "
-                                 f"in [0, {j}), got {int(par[j])}")
-            depth = np.zeros(par.shape[0], _I)
-            for j, p in enumerate(par.tolist()):
-                depth[j] = 0 if p < 0 else depth[p] + 1
-            base = self._check_context(node, int(depth.max(initial=-1)) + 1, f"trees[{i}]")
-            checked.append((node, par, ids, base + depth))
-        self._check_pages([c[2].shape[0] for c in checked])
-        start, new_ids = len(self._staged), []
-        for node, par, ids, positions in checked:
+        return self.forward((), trees)[1]
+
+    def forward(
+        self,
+        items: Sequence[tuple[int, Sequence[int]]] = (),
+        trees: Sequence[tuple[int, Sequence[int], Sequence[int]]] = (),
+        logits: str | Sequence[str] = "last",
+        device_tokens: tuple[torch.Tensor, Sequence[int]] | None = None,
+    ) -> tuple[list[torch.Tensor], list[tuple[list[int], torch.Tensor]]]:
+        """:meth:`extend`'s ``items`` and :meth:`extend_trees`' ``trees`` in ONE forward.
+
+        Returns what each of those returns: per item its logits (``logits`` and
+        ``device_tokens`` are per item, as for :meth:`extend`), per tree its new node ids
+        and logits ``[len(token_ids), vocab]``. A tree's node must not also grow by an item
+        of the same call. Everything is checked before anything changes, as for both.
+        """
+        modes = self._check_modes(logits, len(items))
+        checked, grow = [], {}
+        for i, item in enumerate(items):
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise ValueError(f"items[{i}]: expected a (node, token_ids) pair, got {item!r}")
+            node, toks = item
+            self._check_leaf(node, f"items[{i}]")
+            ids = self._check_tokens(toks, f"items[{i}]")
+            grow[node] = grow.get(node, 0) + ids.shape[0]
+            self._check_context(node, grow[node], f"items[{i}]")
+            checked.append((node, ids))
+        sources, values = self._check_sources(device_tokens, checked)
+        drafts = [self._check_tree(i, tree, grow) for i, tree in enumerate(trees)]
+        self._check_pages([ids.shape[0] for _, ids in checked] + [d[2].shape[0] for d in drafts])
+        start = len(self._staged)
+        for (node, ids), mode, src in zip(checked, modes, sources):
+            self._stage(node, ids, mode, src)
+        new_ids = []
+        for node, par, ids, positions in drafts:
             nodes, slots = self.cache.add_subtree(node, par, 1)
             self._staged.append(_Feed([(n, 1) for n in nodes], ids, positions, slots, "all"))
             new_ids.append(nodes)
-        return list(zip(new_ids, self._step()[start:]))
+        out = self._step(values)[start:]
+        return out[:len(checked)], list(zip(new_ids, out[len(checked):]))
 
     # -------------------------------------------------------------- internals
 
@@ -334,6 +330,31 @@ class TreeEngine:
         for i, f, (a, b) in zip(kept, feeds, bounds):
             result[i] = out[a] if f.logits == "last" else out[a:b]
         return result
+
+    def _check_tree(self, i: int, tree: Any, grow: dict[int, int]
+                    ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """``trees[i]`` checked: its node, parents, token ids and positions."""
+        if not isinstance(tree, (tuple, list)) or len(tree) != 3:
+            raise ValueError(f"trees[{i}]: expected a (node, parents, token_ids) triple, got {tree!r}")
+        node, parents, toks = tree
+        self.cache.num_tokens(node)  # validates the id
+        if node in grow:
+            raise ValueError(f"trees[{i}]: node {node} also grows by an item of this call")
+        par = as_index_array(parents, f"trees[{i}] parents")
+        ids = self._check_tokens(toks, f"trees[{i}] token_ids")
+        if par.shape != ids.shape:
+            raise ValueError(f"trees[{i}]: expected as many parents as token_ids, "
+                             f"got {par.shape[0]} and {ids.shape[0]}")
+        bad = (par < -1) | (par >= np.arange(par.shape[0]))
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise ValueError(f"trees[{i}] parents[{j}]: expected -1 or an earlier index "
+                             f"in [0, {j}), got {int(par[j])}")
+        depth = np.zeros(par.shape[0], _I)
+        for j, p in enumerate(par.tolist()):
+            depth[j] = 0 if p < 0 else depth[p] + 1
+        base = self._check_context(node, int(depth.max(initial=-1)) + 1, f"trees[{i}]")
+        return node, par, ids, base + depth
 
     def _check_sources(self, device_tokens: tuple[torch.Tensor, Sequence[int]] | None,
                        checked: list[tuple[int, np.ndarray]]) -> tuple[list[int], torch.Tensor | None]:

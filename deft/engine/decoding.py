@@ -12,9 +12,9 @@ unless it keeps its last token for children (``keep_last``, tree search).
 
 :class:`Batch` holds that loop's state so that requests can join and leave at any step
 (the server's continuous batching); :func:`decode` runs one to completion. A request
-with ``beam`` params is a beam search (:class:`~deft.engine.beams.BeamSearch`):
-after its prompt, each step scores its beams' logits and feeds their next tokens in the
-same forward as the branches.
+with ``beam`` or ``speculative`` params runs a :class:`Search` after its prompt
+(:class:`~deft.engine.beams.BeamSearch`, :class:`~deft.engine.speculation.SpecSearch`):
+each step feeds its beam tokens or draft tree in the same forward as the branches.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ from .params import GenerationResult, SamplingParams
 from .sampling import Sampler
 
 if TYPE_CHECKING:
-    from .beams import BeamParams, BeamSearch
+    from .beams import BeamParams
+    from .speculation import SpecParams
 
-__all__ = ["Batch", "Branch", "PrefixStore", "Request", "as_prompts", "decode", "prefill",
+__all__ = ["Batch", "Branch", "PrefixStore", "Request", "Search", "as_prompts", "decode", "prefill",
            "release_on_error", "run_requests"]
 
 Prompt = str | Sequence[int]
@@ -86,9 +87,9 @@ class Request:
     """A prompt decoded into ``n`` branches that share its K/V.
 
     ``pin_prompt``: prefill the prompt into a node of its own and offer it to the batch's
-    :class:`PrefixStore`. ``beam``: run a beam search instead (``n`` and ``params`` are
-    then unused). Set by the batch: ``root`` (the branch that prefills the prompt),
-    ``branches`` (the ``n`` samples), ``search`` (the beam search), ``status``
+    :class:`PrefixStore`. ``beam`` or ``speculative``: run that search instead (``n`` is
+    then unused; a speculative one samples under ``params``). Set by the batch: ``root`` (the branch that prefills the prompt),
+    ``branches`` (the ``n`` samples), ``search`` (the :class:`Search`), ``status``
     (``"waiting"``, ``"running"``, ``"done"``) and ``restarts`` (times it was preempted).
     """
 
@@ -98,9 +99,10 @@ class Request:
     top_logprobs: int = 0
     pin_prompt: bool = False
     beam: BeamParams | None = None
+    speculative: SpecParams | None = None
     branches: list[Branch] = field(default_factory=list)
     root: Branch | None = None
-    search: BeamSearch | None = None
+    search: Search | None = None
     status: str = "waiting"
     restarts: int = 0
 
@@ -174,6 +176,29 @@ class PrefixStore(Protocol):
         """Release unreferenced cached nodes until ``pages`` more pages are free (or none is left)."""
 
 
+class Search(Protocol):
+    """A request's search, stepped by the :class:`Batch` after its prompt.
+
+    ``start`` gets the prompt's node and last logits; then, while not ``done``: once
+    ``logits`` are in, ``step`` scores them (returning the tokens it took) and sets what
+    to compute: ``feed``, ``(node, tokens)`` items whose last logits it wants, and
+    ``trees``, ``(node, parents, tokens)`` draft trees; the batch computes both in its
+    forward and hands their results to ``take``. ``release`` ends it now; ``nodes`` are
+    the leaves it holds.
+    """
+
+    done: bool
+    logits: torch.Tensor | None
+    feed: Sequence[tuple[int, list[int]]]
+    trees: Sequence[tuple[int, list[int], list[int]]]
+    nodes: list[int]
+
+    def start(self, node: int, logits: torch.Tensor) -> None: ...
+    def step(self, keep: Collection[int] = ()) -> int: ...
+    def take(self, rows: Sequence[torch.Tensor], verified: Sequence[tuple[list[int], torch.Tensor]]) -> None: ...
+    def release(self, keep: Collection[int] = ()) -> None: ...
+
+
 class Batch:
     """Requests and branches decoded stepwise: one :meth:`step` is one forward for all.
 
@@ -186,14 +211,15 @@ class Batch:
     preempts the youngest request (it restarts from its prompt later, with its sampler
     reseeded: a seeded or greedy request gives the same tokens; nothing is admitted until
     a running request leaves); only what still does not fit with one request running
-    raises :class:`~deft.CacheFullError`. Beam searches are admitted, preempted and
-    cancelled the same way; their tokens are never deferred.
+    raises :class:`~deft.CacheFullError`. Searches are admitted, preempted and cancelled
+    the same way (a draft tree of ``t`` tokens may need ``ceil(t / page_size)`` fresh
+    pages); their tokens are never deferred.
 
     With ``overlap`` (default: the engine's, on for CUDA) a step draws the sampled tokens on the
     device and feeds them to its forward there; the host reads them at the next step, while
     the GPU computes (:mod:`deft.engine.inflight`): stop tokens are seen one step late, the
     results are the same. Steps that sample a ``keep_last`` branch wait for their tokens;
-    beam searches read their logits on the host (a step with beams waits for the last one).
+    searches read their logits on the host (a step with one waits for the last step).
     """
 
     def __init__(self, engine: TreeEngine, max_running: int | None = None,
@@ -204,7 +230,7 @@ class Batch:
         self.running: list[Request] = []
         self.live: list[Branch] = []
         self.sampled = 0  # tokens that reached the host in the last step
-        self.beam_tokens = 0  # beam candidates taken in the last step
+        self.search_tokens = 0  # tokens the searches took in the last step
         self._inflight: InFlight | None = None
         self._hold = False  # no admission after a preemption until a request leaves
         self.stats = {"prefill_tokens": 0, "preempted": 0}
@@ -236,7 +262,7 @@ class Batch:
         elif ready:
             _sample(engine, ready, self.pinned)
             self.sampled += len(ready)
-        beams = self._advance_beams()
+        searches = self._advance_searches()
         self.live = [b for b in self.live if not b.done]
         for r in self.running:
             if r.search.done if r.search is not None else all(b.done for b in r.branches):
@@ -246,16 +272,16 @@ class Batch:
         self._hold = self._hold and len(self.running) == left  # until a request leaves
         if not self._hold:
             self._admit()
-        feeding, beams = self._fit([b for b in self.live if b.feed], beams)
-        if not feeding and not beams:
+        feeding, searches = self._fit([b for b in self.live if b.feed], searches)
+        if not feeding and not searches:
             return self._inflight is not None
         chunk = engine.prefill_chunk
-        items = [(b.node, b.feed[:chunk]) for b in feeding] + [it for _, its in beams for it in its]
+        items = [(b.node, b.feed[:chunk]) for b in feeding] + [it for s in searches for it in s.feed]
         modes = ["last" if len(b.feed) <= chunk and b.wants_logits() else "none" for b in feeding]
         modes += ["last"] * (len(items) - len(feeding))
         drawn = None if self._inflight is None else (
             self._inflight.tokens, [b.source for b in feeding] + [-1] * (len(items) - len(feeding)))
-        rows = engine.extend(items, logits=modes, device_tokens=drawn)
+        rows, verified = engine.forward(items, [t for s in searches for t in s.trees], modes, drawn)
         for b, row, mode in zip(feeding, rows, modes):
             b.source = -1
             if not b.tokens:
@@ -263,10 +289,11 @@ class Batch:
             b.feed = b.feed[chunk:]
             if not b.feed:
                 self._fed(b, row if mode == "last" else None)
-        at = len(feeding)
-        for r, its in beams:
-            r.search.take(rows[at:at + len(its)])
-            at += len(its)
+        at, tree_at = len(feeding), 0
+        for s in searches:
+            n, m = len(s.feed), len(s.trees)
+            s.take(rows[at:at + n], verified[tree_at:tree_at + m])
+            at, tree_at = at + n, tree_at + m
         return True
 
     def cancel(self, request: Request, reason: str = "cancelled") -> None:
@@ -302,14 +329,15 @@ class Batch:
 
     # ------------------------------------------------------------ internals
 
-    def _advance_beams(self) -> list[tuple[Request, list[tuple[int, list[int]]]]]:
-        """Step every running search whose logits are in; per search with a feed, its items
-        (a feed a failed step left is fed again)."""
-        self.beam_tokens = 0
+    def _advance_searches(self) -> list[Search]:
+        """Step every running search whose logits are in; the searches with something to
+        compute (what a failed step left is fed again)."""
+        self.search_tokens = 0
         for r in self.running:
             if r.search is not None and r.search.logits is not None:
-                self.beam_tokens += len(r.search.step(self.pinned))
-        return [(r, r.search.feed) for r in self.running if r.search is not None and r.search.feed]
+                self.search_tokens += r.search.step(self.pinned)
+        return [r.search for r in self.running if r.search is not None
+                and (r.search.feed or r.search.trees)]
 
     def _draw(self, ready: list[Branch]) -> None:
         """Draw ``ready``'s tokens on the device; each feeds them from there unless it ends."""
@@ -376,27 +404,22 @@ class Batch:
     def _room(self, req: Request, admit: list[Request]) -> bool:
         """Whether ``req``'s prompt and first tokens fit next to the running branches."""
         ps = self.engine.pool.page_size
-
-        def width(r: Request) -> int:
-            return r.beam.num_beams if r.beam is not None else r.n
-
-        want = -(-len(req.prompt) // ps) + 1 + width(req) + len(self.live)
-        want += sum(len(r.search.running) for r in self.running if r.search is not None)
-        want += sum(-(-len(r.prompt) // ps) + 1 + width(r) for r in admit)
+        want = -(-len(req.prompt) // ps) + 1 + _width(req, ps) + len(self.live)
+        want += sum(_width(r, ps) for r in self.running if r.search is not None)
+        want += sum(-(-len(r.prompt) // ps) + 1 + _width(r, ps) for r in admit)
         free = self.engine.cache.num_free_pages
         if want > free and self.prefixes is not None:
             self.prefixes.evict(want - free)
         return want <= self.engine.cache.num_free_pages
 
-    def _fit(self, feeding: list[Branch], beams: list[tuple[Request, list]]
-             ) -> tuple[list[Branch], list[tuple[Request, list]]]:
-        """``feeding`` and ``beams`` cut to what fits the free pages (see the class docstring)."""
+    def _fit(self, feeding: list[Branch], searches: list[Search]) -> tuple[list[Branch], list[Search]]:
+        """``feeding`` and ``searches`` cut to what fits the free pages (see the class docstring)."""
         ps, cache = self.engine.pool.page_size, self.engine.cache
         chunk = self.engine.prefill_chunk
 
-        def need() -> int:  # a beam token may need a fresh page
+        def need() -> int:  # as the engine counts: ceil(n / page_size) per item and tree
             return (sum(-(-min(len(b.feed), chunk) // ps) for b in feeding)
-                    + sum(len(items) for _, items in beams))
+                    + sum(-(-len(f[-1]) // ps) for s in searches for f in (*s.feed, *s.trees)))
 
         if need() > cache.num_free_pages and self.prefixes is not None:
             self.prefixes.evict(need() - cache.num_free_pages)
@@ -405,16 +428,16 @@ class Batch:
             oldest = self.running[0] if self.running else None
             prompts = [b for b in feeding if b.owner is not None and b.owner is not oldest
                        and not b.tokens and b.source < 0]
-            if prompts and (len(feeding) > 1 or beams):
+            if prompts and (len(feeding) > 1 or searches):
                 youngest = max(prompts, key=lambda b: order.get(id(b.owner), -1))
                 feeding = [b for b in feeding if b is not youngest]
             elif len(self.running) > 1:
                 self._preempt(self.running[-1])
                 feeding = [b for b in feeding if not b.done]
-                beams = [(r, items) for r, items in beams if r.status == "running"]
+                searches = [s for s in searches if not s.done]
             else:
                 break
-        return feeding, beams
+        return feeding, searches
 
     def _preempt(self, req: Request) -> None:
         """Release ``req`` and queue it first, to restart from its prompt."""
@@ -451,19 +474,14 @@ class Batch:
             b.done = True
 
 
-def decode(
-    engine: TreeEngine,
-    branches: Sequence[Branch] = (),
-    requests: Sequence[Request] = (),
-    max_batch: int | None = None,
-    progress: Callable[[int], None] | None = None,
-) -> None:
+def decode(engine: TreeEngine, branches: Sequence[Branch] = (), requests: Sequence[Request] = (),
+           max_batch: int | None = None, progress: Callable[[int], None] | None = None) -> None:
     """Run ``branches`` and ``requests`` to completion in a :class:`Batch`, one forward per step.
 
     Requests are admitted in order while fewer than ``max_batch`` are running (all at
     once by default); an admitted prompt is prefilled in the same forwards as the other
     requests' decode tokens. ``progress(n)`` is called with the tokens sampled (and the
-    beam tokens computed) each step.
+    searches' tokens) each step.
     """
     batch = Batch(engine, max_batch)
     batch.add_branches(branches)
@@ -471,8 +489,8 @@ def decode(
         batch.add(r)
     while True:
         more = batch.step()
-        if progress is not None and batch.sampled + batch.beam_tokens:
-            progress(batch.sampled + batch.beam_tokens)
+        if progress is not None and batch.sampled + batch.search_tokens:
+            progress(batch.sampled + batch.search_tokens)
         if not more:
             return
 
@@ -518,9 +536,10 @@ def prefill(engine: TreeEngine, prompts: list[list[int]]) -> list[tuple[int, tor
 
 def _leaves(engine: TreeEngine, req: Request) -> Branch:
     """The branch that prefills ``req``'s prompt; its ``n`` samples are ``req.branches``
-    (a beam search, ``req.search``, starts from its logits instead)."""
-    if req.beam is not None:
-        req.branches, req.search = [], req.beam.search(engine, len(req.prompt))
+    (a search, ``req.search``, starts from its logits instead)."""
+    if req.beam is not None or req.speculative is not None:
+        req.branches, req.search = [], (req.beam.search(engine, len(req.prompt)) if req.beam else
+                                        req.speculative.search(engine, req.prompt, req.params))
         req.root = Branch(None, finish_reason="prefill", owner=req)
         return req.root
     p = req.params
@@ -532,6 +551,12 @@ def _leaves(engine: TreeEngine, req: Request) -> Branch:
     else:
         req.root = Branch(None, then=req.branches, owner=req)
     return req.root
+
+
+def _width(r: Request, page_size: int) -> int:
+    """The fresh pages one step of ``r`` may need: one per branch or beam, or its draft tree's."""
+    spec = r.speculative
+    return -(-spec.tree_tokens // page_size) if spec else r.beam.num_beams if r.beam else r.n
 
 
 def _sample(engine: TreeEngine, branches: list[Branch], keep: Collection[int] = ()) -> None:
