@@ -1,0 +1,60 @@
+"""The server's prefix cache finds what comparing the prompt with every entry finds, by its
+block index, also when the index's hashes collide."""
+
+import random
+
+import pytest
+
+from deft.cache import TreeKVCache
+from deft.serve import PrefixCache
+
+
+def _scan(entries: list[list[int]], tokens: list[int], min_tokens: int) -> int:
+    """The longest prefix of ``tokens[:-1]`` any entry holds (0 below ``min_tokens``)."""
+    best = 0
+    for path in entries:
+        n = 0
+        while n < min(len(path), len(tokens) - 1) and path[n] == tokens[n]:
+            n += 1
+        best = max(best, n)
+    return best if best >= min_tokens else 0
+
+
+@pytest.mark.parametrize("collide", [False, True])
+def test_prefix_cache_matches_the_longest_entry(monkeypatch, collide):
+    if collide:  # every chain of blocks hashes alike: only the token comparison can tell
+        monkeypatch.setattr(PrefixCache, "_chain", lambda self, t, limit: [7] * (
+            min(limit, len(t)) // self.min_tokens))
+    rng = random.Random(0)
+    tree = TreeKVCache(num_pages=4096, page_size=4)
+    cache = PrefixCache(tree, min_tokens=4)
+    stem = [rng.randrange(3) for _ in range(40)]
+    entries = []
+    for _ in range(30):
+        path = stem[:rng.randrange(0, 40)] + [rng.randrange(3) for _ in range(rng.randrange(1, 30))]
+        if tuple(path) not in map(tuple, entries):
+            entries.append(path)
+            cache.insert(path, tree.add_root(len(path)))
+    assert len(cache) == len(entries)
+    for _ in range(200):
+        query = stem[:rng.randrange(0, 41)] + [rng.randrange(3) for _ in range(rng.randrange(1, 20))]
+        want = _scan(entries, query, cache.min_tokens)
+        got = cache.match(query)
+        assert (0 if got is None else got[1]) == want
+        if got is not None:  # the fork point's path holds exactly the shared tokens
+            assert len(tree.path_slots(got[0])) == want
+    assert cache.hits > 0
+
+
+def test_prefix_cache_forgets_evicted_entries():
+    tree = TreeKVCache(num_pages=64, page_size=4)
+    cache = PrefixCache(tree, min_tokens=4)
+    a, b = [1] * 12, [1] * 8 + [2] * 4
+    cache.insert(a, tree.add_root(len(a)))
+    cache.insert(b, tree.add_root(len(b)))
+    again = tree.add_root(len(a))
+    cache.insert(list(a), again)  # already held: not a second entry
+    assert len(cache) == 2 and again not in cache.pinned
+    assert cache.match(b[:10] + [3])[1] == 10
+    cache.clear()
+    assert len(cache) == 0 and cache.match(a + [3]) is None and tree.live_nodes == [again]
