@@ -4,7 +4,8 @@ Per step (``plan``, outside any CUDA graph): :func:`deft.plan.plan_step` plans, 
 and packs the step into one of the device's pinned host buffers (compiled code for
 ``flatten``), the buffer is uploaded in one copy, and the fp32 workspace of partial states
 is sized; both device buffers are the last plan's when they fit. Per layer (``run``):
-:func:`.launch.launch_step`. Runs on CUDA tensors, or on CPU tensors under
+:func:`.launch.launch_step` (after a plan's first layer, through the CUDA driver with
+arguments packed once: :mod:`.native_launch`). Runs on CUDA tensors, or on CPU tensors under
 ``TRITON_INTERPRET=1`` (with small blocks, for tests).
 """
 
@@ -20,7 +21,9 @@ from ...plan import Coarsening, plan_step
 from ...plan.packing import WORK_FIELDS, PackedPlan, segment_starts
 from ..base import Backend, Capacity, CapacityError, Heads
 from .configs import KernelConfig, interpreting, kernel_config
-from .launch import HEADER, Pointer, Reserved, StepBuffers, has_tma, launch_step
+from .launch import (HEADER, Pointer, Reserved, StepBuffers, has_tma, launch_signature,
+                     launch_step)
+from .native_launch import driver_launch
 from .upload import Staging, staging
 
 __all__ = ["TritonBackend"]
@@ -186,6 +189,8 @@ def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, host: Staging, hea
         contiguous=not graph and cfg.contig and packed.all_contiguous,
         tma=cfg.contig and cfg.tma and (graph or packed.any_contiguous) and has_tma(device),
         sorted_queries=not graph and packed.sorted_queries, counts=counts,
+        native=({} if device.type == "cuda" and not interpreting() and driver_launch() is not None
+                else None),
     )
     first = HEADER if graph else 0  # where the segments start in the device buffer
     if interpreting():  # the interpreter takes tensors only: views, not pointers
@@ -203,4 +208,7 @@ def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, host: Staging, hea
         workspaces = (Pointer(fbase, f32), Pointer(fbase + 4 * plse_off, f32),
                       Pointer(fbase + 4 * lse_off, f32))
     prepared.__dict__.update(arrays=arrays, workspaces=workspaces)
+    if (prepared.native is not None and previous is not None and previous.native
+            and launch_signature(previous) == launch_signature(prepared)):
+        prepared.__dict__["native"] = previous.native  # same launches: the same records
     return prepared

@@ -4,14 +4,18 @@ Two launches per layer (one when the merge is fused), with programmatic dependen
 on sm_90+, no host synchronisation, and no allocation when the caller passes the output
 tensors. K/V of tiles with consecutive slots load by TMA inside CUDA-graph capture; eager
 launches gather (Triton's per-launch handling of tensor descriptors costs more host time
-than TMA saves on the GPU).
+than TMA saves on the GPU). Outside capture, a plan's first launches of each kind of call go
+through Triton, and the later ones call the CUDA driver directly with the arguments Triton
+launched, packed once (:mod:`.native_launch`): the same compiled kernels, grids and
+arguments at a fraction of the host time.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 import torch
@@ -22,9 +26,10 @@ from ...plan.packing import SEGMENTS
 from ..base import Capacity
 from .configs import KernelConfig, interpreting, kernel_config
 from .kernels import merge_kernel, tree_partial_kernel
+from .native_launch import NativeLaunch, native_launch
 
 __all__ = ["HEADER", "Reserved", "StepBuffers", "Pointer", "launch_step", "launch_merge",
-           "has_tma"]
+           "launch_signature", "has_tma"]
 
 # Ints before the segments of a graph-safe plan buffer: the work-item count, then the
 # offsets of segments 1-9 (``SEGMENTS``) from the first.
@@ -91,6 +96,10 @@ class StepBuffers:
     counts: torch.Tensor | None  # [Q * H_q] int32 zeros when the merge is fused, else None
     reserved: Reserved | None  # the fixed buffers of graph-safe launches, else None
     programs: int  # the partial launch's grid: a program per (work item, KV head), or fixed
+    # The plan's driver launches by kind of call (see ``launch_step``; a ``None`` value: that
+    # kind is launched by Triton), the last plan's if it launches alike (``launch_signature``);
+    # ``None`` where there are none (interpreter, no driver).
+    native: dict[tuple, _Native | None] | None = field(compare=False)
 
     def segment(self, name: str) -> torch.Tensor:
         """The device view of one ``SEGMENTS`` segment, padding included."""
@@ -117,11 +126,31 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, sm_scale: float, o: torch.Tensor,
                 lse: torch.Tensor | None) -> None:
     """The step's two launches (one when the merge is fused), writing ``o`` and ``lse``
-    (``None``: the plan's lse workspace)."""
+    (``None``: the plan's lse workspace). Outside CUDA-graph capture, a call that Triton
+    specialises like one this plan already launched (same device, shapes, dtypes, strides,
+    scale, 16-byte aligned q, K, V, o and lse) repeats that call's launches through the
+    driver with its own five addresses; its first call records them."""
     nq, h_q, d = q.shape
     h_kv = k_cache.shape[1]
     if nq == 0:
         return
+    records, key, done = prepared.native, None, 0
+    # torch's private calls: the public wrappers cost about a µs more, and this runs per layer.
+    if records is not None and not torch._C._cuda_isCurrentStreamCapturing():
+        addresses = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), o.data_ptr(),
+                     prepared.workspaces[2].data_ptr() if lse is None else lse.data_ptr())
+        device = torch._C._cuda_getDevice()
+        key = (device, q.get_device(), q.shape, o.shape, h_kv, q.dtype, k_cache.dtype,
+               v_cache.dtype, o.dtype, None if lse is None else lse.dtype, q.stride(),
+               k_cache.stride(), v_cache.stride(), o.stride(), sm_scale,
+               not (addresses[0] | addresses[1] | addresses[2] | addresses[3] | addresses[4]) & 15)
+        found = records.get(key)
+        if found is not None:
+            done = found(addresses, torch._C._cuda_getCurrentRawStream(device))
+            if done == len(found.launches):
+                return
+            records[key] = None  # the driver refused a launch: Triton launches the rest
+    given_q, given_k = q, k_cache
     # Each stride tuple is read once: this runs per layer, and host time adds up eagerly.
     q = q if q.stride(-1) == 1 else q.contiguous()
     qs, ks, os_ = q.stride(), k_cache.stride(), o.stride()
@@ -137,7 +166,8 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
     fused = prepared.counts is not None
     pdl = cfg.pdl and _has_pdl(q.device)
     header = prepared.reserved is not None
-    if prepared.programs:
+    launches = []  # (compiled kernel, grid, arguments) of each Triton launch, for the driver
+    if prepared.programs and not done:
         grid = (prepared.programs,)
         offsets = (0,) * 7 if header else prepared.offsets[1:8]  # graph-safe: in the header
         args = [q, k_cache, v_cache, k_cache, v_cache, po, plse, a[0],
@@ -156,9 +186,9 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
         # host) than TMA saves on the GPU. Eager launches compile the TMA variant once
         # (``warmup``), so that a capture does not run the compiler.
         capturing = q.device.type != "cuda" or torch.cuda.is_current_stream_capturing()
-        key = ((tuple(kw.values()), q.device, q.dtype, qs, ks, os_)
-               if tma and not capturing else None)
-        if tma and (capturing or key not in _TMA_COMPILED):
+        tma_key = ((tuple(kw.values()), q.device, q.dtype, qs, ks, os_)
+                   if tma and not capturing else None)
+        if tma and (capturing or tma_key not in _TMA_COMPILED):
             tma_args = list(args)
             tma_args[3:5] = (_kv_descriptor(k_cache, ks, cfg.block_n),
                              _kv_descriptor(v_cache, ks, cfg.block_n))
@@ -167,11 +197,66 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
                 kw["TMA"] = True
             else:
                 tree_partial_kernel.warmup(*tma_args, grid=grid, **{**kw, "TMA": True})
-                _TMA_COMPILED.add(key)
-        tree_partial_kernel[grid](*args, **kw)
+                _TMA_COMPILED.add(tma_key)
+        launches.append((tree_partial_kernel[grid](*args, **kw), grid, args, _PARTIAL_INPUTS))
     if not fused:
-        launch_merge(po, plse, o, lse, a[1], a[2], pdl, cfg.merge_block, cfg.merge_warps,
-                     strides=(h * d_, d_, h), heads=cfg.merge_heads, header=header)
+        merge = launch_merge(po, plse, o, lse, a[1], a[2], pdl, cfg.merge_block,
+                             cfg.merge_warps, strides=(h * d_, d_, h), heads=cfg.merge_heads,
+                             header=header)
+        launches.append((*(merge or (None,) * 3), _MERGE_INPUTS))
+    if key is not None and key not in records:
+        exact = key[-1] and q is given_q and k_cache is given_k  # aligned, not copied
+        records[key] = _native(launches) if exact else None
+
+
+def launch_signature(prepared: StepBuffers) -> tuple:
+    """Everything of ``prepared`` that :func:`launch_step` passes to the kernels: plans of
+    equal signatures launch alike, so they can share their driver records (graph-safe plans
+    of one reservation always do)."""
+    header = prepared.reserved is not None
+    counts = prepared.counts
+    return (prepared.config, prepared.programs, None if header else prepared.offsets[1:8],
+            header, tuple((x.data_ptr(), x.dtype) for x in prepared.arrays + prepared.workspaces),
+            None if counts is None else counts.data_ptr(), prepared.needs_mask,
+            prepared.contiguous, prepared.tma, prepared.sorted_queries, prepared.num_qo_heads,
+            prepared.head_dim)
+
+
+class _Native:
+    """A plan's launches of one kind of call, packed for the driver: each call writes its q,
+    K, V, o and lse addresses to ``inputs`` and launches them in turn on its stream."""
+
+    __slots__ = ("inputs", "launches")
+
+    def __init__(self, inputs: ctypes.Array, launches: tuple[NativeLaunch, ...]) -> None:
+        self.inputs, self.launches = inputs, launches
+
+    def __call__(self, addresses: tuple[int, ...], stream: int) -> int:
+        """How many launches the driver took (all of them, unless it refused one)."""
+        self.inputs[:] = addresses
+        for i, launch in enumerate(self.launches):
+            if not launch(stream):
+                return i
+        return len(self.launches)
+
+
+# Argument positions of the partial and merge kernels that read a call's address (q, K, V,
+# o, lse: indices of ``_Native.inputs``); K and V twice, as the gathered loads' descriptors.
+_PARTIAL_INPUTS = {0: 0, 1: 1, 2: 2, 3: 1, 4: 2, 15: 3, 16: 4}
+_MERGE_INPUTS = {2: 3, 3: 4}
+
+
+def _native(launches: list) -> _Native | None:
+    """``launches`` (kernel, grid, arguments, input positions: as Triton just made them)
+    packed for the driver, or ``None`` if one cannot be (see :func:`.native_launch`)."""
+    inputs = (ctypes.c_uint64 * 5)()
+    packed = []
+    for kernel, grid, args, bound in launches:
+        launch = None if kernel is None else native_launch(kernel, grid, args, inputs, bound)
+        if launch is None:
+            return None
+        packed.append(launch)
+    return _Native(inputs, tuple(packed)) if packed else None
 
 
 _TMA_COMPILED: set[tuple] = set()  # launch keys whose TMA variant an eager launch compiled
@@ -209,14 +294,15 @@ def _kv_descriptor(cache: torch.Tensor, stride: tuple[int, ...], block_n: int) -
 def launch_merge(po: _Ptr, plse: _Ptr, o: torch.Tensor, lse: _Ptr, indptr: _Ptr,
                  indices: _Ptr, pdl: bool = False, block: int | None = None,
                  warps: int | None = None, strides: tuple[int, int, int] | None = None,
-                 heads: int | None = None, header: bool = False) -> None:
+                 heads: int | None = None, header: bool = False) -> tuple | None:
     """Merge states ``po [P, H, D]``, ``plse [P, H]`` into ``o [N, H, D]`` and the contiguous
     ``lse [N, H]`` through the CSR map ``indptr [N + 1]``, ``indices`` (int32), ``block``
     states of ``heads`` query heads per step with ``warps`` per program (by default the
     config's shape for this grid). ``strides``: those of ``po`` (rows, heads) and ``plse``
     (rows) when they are raw pointers. ``pdl``: launched to start before the previous launch
     ends (see ``_has_pdl``). ``header``: ``indptr`` and ``indices`` are a graph-safe plan's
-    first segment, the map's offsets in the header before it."""
+    first segment, the map's offsets in the header before it. Returns the launch: Triton's
+    compiled kernel, the grid and the positional arguments (for :func:`launch_step`)."""
     n, h, d = o.shape
     if block is None or warps is None or heads is None:
         cfg = kernel_config(d, n * h, o.device)
@@ -226,8 +312,10 @@ def launch_merge(po: _Ptr, plse: _Ptr, o: torch.Tensor, lse: _Ptr, indptr: _Ptr,
     if strides is None:
         strides = (*po.stride()[:2], plse.stride(0))
     small = interpreting()
-    merge_kernel[(n, -(-h // heads))](
-        po, plse, o, lse, indptr, indices, h, *strides, *o.stride()[:2],
-        D=d, BLOCK_S=4 if small else block, BLOCK_H=heads, PDL=pdl, HEADER=header,
+    grid = (n, -(-h // heads))
+    args = (po, plse, o, lse, indptr, indices, h, *strides, *o.stride()[:2])
+    kernel = merge_kernel[grid](
+        *args, D=d, BLOCK_S=4 if small else block, BLOCK_H=heads, PDL=pdl, HEADER=header,
         num_warps=1 if small else warps, launch_pdl=pdl,
     )
+    return kernel, grid, args
