@@ -206,7 +206,7 @@ class TreeAttention:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         expect_q = (plan.num_queries, self.num_qo_heads, self.head_dim)
-        if tuple(q.shape) != expect_q:
+        if q.shape != expect_q:
             raise ValueError(f"q: expected shape {expect_q} [num_queries, H_q, D], got {tuple(q.shape)}")
         if q.dtype not in self._backend.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self._backend.dtypes)
@@ -227,8 +227,8 @@ class TreeAttention:
                 t.device.type == self.device.type and self.device.index is None
             ):
                 raise ValueError(f"{name}: expected device {self.device} (the planned device), got {t.device}")
-        k_flat = k_cache.reshape(-1, *tail)
-        v_flat = v_cache.reshape(-1, *tail)
+        k_flat = k_cache if k_cache.dim() == 3 else k_cache.reshape(-1, *tail)
+        v_flat = v_cache if v_cache.dim() == 3 else v_cache.reshape(-1, *tail)
         if self._max_slot >= k_flat.shape[0]:
             raise ValueError(
                 f"k_cache: the layout uses slot {self._max_slot} but the cache holds "

@@ -100,9 +100,10 @@ def _rlimit_free() -> list[int | None]:
 class KVPool:
     """K and V pools of every layer, each ``[num_pages, page_size, num_kv_heads, head_dim]``.
 
-    Slot ``s`` is row ``s`` of ``k[layer].view(-1, num_kv_heads, head_dim)``
-    (page ``s // page_size``, offset ``s % page_size``). The pool holds tensors only;
-    which slots are in use is the cache's bookkeeping.
+    Slot ``s`` is row ``s`` of ``k_slots[layer]``, the ``[num_slots, num_kv_heads, head_dim]``
+    view of ``k[layer]`` (page ``s // page_size``, offset ``s % page_size``; the views are
+    made once: a view costs microseconds of host time, and layers take them every step). The
+    pool holds tensors only; which slots are in use is the cache's bookkeeping.
     """
 
     def __init__(
@@ -125,6 +126,8 @@ class KVPool:
         # rows a query cannot see into its arithmetic; untouched host pages cost no memory.
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_slots = [t.view(-1, num_kv_heads, head_dim) for t in self.k]
+        self.v_slots = [t.view(-1, num_kv_heads, head_dim) for t in self.v]
 
     @property
     def num_slots(self) -> int:
@@ -132,14 +135,10 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k, v [N, num_kv_heads, head_dim]`` at ``slots [N]`` of ``layer``."""
-        h, d = self.num_kv_heads, self.head_dim
-        self.k[layer].view(-1, h, d)[slots] = k.to(self.k[layer].dtype)
-        self.v[layer].view(-1, h, d)[slots] = v.to(self.v[layer].dtype)
+        self.k_slots[layer][slots] = k.to(self.k[layer].dtype)
+        self.v_slots[layer][slots] = v.to(self.v[layer].dtype)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy K/V rows ``src [N]`` to ``dst [N]`` in every layer (e.g. a partly filled page)."""
-        h, d = self.num_kv_heads, self.head_dim
-        for layer in range(self.num_layers):
-            for pool in (self.k[layer], self.v[layer]):
-                flat = pool.view(-1, h, d)
-                flat[dst] = flat[src]
+        for flat in (*self.k_slots, *self.v_slots):
+            flat[dst] = flat[src]

@@ -65,7 +65,7 @@ class LlamaLayer(nn.Module):
         qkv = self.qkv(self.attn_norm(x)).view(n, h + 2 * h_kv, self.head_dim)
         qk = apply_rope(qkv[:, :h + h_kv], cos, sin)  # q and k heads rotated together
         pool.write(layer, write_slots, qk[:, h:], qkv[:, h + h_kv:])
-        o = attn.run(qk[:, :h].contiguous(), pool.k[layer], pool.v[layer])  # [N, H, D]
+        o = attn.run(qk[:, :h].contiguous(), pool.k_slots[layer], pool.v_slots[layer])  # [N, H, D]
         x = x + self.o(o.reshape(n, self.q_size))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -88,9 +88,8 @@ class LlamaLayer(nn.Module):
         n, h, h_kv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         normed, x = fused.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps, delta)
         qkv = self.qkv(normed).view(n, h + 2 * h_kv, d)
-        k, v = pool.k[layer], pool.v[layer]
-        q = fused.rope_write(qkv, table, positions, write_slots, k.view(-1, h_kv, d),
-                             v.view(-1, h_kv, d), h)
+        k, v = pool.k_slots[layer], pool.v_slots[layer]
+        q = fused.rope_write(qkv, table, positions, write_slots, k, v, h)
         o = attn.run(q, k, v)
         normed, x = fused.rms_norm(x, self.mlp_norm.weight, self.mlp_norm.eps,
                                    self.o(o.reshape(n, self.q_size)))
