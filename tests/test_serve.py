@@ -9,7 +9,6 @@ compared with the library on the same SmolLM2 in this process.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
@@ -203,6 +202,10 @@ def test_beam_search_and_speculative_extras_equal_the_library(main_server, engin
     (spec,) = speculative_generate(engine, [ids], SamplingParams(max_new_tokens=6), tree=TopKShape(2, 4))
     (plain,) = generate(engine, [ids], SamplingParams(max_new_tokens=6))
     assert chat.choices[0].message.content == spec.text == plain.text
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Repeat: red green blue red green blue"}],
+        max_tokens=6, temperature=0, stream=True, extra_body={"speculative": {"drafter": "ngram"}})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == plain.text
 
 
 def test_32_concurrent_clients_get_their_sequential_answers(main_server, engine):

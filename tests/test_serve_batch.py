@@ -13,7 +13,7 @@ pytest.importorskip("fastapi")
 from pydantic import ValidationError  # noqa: E402
 
 from conftest import run_batch  # noqa: E402
-from deft.engine import SamplingParams, TreeEngine, beam_search, generate  # noqa: E402
+from deft.engine import NgramDrafter, SamplingParams, TreeEngine, beam_search, generate  # noqa: E402
 from deft.engine.decoding import Batch, Request  # noqa: E402
 from deft.serve import Metrics, PrefixCache, Scheduler, create_app  # noqa: E402
 from deft.serve.app import _Format  # noqa: E402
@@ -199,20 +199,48 @@ def sample(prompt: list[int], tokens: int = 4) -> dict:
     return {"prompt": prompt, "n": 1, "params": SamplingParams(max_new_tokens=tokens)}
 
 
-def test_a_job_run_alone_that_raises_fails_alone(smol, prompts, monkeypatch):
-    engine = TreeEngine(*smol, num_pages=32)
-    scheduler = Scheduler(engine, 4, 8, Metrics())
-
-    def boom(job: Job) -> None:
-        engine.add_prompt(job.prompt)  # a node the strategy leaves behind
+class _Boom(NgramDrafter):
+    def draft(self, jobs, params, generator):  # noqa: ANN001
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(scheduler, "_strategy", boom)
-    spec = {"prompt": prompts[0], "n": 1, "params": SamplingParams(max_new_tokens=4),
-            "kind": "speculative", "options": {"drafter": "ngram", "tree": None}}
-    failed, ok = serve(scheduler, [spec, sample(prompts[1])])
-    assert failed[-1].error == (500, "internal error: RuntimeError: boom")
+
+def test_speculative_jobs_stream_in_the_batch_and_a_failing_drafter_fails_its_step(smol, prompts):
+    """A speculative job streams its accepted tokens next to a sampling job; a job whose
+    drafter raises fails (500) with what was running, its pages come back, and the
+    scheduler goes on with the next job."""
+    engine = TreeEngine(*smol, num_pages=32)
+    scheduler = Scheduler(engine, 4, 8, Metrics(), drafters={"ngram": NgramDrafter, "boom": _Boom})
+    greedy = SamplingParams(max_new_tokens=12)
+
+    def spec(drafter: str) -> dict:
+        return {"prompt": prompts[0], "n": 1, "params": greedy, "kind": "speculative",
+                "options": {"drafter": drafter, "tree": None}}
+
+    async def main() -> list[list]:
+        queue, loop = asyncio.Queue(), asyncio.get_running_loop()
+        out = []
+        for specs in ([spec("ngram"), sample(prompts[1])], [spec("boom")], [sample(prompts[2])]):
+            jobs = [Job(events=queue, loop=loop, stop=[], **kw) for kw in specs]
+            for job in jobs:
+                assert scheduler.submit(job)
+            events: dict[int, list] = {id(j): [] for j in jobs}
+            while not all(evs and isinstance(evs[-1], End) for evs in events.values()):
+                job, ev = await asyncio.wait_for(queue.get(), 60)
+                events[id(job)].append(ev)
+            out += [events[id(j)] for j in jobs]
+        return out
+
+    scheduler.start()
+    try:
+        streamed, ok, failed, after = asyncio.run(main())
+    finally:
+        scheduler.stop()
+    (want,) = generate(TreeEngine(*smol, num_pages=64), [prompts[0]], greedy)
+    assert "".join(e.text for e in streamed[:-1]) == want.text and len(streamed) > 3  # as it comes
+    assert streamed[-1].completion_tokens == len(want.token_ids) and streamed[-2].finish_reason == "length"
     assert ok[-1].error is None and ok[-1].completion_tokens == 4
+    assert failed[-1].error == (500, "internal error: RuntimeError: boom")
+    assert after[-1].error is None and after[-1].completion_tokens == 4
     scheduler.prefixes.clear()
     assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 32
 
@@ -287,15 +315,15 @@ def test_an_error_mid_step_releases_every_page(smol, monkeypatch):
     engine = TreeEngine(model, tok, num_pages=32, prefill_chunk=4)
     scheduler = Scheduler(engine, 4, 8, Metrics())
     base = tok.encode("A long shared preamble about the weather, the sea and the mountains of the north")
-    extend, calls = engine.extend, []
+    forward, calls = engine.forward, []
 
     def flaky(*args, **kw):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("flaky")
-        return extend(*args, **kw)
+        return forward(*args, **kw)
 
-    monkeypatch.setattr(engine, "extend", flaky)
+    monkeypatch.setattr(engine, "forward", flaky)
     events = serve(scheduler, [sample(base + tok.encode(" and then rain.")),
                                sample(base + tok.encode(" or snow today?"))])
     assert [evs[-1].error for evs in events] == [(500, "internal error: RuntimeError: flaky")] * 2

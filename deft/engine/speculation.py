@@ -162,7 +162,7 @@ class SpecSearch:
         self.logits: torch.Tensor | None = None  # [len(tree), vocab]
         self.feed: list[tuple[int, list[int]]] = []
         self._trees: list[tuple[int, list[int], list[int]]] = []
-        self.logprob, self.logprobs = 0.0, []
+        self.logprob = 0.0
         self.accepted: list[int] = []  # draft tokens accepted per step
         self.drafted, self.draft_s = 0, 0.0
         self.finish_reason: str | None = None
@@ -240,7 +240,6 @@ class SpecSearch:
         for n, (tok, lp) in enumerate(zip(tokens, logprobs), 1):
             self.tokens.append(tok)
             self.logprob += lp
-            self.logprobs.append(lp)
             if tok in self.stop:
                 self.finish_reason = "stop"
             elif len(self.tokens) >= self.sampling.max_new_tokens:

@@ -51,9 +51,10 @@ class End:
 
 @dataclass(eq=False)
 class Job:
-    """One prompt's request. ``kind``: ``"sample"`` or ``"beam"`` (in the batch), or
-    ``"speculative"`` (run alone between steps). ``best_of`` > ``n`` samples that many and
-    keeps the ``n`` most likely (beam search: ``best_of`` beams). ``top_logprobs`` ``None``: no log-probabilities."""
+    """One prompt's request. ``kind``: ``"sample"``, ``"beam"`` or ``"speculative"`` (all in
+    the batch; ``options`` holds the beam or draft settings). ``best_of`` > ``n`` samples
+    that many and keeps the ``n`` most likely (beam search: ``best_of`` beams).
+    ``top_logprobs`` ``None``: no log-probabilities."""
 
     prompt: list[int]
     n: int

@@ -1,13 +1,13 @@
 """The scheduler: one thread owns the engine and runs the batch step by step.
 
 HTTP handlers :meth:`Scheduler.submit` and :meth:`Scheduler.cancel` jobs from the event
-loop; the scheduler thread takes them in at the next step boundary. Sampling and
-beam-search jobs join the running :class:`~deft.engine.decoding.Batch` (continuous
-batching; prompts prefilled in chunks next to the others' decoding, forked from the
-prefix cache where it helps; beams advance a step per forward). Speculative jobs run
-alone, in this thread, once the batch has drained (later jobs wait behind them, in
-order). After every step the new tokens of every sampling job are posted to its queue as
-text deltas; a beam-search job's choices are posted whole when its search ends.
+loop; the scheduler thread takes them in at the next step boundary. Every job joins the
+running :class:`~deft.engine.decoding.Batch` (continuous batching; prompts prefilled in
+chunks next to the others' decoding, forked from the prefix cache where it helps; beams
+advance a step per forward; a speculative job verifies its draft tree in the same
+forward, with a drafter of its own). After every step the new tokens of every sampling
+or speculative job are posted to its queue as text deltas (a speculative step may bring
+several); a beam-search job's choices are posted whole when its search ends.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from typing import Any
 import numpy as np
 
 from ..cache import CacheFullError
-from ..engine import TreeEngine, speculative_generate
-from ..engine.decoding import Batch, Request, release_on_error
+from ..engine import TreeEngine
+from ..engine.decoding import Batch, Request
 from ..engine.params import GenerationResult
 from ..engine.beams import BeamParams
+from ..engine.speculation import SpecParams
 from .jobs import ChoiceText, Delta, End, Job, TokenLogprob
 from .metrics import Metrics
 from .prefix_cache import PrefixCache
@@ -104,34 +105,35 @@ class Scheduler:
             try:
                 if busy:
                     self._step()
-                elif self._pending:
-                    self._run_alone(self._pending.popleft())
             except Exception as exc:  # a bug must not stop the server: fail what was running
                 for job in list(self._pending) + list(self._active):
                     self._drop(job, _internal(exc))
                 self.batch.close("error")
                 self.batch = Batch(self.engine, self.batch.max_running, self.prefixes)
             self._count()
-            if not busy and not self._pending:
+            if not busy:
                 self._wake.wait(_IDLE_WAIT_S)
 
     def _feed_batch(self) -> None:
-        """Move jobs into the batch, in order, up to the first job that runs alone."""
-        while self._pending and self._pending[0].kind != "speculative":
+        """Move the pending jobs into the batch, in order."""
+        while self._pending:
             job = self._pending.popleft()
-            beam = None
-            if job.kind == "beam":
-                p, o = job.params, job.options
-                try:
+            beam = spec = None
+            p, o = job.params, job.options
+            try:
+                if job.kind == "beam":
                     beam = BeamParams(o["num_beams"], p.max_new_tokens, o["length_penalty"],
                                       o["early_stopping"], job.n, p.stop_token_ids)
                     beam.check(self.engine)
-                except ValueError as exc:
-                    self._drop(job, (400, str(exc)))
-                    continue
+                elif job.kind == "speculative":  # a drafter of its own: nothing shared
+                    spec = SpecParams(self.drafters[o["drafter"]](), o["tree"])
+                    spec.check(self.engine)
+            except ValueError as exc:
+                self._drop(job, (400, str(exc)))
+                continue
             job.request = Request(job.prompt, max(job.n, job.best_of), job.params,
                                   top_logprobs=job.top_logprobs or 0,
-                                  pin_prompt=self.prefixes is not None, beam=beam)
+                                  pin_prompt=self.prefixes is not None, beam=beam, speculative=spec)
             self.metrics.prompt.inc(len(job.prompt))
             self.batch.add(job.request)
             self._active.append(job)
@@ -139,7 +141,7 @@ class Scheduler:
     def _step(self) -> None:
         try:
             self.batch.step()
-        except CacheFullError as exc:  # the request running alone does not fit: fail it only
+        except CacheFullError as exc:  # the one request running does not fit: fail it only
             for job in [j for j in self._active if j.request.status == "running"]:
                 self._drop(job, (400, str(exc)))
             return
@@ -151,13 +153,15 @@ class Scheduler:
                 self._publish(job, now)
 
     def _publish(self, job: Job, now: float) -> None:
-        """Post ``job``'s new text; end it once all its branches have ended."""
+        """Post ``job``'s new text; end it once all its choices have ended."""
         if job.kind == "beam":
             if job.request.status == "done":
                 self._active.remove(job)
                 self._post_whole(job, job.request.search.results(self.engine.tokenizer, {}))
             return
-        branches, tok = job.request.branches, self.engine.tokenizer
+        spec, tok = job.kind == "speculative", self.engine.tokenizer
+        # A speculative job's one choice is its search (its tokens, done, finish_reason).
+        branches = [job.request.search] if spec else job.request.branches
         if not job.choices:
             job.choices = [ChoiceText(tok, job.stop) for _ in branches]
         new_tokens = 0
@@ -167,7 +171,7 @@ class Scheduler:
             start = text.seen
             delta, new, stopped = text.update(b.tokens, b.done)
             new_tokens += new
-            if stopped:
+            if stopped and not spec:  # (a search ends with its job, below)
                 self.batch.finish(b, "stop")
             if job.best_of > job.n or not (new or text.ended):
                 continue
@@ -177,6 +181,8 @@ class Scheduler:
             reason = ("stop" if stopped else b.finish_reason) if text.ended else None
             job.post(Delta(job.base_index + i, delta, logprobs, reason))
         if new_tokens:
+            if spec:  # a sampling job's tokens are counted as the batch samples them
+                self.metrics.count_tokens(new_tokens)
             if job.last_token_at is None:
                 self.metrics.ttft.observe(now - job.arrival)
             else:
@@ -204,28 +210,6 @@ class Scheduler:
                 zip(b.tokens, b.logprobs, b.tops or [[]] * len(b.tokens))]
             job.post(Delta(job.base_index + i, delta, logprobs, "stop" if stopped else b.finish_reason))
 
-    def _run_alone(self, job: Job) -> None:
-        """A speculative job, run to completion on the idle engine."""
-        self.metrics.prompt.inc(len(job.prompt))
-        for attempt in range(2):
-            try:
-                with release_on_error(self.engine):
-                    results = self._strategy(job)
-                break
-            except CacheFullError as exc:
-                if attempt or self.prefixes is None:
-                    self._drop(job, (400, str(exc)))
-                    return
-                self.prefixes.clear()
-            except ValueError as exc:
-                self._drop(job, (400, str(exc)))
-                return
-            except Exception as exc:  # a bug fails this job only
-                self._drop(job, _internal(exc))
-                return
-        self.metrics.computed.inc(len(job.prompt))  # run alone: the whole prompt, no prefix cache
-        self._post_whole(job, results)
-
     def _post_whole(self, job: Job, results: list[GenerationResult]) -> None:
         """Post each of ``results``' text at once, then end ``job``."""
         tok = self.engine.tokenizer
@@ -238,11 +222,6 @@ class Scheduler:
         job.finished = True
         self.metrics.requests.labels("ok").inc()
         job.post(End(len(job.prompt), sum(len(r.token_ids) for r in results)))
-
-    def _strategy(self, job: Job) -> list[GenerationResult]:
-        o = job.options
-        return speculative_generate(self.engine, [job.prompt], job.params, self.drafters[o["drafter"]](),
-                                    o["tree"])
 
     def _drop(self, job: Job, error: tuple[int, str] | None) -> None:
         """End ``job`` without a result: cancelled (``error`` None) or failed."""
