@@ -204,10 +204,10 @@ class _Boom(NgramDrafter):
         raise RuntimeError("boom")
 
 
-def test_speculative_jobs_stream_in_the_batch_and_a_failing_drafter_fails_its_step(smol, prompts):
+def test_speculative_jobs_stream_in_the_batch_and_a_failing_drafter_fails_alone(smol, prompts):
     """A speculative job streams its accepted tokens next to a sampling job; a job whose
-    drafter raises fails (500) with what was running, its pages come back, and the
-    scheduler goes on with the next job."""
+    drafter raises fails (500) alone: the job decoding next to it gets its whole answer,
+    the pages come back, and the scheduler goes on with the next job."""
     engine = TreeEngine(*smol, num_pages=32)
     scheduler = Scheduler(engine, 4, 8, Metrics(), drafters={"ngram": NgramDrafter, "boom": _Boom})
     greedy = SamplingParams(max_new_tokens=12)
@@ -219,7 +219,8 @@ def test_speculative_jobs_stream_in_the_batch_and_a_failing_drafter_fails_its_st
     async def main() -> list[list]:
         queue, loop = asyncio.Queue(), asyncio.get_running_loop()
         out = []
-        for specs in ([spec("ngram"), sample(prompts[1])], [spec("boom")], [sample(prompts[2])]):
+        for specs in ([spec("ngram"), sample(prompts[1])], [spec("boom"), sample(prompts[3], 8)],
+                      [sample(prompts[2])]):
             jobs = [Job(events=queue, loop=loop, stop=[], **kw) for kw in specs]
             for job in jobs:
                 assert scheduler.submit(job)
@@ -232,7 +233,7 @@ def test_speculative_jobs_stream_in_the_batch_and_a_failing_drafter_fails_its_st
 
     scheduler.start()
     try:
-        streamed, ok, failed, after = asyncio.run(main())
+        streamed, ok, failed, beside, after = asyncio.run(main())
     finally:
         scheduler.stop()
     (want,) = generate(TreeEngine(*smol, num_pages=64), [prompts[0]], greedy)
@@ -240,6 +241,8 @@ def test_speculative_jobs_stream_in_the_batch_and_a_failing_drafter_fails_its_st
     assert streamed[-1].completion_tokens == len(want.token_ids) and streamed[-2].finish_reason == "length"
     assert ok[-1].error is None and ok[-1].completion_tokens == 4
     assert failed[-1].error == (500, "internal error: RuntimeError: boom")
+    (solo,) = generate(TreeEngine(*smol, num_pages=64), [prompts[3]], SamplingParams(max_new_tokens=8))
+    assert beside[-1].error is None and "".join(e.text for e in beside[:-1]) == solo.text
     assert after[-1].error is None and after[-1].completion_tokens == 4
     scheduler.prefixes.clear()
     assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 32

@@ -16,7 +16,7 @@ import torch
 
 from conftest import run_batch
 from deft.engine import (ModelDrafter, NgramDrafter, SamplingParams, TopKShape, TreeEngine, beam_search,
-                         generate)
+                         generate, speculative_generate)
 from deft.engine.beams import BeamParams
 from deft.engine.decoding import Batch, Request
 from deft.engine.speculation import SpecParams
@@ -194,3 +194,25 @@ def test_forward_computes_items_and_trees_in_one_forward(smol, prompts):
     with pytest.raises(ValueError, match=r"trees\[0\] parents\[1\]"):
         engine.forward([(a, [1])], [(ids[1], [-1, 1], [2, 3])])
     assert engine.cache.num_free_pages == free and engine.cache.live_nodes == live
+
+
+class _Failing(NgramDrafter):
+    def draft(self, jobs, params, generator):  # noqa: ANN001
+        raise RuntimeError("drafter down")
+
+
+def test_a_search_that_raises_ends_its_request_alone(smol, repeat, greedy):
+    """A drafter that raises ends its own request (``error``, nodes released); the request
+    beside it gets what it gets alone, and ``speculative_generate`` raises the error."""
+    engine = TreeEngine(*smol, num_pages=64)
+    batch = Batch(engine)
+    failing, beside = spec_request(repeat, GREEDY, _Failing()), spec_request(repeat, GREEDY)
+    for r in (failing, beside):
+        batch.add(r)
+    run(batch)
+    assert isinstance(failing.error, RuntimeError) and failing.status == "done"
+    assert beside.error is None and outcome(beside) == greedy
+    assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 64
+    with pytest.raises(RuntimeError, match="drafter down"):
+        speculative_generate(engine, [repeat], GREEDY, _Failing())
+    assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 64

@@ -25,11 +25,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Collection, Iterator, Protocol, Sequence
 
-import numpy as np
 import torch
 
-from ..checks import is_int
-from ..layout import as_index_array
 from .core import TreeEngine
 from .inflight import InFlight, draw
 from .params import GenerationResult, SamplingParams
@@ -39,11 +36,8 @@ if TYPE_CHECKING:
     from .beams import BeamParams
     from .speculation import SpecParams
 
-__all__ = ["Batch", "Branch", "PrefixStore", "Request", "Search", "as_prompts", "decode", "prefill",
+__all__ = ["Batch", "Branch", "PrefixStore", "Request", "Search", "decode", "prefill",
            "release_on_error", "run_requests"]
-
-Prompt = str | Sequence[int]
-
 
 @dataclass(eq=False)
 class Branch:
@@ -88,9 +82,11 @@ class Request:
 
     ``pin_prompt``: prefill the prompt into a node of its own and offer it to the batch's
     :class:`PrefixStore`. ``beam`` or ``speculative``: run that search instead (``n`` is
-    then unused; a speculative one samples under ``params``). Set by the batch: ``root`` (the branch that prefills the prompt),
-    ``branches`` (the ``n`` samples), ``search`` (the :class:`Search`), ``status``
-    (``"waiting"``, ``"running"``, ``"done"``) and ``restarts`` (times it was preempted).
+    then unused; a speculative one samples under ``params``). Set by the batch: ``root``
+    (the branch that prefills the prompt), ``branches`` (the ``n`` samples), ``search``
+    (the :class:`Search`), ``status`` (``"waiting"``, ``"running"``, ``"done"``),
+    ``restarts`` (times it was preempted) and ``error`` (what its search raised: it ended
+    alone, ``"error"``, its nodes released).
     """
 
     prompt: list[int]
@@ -105,42 +101,7 @@ class Request:
     search: Search | None = None
     status: str = "waiting"
     restarts: int = 0
-
-
-def _check_not_bytes(p: object, name: str) -> None:
-    if isinstance(p, (bytes, bytearray)):
-        raise TypeError(f"{name}: expected text or token ids, got {type(p).__name__} "
-                        "(decode bytes to text first)")
-
-
-def as_prompts(prompts: Prompt | Sequence[Prompt], engine: TreeEngine) -> list[list[int]]:
-    """A batch of token-id prompts from one prompt or many (text is encoded).
-
-    Token ids may be a list or a 1-D numpy/torch integer array (a 2-D array is a batch).
-    """
-    _check_not_bytes(prompts, "prompts")
-    arrays = (np.ndarray, torch.Tensor)
-    if isinstance(prompts, arrays):
-        prompts = list(prompts) if prompts.ndim == 2 else [prompts]
-    elif isinstance(prompts, str) or (
-        isinstance(prompts, Sequence) and prompts and all(is_int(t) for t in prompts)
-    ):
-        prompts = [prompts]
-    if not isinstance(prompts, Sequence) or not prompts:
-        raise ValueError(f"prompts: expected a prompt or a non-empty list of prompts, got {prompts!r}")
-    out = []
-    for i, p in enumerate(prompts):
-        _check_not_bytes(p, f"prompts[{i}]")
-        if isinstance(p, arrays):
-            p = as_index_array(p, f"prompts[{i}]").tolist()
-        ids = engine.tokenizer.encode(p) if isinstance(p, str) else p
-        if not isinstance(ids, Sequence) or not ids or not all(is_int(t) for t in ids):
-            raise ValueError(f"prompts[{i}]: expected text or a non-empty list of token ids, got {p!r}")
-        if len(ids) > engine.max_positions:
-            raise ValueError(f"prompts[{i}]: the prompt has {len(ids)} tokens, more than the "
-                             f"model's context of {engine.max_positions}")
-        out.append([int(t) for t in ids])
-    return out
+    error: Exception | None = None
 
 
 @contextmanager
@@ -331,13 +292,19 @@ class Batch:
 
     def _advance_searches(self) -> list[Search]:
         """Step every running search whose logits are in; the searches with something to
-        compute (what a failed step left is fed again)."""
-        self.search_tokens = 0
-        for r in self.running:
-            if r.search is not None and r.search.logits is not None:
-                self.search_tokens += r.search.step(self.pinned)
-        return [r.search for r in self.running if r.search is not None
-                and (r.search.feed or r.search.trees)]
+        compute (what a failed step left is fed again). A search that raises (its drafter,
+        say) ends its request alone, the exception in ``request.error``."""
+        self.search_tokens, out = 0, []
+        for r in [r for r in self.running if r.search is not None]:
+            try:
+                if r.search.logits is not None:
+                    self.search_tokens += r.search.step(self.pinned)
+                if r.search.feed or r.search.trees:
+                    out.append(r.search)
+            except Exception as exc:
+                r.error = exc
+                self.cancel(r, "error")
+        return out
 
     def _draw(self, ready: list[Branch]) -> None:
         """Draw ``ready``'s tokens on the device; each feeds them from there unless it ends."""
@@ -481,18 +448,26 @@ def decode(engine: TreeEngine, branches: Sequence[Branch] = (), requests: Sequen
     Requests are admitted in order while fewer than ``max_batch`` are running (all at
     once by default); an admitted prompt is prefilled in the same forwards as the other
     requests' decode tokens. ``progress(n)`` is called with the tokens sampled (and the
-    searches' tokens) each step.
+    searches' tokens) each step. A request's ``error`` is raised (every request then ends,
+    its nodes released), as is an error of a step.
     """
     batch = Batch(engine, max_batch)
     batch.add_branches(branches)
     for r in requests:
         batch.add(r)
-    while True:
-        more = batch.step()
-        if progress is not None and batch.sampled + batch.search_tokens:
-            progress(batch.sampled + batch.search_tokens)
-        if not more:
-            return
+    try:
+        while True:
+            more = batch.step()
+            failed = next((r.error for r in requests if r.error is not None), None)
+            if failed is not None:
+                raise failed
+            if progress is not None and batch.sampled + batch.search_tokens:
+                progress(batch.sampled + batch.search_tokens)
+            if not more:
+                return
+    except BaseException:
+        batch.close("error")
+        raise
 
 
 def prompt_branches(engine: TreeEngine, prompts: list[tuple[list[int], Branch]]) -> list[Branch]:

@@ -268,6 +268,9 @@ class SpecSearch:
             for job in jobs:
                 self.spec.drafter.release(job.key)
                 job.grower = TreeGrower(self.spec.shape, job.tokens[-1], 0)
+        except Exception:  # this search fails; the others draft again when they are read
+            self.spec.waiting[:] = [s for s in batch if s is not self]
+            raise
         seconds = (time.perf_counter() - t0) / len(batch)
         for s, job in zip(batch, jobs):
             s.draft_s += seconds

@@ -149,7 +149,9 @@ class Scheduler:
             self.metrics.count_tokens(self.batch.sampled)
         now = time.monotonic()
         for job in list(self._active):
-            if job.request.status != "waiting":
+            if job.request.error is not None:  # its search raised: it fails alone
+                self._drop(job, _internal(job.request.error))
+            elif job.request.status != "waiting":
                 self._publish(job, now)
 
     def _publish(self, job: Job, now: float) -> None:

@@ -9,7 +9,8 @@ from typing import Callable, Sequence
 
 from ..beams import BeamParams
 from ..core import TreeEngine
-from ..decoding import Prompt, Request, as_prompts, decode, release_on_error
+from ..decoding import Request, decode, release_on_error
+from ..prompts import Prompt, as_prompts
 from ..params import GenerationResult, SamplingParams
 
 __all__ = ["beam_search"]

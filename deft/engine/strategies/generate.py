@@ -6,7 +6,8 @@ from typing import Callable, Sequence
 
 from ...checks import int_at_least
 from ..core import TreeEngine
-from ..decoding import Prompt, as_prompts, run_requests
+from ..decoding import run_requests
+from ..prompts import Prompt, as_prompts
 from ..params import GenerationResult, SamplingParams
 
 __all__ = ["generate", "sample"]

@@ -12,7 +12,8 @@ from typing import Sequence
 import torch
 
 from ..core import TreeEngine
-from ..decoding import Batch, Prompt, Request, as_prompts
+from ..decoding import Request, decode
+from ..prompts import Prompt, as_prompts
 from ..draft_trees import Shape
 from ..drafters import Drafter, NgramDrafter
 from ..params import GenerationResult, SamplingParams
@@ -73,16 +74,8 @@ def speculative_generate(
         1 << 62, (len(ids),), generator=torch.Generator().manual_seed(params.seed)).tolist()
     requests = [Request(p, 1, dataclasses.replace(params, seed=s), speculative=spec)
                 for p, s in zip(ids, seeds)]
-    batch = Batch(engine)
-    for r in requests:
-        batch.add(r)
     start, io0 = time.perf_counter(), engine.stats["io_s"]
-    try:
-        while batch.step():
-            pass
-    except BaseException:
-        batch.close("error")
-        raise
+    decode(engine, requests=requests)
     seconds = time.perf_counter() - start - (engine.stats["io_s"] - io0)
     new = sum(len(r.search.tokens) for r in requests)
     draft_s = sum(r.search.draft_s for r in requests)

@@ -17,7 +17,8 @@ import torch
 
 from ...checks import int_at_least
 from ..core import TreeEngine
-from ..decoding import Branch, Prompt, as_prompts, decode, prefill, release_on_error
+from ..decoding import Branch, decode, prefill, release_on_error
+from ..prompts import Prompt, as_prompts
 from ..params import SamplingParams
 from ..sampling import Sampler
 
