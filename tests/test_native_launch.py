@@ -331,3 +331,20 @@ def test_gpu_plans_that_launch_alike_share_their_records(triton_launches):
         attn._prepared.__dict__["native"] = records
         ref_o, _ = reference_attention(q, k, v, layout, 128**-0.5)
         assert_close(o.cpu(), ref_o.cpu(), dtype, f"plan {t}")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_a_v_cache_strided_unlike_k_is_never_bound_by_a_record():
+    """V with other strides than K's is copied for the kernels (which address V with K's
+    strides); the copy's address must not become a record's, so every call stays exact."""
+    rng = np.random.default_rng(7)
+    layout = random_forest(rng, 20, 200, num_roots=1)
+    attn = planned("shipped", layout, 8, 2, 64, None)
+    q, k, v = random_qkv(layout, 8, 2, 64, torch.float16, seed=70, device="cuda")
+    strided = v.transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
+    assert strided.stride() != k.stride()
+    expected = attn.run(q, k, v)
+    for _ in range(3):
+        assert torch.equal(attn.run(q, k, strided), expected)
+    assert None in attn._prepared.native.values()  # that kind launches through Triton

@@ -1,11 +1,15 @@
 """The server's prefix cache finds what comparing the prompt with every entry finds, by its
-block index, also when the index's hashes collide."""
+block index, also when the index's hashes collide; and it keeps a request's one answer
+for the next chat turn."""
 
 import random
 
 import pytest
 
+from conftest import run_batch
 from deft.cache import TreeKVCache
+from deft.engine import SamplingParams, TreeEngine, generate
+from deft.engine.decoding import Batch, Request
 from deft.serve import PrefixCache
 
 
@@ -58,3 +62,35 @@ def test_prefix_cache_forgets_evicted_entries():
     assert cache.match(b[:10] + [3])[1] == 10
     cache.clear()
     assert len(cache) == 0 and cache.match(a + [3]) is None and tree.live_nodes == [again]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_single_answer_stays_cached_for_the_next_turn(smol, overlap):
+    """A request's one answer stays in the cache with its prompt: a next turn that repeats
+    both prefills only what follows them and decodes as it does without the cache."""
+    model, tok = smol
+    engine = TreeEngine(model, tok, num_pages=64)
+    cache = PrefixCache(engine.cache)
+    batch = Batch(engine, prefixes=cache, overlap=overlap)
+    first = tok.encode("User: name one colour of the sea on a calm morning.\nAssistant:")
+    params = SamplingParams(max_new_tokens=6, stop_token_ids=frozenset())
+    a = Request(first, 1, params, pin_prompt=True)
+    batch.add(a)
+    run_batch(batch)
+    answer = a.branches[0].tokens
+    turn = first + answer + tok.encode("\nUser: and of the sky?\nAssistant:")
+    computed = batch.stats["prefill_tokens"]
+    b = Request(turn, 1, params, pin_prompt=True)
+    batch.add(b)
+    run_batch(batch)
+    kept = len(first) + len(answer) - 1  # the answer's last token was never fed
+    assert cache.hits == 1 and cache.hit_tokens == kept
+    assert batch.stats["prefill_tokens"] - computed == len(turn) - kept
+    (ref,) = generate(TreeEngine(model, tok, num_pages=64), [turn], params)
+    assert b.branches[0].tokens == ref.token_ids
+    two = Request(turn, 2, params, pin_prompt=True)  # two answers: only the prompt is kept
+    batch.add(two)
+    run_batch(batch)
+    assert len(cache) == 4
+    cache.clear()
+    assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 64

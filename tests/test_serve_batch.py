@@ -109,7 +109,7 @@ def test_prefix_cache_forks_from_the_longest_shared_path(smol):
     a = Request(first, 1, params, pin_prompt=True)
     batch.add(a)
     run(batch)
-    assert len(cache) == 1 and engine.cache.live_nodes  # the prompt stays
+    assert len(cache) == 2 and engine.cache.live_nodes  # the prompt and its one answer stay
     computed = batch.stats["prefill_tokens"]
     b = Request(second, 1, params, pin_prompt=True)
     batch.add(b)
@@ -123,7 +123,9 @@ def test_prefix_cache_forks_from_the_longest_shared_path(smol):
     again = Request(second, 2, SamplingParams(temperature=0.8, seed=3, max_new_tokens=4), pin_prompt=True)
     batch.add(again)
     run(batch)
-    assert cache.hits == 2 and cache.hit_tokens == shared + len(second) - 1 and len(cache) == 2
+    assert cache.hits == 2 and cache.hit_tokens == shared + len(second) - 1
+    # Two prompts and the first's answer; the second's answer only if a token of it was fed.
+    assert len(cache) == 3 + (len(b.branches[0].tokens) > 1)
     cache.clear()
     assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 64
 

@@ -196,23 +196,55 @@ def test_forward_computes_items_and_trees_in_one_forward(smol, prompts):
     assert engine.cache.num_free_pages == free and engine.cache.live_nodes == live
 
 
+
 class _Failing(NgramDrafter):
     def draft(self, jobs, params, generator):  # noqa: ANN001
         raise RuntimeError("drafter down")
 
 
-def test_a_search_that_raises_ends_its_request_alone(smol, repeat, greedy):
-    """A drafter that raises ends its own request (``error``, nodes released); the request
-    beside it gets what it gets alone, and ``speculative_generate`` raises the error."""
+class _OutOfVocabulary(NgramDrafter):
+    """Prompt lookup that also proposes a token id no vocabulary has."""
+
+    def draft(self, jobs, params, generator):  # noqa: ANN001
+        super().draft(jobs, params, generator)
+        for job in jobs:
+            job.grower.tree.add(0, 1 << 40, 0.0)
+
+
+class _Counting(NgramDrafter):
+    """Prompt lookup that records how many jobs each call drafts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[int] = []
+
+    def draft(self, jobs, params, generator):  # noqa: ANN001
+        self.calls.append(len(jobs))
+        return super().draft(jobs, params, generator)
+
+
+@pytest.mark.parametrize("drafter,error", [(_Failing, "drafter down"),
+                                           (_OutOfVocabulary, "outside the target's vocabulary")])
+def test_a_failing_drafter_ends_its_request_alone(smol, repeat, greedy, drafter, error):
+    """A drafter that raises, or proposes a token outside the vocabulary, ends its own
+    request (``error``, nodes released); the request beside it gets what it gets alone, and
+    ``speculative_generate`` raises the error."""
     engine = TreeEngine(*smol, num_pages=64)
     batch = Batch(engine)
-    failing, beside = spec_request(repeat, GREEDY, _Failing()), spec_request(repeat, GREEDY)
+    failing, beside = spec_request(repeat, GREEDY, drafter()), spec_request(repeat, GREEDY)
     for r in (failing, beside):
         batch.add(r)
     run(batch)
-    assert isinstance(failing.error, RuntimeError) and failing.status == "done"
+    assert error in str(failing.error) and failing.status == "done"
     assert beside.error is None and outcome(beside) == greedy
     assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 64
-    with pytest.raises(RuntimeError, match="drafter down"):
-        speculative_generate(engine, [repeat], GREEDY, _Failing())
+    with pytest.raises((RuntimeError, ValueError), match=error):
+        speculative_generate(engine, [repeat], GREEDY, drafter())
     assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 64
+
+
+def test_requests_sharing_a_drafter_draft_in_one_call(smol, repeat, greedy):
+    drafter = _Counting()
+    results = speculative_generate(TreeEngine(*smol, num_pages=64), [repeat] * 3, GREEDY, drafter)
+    assert [r.token_ids for r in results] == [greedy[0]] * 3
+    assert drafter.calls and set(drafter.calls) == {3}  # every step drafts all three at once

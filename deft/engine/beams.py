@@ -131,7 +131,8 @@ class BeamSearch:
         self.feed = self._grow(self._advance(), keep)
         return len(self.feed)
 
-    def take(self, rows: Sequence[torch.Tensor], verified: Sequence = ()) -> None:
+    def take(self, rows: Sequence[torch.Tensor],
+             verified: Sequence[tuple[list[int], torch.Tensor]] = ()) -> None:
         """The logits ``[vocab]`` of ``feed``'s items, in order: the feed is computed
         (``verified``, of the empty ``trees``, is empty)."""
         self.logits, self.feed = torch.stack(list(rows)), []

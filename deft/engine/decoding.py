@@ -19,7 +19,6 @@ each step feeds its beam tokens or draft tree in the same forward as the branche
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,9 +26,10 @@ from typing import TYPE_CHECKING, Callable, Collection, Iterator, Protocol, Sequ
 
 import torch
 
+from ..cache import CacheFullError
 from .core import TreeEngine
 from .inflight import InFlight, draw
-from .params import GenerationResult, SamplingParams
+from .params import SamplingParams
 from .sampling import Sampler
 
 if TYPE_CHECKING:
@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from .speculation import SpecParams
 
 __all__ = ["Batch", "Branch", "PrefixStore", "Request", "Search", "decode", "prefill",
-           "release_on_error", "run_requests"]
+           "release_on_error"]
+
 
 @dataclass(eq=False)
 class Branch:
@@ -80,8 +81,8 @@ class Branch:
 class Request:
     """A prompt decoded into ``n`` branches that share its K/V.
 
-    ``pin_prompt``: prefill the prompt into a node of its own and offer it to the batch's
-    :class:`PrefixStore`. ``beam`` or ``speculative``: run that search instead (``n`` is
+    ``pin_prompt``: prefill the prompt into a node of its own and offer it (and, with
+    ``n == 1``, the answer) to the batch's :class:`PrefixStore`. ``beam`` or ``speculative``: run that search instead (``n`` is
     then unused; a speculative one samples under ``params``). Set by the batch: ``root``
     (the branch that prefills the prompt), ``branches`` (the ``n`` samples), ``search``
     (the :class:`Search`), ``status`` (``"waiting"``, ``"running"``, ``"done"``),
@@ -121,8 +122,10 @@ class PrefixStore(Protocol):
     """Computed prompt nodes kept across requests (the server's prefix cache).
 
     :class:`Batch` forks admitted prompts from ``match``, offers every computed prompt of a
-    ``pin_prompt`` request to ``insert``, asks ``evict`` for pages when a step does not fit,
-    and never releases a node of ``pinned`` when a branch ends.
+    ``pin_prompt`` request to ``insert``, and the answer of such a request with one sampled
+    branch when it ends by a stop or its length (its path: the prompt and the tokens
+    computed; a chat's next turn starts with it); asks ``evict`` for pages when a step does
+    not fit, and never releases a node of ``pinned`` when a branch ends.
     """
 
     pinned: set[int]
@@ -130,8 +133,8 @@ class PrefixStore(Protocol):
     def match(self, tokens: list[int]) -> tuple[int, int] | None:
         """A computed node whose path holds ``tokens[:m]`` (``m < len(tokens)``), and ``m``."""
 
-    def insert(self, tokens: list[int], node: int) -> None:
-        """``node``'s path, just computed, holds ``tokens``."""
+    def insert(self, tokens: list[int], node: int) -> bool:
+        """``node``'s path, just computed, holds ``tokens``; whether the store keeps it."""
 
     def evict(self, pages: int) -> None:
         """Release unreferenced cached nodes until ``pages`` more pages are free (or none is left)."""
@@ -141,11 +144,11 @@ class Search(Protocol):
     """A request's search, stepped by the :class:`Batch` after its prompt.
 
     ``start`` gets the prompt's node and last logits; then, while not ``done``: once
-    ``logits`` are in, ``step`` scores them (returning the tokens it took) and sets what
-    to compute: ``feed``, ``(node, tokens)`` items whose last logits it wants, and
-    ``trees``, ``(node, parents, tokens)`` draft trees; the batch computes both in its
-    forward and hands their results to ``take``. ``release`` ends it now; ``nodes`` are
-    the leaves it holds.
+    ``logits`` are in, ``step`` scores them (returning how far it got: the tokens it took,
+    or the beams it advanced) and sets what to compute: ``feed``, ``(node, tokens)`` items
+    whose last logits it wants, and ``trees``, ``(node, parents, tokens)`` draft trees; the
+    batch computes both in its forward and hands their results to ``take``. ``release``
+    ends it now; ``nodes`` are the leaves it holds.
     """
 
     done: bool
@@ -221,7 +224,7 @@ class Batch:
         if ready and self.overlap and not any(b.keep_last for b in ready):
             self._draw(ready)
         elif ready:
-            _sample(engine, ready, self.pinned)
+            _sample(engine, ready, self._release)
             self.sampled += len(ready)
         searches = self._advance_searches()
         self.live = [b for b in self.live if not b.done]
@@ -244,9 +247,9 @@ class Batch:
             self._inflight.tokens, [b.source for b in feeding] + [-1] * (len(items) - len(feeding)))
         rows, verified = engine.forward(items, [t for s in searches for t in s.trees], modes, drawn)
         for b, row, mode in zip(feeding, rows, modes):
-            b.source = -1
-            if not b.tokens:
+            if not b.tokens and b.source < 0:  # (a drawn token lands next step)
                 self.stats["prefill_tokens"] += len(b.feed[:chunk])
+            b.source = -1
             b.feed = b.feed[chunk:]
             if not b.feed:
                 self._fed(b, row if mode == "last" else None)
@@ -291,19 +294,25 @@ class Batch:
     # ------------------------------------------------------------ internals
 
     def _advance_searches(self) -> list[Search]:
-        """Step every running search whose logits are in; the searches with something to
-        compute (what a failed step left is fed again). A search that raises (its drafter,
-        say) ends its request alone, the exception in ``request.error``."""
+        """Step every running search whose logits are in, then collect the searches with
+        something to compute (what a failed step left is fed again): all step before any
+        drafts, so searches that share a drafter draft in one call. A search that raises (its
+        drafter, say; not :class:`~deft.CacheFullError`, the batch's own) ends its request
+        alone, the exception in ``request.error``."""
         self.search_tokens, out = 0, []
-        for r in [r for r in self.running if r.search is not None]:
-            try:
-                if r.search.logits is not None:
-                    self.search_tokens += r.search.step(self.pinned)
-                if r.search.feed or r.search.trees:
-                    out.append(r.search)
-            except Exception as exc:
-                r.error = exc
-                self.cancel(r, "error")
+        searching = [r for r in self.running if r.search is not None]
+        for collect in (False, True):
+            for r in [r for r in searching if r.status == "running"]:
+                try:
+                    if not collect and r.search.logits is not None:
+                        self.search_tokens += r.search.step(self.pinned)
+                    elif collect and (r.search.feed or r.search.trees):
+                        out.append(r.search)
+                except CacheFullError:
+                    raise
+                except Exception as exc:
+                    r.error = exc
+                    self.cancel(r, "error")
         return out
 
     def _draw(self, ready: list[Branch]) -> None:
@@ -343,8 +352,17 @@ class Batch:
         b.done = True
         b.feed, b.logits, b.source = [], None, -1
         b.finish_reason = b.finish_reason or reason
-        if b.node is not None and b.node in self.engine.cache.live_nodes:
+        if b.node is not None and b.node in self.engine.cache.live_nodes and not self._keep_answer(b):
             self.engine.cache.prune(b.node, release_unused_ancestors=True, keep=self.pinned)
+
+    def _keep_answer(self, b: Branch) -> bool:
+        """Offer ``b``'s path to the prefix store if it is a ``pin_prompt`` request's one
+        answer, ended by a stop or its length (see :class:`PrefixStore`)."""
+        req = b.owner
+        if (self.prefixes is None or req is None or not req.pin_prompt or req.n != 1
+                or b.finish_reason not in ("stop", "length") or self.engine.cache.children(b.node)):
+            return False
+        return self.prefixes.insert((req.prompt + b.tokens)[:self.engine.position(b.node)], b.node)
 
     def _admit(self) -> None:
         engine, admit = self.engine, []
@@ -534,10 +552,11 @@ def _width(r: Request, page_size: int) -> int:
     return -(-spec.tree_tokens // page_size) if spec else r.beam.num_beams if r.beam else r.n
 
 
-def _sample(engine: TreeEngine, branches: list[Branch], keep: Collection[int] = ()) -> None:
+def _sample(engine: TreeEngine, branches: list[Branch], release: Callable[[Branch, str], None]) -> None:
     """Pick each branch's next token (one batched call per sampler) and finish branches.
 
-    A finished branch releases its node and the ancestors it alone used, up to ``keep``.
+    A finished branch (but one that keeps its last token) goes to ``release`` with its
+    finish reason.
     """
     groups: dict[int, list[Branch]] = {}
     for b in branches:
@@ -565,35 +584,8 @@ def _sample(engine: TreeEngine, branches: list[Branch], keep: Collection[int] = 
             b.finish_reason = reason
             if b.keep_last and room:
                 b.feed = [t]
-            else:
+            elif b.keep_last:
                 b.done = True
-                if not b.keep_last:
-                    engine.cache.prune(b.node, release_unused_ancestors=True, keep=keep)
+            else:
+                release(b, reason)
 
-
-def run_requests(
-    engine: TreeEngine,
-    prompts: list[list[int]],
-    n: int,
-    params: SamplingParams,
-    max_batch: int | None = None,
-    progress: Callable[[int], None] | None = None,
-) -> list[list[GenerationResult]]:
-    """Decode ``n`` branches per prompt; per prompt, ``n`` results in branch order.
-
-    ``tokens_per_s`` in the results' stats counts new tokens over the call's wall time,
-    prefill included, without the time ``engine.count_io`` bookkeeping took.
-    """
-    requests = [Request(p, n, params) for p in prompts]
-    t0, steps0, io0 = time.perf_counter(), engine.stats["steps"], engine.stats["io_s"]
-    with release_on_error(engine):
-        decode(engine, requests=requests, max_batch=max_batch, progress=progress)
-    seconds = time.perf_counter() - t0 - (engine.stats["io_s"] - io0)
-    new = sum(len(b.tokens) for r in requests for b in r.branches)
-    call = {"seconds": seconds, "new_tokens_total": new, "steps": engine.stats["steps"] - steps0,
-            "tokens_per_s": new / seconds if seconds > 0 else float("nan")}
-    tok = engine.tokenizer
-    return [[GenerationResult(b.tokens, tok.decode(b.tokens, skip_special_tokens=True), b.logprob,
-                              {"finish_reason": b.finish_reason, "prompt_tokens": len(r.prompt),
-                               **call})
-             for b in r.branches] for r in requests]

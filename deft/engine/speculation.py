@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Collection, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 
@@ -226,7 +226,7 @@ class SpecSearch:
             self.cache.prune(self.node, release_unused_ancestors=True, keep=keep)
         self.tree, self.logits, self._trees, self.done = None, None, [], True
 
-    def result(self, tokenizer: Tokenizer, stats: dict) -> GenerationResult:
+    def result(self, tokenizer: Tokenizer, stats: dict[str, Any]) -> GenerationResult:
         """The request's tokens, text and log-probability; ``stats`` are added to its own."""
         out, steps = self.tokens, len(self.accepted)
         own = {"finish_reason": self.finish_reason, "prompt_tokens": len(self.prompt), "steps": steps,
@@ -271,8 +271,17 @@ class SpecSearch:
         except Exception:  # this search fails; the others draft again when they are read
             self.spec.waiting[:] = [s for s in batch if s is not self]
             raise
-        seconds = (time.perf_counter() - t0) / len(batch)
+        seconds, vocab = (time.perf_counter() - t0) / len(batch), self.engine.vocab_size
         for s, job in zip(batch, jobs):
-            s.draft_s += seconds
-            s.tree = job.grower.tree
-            s._trees = [(s.node, s.tree.parents, s.tree.tokens)]
+            bad = next((t for t in job.grower.tree.tokens if not 0 <= t < vocab), None)
+            if bad is None:
+                s.draft_s += seconds
+                s.tree = job.grower.tree
+                s._trees = [(s.node, s.tree.parents, s.tree.tokens)]
+            elif s is self:  # as a raising drafter, for this search alone
+                mine = ValueError(f"drafter: proposed token id {bad}, outside the target's "
+                                  f"vocabulary [0, {vocab})")
+            else:
+                self.spec.waiting.append(s)  # drafts again when read (and fails then)
+        if self.tree is None:
+            raise mine

@@ -1,7 +1,8 @@
 """The prefix cache across requests: computed prompts kept in the tree, LRU-evicted.
 
 A finished request's prompt node stays in the engine's tree (pinned: branch releases
-stop there) as long as pages allow. A new prompt forks from the longest path any cached
+stop there) as long as pages allow, and so does the path of a request's one answer
+(prompt and answer: what a chat's next turn starts with). A new prompt forks from the longest path any cached
 prompt shares with it (splitting a cached node where the shared part ends, nothing
 copied) and prefills only the rest. Only unreferenced entries (no live children: no
 request reads them) are evicted, oldest use first.
@@ -56,17 +57,20 @@ class PrefixCache:
         self.hit_tokens += best_len
         return self._fork_point(best, len(self._entries[best]), best_len), best_len
 
-    def insert(self, tokens: list[int], node: int) -> None:
-        """Keep ``node`` (its path holds ``tokens``, computed) unless an entry holds them already."""
+    def insert(self, tokens: list[int], node: int) -> bool:
+        """Keep ``node`` (its path holds ``tokens``, computed) unless an entry holds them
+        already; whether it was kept."""
+        self._drop_dead()  # an entry whose node is gone must not stand in for this one
         key = tuple(tokens)
         if key in self._by_tokens:
-            return
+            return False
         self._entries[node], self._by_tokens[key] = key, node
         for h in self._chain(key, len(key)):
             self._blocks.setdefault(h, set()).add(node)
         self.pinned.add(node)
         while len(self._entries) > self.max_entries and self._evict_one(spare=node):
             pass
+        return True
 
     def evict(self, pages: int) -> None:
         """Release the least recently used unreferenced entries until ``pages`` more are free."""

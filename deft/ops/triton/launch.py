@@ -150,7 +150,7 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
             if done == len(found.launches):
                 return
             records[key] = None  # the driver refused a launch: Triton launches the rest
-    given_q, given_k = q, k_cache
+    given_q, given_k, given_v = q, k_cache, v_cache
     # Each stride tuple is read once: this runs per layer, and host time adds up eagerly.
     q = q if q.stride(-1) == 1 else q.contiguous()
     qs, ks, os_ = q.stride(), k_cache.stride(), o.stride()
@@ -205,7 +205,8 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
                              header=header)
         launches.append((*(merge or (None,) * 3), _MERGE_INPUTS))
     if key is not None and key not in records:
-        exact = key[-1] and q is given_q and k_cache is given_k  # aligned, not copied
+        # Aligned, and nothing copied (a copy's address is not what later calls bind).
+        exact = key[-1] and q is given_q and k_cache is given_k and v_cache is given_v
         records[key] = _native(launches) if exact else None
 
 
