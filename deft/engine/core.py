@@ -1,12 +1,12 @@
 """The engine core: one model forward per step for every query of every tree.
 
 :class:`TreeEngine` owns a model, its paged K/V pool and the tree cache over it. Callers
-grow the tree (``add_prompt``, ``cache.fork``, ``extend``, ``extend_tree``, or both
-kinds at once with ``forward``) and every call that computes runs exactly ONE forward: it plans the step's layout once
-(``TreeAttention.plan``), the model runs it in every layer, and only the logits rows the
-caller asked for go through the LM head. Decoding policy lives in the strategies built on
-top (:mod:`deft.engine.strategies`: ``generate``, ``sample``, ``beam_search``,
-``tree_search``, speculative decoding, trace replay).
+grow the tree (``add_prompt``, ``cache.fork``, ``extend``, ``extend_tree``, or both kinds
+at once with ``forward``) and every call that computes runs exactly ONE forward: it plans
+the step's layout once (``TreeAttention.plan``), the model runs it in every layer, and only
+the logits rows the caller asked for go through the LM head. Decoding policy lives in the
+strategies built on top (:mod:`deft.engine.strategies`: ``generate``, ``sample``,
+``beam_search``, ``tree_search``, speculative decoding, trace replay).
 """
 
 from __future__ import annotations

@@ -82,8 +82,9 @@ class Request:
     """A prompt decoded into ``n`` branches that share its K/V.
 
     ``pin_prompt``: prefill the prompt into a node of its own and offer it (and, with
-    ``n == 1``, the answer) to the batch's :class:`PrefixStore`. ``beam`` or ``speculative``: run that search instead (``n`` is
-    then unused; a speculative one samples under ``params``). Set by the batch: ``root``
+    ``n == 1``, the answer) to the batch's :class:`PrefixStore`. ``beam`` or
+    ``speculative``: run that search instead (``n`` is then unused; a speculative one
+    samples under ``params``). Set by the batch: ``root``
     (the branch that prefills the prompt), ``branches`` (the ``n`` samples), ``search``
     (the :class:`Search`), ``status`` (``"waiting"``, ``"running"``, ``"done"``),
     ``restarts`` (times it was preempted) and ``error`` (what its search raised: it ended
