@@ -178,17 +178,26 @@ def test_an_inserted_prompt_is_never_evicted_before_its_fork(smol, prompts, alon
 def serve(scheduler: Scheduler, specs: list[dict]) -> list[list]:
     """Run one job per ``specs`` entry (``Job`` keyword arguments) on a started ``scheduler``;
     each job's events, up to its ``End``."""
+    return serve_groups(scheduler, [specs])
+
+
+def serve_groups(scheduler: Scheduler, groups: list[list[dict]]) -> list[list]:
+    """:func:`serve` for each group in turn, a group submitted once the last one has ended;
+    every job's events, in order."""
 
     async def main() -> list[list]:
         queue, loop = asyncio.Queue(), asyncio.get_running_loop()
-        jobs = [Job(events=queue, loop=loop, **{"stop": [], **spec}) for spec in specs]
-        for job in jobs:
-            assert scheduler.submit(job)
-        events: dict[int, list] = {id(j): [] for j in jobs}
-        while not all(evs and isinstance(evs[-1], End) for evs in events.values()):
-            job, ev = await asyncio.wait_for(queue.get(), 60)
-            events[id(job)].append(ev)
-        return [events[id(j)] for j in jobs]
+        out = []
+        for specs in groups:
+            jobs = [Job(events=queue, loop=loop, **{"stop": [], **spec}) for spec in specs]
+            for job in jobs:
+                assert scheduler.submit(job)
+            events: dict[int, list] = {id(j): [] for j in jobs}
+            while not all(evs and isinstance(evs[-1], End) for evs in events.values()):
+                job, ev = await asyncio.wait_for(queue.get(), 60)
+                events[id(job)].append(ev)
+            out += [events[id(j)] for j in jobs]
+        return out
 
     scheduler.start()
     try:
@@ -218,26 +227,8 @@ def test_speculative_jobs_stream_in_the_batch_and_a_failing_drafter_fails_alone(
         return {"prompt": prompts[0], "n": 1, "params": greedy, "kind": "speculative",
                 "options": {"drafter": drafter, "tree": None}}
 
-    async def main() -> list[list]:
-        queue, loop = asyncio.Queue(), asyncio.get_running_loop()
-        out = []
-        for specs in ([spec("ngram"), sample(prompts[1])], [spec("boom"), sample(prompts[3], 8)],
-                      [sample(prompts[2])]):
-            jobs = [Job(events=queue, loop=loop, stop=[], **kw) for kw in specs]
-            for job in jobs:
-                assert scheduler.submit(job)
-            events: dict[int, list] = {id(j): [] for j in jobs}
-            while not all(evs and isinstance(evs[-1], End) for evs in events.values()):
-                job, ev = await asyncio.wait_for(queue.get(), 60)
-                events[id(job)].append(ev)
-            out += [events[id(j)] for j in jobs]
-        return out
-
-    scheduler.start()
-    try:
-        streamed, ok, failed, beside, after = asyncio.run(main())
-    finally:
-        scheduler.stop()
+    streamed, ok, failed, beside, after = serve_groups(scheduler, [
+        [spec("ngram"), sample(prompts[1])], [spec("boom"), sample(prompts[3], 8)], [sample(prompts[2])]])
     (want,) = generate(TreeEngine(*smol, num_pages=64), [prompts[0]], greedy)
     assert "".join(e.text for e in streamed[:-1]) == want.text and len(streamed) > 3  # as it comes
     assert streamed[-1].completion_tokens == len(want.token_ids) and streamed[-2].finish_reason == "length"
