@@ -80,10 +80,10 @@ def _run(engine: Any, w: GpuWorkload, prompts: list[list[int]], new_tokens: int,
     never = frozenset()
     if w.kind == "sample":
         params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0, stop_token_ids=never)
-        return lambda: sum(len(r.token_ids) for r in sample(engine, prompts[0], w.width, params))
+        return lambda: sum(len(r.token_ids) for r in sample(engine, prompts[0], w.width, params)[0])
     if w.kind == "beam":
         return lambda: len(beam_search(engine, prompts[0], w.width, new_tokens,
-                                       stop_token_ids=never)[0].token_ids)
+                                       stop_token_ids=never)[0][0].token_ids)
     if w.kind == "greedy":
         params = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=never)
         return lambda: sum(len(r.token_ids) for r in generate(engine, prompts, params))

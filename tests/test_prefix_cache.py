@@ -6,11 +6,12 @@ import random
 
 import pytest
 
-from conftest import run_batch
-from deft.cache import TreeKVCache
-from deft.engine import SamplingParams, TreeEngine, generate
-from deft.engine.decoding import Batch, Request
-from deft.serve import PrefixCache
+pytest.importorskip("fastapi")  # deft.serve's package imports its app
+from conftest import run_batch  # noqa: E402
+from deft.cache import TreeKVCache  # noqa: E402
+from deft.engine import SamplingParams, TreeEngine, generate  # noqa: E402
+from deft.engine.decoding import Batch, Request  # noqa: E402
+from deft.serve import PrefixCache  # noqa: E402
 
 
 def _scan(entries: list[list[int]], tokens: list[int], min_tokens: int) -> int:
