@@ -1,9 +1,9 @@
 """Which slots the nodes of a tree cache hold: pages handed out slot by slot.
 
-Plain numpy bookkeeping, no tensors. A page is handed out through its fill pointer
-``fill[p]`` (slots ``[0, fill[p])`` were handed out), so several nodes share one partly
-filled page without copying, and a node counts as one user of every page its slots
-touch (the :class:`PageAllocator`'s reference counts):
+Plain Python/numpy bookkeeping, no tensors. A page is handed out through its fill
+pointer ``fill[p]`` (slots ``[0, fill[p])`` were handed out), so several nodes share one
+partly filled page without copying, and a node counts as one user of every page its
+slots touch (the :class:`PageAllocator`'s reference counts):
 
 * A node's next tokens go into the free tail of the page of its own last slot, then
   into fresh pages (its *target page*).
@@ -13,15 +13,21 @@ touch (the :class:`PageAllocator`'s reference counts):
 * Releasing nodes marks their slots dead and rewinds each touched page's fill pointer
   to just past its last live slot; a page is freed when its last user goes.
 
+A decode step touches a page or two per node, so the fill pointers are an ``array('q')``
+and the live flags a ``bytearray`` that Python ints index cheaply; ``fill`` and ``live``
+are numpy views of the same memory for the vectorised work of big subtrees.
+
 The tree itself (parents, children, layouts) is :class:`~deft.cache.TreeKVCache`'s.
 """
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 
 from ..checks import positive_int
-from .node import EMPTY, Node, concat
+from .node import Node, concat
 from .pages import CacheFullError, PageAllocator
 
 __all__ = ["SlotAllocator"]
@@ -41,15 +47,17 @@ class SlotAllocator:
         self.page_size = positive_int(page_size, "page_size")
         self.allocator = PageAllocator(num_pages)
         self.num_pages = self.allocator.num_pages
-        self.fill = np.zeros(self.num_pages, _I)
-        self.live = np.zeros(self.num_pages * self.page_size, bool)
+        self._fill = array("q", bytes(8 * self.num_pages))
+        self._live = bytearray(self.num_pages * self.page_size)
+        self.fill = np.frombuffer(self._fill, _I)  # views of the same memory
+        self.live = np.frombuffer(self._live, bool)
 
     # ---------------------------------------------------------- handing out
 
     def new_slots(self, k: int) -> tuple[np.ndarray, list[int]]:
         """``k`` slots in fresh pages (a new root); returns them and their pages."""
         slots, _, fresh = self._take(-1, k)
-        return slots, fresh.tolist()
+        return slots, fresh
 
     def append(self, nd: Node, k: int) -> np.ndarray:
         """Give ``nd`` ``k`` more slots (its target page's free tail, then fresh pages)."""
@@ -57,12 +65,12 @@ class SlotAllocator:
         had = nd.n
         slots, take, fresh = self._take(page, k)
         if take and not had:  # a node with tokens already uses its last page
-            self.allocator.incref(np.array([page], _I))
+            self.allocator.users[page] += 1
             nd.pages.append(page)
-        nd.pages.extend(fresh.tolist())
+        nd.pages += fresh
         nd.extend(slots)
         nd.group_page = -1
-        if not had and nd.parent is not None and slots.size:
+        if not had and nd.parent is not None and k:
             nd.parent.group_page = int(slots[-1]) // self.page_size
         return slots
 
@@ -79,16 +87,18 @@ class SlotAllocator:
         owner = np.repeat(np.arange(m, dtype=_I), lens)
         pairs = np.unique(owner * self.num_pages + slots // ps)
         pair_owner, pair_page = pairs // self.num_pages, pairs % self.num_pages
-        extra = np.ones(pairs.shape[0], bool)
         uniq, first = np.unique(pair_page, return_index=True)
+        extra = np.ones(pairs.shape[0], bool)
         extra[first[np.isin(uniq, fresh)]] = False
-        self.allocator.incref(pair_page[extra])
+        self.allocator.share(pair_page[extra].tolist())
         if slots.size:
             nd.group_page = int(slots[-1]) // ps
         bounds = np.zeros(m + 1, _I)
         np.cumsum(lens, out=bounds[1:])
-        pair_bounds = np.searchsorted(pair_owner, np.arange(m + 1))
-        parts = [(slots[bounds[i] : bounds[i + 1]], pair_page[pair_bounds[i] : pair_bounds[i + 1]].tolist())
+        pair_bounds = np.searchsorted(pair_owner, np.arange(m + 1)).tolist()
+        pages = pair_page.tolist()
+        cuts = bounds.tolist()
+        parts = [(slots[cuts[i] : cuts[i + 1]], pages[pair_bounds[i] : pair_bounds[i + 1]])
                  for i in range(m)]
         return slots, parts
 
@@ -101,7 +111,7 @@ class SlotAllocator:
         first, rest = nd.buf[:at], nd.buf[at : nd.n]
         pages = np.unique(first // ps).tolist()
         nd.buf, nd.n, nd.pages = rest, rest.shape[0], np.unique(rest // ps).tolist()
-        self.allocator.incref(np.intersect1d(pages, nd.pages))
+        self.allocator.share(sorted(set(pages) & set(nd.pages)))
         return first, pages
 
     # ------------------------------------------------------------ releasing
@@ -114,7 +124,7 @@ class SlotAllocator:
         freed = pages[self.allocator.refcounts[pages] == counts]
         page = self.target_page(nd)
         room = 0
-        if page >= 0 and self.allocator.refcount(page) > 0 and page not in freed:
+        if page >= 0 and self.allocator.users[page] > 0 and page not in freed:
             dead = concat([r.buf[: r.n] for r in removed])
             seg = self.live[page * ps : (page + 1) * ps].copy()
             seg[dead[dead // ps == page] - page * ps] = False
@@ -129,19 +139,22 @@ class SlotAllocator:
 
         ``survivors``: live parents of removed nodes, whose group page may have been freed.
         """
-        self.live[concat([nd.buf[: nd.n] for nd in nodes])] = False
-        touched = concat([np.asarray(nd.pages, _I) for nd in nodes])
-        self.allocator.decref(touched)
-        refs = self.allocator.refcounts
+        live, touched = self._live, []
+        for nd in nodes:
+            if nd.n == 1:
+                live[int(nd.buf[0])] = 0
+            elif nd.n:
+                self.live[nd.buf[: nd.n]] = False
+            touched += nd.pages
+        self.allocator.drop(touched)
+        users, fill, ps = self.allocator.users, self._fill, self.page_size
         for par in survivors:
-            if par.group_page >= 0 and refs[par.group_page] == 0:
+            if par.group_page >= 0 and not users[par.group_page]:
                 par.group_page = -1
-        touched = np.unique(touched)
-        touched = touched[refs[touched] > 0]
-        if touched.size:  # rewind each fill pointer to just past the page's last live slot
-            ps = self.page_size
-            seg = self.live.reshape(-1, ps)[touched]
-            self.fill[touched] = np.where(seg.any(1), ps - np.argmax(seg[:, ::-1], 1), 0)
+        for p in set(touched):  # rewind each fill pointer to just past the page's last live slot
+            if users[p]:
+                last = live.rfind(1, p * ps, (p + 1) * ps)
+                fill[p] = last + 1 - p * ps if last >= 0 else 0
 
     # ---------------------------------------------------------------- policy
 
@@ -163,31 +176,30 @@ class SlotAllocator:
                 return nd.group_page
         return int(nd.buf[nd.n - 1]) // self.page_size
 
-    def _room(self, page: int) -> int:
-        # A stale group page may have been freed: its tail is not ours to hand out.
-        if page < 0 or self.allocator.refcount(page) == 0:
-            return 0
-        return self.page_size - int(self.fill[page])
-
-    def _take(self, page: int, k: int) -> tuple[np.ndarray, int, np.ndarray]:
+    def _take(self, page: int, k: int) -> tuple[np.ndarray, int, list[int]]:
         """Hand out ``k`` slots: the free tail of ``page``, then fresh pages.
 
         Returns ``slots [k]``, how many came from ``page`` and the ``fresh`` pages (one
-        user each). Raises :class:`CacheFullError` before changing anything.
+        user each). Raises :class:`CacheFullError` before changing anything. A stale group
+        ``page`` may have been freed: its tail is not ours to hand out.
         """
-        ps = self.page_size
-        take = min(k, self._room(page))
+        ps, fill = self.page_size, self._fill
+        room = ps - fill[page] if page >= 0 and self.allocator.users[page] else 0
+        take = min(k, room)
         rest = k - take
-        fresh = self.allocator.alloc(-(-rest // ps)) if rest else EMPTY
-        start = page * ps + int(self.fill[page]) if take else 0
-        slots = np.arange(start, start + take, dtype=_I)
+        fresh = self.allocator.take(-(-rest // ps))
+        start = page * ps + fill[page] if take else 0
         if take:
-            self.fill[page] += take
-            self.live[start : start + take] = True
-        if rest:
-            tail = (fresh[:, None] * ps + np.arange(ps)).reshape(-1)[:rest]
-            self.fill[fresh] = ps
-            self.fill[fresh[-1]] = rest - (fresh.size - 1) * ps
-            self.live[tail] = True
-            slots = np.concatenate((slots, tail))
-        return slots, take, fresh
+            fill[page] += take
+            self._live[start : start + take] = b"\1" * take
+        if not rest:
+            return np.arange(start, start + take, dtype=_I), take, fresh
+        for p in fresh:
+            fill[p] = ps
+        fill[fresh[-1]] = rest - (len(fresh) - 1) * ps
+        if len(fresh) == 1:
+            tail = np.arange(fresh[0] * ps, fresh[0] * ps + rest, dtype=_I)
+        else:
+            tail = (np.array(fresh, _I)[:, None] * ps + np.arange(ps)).reshape(-1)[:rest]
+        self.live[tail] = True
+        return np.concatenate((np.arange(start, start + take, dtype=_I), tail)), take, fresh
