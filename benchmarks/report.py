@@ -73,9 +73,22 @@ def record(headers: Sequence[str], rows: Sequence[Sequence[Any]], device: str = 
         pass
     else:
         rec["triton"] = triton.__version__
+    rec["planner"] = _planner()
     rec.update(extra)
     rec["rows"] = rows_as_dicts(headers, rows)
     return rec
+
+
+def _planner() -> str:
+    """Which DeFT-Flatten planner this process plans with: a record made with the numpy
+    fallback (an install without the compiled extension) has slower host steps."""
+    import warnings
+
+    from deft.plan.compiled import load_library
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return "compiled" if load_library() is not None else "numpy"
 
 
 def check_record(rec: Any, name: str = "record") -> None:

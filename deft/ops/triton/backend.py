@@ -110,8 +110,10 @@ class TritonBackend(Backend):
         h, d = heads.num_qo_heads, heads.head_dim
         plse_off = p * h * d
         lse_off = plse_off + -(-p * h // 16) * 16
-        # One wave of programs, each looping over the plan's (work item, KV head) pairs.
-        programs = min(work * heads.num_kv_heads, cfg.programs_per_sm * _num_sms(device))
+        # ``graph_waves`` waves of programs, each looping over the plan's (work item, KV
+        # head) pairs.
+        programs = min(work * heads.num_kv_heads,
+                       cfg.graph_waves * cfg.programs_per_sm * _num_sms(device))
         return Reserved(Capacity(q, n, p), work, programs, HEADER + starts[-1],
                         torch.empty(HEADER + starts[-1], dtype=torch.int32, device=device),
                         torch.empty(lse_off + q * h, dtype=torch.float32, device=device),

@@ -45,9 +45,10 @@ class KernelConfig:
     max_coarsen: int = 1024  # at most this many plan tiles per coarsened tile
     programs_per_sm: int = 3  # partial-kernel programs resident per SM (launch model)
     program_cost: int = 128  # a program's fixed cost in tokens: work item and Q loads, stores
+    graph_waves: int = 1  # graph-safe launches: a grid of this many waves of programs
 
 
-_SM90 = dict(tma=True, pdl=True)
+_SM90 = dict(tma=True, pdl=True, graph_waves=3)
 _NARROW = dict(_SM90, narrow_partials=True, maxnreg=168)
 CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
     ("sm90", 64, 0): KernelConfig(64, 32, 4, 3, 4.0, **_SM90),

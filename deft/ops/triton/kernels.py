@@ -224,10 +224,11 @@ def tree_partial_kernel(
     # all heads, so the launch's last programs are its shortest ones.
     h_kv = num_heads // G
     if HEADER:
-        # Graph-safe launches: the grid is fixed (a wave of programs), each program takes the
-        # (work item, KV head) pairs ``pid, pid + grid, ...`` of the current plan, whose
-        # count and segment offsets come from the 16 ints before its first segment, so no
-        # launch argument changes between plans.
+        # Graph-safe launches: the grid is fixed (``graph_waves`` waves of programs), each
+        # program takes the (work item, KV head) pairs ``pid, pid + grid, ...`` of the
+        # current plan, whose count and segment offsets come from the 16 ints before its
+        # first segment, so no launch argument changes between plans. A grid of more than
+        # one wave leaves the hardware to hand most pairs to the SMs that finish first.
         num_work = tl.load(plan - 16)
         off_lo = tl.load(plan - 15)
         off_hi = tl.load(plan - 14)
@@ -236,10 +237,23 @@ def tree_partial_kernel(
         off_order = tl.load(plan - 11)
         off_pre = tl.load(plan - 10)
         off_len = tl.load(plan - 9)
-        if PDL:
-            gdc_launch_dependents()
-            gdc_wait()
-        for item in range(tl.program_id(0), num_work * h_kv, tl.num_programs(0)):
+        total = num_work * h_kv
+        pid = tl.program_id(0)
+        # The first pair waits for the previous launch once described, as below; a program
+        # without one still waits (so the launch ends after the previous one).
+        if pid < total:
+            _work_item(
+                pid // h_kv, pid % h_kv, Q, K, V, desc_k, desc_v, PO, PLSE, plan, off_lo,
+                off_hi, off_off, off_work, off_order, off_pre, off_len, O, LSE, counts,
+                merge_indptr, merge_partials, qk_scale, stride_qn, stride_qh, stride_kn,
+                stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
+                G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG,
+                TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL)
+        else:
+            if PDL:
+                gdc_launch_dependents()
+                gdc_wait()
+        for item in range(pid + tl.num_programs(0), total, tl.num_programs(0)):
             _work_item(
                 item // h_kv, item % h_kv, Q, K, V, desc_k, desc_v, PO, PLSE, plan, off_lo,
                 off_hi, off_off, off_work, off_order, off_pre, off_len, O, LSE, counts,
