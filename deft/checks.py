@@ -12,11 +12,13 @@ __all__ = ["is_int", "positive_int", "int_at_least", "int_in_range", "real_numbe
 
 def is_int(value: Any) -> bool:
     """An integer (Python or numpy), not a bool."""
-    return isinstance(value, Integral) and not isinstance(value, bool)
+    return type(value) is int or (isinstance(value, Integral) and not isinstance(value, bool))
 
 
 def positive_int(value: Any, name: str) -> int:
     """``value`` as an ``int`` >= 1."""
+    if type(value) is int and value >= 1:  # the common case, without the ABC check
+        return value
     if not is_int(value) or value < 1:
         raise ValueError(f"{name}: expected a positive integer, got {value!r}")
     return int(value)
@@ -24,6 +26,8 @@ def positive_int(value: Any, name: str) -> int:
 
 def int_at_least(value: Any, name: str, low: int, *, or_none: bool = False) -> int | None:
     """``value`` as an ``int`` >= ``low`` (``None`` passes through with ``or_none``)."""
+    if type(value) is int and value >= low:  # the common case, without the ABC check
+        return value
     if value is None and or_none:
         return None
     if not is_int(value) or value < low:

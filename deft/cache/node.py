@@ -2,12 +2,14 @@
 
 Node ids are stable handles that are never reused; layouts need dense indices
 ``0..num_live-1`` instead. :class:`DenseNodes` keeps live nodes in a list with their
-parent's dense index and their length in numpy arrays, updated in O(1) per change
+parent's dense index and their length in two columns, updated in O(1) per change
 (removal swaps the last node into the hole), so emitting a layout costs numpy work plus
 one slice per node, never a walk over tokens.
 """
 
 from __future__ import annotations
+
+from array import array
 
 import numpy as np
 
@@ -72,39 +74,53 @@ class Node:
 
 
 class DenseNodes:
-    """Live nodes in dense order, with ``parent_index`` and ``lens`` as numpy arrays."""
+    """Live nodes in dense order, with each node's parent's dense index and its length.
+
+    The two columns are ``array('q')`` (O(1) appends, pops and Python-int stores);
+    :meth:`arrays` copies them out as numpy once per layout.
+    """
 
     def __init__(self) -> None:
         self.order: list[Node] = []
-        self._parent = np.empty(16, _I)  # [capacity] parent's dense index, -1 for roots
-        self._lens = np.empty(16, _I)  # [capacity] tokens per node
+        self._parent = array("q")  # [N] parent's dense index, -1 for roots
+        self._lens = array("q")  # [N] tokens per node
 
     def __len__(self) -> int:
         return len(self.order)
 
     def add(self, node: Node) -> None:
-        i = len(self.order)
-        if i == self._parent.shape[0]:
-            self._parent = np.resize(self._parent, 2 * i)
-            self._lens = np.resize(self._lens, 2 * i)
+        node.dense = len(self.order)
         self.order.append(node)
-        node.dense = i
-        self._parent[i] = node.parent.dense if node.parent is not None else -1
-        self._lens[i] = node.n
+        self._parent.append(node.parent.dense if node.parent is not None else -1)
+        self._lens.append(node.n)
 
     def remove(self, node: Node) -> None:
         """Drop childless ``node``; the last node takes its index (its children re-pointed)."""
         i, last = node.dense, self.order.pop()
+        parent, n = self._parent.pop(), self._lens.pop()
         node.dense = -1
         if last is node:
             return
-        j = len(self.order)
         self.order[i] = last
         last.dense = i
-        self._parent[i] = self._parent[j]
-        self._lens[i] = self._lens[j]
+        self._parent[i], self._lens[i] = parent, n
         for child in last.children.values():
             self._parent[child.dense] = i
+
+    def remove_all(self, nodes: list[Node]) -> None:
+        """:meth:`remove` each of ``nodes`` in order (each childless by its turn).
+
+        When they are the last ``len(nodes)`` dense nodes (a draft tree just added), no
+        other node moves whatever the order, so the columns are cut at once.
+        """
+        cut = len(self.order) - len(nodes)
+        if any(nd.dense < cut for nd in nodes):
+            for nd in nodes:
+                self.remove(nd)
+            return
+        for nd in nodes:
+            nd.dense = -1
+        del self.order[cut:], self._parent[cut:], self._lens[cut:]
 
     def update(self, node: Node) -> None:
         """Refresh ``node``'s length and parent index after it changed."""
@@ -113,11 +129,10 @@ class DenseNodes:
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Fresh ``parents [N]``, ``node_kv_indptr [N + 1]`` and ``kv_indices [T]``."""
-        k = len(self.order)
-        indptr = np.zeros(k + 1, _I)
-        np.cumsum(self._lens[:k], out=indptr[1:])
+        indptr = np.zeros(len(self.order) + 1, _I)
+        np.cumsum(np.array(self._lens, _I), out=indptr[1:])
         kv = concat([nd.buf[: nd.n] for nd in self.order])
-        return self._parent[:k].copy(), indptr, kv
+        return np.array(self._parent, _I), indptr, kv
 
     def ids(self) -> np.ndarray:
         """``[N]`` node id of each dense index."""

@@ -96,6 +96,10 @@ class TreeKVCache:
         """Ids of all live nodes, oldest first."""
         return list(self._nodes)
 
+    def is_live(self, node: int) -> bool:
+        """Whether ``node`` is a live node id (``False`` once pruned), in O(1)."""
+        return node in self._nodes
+
     def slots(self, node: int) -> np.ndarray:
         """``[num_tokens(node)]`` the node's own slots in token order (a copy)."""
         return self._get(node).slots.copy()
@@ -292,28 +296,26 @@ class TreeKVCache:
         Layout node ``j`` is node ``layout_nodes()[j]`` (valid until the tree changes).
         Cost: numpy work plus one slice per live node and a few operations per query.
         """
-        num_q = len(queries)
-        qn, ql = np.empty(num_q, _I), np.empty(num_q, _I)
-        live = self._nodes
+        dense, lens, live = [], [], self._nodes
         for i, q in enumerate(queries):
             node, qlen = q if type(q) is tuple and len(q) == 2 else (q, None)
             nd = live.get(node) if type(node) is int else None  # fast path; _get validates
             if nd is None:
                 nd = self._get(node, f"queries[{i}]")
-            qn[i] = nd.dense
+            dense.append(nd.dense)
             if qlen is None:
-                ql[i] = nd.n
+                lens.append(nd.n)
             elif type(qlen) is int and 0 <= qlen <= nd.n:
-                ql[i] = qlen
+                lens.append(qlen)
             else:
-                ql[i] = int_at_least(qlen, f"queries[{i}]", 0)
-                if ql[i] > nd.n:
+                lens.append(int_at_least(qlen, f"queries[{i}]", 0))
+                if lens[-1] > nd.n:
                     raise ValueError(
                         f"queries[{i}]: expected query_kv_len in [0, {nd.n}] (tokens of node "
                         f"{nd.id}) or None, got {qlen!r}"
                     )
         parents, indptr, kv = self._dense.arrays()
-        return TreeLayout(parents, indptr, kv, qn, ql)
+        return TreeLayout(parents, indptr, kv, np.array(dense, _I), np.array(lens, _I))
 
     def layout_nodes(self) -> np.ndarray:
         """``[num_live]`` node id of each layout node index."""
@@ -322,6 +324,9 @@ class TreeKVCache:
     # --------------------------------------------------------------- internals
 
     def _get(self, node: Any, name: str = "node") -> Node:
+        nd = self._nodes.get(node) if type(node) is int else None  # the common case first
+        if nd is not None:
+            return nd
         nd = self._nodes.get(int(node)) if is_int(node) else None
         if nd is None:
             known = is_int(node) and 0 <= node < self._next_id
@@ -352,19 +357,21 @@ class TreeKVCache:
         while stack:
             cur = stack.pop()
             order.append(cur)
-            stack.extend(cur.children.values())
+            if cur.children:
+                stack += cur.children.values()
         return order[::-1]
 
     def _remove(self, nodes: list[Node]) -> None:
         """Remove ``nodes`` (each after its removed children), free and rewind pages."""
+        live = self._nodes
         for nd in nodes:
-            del self._nodes[nd.id]
+            del live[nd.id]
         survivors = []
         for nd in nodes:
             par = nd.parent
             if par is not None:
                 del par.children[nd.id]
-                if par.id in self._nodes:
+                if par.id in live:
                     survivors.append(par)
-            self._dense.remove(nd)
+        self._dense.remove_all(nodes)
         self._slot_alloc.release(nodes, survivors)

@@ -140,7 +140,7 @@ class BeamSearch:
     def release(self, keep: Collection[int] = ()) -> None:
         """End the search now (a cancel) and prune the running beams."""
         for b in self.running:
-            if b.node in self.cache.live_nodes:
+            if self.cache.is_live(b.node):
                 self.cache.prune(b.node, release_unused_ancestors=True, keep=keep)
         self.running, self.logits, self.feed, self.done = [], None, [], True
 

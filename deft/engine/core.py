@@ -272,8 +272,7 @@ class TreeEngine:
         for (``None`` for one whose node was pruned since: it is dropped). A feed with a
         ``source`` takes its token from ``values`` on the device."""
         staged, self._staged = self._staged, []
-        live = set(self.cache.live_nodes)
-        kept = [i for i, f in enumerate(staged) if f.queries[0][0] in live]
+        kept = [i for i, f in enumerate(staged) if self.cache.is_live(f.queries[0][0])]
         feeds = [staged[i] for i in kept]
         result: list[torch.Tensor | None] = [None] * len(staged)
         if not feeds:
@@ -398,6 +397,9 @@ class TreeEngine:
                              "without children can grow (fork it instead)")
 
     def _check_tokens(self, tokens: Any, name: str, allow_empty: bool = False) -> np.ndarray:
+        if (type(tokens) is list and 0 < len(tokens) <= 16  # a decode step's few valid ids
+                and all(type(t) is int and 0 <= t < self.vocab_size for t in tokens)):
+            return np.array(tokens, _I)
         if isinstance(tokens, (str, bytes)):
             raise TypeError(f"{name}: expected token ids, got a {type(tokens).__name__} "
                             "(encode text with the tokenizer first)")
