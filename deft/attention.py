@@ -202,37 +202,44 @@ class TreeAttention:
     def _check_inputs(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TreePlan
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        # Run per layer of every eager step: each tensor attribute is read once (host time).
+        if not (type(q) is torch.Tensor and type(k_cache) is torch.Tensor
+                and type(v_cache) is torch.Tensor):
+            for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         expect_q = (plan.num_queries, self.num_qo_heads, self.head_dim)
         if q.shape != expect_q:
             raise ValueError(f"q: expected shape {expect_q} [num_queries, H_q, D], got {tuple(q.shape)}")
-        if q.dtype not in self._backend.dtypes:
+        dtype = q.dtype
+        if dtype not in self._backend.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self._backend.dtypes)
-            raise TypeError(f"q: expected dtype {names} for backend {self.backend_name!r}, got {q.dtype}")
+            raise TypeError(f"q: expected dtype {names} for backend {self.backend_name!r}, got {dtype}")
         tail = (self.num_kv_heads, self.head_dim)
-        if k_cache.dim() not in (3, 4) or tuple(k_cache.shape[-2:]) != tail:
+        ks = k_cache.shape
+        if len(ks) not in (3, 4) or ks[-2] != tail[0] or ks[-1] != tail[1]:
             raise ValueError(
                 f"k_cache: expected shape [num_slots, {tail[0]}, {tail[1]}] or "
-                f"[num_pages, page_size, {tail[0]}, {tail[1]}], got {tuple(k_cache.shape)}"
+                f"[num_pages, page_size, {tail[0]}, {tail[1]}], got {tuple(ks)}"
             )
-        if v_cache.shape != k_cache.shape:
-            raise ValueError(f"v_cache: expected shape {tuple(k_cache.shape)} like k_cache, got {tuple(v_cache.shape)}")
+        if v_cache.shape != ks:
+            raise ValueError(f"v_cache: expected shape {tuple(ks)} like k_cache, got {tuple(v_cache.shape)}")
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if t.dtype != q.dtype:
-                raise TypeError(f"{name}: expected dtype {q.dtype} like q, got {t.dtype}")
+            if t.dtype != dtype:
+                raise TypeError(f"{name}: expected dtype {dtype} like q, got {t.dtype}")
+        want = self.device
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-            if t.device != self.device and not (
-                t.device.type == self.device.type and self.device.index is None
-            ):
-                raise ValueError(f"{name}: expected device {self.device} (the planned device), got {t.device}")
-        k_flat = k_cache if k_cache.dim() == 3 else k_cache.reshape(-1, *tail)
-        v_flat = v_cache if v_cache.dim() == 3 else v_cache.reshape(-1, *tail)
-        if self._max_slot >= k_flat.shape[0]:
+            got = t.device
+            if got != want and not (got.type == want.type and want.index is None):
+                raise ValueError(f"{name}: expected device {want} (the planned device), got {got}")
+        paged = len(ks) == 4
+        k_flat = k_cache.reshape(-1, *tail) if paged else k_cache
+        v_flat = v_cache.reshape(-1, *tail) if paged else v_cache
+        slots = ks[0] * ks[1] if paged else ks[0]
+        if self._max_slot >= slots:
             raise ValueError(
                 f"k_cache: the layout uses slot {self._max_slot} but the cache holds "
-                f"{k_flat.shape[0]} slots"
+                f"{slots} slots"
             )
         return k_flat, v_flat
 
@@ -241,7 +248,7 @@ def _check_out(t: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch.
                device: torch.device) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
+    if t.shape != shape or t.dtype != dtype or t.device != device:
         raise ValueError(f"{name}: expected a {dtype} tensor of shape {shape} on {device}, got "
                          f"{t.dtype} {tuple(t.shape)} on {t.device}")
     if not t.is_contiguous():

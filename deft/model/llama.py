@@ -80,6 +80,7 @@ class LlamaLayer(nn.Module):
         attn: TreeAttention,
         pool: KVPool,
         layer: int,
+        out: torch.Tensor,  # [N, H, D]: where attention writes (one buffer for every layer)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` through the fused kernels of :mod:`.fused`; returns the residual
         stream and this layer's MLP output, which the next layer's norm adds."""
@@ -90,7 +91,7 @@ class LlamaLayer(nn.Module):
         qkv = self.qkv(normed).view(n, h + 2 * h_kv, d)
         k, v = pool.k_slots[layer], pool.v_slots[layer]
         q = fused.rope_write(qkv, table, positions, write_slots, k, v, h)
-        o = attn.run(q, k, v)
+        o = attn.run(q, k, v, out=out)
         normed, x = fused.rms_norm(x, self.mlp_norm.weight, self.mlp_norm.eps,
                                    self.o(o.reshape(n, self.q_size)))
         return x, self.down(fused.silu_mul(self.gate_up(normed)))
@@ -194,9 +195,13 @@ class LlamaModel(nn.Module):
             from .fused import rms_norm
 
             delta = None
+            c = self.config
+            # Each layer's attention output is read by its o projection before the next
+            # layer writes it (stream order): one buffer serves them all.
+            out = torch.empty((x.shape[0], c.num_heads, c.head_dim), dtype=x.dtype, device=x.device)
             for i, layer in enumerate(self.layers):
                 x, delta = layer.forward_fused(x, delta, positions, self.rope, write_slots,
-                                               attn, pool, i)
+                                               attn, pool, i, out)
             if logits_rows is not None:
                 x, delta = x[logits_rows], delta[logits_rows]
             return F.linear(rms_norm(x, self.norm.weight, self.norm.eps, delta)[0], head).float()
