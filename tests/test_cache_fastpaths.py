@@ -125,7 +125,7 @@ def test_cutting_a_tail_of_dense_nodes_matches_removing_them_one_by_one():
                 if p is not None:
                     p.children[nd.id] = nd
                 nodes.append(nd)
-                dense.add(nd)
+                dense.add_all([nd])
             doomed = [nodes[lead + i] for i in range(m - 1, -1, -1)]  # children first
             for nd in doomed:
                 if nd.parent is not None:

@@ -49,7 +49,7 @@ class Node:
         self.parent = parent
         self.children: dict[int, Node] = {}  # insertion-ordered
         self.buf = slots  # [capacity] int64; a given array is never written, only replaced
-        self.n = slots.shape[0]
+        self.n = len(slots)
         self.pages: list[int] = pages if pages is not None else []  # distinct pages of its slots
         self.group_page = -1
         self.dense = -1
@@ -88,11 +88,13 @@ class DenseNodes:
     def __len__(self) -> int:
         return len(self.order)
 
-    def add(self, node: Node) -> None:
-        node.dense = len(self.order)
-        self.order.append(node)
-        self._parent.append(node.parent.dense if node.parent is not None else -1)
-        self._lens.append(node.n)
+    def add_all(self, nodes: list[Node]) -> None:
+        """Append ``nodes``, each after its parent."""
+        for i, nd in enumerate(nodes, len(self.order)):
+            nd.dense = i
+        self.order += nodes
+        self._parent.extend([nd.parent.dense if nd.parent is not None else -1 for nd in nodes])
+        self._lens.extend([nd.n for nd in nodes])
 
     def remove(self, node: Node) -> None:
         """Drop childless ``node``; the last node takes its index (its children re-pointed)."""

@@ -191,10 +191,11 @@ class TreeKVCache:
                 i = int(np.argmax(lens < 0))
                 raise ValueError(f"num_tokens[{i}]: expected an integer >= 0, got {int(lens[i])}")
         slots, parts = self._slot_alloc.subtree(nd, lens)
-        new: list[Node] = []
-        for p, (own, pages) in zip(par.tolist(), parts):
-            new.append(self._new_node(nd if p < 0 else new[p], own, pages))
-        return [c.id for c in new], slots.copy()
+        first, new = self._next_id, []
+        for i, (p, (own, pages)) in enumerate(zip(par.tolist(), parts)):
+            new.append(Node(first + i, nd if p < 0 else new[p], own, pages))
+        self._register(new)
+        return list(range(first, first + m)), slots.copy()
 
     def split(self, node: int, at: int) -> int:
         """Cut ``node`` before its token ``at``; returns the id of the new head node.
@@ -218,7 +219,7 @@ class TreeKVCache:
         head.children = {nd.id: nd}
         nd.parent = head
         self._nodes[head.id] = head
-        self._dense.add(head)
+        self._dense.add_all([head])
         self._dense.update(nd)
         return head.id
 
@@ -339,12 +340,18 @@ class TreeKVCache:
     ) -> Node:
         """Register a node holding ``slots`` (kept, not copied) that lie in ``pages``."""
         nd = Node(self._next_id, parent, slots, pages)
-        self._next_id += 1
-        self._nodes[nd.id] = nd
-        if parent is not None:
-            parent.children[nd.id] = nd
-        self._dense.add(nd)
+        self._register([nd])
         return nd
+
+    def _register(self, new: list[Node]) -> None:
+        """Register ``new`` nodes, numbered on from ``_next_id``, each after its parent."""
+        live = self._nodes
+        for nd in new:
+            live[nd.id] = nd
+            if nd.parent is not None:
+                nd.parent.children[nd.id] = nd
+        self._next_id += len(new)
+        self._dense.add_all(new)
 
     def _append(self, nd: Node, k: int) -> np.ndarray:
         slots = self._slot_alloc.append(nd, k)
