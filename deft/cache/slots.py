@@ -113,9 +113,10 @@ class SlotAllocator:
         A page holding slots of both parts gains a user.
         """
         ps = self.page_size
-        first, rest = nd.buf[:at], nd.buf[at : nd.n]
+        first, rest = nd.slots[:at], nd.slots[at:]
         pages = np.unique(first // ps).tolist()
-        nd.buf, nd.n, nd.pages = rest, rest.shape[0], np.unique(rest // ps).tolist()
+        nd.hold(rest)
+        nd.pages = np.unique(rest // ps).tolist()
         self.allocator.share(sorted(set(pages) & set(nd.pages)))
         return first, pages
 
@@ -130,7 +131,7 @@ class SlotAllocator:
         page = self.target_page(nd)
         room = 0
         if page >= 0 and self.allocator.users[page] > 0 and page not in freed:
-            dead = concat([r.buf[: r.n] for r in removed])
+            dead = concat([r.slots for r in removed])
             seg = self.live[page * ps : (page + 1) * ps].copy()
             seg[dead[dead // ps == page] - page * ps] = False
             room = int(np.argmax(seg[::-1])) if seg.any() else ps  # free tail after rewinding
@@ -149,7 +150,7 @@ class SlotAllocator:
             if nd.n == 1:
                 live[int(nd.buf[0])] = 0
             elif nd.n:
-                self.live[nd.buf[: nd.n]] = False
+                self.live[nd.slots] = False
             touched += nd.pages
         self.allocator.drop(touched)
         users, fill, ps = self.allocator.users, self._fill, self.page_size
