@@ -144,8 +144,9 @@ class TreeKVCache:
         their own first tokens go into ``node``'s partly filled last page.
         """
         par = self._get(node)
-        n = int_at_least(n, "n", 1)
-        return [self._new_node(par).id for _ in range(n)]
+        first = self._next_id
+        self._register([Node(i, par) for i in range(first, first + int_at_least(n, "n", 1))])
+        return list(range(first, self._next_id))
 
     def append(self, node: int, num_tokens: int = 1) -> np.ndarray:
         """Give leaf ``node`` ``num_tokens`` more slots; returns them, ``[num_tokens]``."""
