@@ -4,7 +4,7 @@ Node ids are stable handles that are never reused; layouts need dense indices
 ``0..num_live-1`` instead. :class:`DenseNodes` keeps live nodes in a list with their
 parent's dense index and their length in two columns, updated in O(1) per change
 (removal swaps the last node into the hole), so emitting a layout costs numpy work plus
-one slice per node, never a walk over tokens.
+one read of each node's slots view, never a walk over tokens.
 """
 
 from __future__ import annotations

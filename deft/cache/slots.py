@@ -203,8 +203,12 @@ class SlotAllocator:
             fill[p] = ps
         fill[fresh[-1]] = rest - (len(fresh) - 1) * ps
         if len(fresh) == 1:
-            tail = np.arange(fresh[0] * ps, fresh[0] * ps + rest, dtype=_I)
+            lo = fresh[0] * ps
+            self._live[lo : lo + rest] = b"\1" * rest
+            tail = np.arange(lo, lo + rest, dtype=_I)
         else:
             tail = (np.array(fresh, _I)[:, None] * ps + np.arange(ps)).reshape(-1)[:rest]
-        self.live[tail] = True
+            self.live[tail] = True
+        if not take:
+            return tail, take, fresh
         return np.concatenate((np.arange(start, start + take, dtype=_I), tail)), take, fresh

@@ -98,7 +98,7 @@ class TreeKVCache:
 
     def is_live(self, node: int) -> bool:
         """Whether ``node`` is a live node id (``False`` once pruned), in O(1)."""
-        return node in self._nodes
+        return is_int(node) and int(node) in self._nodes
 
     def slots(self, node: int) -> np.ndarray:
         """``[num_tokens(node)]`` the node's own slots in token order (a copy)."""
@@ -296,7 +296,7 @@ class TreeKVCache:
         ``queries`` lists each query as a node id or ``(node, query_kv_len)``
         (``None``: all of the node's tokens); layout query ``i`` is ``queries[i]``.
         Layout node ``j`` is node ``layout_nodes()[j]`` (valid until the tree changes).
-        Cost: numpy work plus one slice per live node and a few operations per query.
+        Cost: numpy work plus one view per live node and a few operations per query.
         """
         dense, lens, live = [], [], self._nodes
         for i, q in enumerate(queries):
@@ -345,7 +345,7 @@ class TreeKVCache:
         return nd
 
     def _register(self, new: list[Node]) -> None:
-        """Register ``new`` nodes, numbered on from ``_next_id``, each after its parent."""
+        """Register ``new`` nodes, numbered from ``_next_id`` on, each after its parent."""
         live = self._nodes
         for nd in new:
             live[nd.id] = nd
