@@ -4,7 +4,7 @@ Node ids are stable handles that are never reused; layouts need dense indices
 ``0..num_live-1`` instead. :class:`DenseNodes` keeps live nodes in a list with their
 parent's dense index and their length in two columns, updated in O(1) per change
 (removal swaps the last node into the hole), so emitting a layout costs numpy work plus
-one slice per node, never a walk over tokens.
+one read of each node's slots view, never a walk over tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ def concat(arrays: list[np.ndarray]) -> np.ndarray:
 class Node:
     """One live node: its own slots ``buf[:n]`` and the pages those slots lie in.
 
+    ``slots`` is the view ``buf[:n]``, kept with every change: a layout reads every live
+    node's, and an attribute costs a fraction of a slice. It is never written through
+    (appends go past it).
+
     ``start`` is the number of tokens on the path above it (its first token's position),
     fixed at creation: a node with children never grows.
 
@@ -36,7 +40,8 @@ class Node:
     page.
     """
 
-    __slots__ = ("id", "parent", "children", "buf", "n", "pages", "group_page", "dense", "start")
+    __slots__ = ("id", "parent", "children", "buf", "n", "slots", "pages", "group_page", "dense",
+                 "start")
 
     def __init__(
         self,
@@ -48,17 +53,17 @@ class Node:
         self.id = node_id
         self.parent = parent
         self.children: dict[int, Node] = {}  # insertion-ordered
-        self.buf = slots  # [capacity] int64; a given array is never written, only replaced
-        self.n = slots.shape[0]
+        self.buf = self.slots = slots  # [capacity] int64; a given array is never written
+        self.n = len(slots)
         self.pages: list[int] = pages if pages is not None else []  # distinct pages of its slots
         self.group_page = -1
         self.dense = -1
         self.start = 0 if parent is None else parent.start + parent.n
 
-    @property
-    def slots(self) -> np.ndarray:
-        """``[n]`` a view of this node's slots; never written through (appends go past it)."""
-        return self.buf[: self.n]
+    def hold(self, slots: np.ndarray) -> None:
+        """Hold exactly ``slots [n]`` from now on (kept, not copied)."""
+        self.buf = self.slots = slots
+        self.n = len(slots)
 
     def extend(self, slots: np.ndarray) -> None:
         """Append ``slots [k]``, growing the buffer geometrically (amortised O(1) per slot)."""
@@ -67,10 +72,11 @@ class Node:
             return
         if need > self.buf.shape[0]:
             buf = np.empty(max(need, 2 * self.buf.shape[0], 4), _I)
-            buf[: self.n] = self.buf[: self.n]
+            buf[: self.n] = self.slots
             self.buf = buf
         self.buf[self.n : need] = slots
         self.n = need
+        self.slots = self.buf[:need]
 
 
 class DenseNodes:
@@ -88,11 +94,13 @@ class DenseNodes:
     def __len__(self) -> int:
         return len(self.order)
 
-    def add(self, node: Node) -> None:
-        node.dense = len(self.order)
-        self.order.append(node)
-        self._parent.append(node.parent.dense if node.parent is not None else -1)
-        self._lens.append(node.n)
+    def add_all(self, nodes: list[Node]) -> None:
+        """Append ``nodes``, each after its parent."""
+        for i, nd in enumerate(nodes, len(self.order)):
+            nd.dense = i
+        self.order += nodes
+        self._parent.extend([nd.parent.dense if nd.parent is not None else -1 for nd in nodes])
+        self._lens.extend([nd.n for nd in nodes])
 
     def remove(self, node: Node) -> None:
         """Drop childless ``node``; the last node takes its index (its children re-pointed)."""
@@ -131,7 +139,7 @@ class DenseNodes:
         """Fresh ``parents [N]``, ``node_kv_indptr [N + 1]`` and ``kv_indices [T]``."""
         indptr = np.zeros(len(self.order) + 1, _I)
         np.cumsum(np.array(self._lens, _I), out=indptr[1:])
-        kv = concat([nd.buf[: nd.n] for nd in self.order])
+        kv = concat([nd.slots for nd in self.order])
         return np.array(self._parent, _I), indptr, kv
 
     def ids(self) -> np.ndarray:

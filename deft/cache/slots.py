@@ -82,25 +82,30 @@ class SlotAllocator:
         (new node, page) pair already counted).
         """
         m, ps = lens.shape[0], self.page_size
-        slots, _, fresh = self._take(self.group_page(nd), int(lens.sum()))
-        # One user per (new node, page) pair; alloc already counted one user per fresh page.
+        slots, take, _ = self._take(self.group_page(nd), int(lens.sum()))
+        # Each page is one run of ``slots`` and each node's slots are another, so a new
+        # (node, page) pair starts wherever the node or the page changes: one user each,
+        # but for the pair that opens a fresh page (alloc counted it).
         owner = np.repeat(np.arange(m, dtype=_I), lens)
-        pairs = np.unique(owner * self.num_pages + slots // ps)
-        pair_owner, pair_page = pairs // self.num_pages, pairs % self.num_pages
-        uniq, first = np.unique(pair_page, return_index=True)
-        extra = np.ones(pairs.shape[0], bool)
-        extra[first[np.isin(uniq, fresh)]] = False
-        self.allocator.share(pair_page[extra].tolist())
+        page = slots // ps
+        pair = np.ones(slots.shape[0], bool)
+        opens = pair.copy()
+        opens[1:] = page[1:] != page[:-1]
+        pair[1:] = opens[1:] | (owner[1:] != owner[:-1])
+        if take:
+            opens[0] = False
+        self.allocator.share(page[pair & ~opens].tolist())
         if slots.size:
             nd.group_page = int(slots[-1]) // ps
-        bounds = np.zeros(m + 1, _I)
-        np.cumsum(lens, out=bounds[1:])
-        pair_bounds = np.searchsorted(pair_owner, np.arange(m + 1)).tolist()
-        pages = pair_page.tolist()
-        cuts = bounds.tolist()
-        parts = [(slots[cuts[i] : cuts[i + 1]], pages[pair_bounds[i] : pair_bounds[i + 1]])
-                 for i in range(m)]
-        return slots, parts
+        pair_page = page[pair].tolist()
+        if (lens == 1).all():  # one token each (draft tokens)
+            return slots, [(slots[i : i + 1], [p]) for i, p in enumerate(pair_page)]
+        cuts = np.zeros(m + 1, _I)
+        np.cumsum(lens, out=cuts[1:])
+        pair_cuts = np.searchsorted(owner[pair], np.arange(m + 1)).tolist()
+        cuts = cuts.tolist()
+        return slots, [(slots[cuts[i] : cuts[i + 1]], pair_page[pair_cuts[i] : pair_cuts[i + 1]])
+                       for i in range(m)]
 
     def split(self, nd: Node, at: int) -> tuple[np.ndarray, list[int]]:
         """Take ``nd``'s first ``at`` slots away from it; returns them and their pages.
@@ -108,9 +113,10 @@ class SlotAllocator:
         A page holding slots of both parts gains a user.
         """
         ps = self.page_size
-        first, rest = nd.buf[:at], nd.buf[at : nd.n]
+        first, rest = nd.slots[:at], nd.slots[at:]
         pages = np.unique(first // ps).tolist()
-        nd.buf, nd.n, nd.pages = rest, rest.shape[0], np.unique(rest // ps).tolist()
+        nd.hold(rest)
+        nd.pages = np.unique(rest // ps).tolist()
         self.allocator.share(sorted(set(pages) & set(nd.pages)))
         return first, pages
 
@@ -125,7 +131,7 @@ class SlotAllocator:
         page = self.target_page(nd)
         room = 0
         if page >= 0 and self.allocator.users[page] > 0 and page not in freed:
-            dead = concat([r.buf[: r.n] for r in removed])
+            dead = concat([r.slots for r in removed])
             seg = self.live[page * ps : (page + 1) * ps].copy()
             seg[dead[dead // ps == page] - page * ps] = False
             room = int(np.argmax(seg[::-1])) if seg.any() else ps  # free tail after rewinding
@@ -144,7 +150,7 @@ class SlotAllocator:
             if nd.n == 1:
                 live[int(nd.buf[0])] = 0
             elif nd.n:
-                self.live[nd.buf[: nd.n]] = False
+                self.live[nd.slots] = False
             touched += nd.pages
         self.allocator.drop(touched)
         users, fill, ps = self.allocator.users, self._fill, self.page_size
@@ -152,9 +158,8 @@ class SlotAllocator:
             if par.group_page >= 0 and not users[par.group_page]:
                 par.group_page = -1
         for p in set(touched):  # rewind each fill pointer to just past the page's last live slot
-            if users[p]:
-                last = live.rfind(1, p * ps, (p + 1) * ps)
-                fill[p] = last + 1 - p * ps if last >= 0 else 0
+            if users[p]:  # (a page with users holds a live slot)
+                fill[p] = live.rfind(1, p * ps, (p + 1) * ps) + 1 - p * ps
 
     # ---------------------------------------------------------------- policy
 
@@ -198,8 +203,12 @@ class SlotAllocator:
             fill[p] = ps
         fill[fresh[-1]] = rest - (len(fresh) - 1) * ps
         if len(fresh) == 1:
-            tail = np.arange(fresh[0] * ps, fresh[0] * ps + rest, dtype=_I)
+            lo = fresh[0] * ps
+            self._live[lo : lo + rest] = b"\1" * rest
+            tail = np.arange(lo, lo + rest, dtype=_I)
         else:
             tail = (np.array(fresh, _I)[:, None] * ps + np.arange(ps)).reshape(-1)[:rest]
-        self.live[tail] = True
+            self.live[tail] = True
+        if not take:
+            return tail, take, fresh
         return np.concatenate((np.arange(start, start + take, dtype=_I), tail)), take, fresh

@@ -98,7 +98,7 @@ class TreeKVCache:
 
     def is_live(self, node: int) -> bool:
         """Whether ``node`` is a live node id (``False`` once pruned), in O(1)."""
-        return node in self._nodes
+        return is_int(node) and int(node) in self._nodes
 
     def slots(self, node: int) -> np.ndarray:
         """``[num_tokens(node)]`` the node's own slots in token order (a copy)."""
@@ -144,8 +144,9 @@ class TreeKVCache:
         their own first tokens go into ``node``'s partly filled last page.
         """
         par = self._get(node)
-        n = int_at_least(n, "n", 1)
-        return [self._new_node(par).id for _ in range(n)]
+        first = self._next_id
+        self._register([Node(i, par) for i in range(first, first + int_at_least(n, "n", 1))])
+        return list(range(first, self._next_id))
 
     def append(self, node: int, num_tokens: int = 1) -> np.ndarray:
         """Give leaf ``node`` ``num_tokens`` more slots; returns them, ``[num_tokens]``."""
@@ -191,10 +192,11 @@ class TreeKVCache:
                 i = int(np.argmax(lens < 0))
                 raise ValueError(f"num_tokens[{i}]: expected an integer >= 0, got {int(lens[i])}")
         slots, parts = self._slot_alloc.subtree(nd, lens)
-        new: list[Node] = []
-        for p, (own, pages) in zip(par.tolist(), parts):
-            new.append(self._new_node(nd if p < 0 else new[p], own, pages))
-        return [c.id for c in new], slots.copy()
+        first, new = self._next_id, []
+        for i, (p, (own, pages)) in enumerate(zip(par.tolist(), parts)):
+            new.append(Node(first + i, nd if p < 0 else new[p], own, pages))
+        self._register(new)
+        return list(range(first, first + m)), slots.copy()
 
     def split(self, node: int, at: int) -> int:
         """Cut ``node`` before its token ``at``; returns the id of the new head node.
@@ -218,7 +220,7 @@ class TreeKVCache:
         head.children = {nd.id: nd}
         nd.parent = head
         self._nodes[head.id] = head
-        self._dense.add(head)
+        self._dense.add_all([head])
         self._dense.update(nd)
         return head.id
 
@@ -294,7 +296,7 @@ class TreeKVCache:
         ``queries`` lists each query as a node id or ``(node, query_kv_len)``
         (``None``: all of the node's tokens); layout query ``i`` is ``queries[i]``.
         Layout node ``j`` is node ``layout_nodes()[j]`` (valid until the tree changes).
-        Cost: numpy work plus one slice per live node and a few operations per query.
+        Cost: numpy work plus one view per live node and a few operations per query.
         """
         dense, lens, live = [], [], self._nodes
         for i, q in enumerate(queries):
@@ -339,12 +341,18 @@ class TreeKVCache:
     ) -> Node:
         """Register a node holding ``slots`` (kept, not copied) that lie in ``pages``."""
         nd = Node(self._next_id, parent, slots, pages)
-        self._next_id += 1
-        self._nodes[nd.id] = nd
-        if parent is not None:
-            parent.children[nd.id] = nd
-        self._dense.add(nd)
+        self._register([nd])
         return nd
+
+    def _register(self, new: list[Node]) -> None:
+        """Register ``new`` nodes, numbered from ``_next_id`` on, each after its parent."""
+        live = self._nodes
+        for nd in new:
+            live[nd.id] = nd
+            if nd.parent is not None:
+                nd.parent.children[nd.id] = nd
+        self._next_id += len(new)
+        self._dense.add_all(new)
 
     def _append(self, nd: Node, k: int) -> np.ndarray:
         slots = self._slot_alloc.append(nd, k)

@@ -238,10 +238,11 @@ class TreeEngine:
             if not isinstance(item, (tuple, list)) or len(item) != 2:
                 raise ValueError(f"items[{i}]: expected a (node, token_ids) pair, got {item!r}")
             node, toks = item
-            self._check_leaf(node, f"items[{i}]")
-            ids = self._check_tokens(toks, f"items[{i}]")
+            name = f"items[{i}]"
+            self._check_leaf(node, name)
+            ids = self._check_tokens(toks, name)
             grow[node] = grow.get(node, 0) + ids.shape[0]
-            self._check_context(node, grow[node], f"items[{i}]")
+            self._check_context(node, grow[node], name)
             checked.append((node, ids))
         sources, values = self._check_sources(device_tokens, checked)
         drafts = [self._check_tree(i, tree, grow) for i, tree in enumerate(trees)]
@@ -261,11 +262,11 @@ class TreeEngine:
 
     def _stage(self, node: int, ids: np.ndarray, mode: str, source: int = -1) -> None:
         """Append ``ids`` to ``node`` (slots now, K/V at the next forward)."""
-        base, have = self.position(node), self.cache.num_tokens(node)
-        slots = self.cache.append(node, ids.shape[0])
-        n = ids.shape[0]
-        queries = [(node, have + j + 1) for j in range(n)]
-        self._staged.append(_Feed(queries, ids, base + np.arange(n, dtype=_I), slots, mode, source))
+        n, have = ids.shape[0], self.cache.num_tokens(node)
+        base = self.cache.position(node)
+        slots = self.cache.append(node, n)
+        queries = [(node, j) for j in range(have + 1, have + n + 1)]
+        self._staged.append(_Feed(queries, ids, np.arange(base, base + n, dtype=_I), slots, mode, source))
 
     def _step(self, values: torch.Tensor | None = None) -> list[torch.Tensor | None]:
         """Run every staged feed in one forward; per staged feed the logits its mode asked
@@ -349,11 +350,11 @@ class TreeEngine:
             j = int(np.argmax(bad))
             raise ValueError(f"trees[{i}] parents[{j}]: expected -1 or an earlier index "
                              f"in [0, {j}), got {int(par[j])}")
-        depth = np.zeros(par.shape[0], _I)
-        for j, p in enumerate(par.tolist()):
-            depth[j] = 0 if p < 0 else depth[p] + 1
-        base = self._check_context(node, int(depth.max(initial=-1)) + 1, f"trees[{i}]")
-        return node, par, ids, base + depth
+        depth: list[int] = []
+        for p in par.tolist():
+            depth.append(0 if p < 0 else depth[p] + 1)
+        base = self._check_context(node, max(depth, default=-1) + 1, f"trees[{i}]")
+        return node, par, ids, base + np.array(depth, _I)
 
     def _check_sources(self, device_tokens: tuple[torch.Tensor, Sequence[int]] | None,
                        checked: list[tuple[int, np.ndarray]]) -> tuple[list[int], torch.Tensor | None]:
