@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["TreeLayout", "as_index_array"]
+__all__ = ["TreeLayout", "as_index_array", "trusted_layout"]
 
 
 def as_index_array(value: Any, name: str) -> np.ndarray:
@@ -163,6 +163,21 @@ class TreeLayout:
         np.cumsum(lens, out=indptr[1:])
         kv = np.arange(indptr[-1], dtype=np.int64) if slots is None else slots
         return cls(parents, indptr, kv, query_nodes, query_kv_lens)
+
+
+def trusted_layout(parents: np.ndarray, node_kv_indptr: np.ndarray, kv_indices: np.ndarray,
+                   query_nodes: np.ndarray, query_kv_lens: np.ndarray) -> TreeLayout:
+    """A :class:`TreeLayout` of int64 arrays that are valid by construction, unchecked: for
+    code that builds every step's layout from state it keeps valid (the tree cache, a
+    padded layout), where the checks would cost host time on the critical path each step.
+    The arrays are frozen (read-only) but not copied."""
+    layout = object.__new__(TreeLayout)
+    for name, arr in (("parents", parents), ("node_kv_indptr", node_kv_indptr),
+                      ("kv_indices", kv_indices), ("query_nodes", query_nodes),
+                      ("query_kv_lens", query_kv_lens)):
+        arr.setflags(write=False)
+        object.__setattr__(layout, name, arr)
+    return layout
 
 
 def _check_parents(parents: np.ndarray) -> None:

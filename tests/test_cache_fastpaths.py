@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from deft import TreeLayout
 from deft.cache import CacheFullError, TreeKVCache
 from deft.cache.node import DenseNodes, Node
 
@@ -27,6 +28,9 @@ def check_state(cache: TreeKVCache) -> None:
     assert layout.parents.tolist() == [index.get(cache.parent(n), -1) for n in ids]
     assert layout.node_lens.tolist() == [cache.num_tokens(n) for n in ids]
     assert layout.kv_indices.tolist() == [s for n in ids for s in cache.slots(n).tolist()]
+    # The cache's layouts skip TreeLayout's checks (trusted_layout): they must pass them.
+    TreeLayout(layout.parents, layout.node_kv_indptr, layout.kv_indices, layout.query_nodes,
+               layout.query_kv_lens)
     owned = [cache.slots(n) for n in cache.live_nodes]
     live = np.zeros(cache.num_pages * cache.page_size, bool)
     live[np.concatenate(owned or [np.zeros(0, np.int64)])] = True

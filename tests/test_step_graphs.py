@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from deft import TreeKVCache
+from deft import TreeKVCache, TreeLayout
 from deft.engine import TreeEngine
 from deft.engine import graphs as graphs_mod
 from deft.engine.graphs import StepGraphs
@@ -86,6 +86,17 @@ def _path(cache, node):
         out.append(node)
         node = cache.parent(node)
     return out
+
+
+def test_padding_gives_a_valid_layout_with_the_extra_queries_on_a_scratch_root():
+    layout = TreeLayout([-1, 0, 0], [0, 3, 4, 6], [5, 6, 7, 2, 9, 10], [1, 2, 2], [1, 1, 2])
+    padded = graphs_mod._pad(layout, 3, 99)  # built unchecked (trusted_layout)
+    TreeLayout(padded.parents, padded.node_kv_indptr, padded.kv_indices, padded.query_nodes,
+               padded.query_kv_lens)  # passes the checks
+    assert padded.parents.tolist() == [-1, 0, 0, -1]
+    assert padded.kv_indices.tolist() == [5, 6, 7, 2, 9, 10, 99]
+    assert padded.query_nodes.tolist() == [1, 2, 2, 3, 3, 3]
+    assert padded.query_kv_lens.tolist() == [1, 1, 2, 1, 1, 1]
 
 
 def test_graphs_are_off_without_cuda_and_refused_there():

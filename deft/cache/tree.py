@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..checks import int_at_least, int_in_range, is_int
-from ..layout import TreeLayout, as_index_array
+from ..layout import TreeLayout, as_index_array, trusted_layout
 from .node import EMPTY, DenseNodes, Node, concat
 from .pool import KVPool
 from .slots import SlotAllocator
@@ -317,7 +317,8 @@ class TreeKVCache:
                         f"{nd.id}) or None, got {qlen!r}"
                     )
         parents, indptr, kv = self._dense.arrays()
-        return TreeLayout(parents, indptr, kv, np.array(dense, _I), np.array(lens, _I))
+        # Valid by construction (every checked query above, a forest of live nodes).
+        return trusted_layout(parents, indptr, kv, np.array(dense, _I), np.array(lens, _I))
 
     def layout_nodes(self) -> np.ndarray:
         """``[num_live]`` node id of each layout node index."""

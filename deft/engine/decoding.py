@@ -353,7 +353,7 @@ class Batch:
         b.done = True
         b.feed, b.logits, b.source = [], None, -1
         b.finish_reason = b.finish_reason or reason
-        if b.node is not None and b.node in self.engine.cache.live_nodes and not self._keep_answer(b):
+        if b.node is not None and self.engine.cache.is_live(b.node) and not self._keep_answer(b):
             self.engine.cache.prune(b.node, release_unused_ancestors=True, keep=self.pinned)
 
     def _keep_answer(self, b: Branch) -> bool:

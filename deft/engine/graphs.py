@@ -25,7 +25,7 @@ import torch
 
 from ..attention import TreeAttention
 from ..cache.pool import KVPool
-from ..layout import TreeLayout
+from ..layout import TreeLayout, trusted_layout
 from ..model.llama import LlamaModel
 from ..ops import Capacity, CapacityError
 from ..plan import make_plan
@@ -181,7 +181,7 @@ def _pad(layout: TreeLayout, extra: int, scratch_slot: int) -> TreeLayout:
     if extra == 0:
         return layout
     nodes, indptr = layout.parents.shape[0], layout.node_kv_indptr
-    return TreeLayout(
+    return trusted_layout(  # a valid layout and one more root: valid
         np.append(layout.parents, -1), np.append(indptr, indptr[-1] + 1),
         np.append(layout.kv_indices, scratch_slot),
         np.concatenate([layout.query_nodes, np.full(extra, nodes, _I)]),

@@ -222,7 +222,7 @@ class SpecSearch:
         if self in self.spec.waiting:
             self.spec.waiting.remove(self)
         self.spec.drafter.release(id(self))
-        if self.node in self.cache.live_nodes:
+        if self.cache.is_live(self.node):
             self.cache.prune(self.node, release_unused_ancestors=True, keep=keep)
         self.tree, self.logits, self._trees, self.done = None, None, [], True
 

@@ -170,7 +170,7 @@ def _replay(engine: TreeEngine, data: dict[int, dict[str, Any]], last: int, toke
             progress(1)
     decode_s = time.perf_counter() - t1 - (engine.stats["io_s"] - io_s0)
     io1 = _io(engine)
-    if root in engine.cache.live_nodes:  # stopped early: drop what is left of the tree
+    if engine.cache.is_live(root):  # stopped early: drop what is left of the tree
         engine.cache.prune(root)
     return ReplayReport(
         **names, iterations=last, prompt_tokens=len(prompt), thoughts=thoughts,
