@@ -165,7 +165,10 @@ class BeamSearch:
         vocab = logp.shape[1]
         gen_len = len(self.running[0].tokens) + 1
         last = gen_len >= self.max_new
-        cands = [(_F(v), i // vocab, i % vocab) for v, i in zip(top.values.tolist(), top.indices.tolist())]
+        # One copy to the host (the step's one synchronisation): float32 scores and indices
+        # below 2^53 are exact in float64.
+        values, indices = torch.stack((top.values.double(), top.indices.double())).tolist()
+        cands = [(_F(v), int(i) // vocab, int(i) % vocab) for v, i in zip(values, indices)]
         hits = [last or tok in self.stop for _, _, tok in cands]
 
         full = len(self.finished) == k
