@@ -61,10 +61,18 @@ class Sampler:
     def draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """As a call, but int64 tokens ``[B]`` and float32 log-probabilities ``[B]`` stay on
         the logits' device (no host synchronisation)."""
-        if self.params.greedy:
-            tokens = logits.argmax(-1)
-        else:
-            probs = probabilities(logits, self.params)
-            tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        if logits.device.type == "cuda":  # one fused pass for the argmax and the normaliser
+            from .row_stats import row_stats
+
+            tokens, logp, lse = row_stats(logits)
+            if self.params.greedy:
+                return tokens, logp
+            tokens = self._sample(logits)
+            return tokens, logits.gather(-1, tokens[:, None]).squeeze(-1).float() - lse
+        tokens = logits.argmax(-1) if self.params.greedy else self._sample(logits)
         logp = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
         return tokens, logp
+
+    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+        probs = probabilities(logits, self.params)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
