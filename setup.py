@@ -1,6 +1,7 @@
-"""Builds the compiled planner (``deft.plan._flatten_plan``) at install; metadata is in
-pyproject.toml. Without a working C compiler or the Python headers the package still
-installs, after a warning, and plans with numpy."""
+"""Builds the compiled planner (``deft.plan._flatten_plan``) and the driver-launch helper
+(``deft.ops.triton._driver_launch``) at install; metadata is in pyproject.toml. Without a
+working C compiler or the Python headers the package still installs, after a warning, and
+plans with numpy (and launches one kernel per ctypes call)."""
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -22,14 +23,16 @@ class OptionalBuildExt(build_ext):
             self._skip(exc)
 
     def _skip(self, exc: Exception) -> None:
-        self.warn(f"deft: the compiled planner was not built ({exc}); deft will plan with "
-                  f"numpy (slower). Install a C compiler and the Python headers "
-                  f"(python3-dev on Debian) and reinstall to build it.")
+        self.warn(f"deft: a compiled helper was not built ({exc}); deft will plan with "
+                  f"numpy and launch through ctypes (slower). Install a C compiler and the "
+                  f"Python headers (python3-dev on Debian) and reinstall to build it.")
 
 
 setup(
     ext_modules=[Extension("deft.plan._flatten_plan", ["deft/plan/flatten_plan.c"],
                            depends=["deft/plan/tile_masks.c"],  # included by flatten_plan.c
-                           extra_compile_args=["-O3", "-std=c11"], libraries=["m"])],
+                           extra_compile_args=["-O3", "-std=c11"], libraries=["m"]),
+                 Extension("deft.ops.triton._driver_launch", ["deft/ops/triton/driver_launch.c"],
+                           extra_compile_args=["-O3", "-std=c11"])],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -348,3 +348,33 @@ def test_gpu_a_v_cache_strided_unlike_k_is_never_bound_by_a_record():
     for _ in range(3):
         assert torch.equal(attn.run(q, k, strided), expected)
     assert None in attn._prepared.native.values()  # that kind launches through Triton
+
+
+def test_a_layers_launches_run_in_one_call_of_the_compiled_helper(monkeypatch):
+    """With the driver a C function (here a ctypes callback standing in for
+    ``cuLaunchKernelEx``), a step record launches through ``_driver_launch``: each call
+    rebinds the five addresses and the stream, launches in order and stops at a refusal."""
+    if native_launch._helper() is None:
+        pytest.skip("the compiled helper is not built")
+    driver = Driver(4)
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_void_p)
+    c_driver = proto(lambda *a: driver(*a))
+    monkeypatch.setattr(native_launch, "driver_launch", lambda: c_driver)
+    kernel = fake_kernel({"PO": "*fp32", "O": "*fp16", "LSE": "*fp32", "D": "constexpr"})
+    x = torch.zeros(4)
+    record = launch._native([(kernel, (3,), [x, x, x], {1: 3, 2: 4}),
+                             (kernel, (5,), [x, x, x], {0: 0})])
+    assert record._batched is not None
+    assert record(tuple(range(16, 96, 16)), 7) == 2
+    p = x.data_ptr()
+    assert [c["values"][:3] for c in driver.calls] == [[p, 64, 80], [16, p, p]]
+    assert [(c["grid"][0], c["stream"], c["function"]) for c in driver.calls] == [
+        (3, 7, 0x5EED), (5, 7, 0x5EED)]
+    assert driver.calls[0]["extra"] is None
+    driver.result, driver.calls = 1, []
+    assert record((0,) * 5, 9) == 0 and len(driver.calls) == 1  # refused: stops there
+    with pytest.raises(TypeError, match="10 integer"):
+        native_launch._helper()(1, 2, 3)
+    with pytest.raises(ValueError, match="null"):
+        native_launch._helper()(0, 1, 1, 1, 0, 0, 0, 0, 0, 0)

@@ -5,14 +5,14 @@ and copies), the replayed graph's share, the kernels and copies outside the grap
 sampling, input copies, index writes), and the idle gaps, the largest with the GPU work on
 either side (a gap after a copy to the host is the GPU waiting for the host's next step).
 
-Steps: ``greedy`` (one sequence on a 1,000-token prompt), ``b=20`` (20 sampled branches on a
+The replays are found as runs of the last graph's kernels in the stream. Steps: ``greedy`` (one sequence on a 1,000-token prompt), ``b=20`` (20 sampled branches on a
 4,000-token prompt). Each runs once to capture its graphs, then again under the profiler;
 the first ``SKIP`` decode steps of the profiled run are left out.
 
 Usage: python3 tools/profile_decode_loop.py [STEP ...]   (GPU only)
 """
 import sys
-from collections import Counter, defaultdict
+from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from deft.engine import SamplingParams, TreeEngine, generate, sample
 from deft.model.synthetic import load_random
 
-NEW, SKIP, REPLAYS = 24, 4, 10
+NEW, SKIP = 24, 4
 CUDA = torch.autograd.DeviceType.CUDA
 
 
@@ -48,38 +48,45 @@ def main(steps: list[str]) -> None:
     for step in steps:
         run(engine, step, prompt)  # captures this step's graphs
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
             run(engine, step, prompt)
             torch.cuda.synchronize()
-        launches = sorted(e.time_range.start for e in prof.events()
-                          if e.device_type != CUDA and e.name == "cudaGraphLaunch")
         with profile(activities=[ProfilerActivity.CUDA]) as one:
-            for _ in range(REPLAYS):
-                engine.graphs.last_graph.replay()
+            engine.graphs.last_graph.replay()
             torch.cuda.synchronize()
-        in_graph = Counter(e.name for e in gpu_events(one))
-        events = [e for e in gpu_events(prof) if e.time_range.start >= launches[SKIP]]
-        k = sum(1 for t in launches if t >= launches[SKIP])
+        graph = [e.name for e in gpu_events(one)]
+        events = gpu_events(prof)
+        names = [e.name for e in events]
+        # The graph's kernels run back to back in the stream: find each replay as a run of
+        # its names, and start after the first SKIP replays.
+        replays = [i for i in range(len(names) - len(graph) + 1)
+                   if names[i] == graph[0] and names[i:i + len(graph)] == graph]
+        if len(replays) <= SKIP:
+            raise SystemExit(f"{step}: {len(replays)} replays of the last graph found")
+        first, k = replays[SKIP], len(replays) - SKIP
+        in_graph = {j for i in replays[SKIP:] for j in range(i, i + len(graph))}
+        events = events[first:]
         busy, gaps, cover, prev = 0.0, [], events[0].time_range.start, events[0]
-        seen, spent = Counter(), defaultdict(float)
-        for e in events:
+        graph_us, outside = 0.0, defaultdict(lambda: [0, 0.0])
+        for j, e in enumerate(events, first):
             s, t = e.time_range.start, e.time_range.end
             if s > cover:
                 gaps.append((s - cover, prev.name, e.name))
             busy += max(0.0, t - max(s, cover))
             if t > cover:
                 cover, prev = t, e
-            seen[e.name] += 1
-            spent[e.name] += t - s
-        # What the graphs do not hold, at the mean duration of that name's events.
-        outside = {n: (c - in_graph[n] * k / REPLAYS, spent[n] / c) for n, c in seen.items()
-                   if c > in_graph[n] * k / REPLAYS + 0.5}
+            if j in in_graph:
+                graph_us += t - s
+            else:
+                outside[e.name][0] += 1
+                outside[e.name][1] += t - s
         span = cover - events[0].time_range.start
         print(f"\n{step}: {k} steps, µs per step: wall {span / k:.0f}, GPU busy {busy / k:.0f}, "
-              f"idle {sum(g for g, _, _ in gaps) / k:.0f} in {len(gaps) / k:.1f} gaps")
+              f"idle {sum(g for g, _, _ in gaps) / k:.0f} in {len(gaps) / k:.1f} gaps; "
+              f"{len(graph)} kernels of the graph, {graph_us / k:.0f} µs of kernel time")
         print("  outside the graph (per step: count, µs):")
-        for name, (n, mean) in sorted(outside.items(), key=lambda kv: -kv[1][0] * kv[1][1]):
-            print(f"    {n / k:5.1f} {n * mean / k:8.1f}  {name[:90]}")
+        for name, (n, us) in sorted(outside.items(), key=lambda kv: -kv[1][1]):
+            print(f"    {n / k:5.1f} {us / k:8.1f}  {name[:90]}")
         print("  largest gaps (µs, after, before):")
         for g, a, b in sorted(gaps, reverse=True)[:8]:
             print(f"    {g:8.1f}  {a[:50]}  ->  {b[:50]}")

@@ -26,7 +26,7 @@ from ...plan.packing import SEGMENTS
 from ..base import Capacity
 from .configs import KernelConfig, interpreting, kernel_config
 from .kernels import merge_kernel, tree_partial_kernel
-from .native_launch import NativeLaunch, native_launch
+from .native_launch import NativeLaunch, batched, native_launch
 
 __all__ = ["HEADER", "Reserved", "StepBuffers", "Pointer", "launch_step", "launch_merge",
            "launch_signature", "has_tma"]
@@ -227,13 +227,16 @@ class _Native:
     """A plan's launches of one kind of call, packed for the driver: each call writes its q,
     K, V, o and lse addresses to ``inputs`` and launches them in turn on its stream."""
 
-    __slots__ = ("inputs", "launches")
+    __slots__ = ("inputs", "launches", "_batched")
 
     def __init__(self, inputs: ctypes.Array, launches: tuple[NativeLaunch, ...]) -> None:
         self.inputs, self.launches = inputs, launches
+        self._batched = batched(launches, inputs)
 
     def __call__(self, addresses: tuple[int, ...], stream: int) -> int:
         """How many launches the driver took (all of them, unless it refused one)."""
+        if self._batched is not None:
+            return self._batched(stream, *addresses)
         self.inputs[:] = addresses
         for i, launch in enumerate(self.launches):
             if not launch(stream):

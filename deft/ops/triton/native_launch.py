@@ -18,6 +18,10 @@ only reused for calls that Triton would specialise alike (same dtypes, strides, 
 memory, clusters, cooperative grids, launch hooks as the profiler sets them), and without
 the driver library. Pointers are passed as their addresses (Triton's launcher maps them
 through ``cuPointerGetAttribute``, the identity for device memory).
+
+A layer's launches run in one call of the compiled helper ``_driver_launch`` (built with the
+package, like the planner; :func:`batched`), which writes the rebound addresses and the
+stream and calls the driver for each; without it, one ctypes call per launch.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import struct
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["LaunchAttribute", "LaunchConfig", "NativeLaunch", "driver_launch", "native_launch"]
+__all__ = ["LaunchAttribute", "LaunchConfig", "NativeLaunch", "batched", "driver_launch",
+           "native_launch"]
 
 _PDL = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 _INT_BITS = {"i1": 8, "i8": 8, "i16": 16, "i32": 32, "i64": 64,
@@ -63,6 +68,22 @@ def driver_launch() -> Callable[..., int] | None:
     fn.argtypes = [ctypes.c_void_p] * 4
     fn.restype = ctypes.c_int
     return fn
+
+
+class _Entry(ctypes.Structure):
+    """One launch as ``driver_launch.c`` reads it."""
+
+    _fields_ = [("config", ctypes.c_void_p), ("function", ctypes.c_void_p),
+                ("params", ctypes.c_void_p)]
+
+
+@functools.cache
+def _helper() -> Callable[..., int] | None:
+    try:
+        from ._driver_launch import launch_all
+    except ImportError:
+        return None
+    return launch_all
 
 
 class NativeLaunch:
@@ -170,3 +191,21 @@ def native_launch(kernel: Any, grid: Sequence[int], args: Sequence[Any],
         *((in_base if in_inputs else base) + 8 * j for in_inputs, j in where))
     return NativeLaunch(kernel, function, tuple(grid), 32 * num_warps, shared,
                         bool(getattr(meta, "launch_pdl", False)), values, params, inputs, launch)
+
+
+def batched(launches: Sequence[NativeLaunch], inputs: ctypes.Array
+            ) -> Callable[..., int] | None:
+    """``call(stream, *addresses)``: write ``addresses`` into ``inputs`` and run
+    ``launches`` in order on ``stream`` in one call of the compiled helper, returning how
+    many the driver took; ``None`` without the helper, or when the launches do not go
+    through one C function (a stand-in driver written in Python)."""
+    helper = _helper()
+    fn = launches[0]._launch if launches else None
+    if (helper is None or not isinstance(fn, ctypes._CFuncPtr)
+            or any(x._launch is not fn for x in launches)):
+        return None
+    entries = (_Entry * len(launches))(*((x._config, x.function, x._params) for x in launches))
+    call = functools.partial(helper, ctypes.cast(fn, ctypes.c_void_p).value,
+                             ctypes.addressof(entries), len(launches), ctypes.addressof(inputs))
+    call.keep = (entries, launches, inputs)  # the memory the helper reads
+    return call
