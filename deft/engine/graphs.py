@@ -153,7 +153,10 @@ class StepGraphs:
         if graph is None:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # compile and autotune outside the capture
+            from ..ops.triton.launch import launch_as_captured  # CUDA only: Triton is there
+
+            # Compile and load outside the capture every kernel it launches.
+            with torch.cuda.stream(stream), launch_as_captured():
                 self._model_step(b, logits)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()

@@ -15,8 +15,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Iterator, Union
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -29,6 +31,7 @@ from .kernels import merge_kernel, tree_partial_kernel
 from .native_launch import NativeLaunch, batched, native_launch
 
 __all__ = ["HEADER", "Reserved", "StepBuffers", "Pointer", "launch_step", "launch_merge",
+           "launch_as_captured",
            "launch_signature", "has_tma"]
 
 # Ints before the segments of a graph-safe plan buffer: the work-item count, then the
@@ -136,7 +139,8 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
         return
     records, key, done = prepared.native, None, 0
     # torch's private calls: the public wrappers cost about a µs more, and this runs per layer.
-    if records is not None and not torch._C._cuda_isCurrentStreamCapturing():
+    captured = _AS_CAPTURED.on or (q.device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing())
+    if records is not None and not captured:
         addresses = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), o.data_ptr(),
                      prepared.workspaces[2].data_ptr() if lse is None else lse.data_ptr())
         device = torch._C._cuda_getDevice()
@@ -185,7 +189,7 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
         # of the tensor descriptors costs more host time (about 60 µs per layer on an H200
         # host) than TMA saves on the GPU. Eager launches compile the TMA variant once
         # (``warmup``), so that a capture does not run the compiler.
-        capturing = q.device.type != "cuda" or torch.cuda.is_current_stream_capturing()
+        capturing = q.device.type != "cuda" or captured
         tma_key = ((tuple(kw.values()), q.device, q.dtype, qs, ks, os_)
                    if tma and not capturing else None)
         if tma and (capturing or tma_key not in _TMA_COMPILED):
@@ -264,6 +268,26 @@ def _native(launches: list) -> _Native | None:
 
 
 _TMA_COMPILED: set[tuple] = set()  # launch keys whose TMA variant an eager launch compiled
+
+
+class _AsCaptured(threading.local):
+    on = False
+
+
+_AS_CAPTURED = _AsCaptured()
+
+
+@contextmanager
+def launch_as_captured() -> Iterator[None]:
+    """Inside, this thread's launches are those of a CUDA-graph capture (TMA variants, no
+    driver records), launched eagerly: a warm-up run before a capture then compiles and
+    loads every kernel, with its exact specialisation, that the capture launches, so the
+    capture itself never compiles or loads one."""
+    _AS_CAPTURED.on = True
+    try:
+        yield
+    finally:
+        _AS_CAPTURED.on = False
 
 
 def _tma_ok(cache: torch.Tensor, stride: tuple[int, ...]) -> bool:
