@@ -6,6 +6,8 @@ top-p keeping the smallest set of most likely tokens whose mass reaches ``top_p`
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from .params import SamplingParams
@@ -38,7 +40,9 @@ class Sampler:
     """Picks the next token of many rows at once under one :class:`SamplingParams`.
 
     One ``torch.Generator`` per sampler: seeded by ``params.seed`` (so a call is
-    reproducible), else from fresh entropy.
+    reproducible), else from fresh entropy. On CUDA, greedy and plain temperature sampling
+    (no top-k or top-p) pick with :func:`~deft.engine.token_pick.pick` (Gumbel-max noise
+    seeded from the same seed), other filters with ``torch.multinomial``.
     """
 
     def __init__(self, params: SamplingParams, device: str | torch.device = "cpu") -> None:
@@ -48,6 +52,8 @@ class Sampler:
             self.generator.seed()
         else:
             self.generator.manual_seed(params.seed)
+        # Seeds of the fused CUDA picks' noise, drawn on the host (no synchronisation).
+        self._seeds = random.Random(self.generator.initial_seed())
 
     def __call__(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """Tokens for logits ``[B, vocab]`` and their log-probabilities under the model.
@@ -61,13 +67,15 @@ class Sampler:
     def draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """As a call, but int64 tokens ``[B]`` and float32 log-probabilities ``[B]`` stay on
         the logits' device (no host synchronisation)."""
-        if logits.device.type == "cuda":  # one fused pass for the argmax and the normaliser
-            from .row_stats import row_stats
+        if logits.device.type == "cuda":  # fused picks: no one-block reductions over the vocab
+            from .token_pick import pick
 
-            tokens, logp, lse = row_stats(logits)
-            if self.params.greedy:
+            p = self.params
+            if p.greedy or (p.top_p == 1.0 and not 0 < p.top_k < logits.shape[-1]):
+                tokens, logp, _ = pick(logits, p.temperature, self._seeds.getrandbits(31))
                 return tokens, logp
             tokens = self._sample(logits)
+            lse = pick(logits)[2]
             return tokens, logits.gather(-1, tokens[:, None]).squeeze(-1).float() - lse
         tokens = logits.argmax(-1) if self.params.greedy else self._sample(logits)
         logp = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)

@@ -1,0 +1,123 @@
+"""Fused token picks from logits rows (:mod:`deft.engine.token_pick`) against
+``torch.argmax`` and float64 ``logsumexp``: interpreted on CPU (fp32, fp16), compiled on a
+GPU (also bf16), on rows split into one or many chunks, with ties and ``-inf`` entries;
+temperature samples against the softmax distribution on a GPU (too many draws for the
+interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from deft.engine import Sampler, SamplingParams, probabilities  # noqa: E402
+from deft.engine.token_pick import pick  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
+
+
+def check(x: torch.Tensor, programs: int | None, temperature: float = 0.0) -> torch.Tensor:
+    tokens, logp, lse = pick(x, temperature, 7, programs)
+    ref = x.double()
+    assert tokens.dtype == torch.int64 and logp.dtype == lse.dtype == torch.float32
+    if temperature == 0:
+        assert torch.equal(tokens.cpu(), ref.argmax(-1).cpu())  # the first maximal index
+    torch.testing.assert_close(lse.double(), torch.logsumexp(ref, -1), atol=1e-5, rtol=1e-5)
+    want_logp = torch.log_softmax(ref, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(logp.double(), want_logp, atol=1e-5, rtol=1e-5)
+    return tokens
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, vocab, programs", [(1, 1, None), (1, 3000, 1), (1, 5000, 64),
+                                                   (3, 4099, None), (7, 1024, 16)])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_picks_match_torch(dtype, rows, vocab, programs, temperature):
+    gen = torch.Generator().manual_seed(rows * vocab)
+    x = (4 * torch.randn(rows, vocab, generator=gen)).to(dtype).to(DEV)
+    check(x, programs, temperature)
+
+
+@pytest.mark.parametrize("programs", [1, 3, 64])
+def test_ties_go_to_the_first_index_across_chunks(programs):
+    x = torch.zeros(5, 5000)
+    x[0, [4999, 17, 3000]] = 2.0  # the first, in index order, is 17
+    x[1, [2048, 1024]] = 5.0
+    x[2, :] = -1.0  # all tied: index 0
+    x[3, [4095, 4096]] = 1.0  # on both sides of a chunk boundary
+    x[4, 1:] = float("-inf")  # index 0 is the one finite entry; other chunks are all -inf
+    tokens, _, _ = pick(x.to(DEV), 0.0, 0, programs)
+    assert tokens.tolist() == [17, 1024, 0, 4095, 0]
+    check(x.to(DEV), programs)
+
+
+def test_minus_infinity_entries_and_strided_rows():
+    gen = torch.Generator().manual_seed(1)
+    big = torch.randn(3, 6000, generator=gen)
+    big[0, :5400] = float("-inf")  # what top-k filtering leaves: a few finite entries
+    big[1, 1000:] = float("-inf")  # whole chunks of -inf
+    x = big[:, 500:5500]  # rows with a stride larger than their length
+    assert x.stride(0) == 6000
+    check(x.to(DEV), 8)
+    sampled = check(x.to(DEV), 8, 1.0)
+    assert torch.isfinite(x[torch.arange(3), sampled.cpu()]).all()  # never an -inf entry
+    tokens, _, lse = pick(torch.full((1, 3000), float("-inf"), device=DEV), programs=4)
+    assert tokens.item() == 0 and lse.item() == float("-inf")
+
+
+def test_sampled_noise_is_keyed_by_the_seed_not_the_chunking():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 3000, generator=gen).to(DEV)
+    tokens = pick(x, 1.0, 12345, programs=6)[0]
+    assert torch.equal(tokens, pick(x, 1.0, 12345, programs=18)[0])
+    assert not torch.equal(tokens, pick(x, 1.0, 54321, programs=6)[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_temperature_samples_follow_the_softmax():
+    """Many rows of the same logits, one draw each: the counts match ``softmax(x / T)``
+    (a chi-square bound far in the tail)."""
+    rows, temperature = 100_000, 0.8
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, -0.5] * 400)[None]  # 3200
+    logits[0, 8:] = float("-inf")  # 8 live tokens, the rest over several chunks
+    x = logits.expand(rows, -1).contiguous().to(DEV)
+    tokens = pick(x, temperature, 12345)[0].cpu()
+    p = torch.softmax(logits[0, :8].double() / temperature, 0)
+    counts = torch.bincount(tokens, minlength=8).double()
+    assert counts[8:].sum() == 0
+    chi2 = float(((counts[:8] - rows * p) ** 2 / (rows * p)).sum())
+    assert chi2 < 30.0, f"chi-square {chi2:.1f} with 7 degrees of freedom"  # p ~ 1e-4
+
+
+def test_rejects_what_it_cannot_pick_from():
+    with pytest.raises(ValueError, match="rows, vocab"):
+        pick(torch.zeros(3, 0, device=DEV))
+    with pytest.raises(ValueError, match="rows, vocab"):
+        pick(torch.zeros(3, device=DEV))
+    with pytest.raises(ValueError, match="temperature"):
+        pick(torch.zeros(3, 4, device=DEV), -1.0)
+    tokens, logp, lse = pick(torch.zeros(0, 10, device=DEV))
+    assert tokens.shape == logp.shape == lse.shape == (0,)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=3),
+                                    SamplingParams(temperature=0.8, top_k=50, seed=3)])
+def test_draws_on_cuda(params):
+    """Greedy: the argmax; plain temperature: fused draws, reproducible with a seed;
+    top-k: ``torch.multinomial``'s draws. Every log-probability is ``log_softmax``'s."""
+    logits = (3 * torch.randn(6, 128256, device="cuda")).to(torch.bfloat16)
+    tokens, logp = Sampler(params, "cuda").draw(logits)
+    if params.greedy:
+        assert torch.equal(tokens, logits.argmax(-1))
+    elif params.top_k:  # the same generator state: the same draws as PyTorch's path
+        probs = probabilities(logits, params)
+        want = torch.multinomial(probs, 1, generator=Sampler(params, "cuda").generator).squeeze(-1)
+        assert torch.equal(tokens, want)
+    else:
+        assert torch.equal(tokens, Sampler(params, "cuda").draw(logits)[0])
+    ref = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(logp, ref, atol=1e-4, rtol=1e-5)
