@@ -30,7 +30,7 @@ _BLOCK = 1024  # entries a program reads per iteration
 
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a fresh seed per call: one compiled kernel
 def _chunk_kernel(X, KEY, RAW, IDX, MAX, SUM, V, stride, chunks, seed, inv_t,
                   CHUNK: tl.constexpr, BLOCK: tl.constexpr, SAMPLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
