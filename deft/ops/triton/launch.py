@@ -31,8 +31,7 @@ from .kernels import merge_kernel, tree_partial_kernel
 from .native_launch import NativeLaunch, batched, native_launch
 
 __all__ = ["HEADER", "Reserved", "StepBuffers", "Pointer", "launch_step", "launch_merge",
-           "launch_as_captured",
-           "launch_signature", "has_tma"]
+           "launch_as_captured", "launch_signature", "has_tma"]
 
 # Ints before the segments of a graph-safe plan buffer: the work-item count, then the
 # offsets of segments 1-9 (``SEGMENTS``) from the first.
@@ -139,7 +138,8 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
         return
     records, key, done = prepared.native, None, 0
     # torch's private calls: the public wrappers cost about a µs more, and this runs per layer.
-    captured = _AS_CAPTURED.on or (q.device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing())
+    captured = _AS_CAPTURED.on or (q.device.type == "cuda"
+                                   and torch._C._cuda_isCurrentStreamCapturing())
     if records is not None and not captured:
         addresses = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), o.data_ptr(),
                      prepared.workspaces[2].data_ptr() if lse is None else lse.data_ptr())
@@ -271,6 +271,8 @@ _TMA_COMPILED: set[tuple] = set()  # launch keys whose TMA variant an eager laun
 
 
 class _AsCaptured(threading.local):
+    """Per thread: whether launches act as inside a capture (:func:`launch_as_captured`)."""
+
     on = False
 
 
