@@ -5,9 +5,10 @@ and copies), the replayed graph's share, the kernels and copies outside the grap
 sampling, input copies, index writes), and the idle gaps, the largest with the GPU work on
 either side (a gap after a copy to the host is the GPU waiting for the host's next step).
 
-The replays are found as runs of the last graph's kernels in the stream. Steps: ``greedy`` (one sequence on a 1,000-token prompt), ``b=20`` (20 sampled branches on a
-4,000-token prompt). Each runs once to capture its graphs, then again under the profiler;
-the first ``SKIP`` decode steps of the profiled run are left out.
+The replays are found as runs of the last graph's kernels in the stream. Steps: ``greedy``
+(one sequence on a 1,000-token prompt), ``b=20`` (20 sampled branches on a 4,000-token
+prompt). Each runs once to capture its graphs, then again under the profiler; the first
+``SKIP`` decode steps of the profiled run are left out.
 
 Usage: python3 tools/profile_decode_loop.py [STEP ...]   (GPU only)
 """
