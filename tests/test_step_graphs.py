@@ -138,3 +138,39 @@ def test_engine_replays_graphs_equal_to_eager_steps(monkeypatch):
     assert a == b
     assert on.graphs.rebuilds >= 1 and on.graphs.captures <= 4 * len(on.graphs.buckets)
     assert on.cache.live_nodes == [] and on.cache.num_free_pages == on.cache.num_pages
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_captures_load_no_kernel(monkeypatch):
+    """The warm-up before each capture launches what the capture launches
+    (``launch_as_captured``), so no Triton kernel is loaded while a stream captures (a load
+    then invalidates the capture). A model of shapes no other test uses (3 query heads per
+    KV head, head_dim 64) makes every kernel variant new to the process."""
+    from triton import knobs
+
+    from strategies_on_device import PROMPT, VOCAB, tokenizer
+    from deft.engine import SamplingParams, generate, sample
+
+    monkeypatch.setattr(graphs_mod, "_MIN_TOKENS", 16)  # rebuilds: more captures
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=384, intermediate_size=512, num_layers=2,
+                         num_heads=6, num_kv_heads=2, max_position_embeddings=2048)
+    m = LlamaModel(config).eval().requires_grad_(False).to("cuda", torch.bfloat16)
+    engine = TreeEngine(m, tokenizer(), num_pages=512, backend="triton")
+    loads: list[tuple[str, bool]] = []
+
+    def on_load(module, function, name, metadata_group, hash_) -> None:
+        loads.append((name, torch.cuda.is_current_stream_capturing()))
+
+    knobs.runtime.kernel_load_start_hook.add(on_load)
+    try:
+        generate(engine, [PROMPT[:n] for n in (30, 120)],
+                 SamplingParams(max_new_tokens=12, stop_token_ids=frozenset()))
+        sample(engine, PROMPT[:90], 5, SamplingParams(max_new_tokens=12, temperature=0.9, seed=1,
+                                                     stop_token_ids=frozenset()))
+    finally:
+        knobs.runtime.kernel_load_start_hook.remove(on_load)
+    assert engine.graphs.captures >= 2
+    assert any(name == "tree_partial_kernel" for name, _ in loads), loads
+    assert [name for name, capturing in loads if capturing] == []
