@@ -138,9 +138,9 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
         return
     records, key, done = prepared.native, None, 0
     # torch's private calls: the public wrappers cost about a µs more, and this runs per layer.
-    # Records exist on CUDA only, so the capture query needs no device check here.
-    if (records is not None and not _AS_CAPTURED.on
-            and not torch._C._cuda_isCurrentStreamCapturing()):
+    captured = _AS_CAPTURED.on or (q.device.type == "cuda"
+                                   and torch._C._cuda_isCurrentStreamCapturing())
+    if records is not None and not captured:
         addresses = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), o.data_ptr(),
                      prepared.workspaces[2].data_ptr() if lse is None else lse.data_ptr())
         device = torch._C._cuda_getDevice()
@@ -189,8 +189,7 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
         # of the tensor descriptors costs more host time (about 60 µs per layer on an H200
         # host) than TMA saves on the GPU. Eager launches compile the TMA variant once
         # (``warmup``), so that a capture does not run the compiler.
-        capturing = (q.device.type != "cuda" or _AS_CAPTURED.on
-                     or torch.cuda.is_current_stream_capturing())
+        capturing = q.device.type != "cuda" or captured
         tma_key = ((tuple(kw.values()), q.device, q.dtype, qs, ks, os_)
                    if tma and not capturing else None)
         if tma and (capturing or tma_key not in _TMA_COMPILED):
