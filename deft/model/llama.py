@@ -84,7 +84,7 @@ class LlamaLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` through the fused kernels of :mod:`.fused`; returns the residual
         stream and this layer's MLP output, which the next layer's norm adds."""
-        from . import fused
+        from . import fused, skinny
 
         n, h, h_kv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         normed, x = fused.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps, delta)
@@ -93,8 +93,9 @@ class LlamaLayer(nn.Module):
         q = fused.rope_write(qkv, table, positions, write_slots, k, v, h)
         o = attn.run(q, k, v, out=out)
         normed, x = fused.rms_norm(x, self.mlp_norm.weight, self.mlp_norm.eps,
-                                   self.o(o.reshape(n, self.q_size)))
-        return x, self.down(fused.silu_mul(self.gate_up(normed)))
+                                   skinny.linear(o.reshape(n, self.q_size), self.o.weight, self.o.bias))
+        return x, skinny.linear(fused.silu_mul(self.gate_up(normed)), self.down.weight,
+                                self.down.bias)
 
 
 class LlamaModel(nn.Module):
@@ -193,6 +194,7 @@ class LlamaModel(nn.Module):
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         if x.dtype != torch.float64 and (self.fused_ops or (self.fused_ops is None and x.is_cuda)):
             from .fused import rms_norm
+            from .skinny import head_proj
 
             delta = None
             c = self.config
@@ -204,7 +206,7 @@ class LlamaModel(nn.Module):
                                                attn, pool, i, out)
             if logits_rows is not None:
                 x, delta = x[logits_rows], delta[logits_rows]
-            return F.linear(rms_norm(x, self.norm.weight, self.norm.eps, delta)[0], head).float()
+            return head_proj(rms_norm(x, self.norm.weight, self.norm.eps, delta)[0], head)
         cos, sin = self.rope[positions].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D/2] each
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, write_slots, attn, pool, i)

@@ -1,0 +1,86 @@
+"""Matmuls of few rows (decode steps) through a Triton kernel where cuBLAS is slower.
+
+At 1 to 32 rows a projection reads its whole weight to produce a few outputs, so its time is
+the weight's read. cuBLAS reaches the HBM rate on wide projections (qkv, gate/up) but not on
+the ones whose outputs are no wider than their inputs (o, down) nor on the LM head
+(``tools/gemm_probe.py``; H200, Llama-3-8B shapes, 1-20 rows: o 11.2-12.3 µs against
+13.4-14.0, down 30.4-33.3 against 32.3-33.4, LM head 237-245 against 248-264). The kernel
+streams ``BLOCK_N`` weight rows per program over the whole reduction, accumulates in float32
+and rounds once to the activations' dtype, as cuBLAS does.
+
+Computing the down projection's input ``silu(gate) * up`` inside the kernel was measured and
+dropped: every program recomputes the whole activation, which made a decode step of
+Llama-3-8B shapes 2 ms slower on the H200.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+__all__ = ["MAX_ROWS", "head_proj", "linear"]
+
+MAX_ROWS = 32
+"""Row counts up to this take the kernel (where :func:`_config` has a block shape)."""
+
+# (BLOCK_N, BLOCK_K, num_stages, num_warps), best of a sweep on the H200 at 1-20 rows.
+_NARROW = (32, 256, 5, 4)  # outputs no wider than inputs: o, down
+_HEAD = (128, 128, 3, 4)  # the LM head
+
+
+@triton.jit
+def _skinny_kernel(X, W, Y, M, N, K, stride_x, stride_w, stride_y, EVEN_N: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rm[:, None] < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=row_ok, other=0.0)
+        w_at = W + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
+        w = tl.load(w_at) if EVEN_N else tl.load(w_at, mask=rn[:, None] < N, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    ok = row_ok & (rn[None, :] < N)
+    y = acc.to(X.dtype.element_ty).to(Y.dtype.element_ty)  # rounded as the activations are
+    tl.store(Y + rm[:, None] * stride_y + rn[None, :], y, mask=ok)
+
+
+def _config(x: torch.Tensor, w: torch.Tensor, k: int, cfg: tuple[int, int, int, int]) -> bool:
+    """Whether the kernel takes ``x @ w.T`` with block shape ``cfg`` (else cuBLAS does)."""
+    return (x.is_cuda and x.shape[0] <= MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16)
+            and w.dtype == x.dtype and k % cfg[1] == 0 and x.stride(-1) == 1 and w.stride(1) == 1)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
+            cfg: tuple[int, int, int, int]) -> torch.Tensor:
+    (m, k), n = x.shape, w.shape[0]
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0:
+        return y
+    bn, bk, stages, warps = cfg
+    _skinny_kernel[(triton.cdiv(n, bn),)](
+        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+        EVEN_N=n % bn == 0, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk,
+        num_stages=stages, num_warps=warps)
+    return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x [M, K]``: the kernel for a bias-free projection
+    whose outputs are no wider than its inputs (o, down), cuBLAS otherwise."""
+    n, k = weight.shape
+    if bias is None and n <= k and _config(x, weight, k, _NARROW):
+        return _launch(x, weight, x.dtype, _NARROW)
+    return F.linear(x, weight, bias)
+
+
+def head_proj(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Float32 logits ``F.linear(x, weight).float()`` of the LM head (rounded to ``x``'s dtype
+    first, as that is), written as float32 by the kernel at few rows."""
+    k = weight.shape[1]
+    if _config(x, weight, k, _HEAD):
+        return _launch(x, weight, torch.float32, _HEAD)
+    return F.linear(x, weight).float()

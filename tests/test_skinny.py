@@ -1,0 +1,112 @@
+"""The few-row matmul kernel (:mod:`deft.model.skinny`) against float64 products: its kernel
+interpreted on CPU (fp32, fp16), the dispatching functions compiled on a GPU (also bf16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+from deft.model import skinny  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# A float32 accumulation over K = 128..1024 terms, rounded once to the dtype.
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def want(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.double(), w.double())
+
+
+def close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(got.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 17])
+def test_kernel_on_ragged_shapes(dtype, rows):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 128, device=DEV).to(dtype)
+    w = (torch.randn(40, 128, device=DEV) / 8).to(dtype)  # 40 outputs: the last block ragged
+    cfg = (16, 64, 2, 4)
+    y = skinny._launch(x, w, dtype, cfg)
+    assert y.shape == (rows, 40) and y.dtype == dtype
+    close(y, want(x, w), dtype)
+    logits = skinny._launch(x, w, torch.float32, cfg)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, logits.to(dtype).float())  # rounded to the dtype, then widened
+    close(logits, want(x, w), dtype)
+
+
+def test_off_gpu_and_beyond_the_rows_cublas_computes_it():
+    x = torch.randn(skinny.MAX_ROWS + 1, 256, device=DEV).to(torch.float16)
+    w = torch.randn(256, 256, device=DEV).to(torch.float16)
+    assert torch.equal(skinny.linear(x, w), F.linear(x, w))
+    if DEV == "cpu":
+        few = x[:2]
+        assert torch.equal(skinny.linear(few, w), F.linear(few, w))
+        assert torch.equal(skinny.head_proj(few, w), F.linear(few, w).float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 7, 20, 32])
+def test_projections_on_the_gpu(rows):
+    torch.manual_seed(rows)
+    dt = torch.bfloat16
+    x = torch.randn(rows, 512, device="cuda", dtype=dt)
+    w_o = (torch.randn(512, 512, device="cuda") / 16).to(dt)
+    close(skinny.linear(x, w_o), want(x, w_o), dt)
+    w_qkv = (torch.randn(768, 512, device="cuda") / 16).to(dt)  # wider than its input: cuBLAS
+    assert torch.equal(skinny.linear(x, w_qkv), F.linear(x, w_qkv))
+    gate_up = torch.randn(rows, 1024, device="cuda", dtype=dt)
+    w_down = (torch.randn(256, 512, device="cuda") / 16).to(dt)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    close(skinny.linear(act, w_down), want(act, w_down), dt)
+    head = (torch.randn(1000, 512, device="cuda") / 16).to(dt)  # 1,000 rows: the last block ragged
+    logits = skinny.head_proj(x, head)
+    assert logits.dtype == torch.float32
+    close(logits, want(x, head), dt)
+    x33 = torch.randn(skinny.MAX_ROWS + 1, 512, device="cuda", dtype=dt)
+    assert torch.equal(skinny.linear(x33, w_o), F.linear(x33, w_o))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_model_step_through_the_kernel_is_as_close_to_float64_as_through_cublas(monkeypatch):
+    """A bf16 step whose o, down and LM head projections take the kernel, against the float64
+    model: no further from it than the same step with cuBLAS for every projection."""
+    from deft import TreeKVCache
+    from deft.model import LlamaConfig, LlamaModel
+
+    torch.manual_seed(5)
+    config = LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=512, num_layers=2,
+                         num_heads=4, num_kv_heads=2, max_position_embeddings=64)
+    model = LlamaModel(config).eval().requires_grad_(False).to("cuda", torch.float64)
+    cache = TreeKVCache(4, 4)
+    root = cache.add_root(0)
+    slots = list(cache.append(root, 6))
+    kids = cache.fork(root, 2)
+    slots += [int(cache.append(k, 1)[0]) for k in kids]
+    layout = cache.layout([(root, j + 1) for j in range(6)] + kids)
+    t = lambda a: torch.tensor(a, dtype=torch.int64, device="cuda")  # noqa: E731
+    args = t([1, 5, 9, 3, 2, 8, 4, 6]), t([0, 1, 2, 3, 4, 5, 6, 6]), t(slots)
+
+    def step(m: LlamaModel) -> torch.Tensor:
+        attn = m.attention(backend="torch")
+        attn.plan(layout)
+        return m(*args, attn, m.new_pool(4, 4), t([5, 6, 7])).double()
+
+    ref = step(model)
+    model.to(torch.bfloat16)
+    calls = []
+    launch = skinny._launch
+    monkeypatch.setattr(skinny, "_launch", lambda *a: calls.append(a[2]) or launch(*a))
+    err = (step(model) - ref).abs().max().item()
+    assert len(calls) == 2 * 2 + 1  # o and down per layer, the LM head
+    monkeypatch.setattr(skinny, "MAX_ROWS", 0)
+    err_blas = (step(model) - ref).abs().max().item()
+    assert len(calls) == 5
+    assert err <= 1.5 * err_blas + 1e-3, (err, err_blas)
