@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+import weakref
+from typing import Any, NamedTuple
 
 import torch
 
@@ -14,6 +15,34 @@ from .ops import Capacity, Heads, get_backend, resolve_backend
 from .plan import PLAN_KINDS, TreePlan
 
 __all__ = ["TreeAttention", "tree_attention"]
+
+
+class _CheckedCaches(NamedTuple):
+    """A K/V cache pair that passed :meth:`TreeAttention.run`'s checks; a later run with the
+    same tensors, their shape and storage unchanged, checks only ``q`` (host time is what an
+    eager layer pays). Paged caches keep their flat views as aliases of the storage, not as
+    views of the tensors, so that the tensors can die and take their entry with them."""
+
+    k: weakref.ref
+    v: weakref.ref
+    shape: torch.Size
+    k_ptr: int
+    v_ptr: int
+    dtype: torch.dtype
+    device: torch.device
+    slots: int
+    flat: tuple[torch.Tensor, torch.Tensor] | None  # paged caches: [num_slots, H_kv, D] aliases
+
+    def match(self, q: Any, k: torch.Tensor, v: torch.Tensor) -> bool:
+        return (self.k() is k and self.v() is v and type(q) is torch.Tensor
+                and k.shape == self.shape and v.shape == self.shape and k.data_ptr() == self.k_ptr
+                and v.data_ptr() == self.v_ptr and q.dtype == self.dtype and q.device == self.device)
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s storage with ``t``'s geometry that holds the storage, not ``t``."""
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
 
 class TreeAttention:
     """Exact attention of many queries over one tree (or forest) of KV cache.
@@ -83,6 +112,8 @@ class TreeAttention:
         )
         self._plan: TreePlan | None = None
         self._prepared: Any = None
+        self._checked: dict[int, _CheckedCaches] = {}  # by id(k_cache); dropped with the tensor
+        self._checked_out: dict[str, tuple[Any, ...]] = {}  # "out"/"lse_out": (ref, dtype)
         self.capacity = capacity
         self._reserved: Any = None
         if capacity is not None:
@@ -181,13 +212,19 @@ class TreeAttention:
         never enter its arithmetic: masked entries are selected away, not multiplied by 0.
         """
         plan = self.current_plan
-        k_flat, v_flat = self._check_inputs(q, k_cache, v_cache, plan)
+        checked = self._checked.get(id(k_cache))
+        if (checked is not None and checked.match(q, k_cache, v_cache)
+                and q.shape == (plan.num_queries, self.num_qo_heads, self.head_dim)
+                and self._max_slot < checked.slots):
+            k_flat, v_flat = checked.flat or (k_cache, v_cache)
+        else:
+            k_flat, v_flat = self._check_inputs(q, k_cache, v_cache, plan)
         if out is not None:
-            _check_out(out, "out", tuple(q.shape), q.dtype, q.device)
+            self._check_out(out, "out", q.shape, q.dtype, q.device)
         if lse_out is not None:
             if not return_lse:
                 raise ValueError("lse_out: given but return_lse is False")
-            _check_out(lse_out, "lse_out", tuple(q.shape[:2]), torch.float32, q.device)
+            self._check_out(lse_out, "lse_out", q.shape[:2], torch.float32, q.device)
         if self._backend.writes_out:
             o, lse = self._backend.run(self._prepared, q, k_flat, v_flat, self.sm_scale, out=out,
                                        lse_out=lse_out, want_lse=return_lse)
@@ -241,8 +278,25 @@ class TreeAttention:
                 f"k_cache: the layout uses slot {self._max_slot} but the cache holds "
                 f"{slots} slots"
             )
+        if all(f.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+               for f, t in ((k_flat, k_cache), (v_flat, v_cache))):  # views, not copies
+            key, known = id(k_cache), self._checked
+            forget = lambda _ref: known.pop(key, None)  # noqa: E731
+            known[key] = _CheckedCaches(
+                weakref.ref(k_cache, forget), weakref.ref(v_cache, forget), ks, k_cache.data_ptr(),
+                v_cache.data_ptr(), dtype, q.device, slots,
+                (_alias(k_flat), _alias(v_flat)) if paged else None)
         return k_flat, v_flat
 
+    def _check_out(self, t: Any, name: str, shape: torch.Size, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        """:func:`_check_out`, but only the shape again for the tensor last checked as
+        ``name`` with this dtype."""
+        seen = self._checked_out.get(name)
+        if seen and seen[0]() is t and seen[1] is dtype and t.shape == shape:
+            return
+        _check_out(t, name, tuple(shape), dtype, device)
+        self._checked_out[name] = (weakref.ref(t), dtype)
 
 def _check_out(t: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                device: torch.device) -> None:
