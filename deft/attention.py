@@ -18,10 +18,9 @@ __all__ = ["TreeAttention", "tree_attention"]
 
 
 class _CheckedCaches(NamedTuple):
-    """A K/V cache pair that passed :meth:`TreeAttention.run`'s checks; a later run with the
-    same tensors, their shape and storage unchanged, checks only ``q`` (host time is what an
-    eager layer pays). Paged caches keep their flat views as aliases of the storage, not as
-    views of the tensors, so that the tensors can die and take their entry with them."""
+    """A K/V cache pair that passed :meth:`TreeAttention.run`'s checks, held by weak
+    references: a later run with the same tensors, their shape, dtype and storage address
+    unchanged, checks only ``q`` and the plan's slots (host time is what an eager layer pays)."""
 
     k: weakref.ref
     v: weakref.ref
@@ -31,17 +30,13 @@ class _CheckedCaches(NamedTuple):
     dtype: torch.dtype
     device: torch.device
     slots: int
-    flat: tuple[torch.Tensor, torch.Tensor] | None  # paged caches: [num_slots, H_kv, D] aliases
 
     def match(self, q: Any, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether ``k`` and ``v`` are this pair, unchanged, and ``q`` has their dtype and device."""
         return (self.k() is k and self.v() is v and type(q) is torch.Tensor
                 and k.shape == self.shape and v.shape == self.shape and k.data_ptr() == self.k_ptr
-                and v.data_ptr() == self.v_ptr and q.dtype == self.dtype and q.device == self.device)
-
-
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``t``'s storage with ``t``'s geometry that holds the storage, not ``t``."""
-    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+                and v.data_ptr() == self.v_ptr and k.dtype == self.dtype and v.dtype == self.dtype
+                and q.dtype == self.dtype and q.device == self.device)
 
 
 class TreeAttention:
@@ -113,7 +108,7 @@ class TreeAttention:
         self._plan: TreePlan | None = None
         self._prepared: Any = None
         self._checked: dict[int, _CheckedCaches] = {}  # by id(k_cache); dropped with the tensor
-        self._checked_out: dict[str, tuple[Any, ...]] = {}  # "out"/"lse_out": (ref, dtype)
+        self._checked_out: dict[str, tuple[Any, ...]] = {}  # "out"/"lse_out": (ref, dtype, device)
         self.capacity = capacity
         self._reserved: Any = None
         if capacity is not None:
@@ -216,15 +211,15 @@ class TreeAttention:
         if (checked is not None and checked.match(q, k_cache, v_cache)
                 and q.shape == (plan.num_queries, self.num_qo_heads, self.head_dim)
                 and self._max_slot < checked.slots):
-            k_flat, v_flat = checked.flat or (k_cache, v_cache)
+            k_flat, v_flat = _flat(k_cache, v_cache)
         else:
             k_flat, v_flat = self._check_inputs(q, k_cache, v_cache, plan)
         if out is not None:
-            self._check_out(out, "out", q.shape, q.dtype, q.device)
+            self._check_out_once(out, "out", q.shape, q.dtype, q.device)
         if lse_out is not None:
             if not return_lse:
                 raise ValueError("lse_out: given but return_lse is False")
-            self._check_out(lse_out, "lse_out", q.shape[:2], torch.float32, q.device)
+            self._check_out_once(lse_out, "lse_out", q.shape[:2], torch.float32, q.device)
         if self._backend.writes_out:
             o, lse = self._backend.run(self._prepared, q, k_flat, v_flat, self.sm_scale, out=out,
                                        lse_out=lse_out, want_lse=return_lse)
@@ -269,34 +264,43 @@ class TreeAttention:
             got = t.device
             if got != want and not (got.type == want.type and want.index is None):
                 raise ValueError(f"{name}: expected device {want} (the planned device), got {got}")
-        paged = len(ks) == 4
-        k_flat = k_cache.reshape(-1, *tail) if paged else k_cache
-        v_flat = v_cache.reshape(-1, *tail) if paged else v_cache
-        slots = ks[0] * ks[1] if paged else ks[0]
+        k_flat, v_flat = _flat(k_cache, v_cache)
+        slots = k_flat.shape[0]
         if self._max_slot >= slots:
             raise ValueError(
                 f"k_cache: the layout uses slot {self._max_slot} but the cache holds "
                 f"{slots} slots"
             )
-        if all(f.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-               for f, t in ((k_flat, k_cache), (v_flat, v_cache))):  # views, not copies
-            key, known = id(k_cache), self._checked
-            forget = lambda _ref: known.pop(key, None)  # noqa: E731
-            known[key] = _CheckedCaches(
-                weakref.ref(k_cache, forget), weakref.ref(v_cache, forget), ks, k_cache.data_ptr(),
-                v_cache.data_ptr(), dtype, q.device, slots,
-                (_alias(k_flat), _alias(v_flat)) if paged else None)
+        key, known = id(k_cache), self._checked
+
+        def forget(_ref: weakref.ref) -> None:  # a dying tensor takes its own entry along
+            entry = known.get(key)
+            if entry is not None and (entry.k() is None or entry.v() is None):
+                del known[key]
+
+        known[key] = _CheckedCaches(weakref.ref(k_cache, forget), weakref.ref(v_cache, forget),
+                                    ks, k_cache.data_ptr(), v_cache.data_ptr(), dtype, q.device,
+                                    slots)
         return k_flat, v_flat
 
-    def _check_out(self, t: Any, name: str, shape: torch.Size, dtype: torch.dtype,
-                   device: torch.device) -> None:
-        """:func:`_check_out`, but only the shape again for the tensor last checked as
-        ``name`` with this dtype."""
+    def _check_out_once(self, t: Any, name: str, shape: torch.Size, dtype: torch.dtype,
+                        device: torch.device) -> None:
+        """:func:`_check_out`, but for the tensor last checked as ``name`` with this dtype and
+        device only its shape and contiguity again."""
         seen = self._checked_out.get(name)
-        if seen and seen[0]() is t and seen[1] is dtype and t.shape == shape:
+        if (seen and seen[0]() is t and seen[1] is dtype and seen[2] == device
+                and t.shape == shape and t.is_contiguous()):
             return
         _check_out(t, name, tuple(shape), dtype, device)
-        self._checked_out[name] = (weakref.ref(t), dtype)
+        self._checked_out[name] = (weakref.ref(t), dtype, device)
+
+
+def _flat(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches as ``[num_slots, H_kv, D]`` (paged ones reshaped)."""
+    if k_cache.dim() == 3:
+        return k_cache, v_cache
+    return k_cache.reshape(-1, *k_cache.shape[2:]), v_cache.reshape(-1, *v_cache.shape[2:])
+
 
 def _check_out(t: torch.Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                device: torch.device) -> None:

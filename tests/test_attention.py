@@ -1,5 +1,7 @@
 """TreeAttention (torch backend) against the float64 dense reference."""
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -102,46 +104,60 @@ def test_plan_is_reused_across_layers():
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_repeated_runs_still_see_what_changed(paged):
+def test_repeated_runs_still_see_what_changed(paged, monkeypatch):
     """A run with the tensors of an earlier run skips their checks: what may have changed
-    since (q, the plan, the caches' storage and shape, out) is still checked and read."""
+    since (q, the plan, the caches' storage, shape, strides and dtype, out) is still checked
+    and read, and the attention keeps no cache alive."""
     import gc
-    import weakref
 
     layout = shuffle_slots(few_shot_layout(30, 2, 5), seed=1, num_slots=64)
     q, k, v = random_qkv(layout, 4, 2, 16, torch.float32, seed=0)
     k = torch.cat([k, torch.zeros(64 - k.shape[0], 2, 16)])
     v = torch.cat([v, torch.zeros(64 - v.shape[0], 2, 16)])
-    wrap = (lambda t: to_paged(t, 8)) if paged else (lambda t: t)
+    wrap = (lambda t: to_paged(t, 8)) if paged else (lambda t: t.clone())
     kc, vc = wrap(k), wrap(v)
     attn = TreeAttention(4, 2, 16, backend="torch")
+    full = []
+    check = attn._check_inputs
+    monkeypatch.setattr(attn, "_check_inputs", lambda *a: full.append(1) or check(*a))
     attn.plan(layout)
     ref, _ = reference_attention(q, k, v, layout, attn.sm_scale)
     out = torch.empty_like(q)
-    for _ in range(2):
+    for _ in range(3):
         assert_close(attn.run(q, kc, vc, out=out), ref, torch.float32, "repeated run")
+    assert len(full) == 1  # the later runs took the short path
     with pytest.raises(TypeError, match="q: expected dtype"):
         attn.run(q.to(torch.int32), kc, vc)
     with pytest.raises(TypeError, match="v_cache: expected dtype"):
         attn.run(q, kc, vc.double())
     with pytest.raises(ValueError, match="q: expected shape"):
         attn.run(q[:1], kc, vc)
+    with pytest.raises(ValueError, match="out: expected a contiguous tensor"):
+        attn.run(q, kc, vc, out=out.as_strided_(out.shape, (64, 1, 4)))
     with pytest.raises(ValueError, match="out: expected a torch.float32 tensor of shape"):
         attn.run(q, kc, vc, out=out.resize_(1, 4, 16))
     k2, v2 = torch.randn_like(k), torch.randn_like(v)
-    kc.set_(wrap(k2).clone())  # new storage, same shape
-    vc.set_(wrap(v2).clone())
+    kc.set_(wrap(k2))  # new storage, same shape
+    vc.set_(wrap(v2))
     ref2, _ = reference_attention(q, k2, v2, layout, attn.sm_scale)
     assert_close(attn.run(q, kc, vc), ref2, torch.float32, "after set_")
+    if paged:  # [8, 8, 2, 16]: the same shape and address, other strides
+        kc.transpose_(0, 1)
+        ref3, _ = reference_attention(q, kc.reshape(64, 2, 16), v2, layout, attn.sm_scale)
+        assert_close(attn.run(q, kc, vc), ref3, torch.float32, "after transpose_")
+    kc.data = kc.data.view(torch.int32)  # the same tensor, shape and address, another dtype
+    with pytest.raises(TypeError, match="k_cache: expected dtype"):
+        attn.run(q, kc, vc)
     wide = TreeLayout(layout.parents, layout.node_kv_indptr, layout.kv_indices + 64,
                       layout.query_nodes, layout.query_kv_lens)
     attn.plan(wide)
+    kc.data = kc.data.view(torch.float32)
     with pytest.raises(ValueError, match="the cache holds 64 slots"):
         attn.run(q, kc, vc)
     refs = weakref.ref(kc), weakref.ref(vc)
-    del k, v, kc, vc  # (unpaged, kc is k)
+    del kc, vc
     gc.collect()
-    assert refs[0]() is None and refs[1]() is None  # the attention keeps no cache alive
+    assert refs[0]() is None and refs[1]() is None and not attn._checked  # entries went along
 
 
 def test_reference_backend_through_registry():

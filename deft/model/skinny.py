@@ -2,15 +2,10 @@
 
 At 1 to 32 rows a projection reads its whole weight to produce a few outputs, so its time is
 the weight's read. cuBLAS reaches the HBM rate on wide projections (qkv, gate/up) but not on
-the ones whose outputs are no wider than their inputs (o, down) nor on the LM head
-(``tools/gemm_probe.py``; H200, Llama-3-8B shapes, 1-20 rows: o 11.2-12.3 µs against
-13.4-14.0, down 30.4-33.3 against 32.3-33.4, LM head 237-245 against 248-264). The kernel
+the ones whose outputs are no wider than their inputs (o, down) nor on the LM head; this
+kernel does (``tools/gemm_probe.py``, ``benchmarks/results/gemm_probe_h200.json``). It
 streams ``BLOCK_N`` weight rows per program over the whole reduction, accumulates in float32
 and rounds once to the activations' dtype, as cuBLAS does.
-
-Computing the down projection's input ``silu(gate) * up`` inside the kernel was measured and
-dropped: every program recomputes the whole activation, which made a decode step of
-Llama-3-8B shapes 2 ms slower on the H200.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ import triton.language as tl
 __all__ = ["MAX_ROWS", "head_proj", "linear"]
 
 MAX_ROWS = 32
-"""Row counts up to this take the kernel (where :func:`_config` has a block shape)."""
+"""Row counts up to this take the kernel (where :func:`_takes_kernel` allows it)."""
 
 # (BLOCK_N, BLOCK_K, num_stages, num_warps), best of a sweep on the H200 at 1-20 rows.
 _NARROW = (32, 256, 5, 4)  # outputs no wider than inputs: o, down
@@ -48,14 +43,17 @@ def _skinny_kernel(X, W, Y, M, N, K, stride_x, stride_w, stride_y, EVEN_N: tl.co
     tl.store(Y + rm[:, None] * stride_y + rn[None, :], y, mask=ok)
 
 
-def _config(x: torch.Tensor, w: torch.Tensor, k: int, cfg: tuple[int, int, int, int]) -> bool:
-    """Whether the kernel takes ``x @ w.T`` with block shape ``cfg`` (else cuBLAS does)."""
-    return (x.is_cuda and x.shape[0] <= MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16)
-            and w.dtype == x.dtype and k % cfg[1] == 0 and x.stride(-1) == 1 and w.stride(1) == 1)
+def _takes_kernel(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int]) -> bool:
+    """Whether the kernel computes ``x @ w.T`` with block shape ``cfg`` (else cuBLAS does)."""
+    k = w.shape[1]
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.shape[1] == k
+            and x.dtype in (torch.float16, torch.bfloat16) and w.dtype == x.dtype
+            and w.device == x.device and k % cfg[1] == 0 and x.stride(-1) == 1 and w.stride(1) == 1)
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
             cfg: tuple[int, int, int, int]) -> torch.Tensor:
+    """``x @ w.T`` ``[M, N]`` in ``out_dtype`` by the kernel with block shape ``cfg``."""
     (m, k), n = x.shape, w.shape[0]
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0:
@@ -72,7 +70,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)`` for ``x [M, K]``: the kernel for a bias-free projection
     whose outputs are no wider than its inputs (o, down), cuBLAS otherwise."""
     n, k = weight.shape
-    if bias is None and n <= k and _config(x, weight, k, _NARROW):
+    if bias is None and n <= k and _takes_kernel(x, weight, _NARROW):
         return _launch(x, weight, x.dtype, _NARROW)
     return F.linear(x, weight, bias)
 
@@ -80,7 +78,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def head_proj(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Float32 logits ``F.linear(x, weight).float()`` of the LM head (rounded to ``x``'s dtype
     first, as that is), written as float32 by the kernel at few rows."""
-    k = weight.shape[1]
-    if _config(x, weight, k, _HEAD):
+    if _takes_kernel(x, weight, _HEAD):
         return _launch(x, weight, torch.float32, _HEAD)
     return F.linear(x, weight).float()
