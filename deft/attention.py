@@ -32,7 +32,8 @@ class _CheckedCaches(NamedTuple):
     slots: int
 
     def match(self, q: Any, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Whether ``k`` and ``v`` are this pair, unchanged, and ``q`` has their dtype and device."""
+        """Whether ``k`` and ``v`` are this pair, unchanged, and ``q`` has their dtype and
+        device."""
         return (self.k() is k and self.v() is v and type(q) is torch.Tensor
                 and k.shape == self.shape and v.shape == self.shape and k.data_ptr() == self.k_ptr
                 and v.data_ptr() == self.v_ptr and k.dtype == self.dtype and v.dtype == self.dtype

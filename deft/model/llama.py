@@ -92,8 +92,8 @@ class LlamaLayer(nn.Module):
         k, v = pool.k_slots[layer], pool.v_slots[layer]
         q = fused.rope_write(qkv, table, positions, write_slots, k, v, h)
         o = attn.run(q, k, v, out=out)
-        normed, x = fused.rms_norm(x, self.mlp_norm.weight, self.mlp_norm.eps,
-                                   skinny.linear(o.reshape(n, self.q_size), self.o.weight, self.o.bias))
+        attn_out = skinny.linear(o.reshape(n, self.q_size), self.o.weight, self.o.bias)
+        normed, x = fused.rms_norm(x, self.mlp_norm.weight, self.mlp_norm.eps, attn_out)
         return x, skinny.linear(fused.silu_mul(self.gate_up(normed)), self.down.weight,
                                 self.down.bias)
 
