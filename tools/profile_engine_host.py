@@ -1,8 +1,11 @@
 """Where a decode loop's host time goes when the host is on the critical path: beam search
 and draft-tree verification wait for each step's scores before they build the next step.
 Runs the loop of ``deft bench e2e --device cuda`` (Llama-3-8B shapes, random bf16 weights)
-once to warm up, then under cProfile, and prints wall ms per step and the top functions by
-own time, per step.
+once to warm up, then for 32 steps and for one, timed (best of three) and under cProfile,
+and prints the difference per step (so the prompt's prefill drops out): wall ms, and the top
+functions by own time. It says whether planning is compiled: run it where the package's
+extensions were built (``python3 setup.py build_ext --inplace`` in the same call on a lent
+machine).
 
 Loops: ``beam16`` (beam search k=16 from a 2,000-token prompt), ``beam4`` (k=4), ``t=256``
 (verifying Medusa's APPS-256 tree on a 4,000-token prompt; needs ``$DEFT_WORKLOADS``,
@@ -22,26 +25,27 @@ import torch
 from benchmarks.trees import apps_tree, medusa_parents
 from deft.engine import TreeEngine, beam_search
 from deft.model.synthetic import load_random
+from deft.plan.compiled import load_library
 
 STEPS = 32
 
 
 def loop(engine: TreeEngine, name: str, gen: torch.Generator):
-    """A callable running ``STEPS`` steps of loop ``name`` (its prompt fed first)."""
+    """A callable running ``steps`` steps of loop ``name``, its prompt fed first."""
     vocab = engine.vocab_size
     if name in ("beam16", "beam4"):
         prompt = torch.randint(0, vocab, (2000,), generator=gen).tolist()
         width = int(name[4:])
-        return lambda: beam_search(engine, prompt, width, STEPS, stop_token_ids=frozenset())
+        return lambda steps: beam_search(engine, prompt, width, steps, stop_token_ids=frozenset())
     if name == "t=256":
         parents = medusa_parents(apps_tree(256, Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))))
         prompt = torch.randint(0, vocab, (4000,), generator=gen).tolist()
         tokens = list(range(len(parents)))
 
-        def verify() -> None:
+        def verify(steps: int) -> None:
             root = engine.add_prompt(prompt[:-1])
             engine.extend([(root, prompt[-1:])])
-            for _ in range(STEPS):
+            for _ in range(steps):
                 nodes, logits = engine.extend_tree(root, parents, tokens)
                 logits.argmax(-1).tolist()
                 engine.cache.prune(nodes[0])
@@ -50,31 +54,44 @@ def loop(engine: TreeEngine, name: str, gen: torch.Generator):
     raise SystemExit(f"unknown loop {name!r}: expected beam16, beam4 or t=256")
 
 
+def timed(run, steps: int, profiled: bool) -> tuple[float, dict]:
+    """Wall seconds of ``run(steps)`` (the GPU done) and, when ``profiled``, cProfile's stats."""
+    prof = cProfile.Profile() if profiled else None
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
+    run(steps)
+    torch.cuda.synchronize()
+    if prof is None:
+        return time.perf_counter() - t0, {}
+    prof.disable()
+    return time.perf_counter() - t0, pstats.Stats(prof).stats
+
+
 def main(argv: list[str]) -> None:
     model, tok = load_random("random:llama-3-8b", "cuda")
     engine = TreeEngine(model, tok, num_pages=4096)
+    print(f"planner: {'compiled' if load_library() is not None else 'numpy'}")
     gen = torch.Generator().manual_seed(0)
     for name in argv or ["beam16", "t=256"]:
         run = loop(engine, name, gen)
-        run()  # compiles and captures what the profiled run replays
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-        prof = cProfile.Profile()
-        prof.enable()
-        run()
-        torch.cuda.synchronize()
-        prof.disable()
-        stats = pstats.Stats(prof)
-        print(f"\n== {name}: {1e3 * wall / STEPS:.2f} ms per step without the profiler "
-              f"(prefill included); top functions by own time, µs per step:")
-        for (file, line, func), (_, calls, own, cum, _) in sorted(
-                stats.stats.items(), key=lambda kv: -kv[1][2])[:25]:
-            where = f"{Path(file).name}:{line}({func})"
-            print(f"  {1e6 * own / STEPS:8.1f} own {1e6 * cum / STEPS:8.1f} cum "
-                  f"{calls / STEPS:6.1f} calls  {where}")
+        run(STEPS)  # compiles and captures what the timed runs replay
+        # Runs of STEPS steps and of one (best of three each): their difference is STEPS - 1
+        # steps, the prefill excluded.
+        walls = [(timed(run, STEPS, False)[0], timed(run, 1, False)[0]) for _ in range(3)]
+        per_step = (min(w for w, _ in walls) - min(w for _, w in walls)) / (STEPS - 1)
+        many, one = timed(run, STEPS, True)[1], timed(run, 1, True)[1]
+        print(f"\n== {name}: {1e3 * per_step:.2f} ms per step without the profiler; top functions "
+              f"by own time, µs per step (own, cumulative, calls):")
+        rows = []
+        for key, (_, calls, own, cum, _) in many.items():
+            _, calls1, own1, cum1, _ = one.get(key, (0, 0, 0.0, 0.0, None))
+            rows.append((own - own1, cum - cum1, calls - calls1, key))
+        for own, cum, calls, (file, line, func) in sorted(rows, key=lambda r: -r[0])[:25]:
+            n = STEPS - 1
+            print(f"  {1e6 * own / n:8.1f} {1e6 * cum / n:8.1f} {calls / n:6.1f}  "
+                  f"{Path(file).name}:{line}({func})")
 
 
 if __name__ == "__main__":
