@@ -5,7 +5,9 @@ the weight's read. cuBLAS reaches the HBM rate on wide projections (qkv, gate/up
 the ones whose outputs are no wider than their inputs (o, down) nor on the LM head; this
 kernel does (``tools/gemm_probe.py``, ``benchmarks/results/gemm_probe_h200.json``). It
 streams ``BLOCK_N`` weight rows per program over the whole reduction, accumulates in float32
-and rounds once to the activations' dtype, as cuBLAS does.
+and rounds once to the activations' dtype, as cuBLAS does. It is taken only inside CUDA-graph
+captures (and their warm-ups): launched from Python, a Triton kernel costs more host time
+than cuBLAS's, and eager steps are host-bound.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from ..ops.triton.launch import captured
 
 __all__ = ["MAX_ROWS", "head_proj", "linear"]
 
@@ -44,11 +48,13 @@ def _skinny_kernel(X, W, Y, M, N, K, stride_x, stride_w, stride_y, EVEN_N: tl.co
 
 
 def _takes_kernel(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int]) -> bool:
-    """Whether the kernel computes ``x @ w.T`` with block shape ``cfg`` (else cuBLAS does)."""
+    """Whether the kernel computes ``x @ w.T`` with block shape ``cfg`` (else cuBLAS does):
+    only into CUDA graphs, since launched from Python it costs more host time than cuBLAS."""
     k = w.shape[1]
     return (x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.shape[1] == k
             and x.dtype in (torch.float16, torch.bfloat16) and w.dtype == x.dtype
-            and w.device == x.device and k % cfg[1] == 0 and x.stride(-1) == 1 and w.stride(1) == 1)
+            and w.device == x.device and k % cfg[1] == 0 and x.stride(-1) == 1 and w.stride(1) == 1
+            and captured())
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,

@@ -31,7 +31,7 @@ from .kernels import merge_kernel, tree_partial_kernel
 from .native_launch import NativeLaunch, batched, native_launch
 
 __all__ = ["HEADER", "Reserved", "StepBuffers", "Pointer", "launch_step", "launch_merge",
-           "launch_as_captured", "launch_signature", "has_tma"]
+           "launch_as_captured", "launch_signature", "has_tma", "captured"]
 
 # Ints before the segments of a graph-safe plan buffer: the work-item count, then the
 # offsets of segments 1-9 (``SEGMENTS``) from the first.
@@ -277,6 +277,12 @@ class _AsCaptured(threading.local):
 
 
 _AS_CAPTURED = _AsCaptured()
+
+
+def captured() -> bool:
+    """Whether this thread's CUDA launches go into a graph capture, or act as if
+    (:func:`launch_as_captured`)."""
+    return _AS_CAPTURED.on or torch._C._cuda_isCurrentStreamCapturing()
 
 
 @contextmanager
