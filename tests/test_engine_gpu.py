@@ -88,3 +88,25 @@ def test_overlapped_steps_equal_steps_that_wait_on_gpu():
         assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 512
     assert got[0] == got[1]
     assert {reason for _, reason in got[0]} == {"stop", "length"}
+
+
+def test_a_beam_step_waits_for_the_gpu_once():
+    """Scoring a beam step synchronises with the GPU only where it copies the top candidates
+    back (``torch.cuda.set_sync_debug_mode`` raises at the first synchronising call)."""
+    from deft.engine.beams import BeamParams
+
+    engine = engines(torch.float32)[0]
+    root = engine.add_prompt(PROMPT[:20])
+    search = BeamParams(num_beams=4, max_new_tokens=8, stop_token_ids=frozenset()).search(engine, 20)
+    search.start(root, torch.randn(VOCAB, device="cuda"))
+    search.running *= 4  # four beams, as after a first step
+    search.logits = torch.randn(4, VOCAB, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz") as err:
+            search._advance()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    last = [f for f in err.traceback if f.path.name == "beams.py"][-1]
+    assert "tolist" in str(last.statement)
