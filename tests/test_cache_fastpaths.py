@@ -141,3 +141,91 @@ def test_cutting_a_tail_of_dense_nodes_matches_removing_them_one_by_one():
                     dense.remove(nd)
             columns.append((dense.ids().tolist(), [a.tolist() for a in dense.arrays()]))
         assert columns[0] == columns[1]
+
+
+def random_queries(cache: TreeKVCache, rng: np.random.Generator) -> tuple[list[int], list[int]]:
+    """Up to 20 queries on live nodes (repeats allowed), each with a valid length."""
+    live = cache.live_nodes
+    size = int(rng.integers(0, 20)) if live else 0
+    nodes = [live[int(i)] for i in rng.integers(max(len(live), 1), size=size)]
+    return nodes, [int(rng.integers(cache.num_tokens(n) + 1)) for n in nodes]
+
+
+def test_layout_of_matches_layout_on_random_trees():
+    """``layout_of``'s column checks give ``layout``'s arrays, for Python and numpy ids."""
+    rng = np.random.default_rng(11)
+    cache = TreeKVCache(num_pages=24, page_size=3)
+    for _ in range(40):
+        random_ops(cache, rng, 5)
+        nodes, lens = random_queries(cache, rng)
+        want = cache.layout(list(zip(nodes, lens)))
+        for got in (cache.layout_of(nodes, lens), cache.layout_of(np.array(nodes, np.int64), lens),
+                    cache.layout_of(nodes, np.array(lens, np.int64))):
+            for name in ("parents", "node_kv_indptr", "kv_indices", "query_nodes", "query_kv_lens"):
+                np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+
+
+def test_layout_of_rejects_what_layout_rejects():
+    cache = TreeKVCache(num_pages=8, page_size=4)
+    root = cache.add_root(5)
+    kid, gone = cache.fork(root, 2)
+    cache.append(kid, 2)
+    cache.prune(gone)
+    lens = np.array([1, 1])
+    for bad, why in ((gone, "pruned"), (99, "never created"), (True, "never created"),
+                     (1.0, "never created"), ("1", "never created")):
+        with pytest.raises(ValueError, match=rf"nodes\[1\]: expected a live node id, got .*\({why}\)"):
+            cache.layout_of([root, bad], lens)
+        with pytest.raises(ValueError, match=rf"queries\[1\]: expected a live node id"):
+            cache.layout([(root, 1), (bad, 1)])
+    with pytest.raises(ValueError, match=r"kv_lens\[1\]: expected query_kv_len in \[0, 2\] "
+                                         r"\(tokens of node 1\), got 3"):
+        cache.layout_of([root, kid], [5, 3])
+    with pytest.raises(ValueError, match=r"kv_lens\[0\]: expected query_kv_len in \[0, 5\].*got -1"):
+        cache.layout_of([root, kid], [-1, 0])
+    with pytest.raises(ValueError, match=r"kv_lens: expected shape \(2,\) like nodes, got \(1,\)"):
+        cache.layout_of([root, kid], [1])
+    with pytest.raises(TypeError, match="kv_lens: expected integers"):
+        cache.layout_of([root], [1.0])
+    frozen = np.array([5])
+    cache.layout_of([root], frozen)
+    assert frozen.flags.writeable  # the caller's lengths are copied, not frozen
+
+
+def test_node_tree_matches_the_constructor():
+    """``Node.tree`` sets every attribute as ``Node(...)`` plus linking to the parent would."""
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        m = int(rng.integers(0, 12))
+        parents = [int(rng.integers(-1, i)) for i in range(m)]
+        slots = [np.arange(int(rng.integers(0, 3)), dtype=np.int64) for _ in range(m)]
+        pages = [[int(p)] for p in rng.integers(0, 9, m)]
+        tops = [Node(0, None, np.arange(4, dtype=np.int64)) for _ in range(2)]
+        got = Node.tree(tops[0], 7, parents, slots, [list(p) for p in pages])
+        want = []
+        for i, p in enumerate(parents):
+            par = tops[1] if p < 0 else want[p]
+            want.append(Node(7 + i, par, slots[i], list(pages[i])))
+            par.children[7 + i] = want[-1]
+        for top, nodes in zip(tops, (got, want)):
+            nodes.insert(0, top)
+        for a, b in zip(got, want):
+            assert ((a.parent.id if a.parent else None), a.id, list(a.children), a.n, a.pages,
+                    a.group_page, a.dense, a.start) == \
+                ((b.parent.id if b.parent else None), b.id, list(b.children), b.n, b.pages,
+                 b.group_page, b.dense, b.start)
+            assert a.slots is a.buf and a.slots.tolist() == b.slots.tolist()
+
+
+def test_releasing_many_nodes_at_once_matches_the_loop(monkeypatch):
+    """Prunes of more than ``_FEW`` nodes clear live flags with numpy: with every prune on
+    that path, and with none, the same random operations leave the same state."""
+    from deft.cache import slots
+
+    final = []
+    for few in (0, 10**9):
+        monkeypatch.setattr(slots, "_FEW", few)
+        cache = TreeKVCache(num_pages=24, page_size=3)
+        random_ops(cache, np.random.default_rng(2), 300)
+        final.append(snapshot(cache))
+    assert final[0] == final[1]

@@ -454,3 +454,26 @@ def test_spec_bench_table(workloads):
     lines = table.splitlines()
     assert len(lines) == 2 + 2 * 4  # header, rule, 2 workloads x (greedy + 3 trees)
     assert all(line.rstrip(" |").endswith("yes") for line in lines[2:]), table
+
+
+def test_draft_tree_depths_are_remembered_per_tree_shape(tiny_tok):
+    """``_check_tree`` keeps the depths of the last few tree shapes: the positions and the
+    checks are those of a fresh walk, whether the shape is remembered or not."""
+    engine = TreeEngine(tiny_model(0), tiny_tok, num_pages=16, page_size=4, backend="torch")
+    root = engine.add_prompt([1, 2, 3])
+    rng = np.random.default_rng(0)
+    shapes = [[int(rng.integers(-1, i)) for i in range(m)] for m in rng.integers(1, 12, 20)]
+    for parents in shapes + shapes[::-1] + shapes:
+        _, _, _, positions = engine._check_tree(0, (root, parents, [1] * len(parents)), {})
+        depth: list[int] = []
+        for p in parents:
+            depth.append(0 if p < 0 else depth[p] + 1)
+        assert positions.tolist() == [3 + d for d in depth]
+        assert len(engine._tree_depths) <= 8
+    chain = list(range(-1, 61))  # 62 drafts after 3 tokens: one past the context of 64
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"trees\[0\] parents\[1\]: expected -1 or an earlier"):
+            engine._check_tree(0, (root, [-1, 1], [1, 1]), {})
+        with pytest.raises(ValueError, match=r"trees\[0\]: node 0 would reach 65 tokens"):
+            engine._check_tree(0, (root, chain, [1] * len(chain)), {})
+    engine._check_tree(0, (root, chain[:-1], [1] * (len(chain) - 1)), {})

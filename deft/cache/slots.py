@@ -27,12 +27,13 @@ from array import array
 import numpy as np
 
 from ..checks import positive_int
-from .node import Node, concat
+from .node import Node, join_slots
 from .pages import CacheFullError, PageAllocator
 
 __all__ = ["SlotAllocator"]
 
 _I = np.int64
+_FEW = 16  # releasing more nodes than this clears their live flags with numpy
 
 
 class SlotAllocator:
@@ -74,38 +75,42 @@ class SlotAllocator:
             nd.parent.group_page = int(slots[-1]) // self.page_size
         return slots
 
-    def subtree(self, nd: Node, lens: np.ndarray) -> tuple[np.ndarray, list[tuple[np.ndarray, list[int]]]]:
+    def subtree(self, nd: Node, lens: np.ndarray
+                ) -> tuple[np.ndarray, list[np.ndarray], list[list[int]]]:
         """Slots for ``m`` new nodes under ``nd`` holding ``lens [m]`` tokens each, packed in
         order from ``nd``'s group page.
 
-        Returns ``slots [sum(lens)]`` and, per new node, its slots and pages (one user per
-        (new node, page) pair already counted).
+        Returns ``slots [sum(lens)]`` and, per new node, its slots (views of ``slots``) and
+        its pages (one user per (new node, page) pair already counted).
         """
         m, ps = lens.shape[0], self.page_size
         slots, take, _ = self._take(self.group_page(nd), int(lens.sum()))
         # Each page is one run of ``slots`` and each node's slots are another, so a new
         # (node, page) pair starts wherever the node or the page changes: one user each,
         # but for the pair that opens a fresh page (alloc counted it).
-        owner = np.repeat(np.arange(m, dtype=_I), lens)
         page = slots // ps
-        pair = np.ones(slots.shape[0], bool)
-        opens = pair.copy()
+        opens = np.ones(slots.shape[0], bool)
         opens[1:] = page[1:] != page[:-1]
-        pair[1:] = opens[1:] | (owner[1:] != owner[:-1])
         if take:
             opens[0] = False
-        self.allocator.share(page[pair & ~opens].tolist())
         if slots.size:
             nd.group_page = int(slots[-1]) // ps
-        pair_page = page[pair].tolist()
         if (lens == 1).all():  # one token each (draft tokens)
-            return slots, [(slots[i : i + 1], [p]) for i, p in enumerate(pair_page)]
+            self.allocator.share_many(page[~opens])
+            return slots, list(slots.reshape(m, 1)), [[p] for p in page.tolist()]
+        owner = np.repeat(np.arange(m, dtype=_I), lens)
+        pair = opens.copy()
+        if slots.size:
+            pair[0] = True
+            pair[1:] |= owner[1:] != owner[:-1]
+        self.allocator.share_many(page[pair & ~opens])
+        pair_page = page[pair].tolist()
         cuts = np.zeros(m + 1, _I)
         np.cumsum(lens, out=cuts[1:])
         pair_cuts = np.searchsorted(owner[pair], np.arange(m + 1)).tolist()
         cuts = cuts.tolist()
-        return slots, [(slots[cuts[i] : cuts[i + 1]], pair_page[pair_cuts[i] : pair_cuts[i + 1]])
-                       for i in range(m)]
+        return (slots, [slots[cuts[i] : cuts[i + 1]] for i in range(m)],
+                [pair_page[pair_cuts[i] : pair_cuts[i + 1]] for i in range(m)])
 
     def split(self, nd: Node, at: int) -> tuple[np.ndarray, list[int]]:
         """Take ``nd``'s first ``at`` slots away from it; returns them and their pages.
@@ -125,13 +130,13 @@ class SlotAllocator:
     def check_fits(self, nd: Node, k: int, removed: list[Node]) -> None:
         """Raise :class:`CacheFullError` unless ``k`` tokens fit ``nd`` once ``removed`` go."""
         ps = self.page_size
-        used = concat([np.asarray(r.pages, _I) for r in removed])
+        used = np.array([p for r in removed for p in r.pages], _I)
         pages, counts = np.unique(used, return_counts=True)
         freed = pages[self.allocator.refcounts[pages] == counts]
         page = self.target_page(nd)
         room = 0
         if page >= 0 and self.allocator.users[page] > 0 and page not in freed:
-            dead = concat([r.slots for r in removed])
+            dead = join_slots([r.slots for r in removed])
             seg = self.live[page * ps : (page + 1) * ps].copy()
             seg[dead[dead // ps == page] - page * ps] = False
             room = int(np.argmax(seg[::-1])) if seg.any() else ps  # free tail after rewinding
@@ -145,13 +150,16 @@ class SlotAllocator:
 
         ``survivors``: live parents of removed nodes, whose group page may have been freed.
         """
-        live, touched = self._live, []
-        for nd in nodes:
-            if nd.n == 1:
-                live[int(nd.buf[0])] = 0
-            elif nd.n:
-                self.live[nd.slots] = False
-            touched += nd.pages
+        live = self._live
+        touched = [p for nd in nodes for p in nd.pages]
+        if len(nodes) > _FEW:  # a draft tree: one numpy pass
+            self.live[join_slots([nd.slots for nd in nodes])] = False
+        else:
+            for nd in nodes:
+                if nd.n == 1:
+                    live[nd.buf.item(0)] = 0
+                elif nd.n:
+                    self.live[nd.slots] = False
         self.allocator.drop(touched)
         users, fill, ps = self.allocator.users, self._fill, self.page_size
         for par in survivors:

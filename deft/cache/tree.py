@@ -135,7 +135,9 @@ class TreeKVCache:
     def add_root(self, num_tokens: int = 0) -> int:
         """New root (a prompt) holding ``num_tokens`` fresh slots; returns its id."""
         slots, pages = self._slot_alloc.new_slots(int_at_least(num_tokens, "num_tokens", 0))
-        return self._new_node(None, slots, pages).id
+        root = Node(self._next_id, None, slots, pages)
+        self._register([root])
+        return root.id
 
     def fork(self, node: int, n: int) -> list[int]:
         """``n`` new empty children of ``node`` (which may already have children).
@@ -145,7 +147,8 @@ class TreeKVCache:
         """
         par = self._get(node)
         first = self._next_id
-        self._register([Node(i, par) for i in range(first, first + int_at_least(n, "n", 1))])
+        n = int_at_least(n, "n", 1)
+        self._register(Node.tree(par, first, [-1] * n, [EMPTY] * n, [[] for _ in range(n)]))
         return list(range(first, self._next_id))
 
     def append(self, node: int, num_tokens: int = 1) -> np.ndarray:
@@ -191,11 +194,10 @@ class TreeKVCache:
             if lens.size and lens.min() < 0:
                 i = int(np.argmax(lens < 0))
                 raise ValueError(f"num_tokens[{i}]: expected an integer >= 0, got {int(lens[i])}")
-        slots, parts = self._slot_alloc.subtree(nd, lens)
-        first, new = self._next_id, []
-        for i, (p, (own, pages)) in enumerate(zip(par.tolist(), parts)):
-            new.append(Node(first + i, nd if p < 0 else new[p], own, pages))
-        self._register(new)
+        slots, own, pages = self._slot_alloc.subtree(nd, lens)
+        first = self._next_id
+        self._register(Node.tree(nd, first, par.tolist(), own, pages),
+                       np.where(par < 0, nd.dense, par + len(self._dense)), lens)
         return list(range(first, first + m)), slots.copy()
 
     def split(self, node: int, at: int) -> int:
@@ -238,9 +240,8 @@ class TreeKVCache:
         """
         nd = self._get(node)
         keep_ids = {self._get(k, "keep").id for k in keep}
-        removed = self._bottom_up([nd])
+        removed, cur = self._bottom_up([nd]), nd
         if release_unused_ancestors:
-            cur = nd
             while (
                 cur.parent is not None
                 and len(cur.parent.children) == 1
@@ -248,7 +249,7 @@ class TreeKVCache:
             ):
                 cur = cur.parent
                 removed.append(cur)
-        self._remove(removed)
+        self._remove(removed, [cur])
         return [r.id for r in removed]
 
     def commit_path(self, leaf: int, path: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -277,9 +278,10 @@ class TreeKVCache:
             chain.append(step)
             prev = step
         src = concat([c.slots for c in chain])
-        removed = self._bottom_up(list(lf.children.values()))
+        tops = list(lf.children.values())
+        removed = self._bottom_up(tops)
         self._slot_alloc.check_fits(lf, src.shape[0], removed)
-        self._remove(removed)
+        self._remove(removed, tops)
         dst = self._append(lf, src.shape[0])
         moved = src != dst
         src, dst = src[moved], dst[moved]
@@ -316,9 +318,35 @@ class TreeKVCache:
                         f"queries[{i}]: expected query_kv_len in [0, {nd.n}] (tokens of node "
                         f"{nd.id}) or None, got {qlen!r}"
                     )
-        parents, indptr, kv = self._dense.arrays()
-        # Valid by construction (every checked query above, a forest of live nodes).
-        return trusted_layout(parents, indptr, kv, np.array(dense, _I), np.array(lens, _I))
+        return self._emit(np.array(dense, _I), np.array(lens, _I))
+
+    def layout_of(self, nodes: Sequence[int], kv_lens: Any) -> TreeLayout:
+        """:meth:`layout` of the queries ``(nodes[i], kv_lens[i])``, given as two columns.
+
+        ``nodes``: ``[q]`` node ids; ``kv_lens``: ``[q]`` integers, each query's
+        ``query_kv_len`` (no ``None``). For callers that hold a step's queries this way
+        (the engine): the checks are whole-column passes, not a few operations per query.
+        A bad id or length raises ``ValueError`` naming ``nodes[i]`` or ``kv_lens[i]``.
+        """
+        dense = None
+        if set(map(type, nodes)) <= {int}:  # the common case: one pass of dict lookups
+            try:
+                dense = [nd.dense for nd in map(self._nodes.get, nodes)]
+            except AttributeError:  # a missing id (None): the loop below names it
+                pass
+        if dense is None:
+            dense = [self._get(node, f"nodes[{i}]").dense for i, node in enumerate(nodes)]
+        qn = np.array(dense, _I)
+        lens = as_index_array(kv_lens, "kv_lens").copy()  # the layout freezes its arrays
+        if lens.shape != qn.shape:
+            raise ValueError(f"kv_lens: expected shape {qn.shape} like nodes, got {lens.shape}")
+        cap = self._dense.lengths()[qn]
+        bad = (lens < 0) | (lens > cap)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"kv_lens[{i}]: expected query_kv_len in [0, {int(cap[i])}] "
+                             f"(tokens of node {nodes[i]}), got {int(lens[i])}")
+        return self._emit(qn, lens)
 
     def layout_nodes(self) -> np.ndarray:
         """``[num_live]`` node id of each layout node index."""
@@ -337,23 +365,20 @@ class TreeKVCache:
             raise ValueError(f"{name}: expected a live node id, got {node!r} ({why})")
         return nd
 
-    def _new_node(
-        self, parent: Node | None, slots: np.ndarray = EMPTY, pages: list[int] | None = None
-    ) -> Node:
-        """Register a node holding ``slots`` (kept, not copied) that lie in ``pages``."""
-        nd = Node(self._next_id, parent, slots, pages)
-        self._register([nd])
-        return nd
+    def _emit(self, query_nodes: np.ndarray, query_kv_lens: np.ndarray) -> TreeLayout:
+        """The layout of checked queries: ``[q]`` dense node indices and valid lengths."""
+        parents, indptr, kv = self._dense.arrays()
+        # Valid by construction (checked queries, a forest of live nodes).
+        return trusted_layout(parents, indptr, kv, query_nodes, query_kv_lens)
 
-    def _register(self, new: list[Node]) -> None:
-        """Register ``new`` nodes, numbered from ``_next_id`` on, each after its parent."""
-        live = self._nodes
-        for nd in new:
-            live[nd.id] = nd
-            if nd.parent is not None:
-                nd.parent.children[nd.id] = nd
+    def _register(self, new: list[Node], parents: np.ndarray | None = None,
+                  lens: np.ndarray | None = None) -> None:
+        """Register ``new`` nodes, numbered from ``_next_id`` on, each after its parent and
+        already in its children; ``parents`` and ``lens`` as for :meth:`DenseNodes.add_all`."""
+        first = self._next_id
         self._next_id += len(new)
-        self._dense.add_all(new)
+        self._nodes.update(zip(range(first, self._next_id), new))
+        self._dense.add_all(new, parents, lens)
 
     def _append(self, nd: Node, k: int) -> np.ndarray:
         slots = self._slot_alloc.append(nd, k)
@@ -370,17 +395,17 @@ class TreeKVCache:
                 stack += cur.children.values()
         return order[::-1]
 
-    def _remove(self, nodes: list[Node]) -> None:
-        """Remove ``nodes`` (each after its removed children), free and rewind pages."""
+    def _remove(self, nodes: list[Node], tops: list[Node]) -> None:
+        """Remove ``nodes``, the subtrees of ``tops`` (each node after its children), free
+        and rewind pages."""
         live = self._nodes
         for nd in nodes:
             del live[nd.id]
+            nd.children.clear()  # all removed too
         survivors = []
-        for nd in nodes:
-            par = nd.parent
-            if par is not None:
-                del par.children[nd.id]
-                if par.id in live:
-                    survivors.append(par)
+        for nd in tops:
+            if nd.parent is not None:
+                del nd.parent.children[nd.id]
+                survivors.append(nd.parent)
         self._dense.remove_all(nodes)
         self._slot_alloc.release(nodes, survivors)

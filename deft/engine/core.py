@@ -31,13 +31,15 @@ __all__ = ["TreeEngine", "LOGITS_MODES"]
 
 LOGITS_MODES = ("last", "all", "none")
 _I = np.int64
+_KNOWN_TREES = 8  # draft tree shapes whose depths _depths remembers
 
 
 @dataclass
 class _Feed:
     """Tokens appended to one node, computed in the next forward."""
 
-    queries: list[tuple[int, int | None]]  # (node, query_kv_len) of each token
+    nodes: list[int]  # [n] the node of each token's query
+    kv_lens: np.ndarray  # [n] each query's query_kv_len
     tokens: np.ndarray  # [n]
     positions: np.ndarray  # [n]
     slots: np.ndarray  # [n]
@@ -132,6 +134,7 @@ class TreeEngine:
         self.vocab_size = model.config.vocab_size
         self.max_positions = model.config.max_position_embeddings
         self._staged: list[_Feed] = []
+        self._tree_depths: dict[bytes, tuple[np.ndarray, int]] = {}  # see _depths
         self.stats: dict[str, float] = {}
         self.reset_stats()
 
@@ -253,7 +256,7 @@ class TreeEngine:
         new_ids = []
         for node, par, ids, positions in drafts:
             nodes, slots = self.cache.add_subtree(node, par, 1)
-            self._staged.append(_Feed([(n, 1) for n in nodes], ids, positions, slots, "all"))
+            self._staged.append(_Feed(nodes, np.ones(len(nodes), _I), ids, positions, slots, "all"))
             new_ids.append(nodes)
         out = self._step(values)[start:]
         return out[:len(checked)], list(zip(new_ids, out[len(checked):]))
@@ -265,23 +268,22 @@ class TreeEngine:
         n, have = ids.shape[0], self.cache.num_tokens(node)
         base = self.cache.position(node)
         slots = self.cache.append(node, n)
-        queries = [(node, j) for j in range(have + 1, have + n + 1)]
-        self._staged.append(_Feed(queries, ids, np.arange(base, base + n, dtype=_I), slots, mode, source))
+        self._staged.append(_Feed([node] * n, np.arange(have + 1, have + n + 1, dtype=_I), ids,
+                                  np.arange(base, base + n, dtype=_I), slots, mode, source))
 
     def _step(self, values: torch.Tensor | None = None) -> list[torch.Tensor | None]:
         """Run every staged feed in one forward; per staged feed the logits its mode asked
         for (``None`` for one whose node was pruned since: it is dropped). A feed with a
         ``source`` takes its token from ``values`` on the device."""
         staged, self._staged = self._staged, []
-        kept = [i for i, f in enumerate(staged) if self.cache.is_live(f.queries[0][0])]
+        kept = [i for i, f in enumerate(staged) if self.cache.is_live(f.nodes[0])]
         feeds = [staged[i] for i in kept]
         result: list[torch.Tensor | None] = [None] * len(staged)
         if not feeds:
             return result
-        queries = [q for f in feeds for q in f.queries]
         rows, bounds, n, moved = [], [], 0, []
         for f in feeds:
-            k = len(f.queries)
+            k = len(f.nodes)
             want = {"last": [n + k - 1], "all": list(range(n, n + k)), "none": []}[f.logits]
             bounds.append((len(rows), len(rows) + len(want)))
             rows += want
@@ -290,7 +292,8 @@ class TreeEngine:
             n += k
         device_ids = None if not moved else (values, np.array(moved, _I).T.copy())
         t0 = time.perf_counter()
-        layout = self.cache.layout(queries)
+        layout = self.cache.layout_of([x for f in feeds for x in f.nodes],
+                                      np.concatenate([f.kv_lens for f in feeds]))
         bucket = None if self.graphs is None else self.graphs.plan(layout)
         plan = self.attn.plan(layout) if bucket is None else None
         t_plan = time.perf_counter() - t0
@@ -345,16 +348,34 @@ class TreeEngine:
         if par.shape != ids.shape:
             raise ValueError(f"trees[{i}]: expected as many parents as token_ids, "
                              f"got {par.shape[0]} and {ids.shape[0]}")
+        depth, height = self._depths(par, f"trees[{i}] parents")
+        base = self._check_context(node, height, f"trees[{i}]")
+        return node, par, ids, base + depth
+
+    def _depths(self, par: np.ndarray, name: str) -> tuple[np.ndarray, int]:
+        """``[m]`` each draft's depth in the tree ``par`` (checked) and the tree's height.
+
+        Remembered for the last few distinct trees: speculative decoding drafts the same
+        tree shape every step.
+        """
+        key = par.tobytes()
+        known = self._tree_depths.get(key)
+        if known is not None:
+            return known
         bad = (par < -1) | (par >= np.arange(par.shape[0]))
         if bad.any():
             j = int(np.argmax(bad))
-            raise ValueError(f"trees[{i}] parents[{j}]: expected -1 or an earlier index "
-                             f"in [0, {j}), got {int(par[j])}")
+            raise ValueError(f"{name}[{j}]: expected -1 or an earlier index in [0, {j}), "
+                             f"got {int(par[j])}")
         depth: list[int] = []
         for p in par.tolist():
             depth.append(0 if p < 0 else depth[p] + 1)
-        base = self._check_context(node, max(depth, default=-1) + 1, f"trees[{i}]")
-        return node, par, ids, base + np.array(depth, _I)
+        if len(self._tree_depths) >= _KNOWN_TREES:
+            del self._tree_depths[next(iter(self._tree_depths))]
+        depths = np.array(depth, _I)
+        depths.setflags(write=False)
+        self._tree_depths[key] = known = (depths, max(depth, default=-1) + 1)
+        return known
 
     def _check_sources(self, device_tokens: tuple[torch.Tensor, Sequence[int]] | None,
                        checked: list[tuple[int, np.ndarray]]) -> tuple[list[int], torch.Tensor | None]:
