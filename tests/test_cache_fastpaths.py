@@ -176,7 +176,7 @@ def test_layout_of_rejects_what_layout_rejects():
                      (1.0, "never created"), ("1", "never created")):
         with pytest.raises(ValueError, match=rf"nodes\[1\]: expected a live node id, got .*\({why}\)"):
             cache.layout_of([root, bad], lens)
-        with pytest.raises(ValueError, match=rf"queries\[1\]: expected a live node id"):
+        with pytest.raises(ValueError, match=r"queries\[1\]: expected a live node id"):
             cache.layout([(root, 1), (bad, 1)])
     with pytest.raises(ValueError, match=r"kv_lens\[1\]: expected query_kv_len in \[0, 2\] "
                                          r"\(tokens of node 1\), got 3"):
