@@ -33,7 +33,7 @@ import triton
 from .report import markdown_table, record, write_record
 from .trees import apps_tree, medusa_parents
 
-__all__ = ["GPU_WORKLOADS", "gpu_e2e_table"]
+__all__ = ["GPU_WORKLOADS", "gpu_e2e_table", "run_workload"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ GPU_WORKLOADS = [
 ]
 
 
-def _run(engine: Any, w: GpuWorkload, prompts: list[list[int]], new_tokens: int,
+def run_workload(engine: Any, w: GpuWorkload, prompts: list[list[int]], new_tokens: int,
          parents: list[int] | None, trace: Path | None) -> Callable[[], int]:
     """One complete run of ``w`` on ``engine`` with ``new_tokens`` per branch (a replay:
     iterations); it returns the tokens decoded."""
@@ -116,8 +116,8 @@ def _timed(run: Callable[[], int]) -> tuple[float, int]:
 def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
              parents: list[int] | None, trace: Path | None) -> dict[str, float]:
     """Warm run, prefill-only run, full run: ms per decode step and what the steps held."""
-    full = _run(engine, w, prompts, w.new_tokens, parents, trace)
-    first = _run(engine, w, prompts, 1, parents, trace)
+    full = run_workload(engine, w, prompts, w.new_tokens, parents, trace)
+    first = run_workload(engine, w, prompts, 1, parents, trace)
     full(), first()  # warm-up: compiles and captures every graph both timed runs replay
     engine.reset_stats()
     captures = engine.graphs.captures if engine.graphs is not None else 0

@@ -22,36 +22,29 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.e2e_gpu import GPU_WORKLOADS, run_workload
 from benchmarks.trees import apps_tree, medusa_parents
-from deft.engine import TreeEngine, beam_search
+from deft.engine import TreeEngine
 from deft.model.synthetic import load_random
 from deft.plan.compiled import load_library
 
 STEPS = 32
 
 
-def loop(engine: TreeEngine, name: str, gen: torch.Generator):
-    """A callable running ``steps`` steps of loop ``name``, its prompt fed first."""
-    vocab = engine.vocab_size
-    if name in ("beam16", "beam4"):
-        prompt = torch.randint(0, vocab, (2000,), generator=gen).tolist()
-        width = int(name[4:])
-        return lambda steps: beam_search(engine, prompt, width, steps, stop_token_ids=frozenset())
-    if name == "t=256":
-        parents = medusa_parents(apps_tree(256, Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))))
-        prompt = torch.randint(0, vocab, (4000,), generator=gen).tolist()
-        tokens = list(range(len(parents)))
+LOOPS = {"beam16": "beam k=16", "beam4": "beam k=4", "t=256": "Medusa APPS-256 verify"}
 
-        def verify(steps: int) -> None:
-            root = engine.add_prompt(prompt[:-1])
-            engine.extend([(root, prompt[-1:])])
-            for _ in range(steps):
-                nodes, logits = engine.extend_tree(root, parents, tokens)
-                logits.argmax(-1).tolist()
-                engine.cache.prune(nodes[0])
-            engine.cache.prune(root)
-        return verify
-    raise SystemExit(f"unknown loop {name!r}: expected beam16, beam4 or t=256")
+
+def loop(engine: TreeEngine, name: str, gen: torch.Generator):
+    """A callable running ``steps`` steps of loop ``name`` (the benchmark's workload), its
+    prompt fed first."""
+    if name not in LOOPS:
+        raise SystemExit(f"unknown loop {name!r}: expected {', '.join(LOOPS)}")
+    w = next(w for w in GPU_WORKLOADS if w.name == LOOPS[name])
+    prompt = torch.randint(0, engine.vocab_size, (w.prompt,), generator=gen).tolist()
+    parents = None
+    if w.kind == "verify":
+        parents = medusa_parents(apps_tree(w.width, Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))))
+    return lambda steps: run_workload(engine, w, [prompt], steps, parents, None)()
 
 
 def timed(run, steps: int, profiled: bool) -> tuple[float, dict]:

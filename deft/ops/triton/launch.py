@@ -137,10 +137,8 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
     if nq == 0:
         return
     records, key, done = prepared.native, None, 0
-    # torch's private calls: the public wrappers cost about a µs more, and this runs per layer.
-    captured = _AS_CAPTURED.on or (q.device.type == "cuda"
-                                   and torch._C._cuda_isCurrentStreamCapturing())
-    if records is not None and not captured:
+    in_capture = captured(q.device.type == "cuda")
+    if records is not None and not in_capture:
         addresses = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), o.data_ptr(),
                      prepared.workspaces[2].data_ptr() if lse is None else lse.data_ptr())
         device = torch._C._cuda_getDevice()
@@ -189,7 +187,7 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
         # of the tensor descriptors costs more host time (about 60 µs per layer on an H200
         # host) than TMA saves on the GPU. Eager launches compile the TMA variant once
         # (``warmup``), so that a capture does not run the compiler.
-        capturing = q.device.type != "cuda" or captured
+        capturing = q.device.type != "cuda" or in_capture
         tma_key = ((tuple(kw.values()), q.device, q.dtype, qs, ks, os_)
                    if tma and not capturing else None)
         if tma and (capturing or tma_key not in _TMA_COMPILED):
@@ -279,10 +277,11 @@ class _AsCaptured(threading.local):
 _AS_CAPTURED = _AsCaptured()
 
 
-def captured() -> bool:
+def captured(on_cuda: bool = True) -> bool:
     """Whether this thread's CUDA launches go into a graph capture, or act as if
-    (:func:`launch_as_captured`)."""
-    return _AS_CAPTURED.on or torch._C._cuda_isCurrentStreamCapturing()
+    (:func:`launch_as_captured`); ``on_cuda=False`` (interpreted CPU tensors) skips asking CUDA."""
+    # torch's private call: the public wrapper costs about a µs more, and this runs per layer.
+    return _AS_CAPTURED.on or (on_cuda and torch._C._cuda_isCurrentStreamCapturing())
 
 
 @contextmanager
