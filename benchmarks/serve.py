@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Coroutine, Sequence, TypeVar
 
 import numpy as np
 
@@ -51,6 +51,8 @@ from .e2e import FEW_SHOT, QUESTIONS
 from .report import markdown_table, record, write_record
 
 __all__ = ["BenchRequest", "ServerError", "ServerProcess", "request_mix", "serve_table"]
+
+T = TypeVar("T")
 
 GPU_MODEL = "random:llama-3-8b"
 SYSTEM = "Answer the question in one short sentence, as in these examples.\n\n" + FEW_SHOT
@@ -116,8 +118,42 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+class _Sigterm:
+    """The bench's SIGTERM handler: ``SystemExit(128 + SIGTERM)``, as Ctrl-C unwinds. While
+    :meth:`run` drives a replay it cancels the replay instead and raises once ``asyncio.run``
+    has returned: an exception raised at an arbitrary point of the event loop's machinery
+    (its clean-up, an executor's shutdown) can leave the process stuck."""
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task | None = None
+        self.hit = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        task = self.task
+        if task is None or task.get_loop().is_closed():
+            raise SystemExit(128 + signum)
+        self.hit = True
+        task.get_loop().call_soon_threadsafe(task.cancel)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``asyncio.run(coro)``, which a SIGTERM cancels."""
+        async def main() -> T:
+            self.task = asyncio.current_task()
+            return await coro
+
+        try:
+            out = asyncio.run(main())
+        except asyncio.CancelledError:
+            if not self.hit:
+                raise
+        finally:
+            self.task = None
+        if self.hit:  # also when the signal came after the replay's end
+            raise SystemExit(128 + signal.SIGTERM)
+        return out
+
+
+_SIGTERM = _Sigterm()
 
 
 class ServerProcess:
@@ -138,7 +174,7 @@ class ServerProcess:
 
     def __enter__(self) -> "ServerProcess":
         if threading.current_thread() is threading.main_thread():  # SIGTERM unwinds, as Ctrl-C does
-            self._on_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+            self._on_sigterm = signal.signal(signal.SIGTERM, _SIGTERM)
         cmd = [sys.executable, "-m", "deft.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                *self.flags]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -362,13 +398,13 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
         torch.set_num_threads(threads)
     with ServerProcess(flags, startup_s, say, threads) as server:
         say("warm-up request")
-        (warm,), _ = asyncio.run(_replay(server.url, name, [BenchRequest(WARM_UP, "greedy", max_tokens)], 1,
+        (warm,), _ = _SIGTERM.run(_replay(server.url, name, [BenchRequest(WARM_UP, "greedy", max_tokens)], 1,
                                          lambda msg: None))
         if warm.error is not None:
             raise ServerError(f"the warm-up request failed: {warm.error}")
         for c in concurrency:
             before = server.idle_metrics()
-            outcomes, wall = asyncio.run(_replay(server.url, name, reqs, c, say))
+            outcomes, wall = _SIGTERM.run(_replay(server.url, name, reqs, c, say))
             server.check_alive()
             after = server.idle_metrics()
             delta = {k: after[k] - before[k] for k in after if k.endswith("_total")}

@@ -110,14 +110,16 @@ def test_bench_serve_end_to_end(tmp_path, model, request):
     json.dumps(rec)
 
 
-def test_sigterm_stops_the_server(default_model):
+@pytest.mark.parametrize("when", ["warm-up request",  # the server is up; the first request goes out
+                                  "concurrency 1: 2/8 requests"])  # inside a level's replay
+def test_sigterm_stops_the_server(default_model, when):
     proc = _bench("--concurrency", "1", "--requests", "8", "--max-tokens", "8", "--num-pages", "256",
                   "--threads", "1")
     lines = []
     try:
         for line in proc.stderr:
             lines.append(line)
-            if "warm-up request" in line:  # the server is up; the first request goes out
+            if when in line:
                 break
         proc.send_signal(signal.SIGTERM)
         rest = proc.communicate(timeout=60)[1]
