@@ -398,8 +398,8 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
         torch.set_num_threads(threads)
     with ServerProcess(flags, startup_s, say, threads) as server:
         say("warm-up request")
-        (warm,), _ = _SIGTERM.run(_replay(server.url, name, [BenchRequest(WARM_UP, "greedy", max_tokens)], 1,
-                                         lambda msg: None))
+        warm_up = [BenchRequest(WARM_UP, "greedy", max_tokens)]
+        (warm,), _ = _SIGTERM.run(_replay(server.url, name, warm_up, 1, lambda msg: None))
         if warm.error is not None:
             raise ServerError(f"the warm-up request failed: {warm.error}")
         for c in concurrency:
