@@ -1,7 +1,7 @@
 """DeFT: exact, IO-aware attention for tree-structured LLM decoding."""
 
 from .attention import TreeAttention, tree_attention
-from .cache import CacheFullError, KVPool, TreeKVCache
+from .cache import CacheFullError, KVPool, KVSpec, TreeKVCache
 from .layout import TreeLayout
 from .merge import merge_state, merge_state_in_place, merge_states
 from .ops import Capacity, CapacityError, backend_names, register_backend
@@ -14,6 +14,7 @@ __all__ = [
     "Capacity",
     "CapacityError",
     "KVPool",
+    "KVSpec",
     "PLAN_KINDS",
     "TreeAttention",
     "TreeKVCache",

@@ -12,9 +12,18 @@ import torch
 from .checks import positive_int, real_number
 from .layout import TreeLayout
 from .ops import Capacity, Heads, get_backend, resolve_backend
-from .plan import PLAN_KINDS, TreePlan
+from .plan import PLAN_KINDS, TreePlan, make_plan
 
-__all__ = ["TreeAttention", "tree_attention"]
+__all__ = ["HostPlan", "TreeAttention", "tree_attention"]
+
+
+class HostPlan(NamedTuple):
+    """A step planned on the host (:meth:`TreeAttention.plan_host`), to upload to devices."""
+
+    key: tuple
+    layout: TreeLayout
+    kv_dtype: torch.dtype | None
+    backend_plan: Any
 
 
 class _CheckedCaches(NamedTuple):
@@ -28,16 +37,17 @@ class _CheckedCaches(NamedTuple):
     k_ptr: int
     v_ptr: int
     dtype: torch.dtype
+    q_dtype: torch.dtype
     device: torch.device
     slots: int
 
     def match(self, q: Any, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Whether ``k`` and ``v`` are this pair, unchanged, and ``q`` has their dtype and
-        device."""
+        """Whether ``k`` and ``v`` are this pair, unchanged, and ``q`` has the dtype and
+        device it was checked with."""
         return (self.k() is k and self.v() is v and type(q) is torch.Tensor
                 and k.shape == self.shape and v.shape == self.shape and k.data_ptr() == self.k_ptr
                 and v.data_ptr() == self.v_ptr and k.dtype == self.dtype and v.dtype == self.dtype
-                and q.dtype == self.dtype and q.device == self.device)
+                and q.dtype == self.q_dtype and q.device == self.device)
 
 
 class TreeAttention:
@@ -45,6 +55,8 @@ class TreeAttention:
 
     ``plan(layout)`` once per decode step builds the schedule (and the backend's
     device-side metadata); ``run(q, k_cache, v_cache)`` then executes it for each layer.
+    ``plan_host(layout)`` does the host part alone: its result, passed to ``plan`` of
+    several attentions (one per device), is planned once and uploaded to each.
 
     Parameters
     ----------
@@ -108,6 +120,7 @@ class TreeAttention:
         )
         self._plan: TreePlan | None = None
         self._prepared: Any = None
+        self.kv_dtype: torch.dtype | None = None  # the planned K/V dtype (None: q's)
         self._checked: dict[int, _CheckedCaches] = {}  # by id(k_cache); dropped with the tensor
         self._checked_out: dict[str, tuple[Any, ...]] = {}  # "out"/"lse_out": (ref, dtype, device)
         self.capacity = capacity
@@ -141,16 +154,27 @@ class TreeAttention:
             raise RuntimeError("TreeAttention.plan(layout) must be called before run()")
         return self._plan
 
-    def plan(self, layout: TreeLayout) -> TreePlan:
-        """Plan one step over ``layout``; the result is reused by every later :meth:`run`.
+    def plan(self, layout: TreeLayout | Any, kv_dtype: torch.dtype | None = None) -> TreePlan:
+        """Plan one step over ``layout`` (or a :meth:`plan_host` result of an attention of
+        the same shape, backend and plan kind); the result is reused by every later
+        :meth:`run`. ``kv_dtype``: the K/V caches' dtype, if not ``q``'s (one of the
+        backend's ``kv_dtypes``).
 
         Plan and run on one CUDA stream: a plan may reuse the last plan's device buffers,
         which the stream orders after the last plan's launches. Without a ``capacity``,
         CUDA graphs captured before this call must not be replayed after it; with one,
         they replay this plan."""
-        if not isinstance(layout, TreeLayout):
-            raise TypeError(f"layout: expected a deft.TreeLayout, got {type(layout).__name__}")
         t0 = time.perf_counter()
+        host = None
+        if not isinstance(layout, TreeLayout):
+            if not isinstance(layout, HostPlan):
+                raise TypeError(f"layout: expected a deft.TreeLayout, got {type(layout).__name__}")
+            if layout.key != self._host_key:
+                raise ValueError(f"layout: a host plan of {layout.key}, expected one of this "
+                                 f"attention's (backend, plan kind, block_kv, heads, device "
+                                 f"type) {self._host_key}")
+            host, layout, kv_dtype = layout, layout.layout, layout.kv_dtype
+        self._check_kv_dtype(kv_dtype)
         max_slot = int(layout.kv_indices.max(initial=-1))
         limit = self._backend.max_slot
         if limit is not None and max_slot > limit:
@@ -159,13 +183,46 @@ class TreeAttention:
         # The last plan's device buffers (or the reserved ones) may be reused; until this plan
         # succeeds, there is no current plan.
         previous, self._plan, self._prepared = self._prepared or self._reserved, None, None
-        self._prepared = self._backend.plan(layout, self.plan_kind, self.block_kv, self._heads,
-                                            self.device, previous)
+        if host is None:
+            self._prepared = self._backend.plan(layout, self.plan_kind, self.block_kv,
+                                                self._heads, self.device, previous, kv_dtype)
+        else:
+            self._prepared = self._backend.upload(host.backend_plan, self.device, previous)
         plan = self._prepared.plan
         self._plan = plan
         self._max_slot = max_slot
+        self.kv_dtype = kv_dtype
         self.plan_seconds = time.perf_counter() - t0
         return plan
+
+    def plan_host(self, layout: TreeLayout, kv_dtype: torch.dtype | None = None) -> HostPlan:
+        """The host part of :meth:`plan` (planning, packing), for :meth:`plan` of this
+        attention or of others of the same shape, backend and plan kind on other devices."""
+        if not isinstance(layout, TreeLayout):
+            raise TypeError(f"layout: expected a deft.TreeLayout, got {type(layout).__name__}")
+        self._check_kv_dtype(kv_dtype)
+        return HostPlan(self._host_key, layout, kv_dtype, self._backend.plan_host(
+            layout, self.plan_kind, self.block_kv, self._heads, self.device, kv_dtype))
+
+    def make_plan(self, layout: TreeLayout, plan_kind: str | None = None) -> TreePlan:
+        """The planner's plan of ``layout`` under this attention's tile size (``plan_kind``:
+        this attention's by default), on the host only: what a step loads and merges (for
+        counting and capacities), not what runs."""
+        return make_plan(layout, self.plan_kind if plan_kind is None else plan_kind,
+                         self.block_kv)
+
+    @property
+    def _host_key(self) -> tuple:
+        return (self.backend_name, self.plan_kind, self.block_kv, self._heads, self.device.type)
+
+    def _check_kv_dtype(self, kv_dtype: Any) -> None:
+        if kv_dtype is None:
+            return
+        allowed = self._backend.kv_dtypes or self._backend.dtypes
+        if kv_dtype not in allowed:
+            names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+            raise TypeError(f"kv_dtype: expected one of {names} for backend "
+                            f"{self.backend_name!r}, got {kv_dtype!r}")
 
     def run(
         self,
@@ -175,6 +232,9 @@ class TreeAttention:
         return_lse: bool = False,
         out: torch.Tensor | None = None,
         lse_out: torch.Tensor | None = None,
+        k_scale: float | torch.Tensor | None = None,
+        v_scale: float | torch.Tensor | None = None,
+        captured: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention output for the planned step.
 
@@ -184,7 +244,8 @@ class TreeAttention:
             ``[num_queries, num_qo_heads, head_dim]``, in the layout's query order.
         k_cache, v_cache:
             ``[num_slots, num_kv_heads, head_dim]`` or paged
-            ``[num_pages, page_size, num_kv_heads, head_dim]``; same dtype and device as ``q``.
+            ``[num_pages, page_size, num_kv_heads, head_dim]``; the planned ``kv_dtype``
+            (``q``'s if none was given) and ``q``'s device.
         return_lse:
             Also return the float32 natural-log sum-exp ``[num_queries, num_qo_heads]``.
         out, lse_out:
@@ -194,6 +255,14 @@ class TreeAttention:
             be captured in one CUDA graph; other backends copy their result in. A captured
             graph reads this plan's buffers: replay it only until the next :meth:`plan`,
             unless the attention has a ``capacity``.
+        k_scale, v_scale:
+            Dequantisation scales of this layer's K and V (a positive float or a
+            one-element float32 tensor on the device, e.g. a :class:`~deft.KVPool`'s
+            ``scales(layer)``): attention reads ``k_cache * k_scale`` and ``v_cache *
+            v_scale``. Both or neither; only for backends with ``kv_scales``.
+        captured:
+            This run is launched into a CUDA graph, or is its warm-up (a capture itself
+            is detected): the backend launches as it does inside graphs.
 
         Returns
         -------
@@ -215,6 +284,8 @@ class TreeAttention:
             k_flat, v_flat = _flat(k_cache, v_cache)
         else:
             k_flat, v_flat = self._check_inputs(q, k_cache, v_cache, plan)
+        if k_scale is not None or v_scale is not None:
+            self._check_scales(k_scale, v_scale, q.device)
         if out is not None:
             self._check_out_once(out, "out", q.shape, q.dtype, q.device)
         if lse_out is not None:
@@ -223,10 +294,12 @@ class TreeAttention:
             self._check_out_once(lse_out, "lse_out", q.shape[:2], torch.float32, q.device)
         if self._backend.writes_out:
             o, lse = self._backend.run(self._prepared, q, k_flat, v_flat, self.sm_scale, out=out,
-                                       lse_out=lse_out, want_lse=return_lse)
+                                       lse_out=lse_out, want_lse=return_lse, k_scale=k_scale,
+                                       v_scale=v_scale, captured=captured)
             return (o, lse) if return_lse else o
         o, lse = self._backend.run(self._prepared, q, k_flat, v_flat, self.sm_scale,
-                                   want_lse=return_lse)
+                                   want_lse=return_lse, k_scale=k_scale, v_scale=v_scale,
+                                   captured=captured)
         o = o if out is None else out.copy_(o)
         if not return_lse:
             return o
@@ -257,9 +330,14 @@ class TreeAttention:
             )
         if v_cache.shape != ks:
             raise ValueError(f"v_cache: expected shape {tuple(ks)} like k_cache, got {tuple(v_cache.shape)}")
+        kv_dtype = dtype if self.kv_dtype is None else self.kv_dtype
+        if kv_dtype != dtype and self._backend.kv_dtypes is None:
+            raise TypeError(f"q: expected dtype {kv_dtype}, the planned kv_dtype: backend "
+                            f"{self.backend_name!r} reads K/V in q's dtype only, got {dtype}")
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if t.dtype != dtype:
-                raise TypeError(f"{name}: expected dtype {dtype} like q, got {t.dtype}")
+            if t.dtype != kv_dtype:
+                like = "like q" if self.kv_dtype is None else "the planned kv_dtype"
+                raise TypeError(f"{name}: expected dtype {kv_dtype} {like}, got {t.dtype}")
         want = self.device
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             got = t.device
@@ -280,9 +358,24 @@ class TreeAttention:
                 del known[key]
 
         known[key] = _CheckedCaches(weakref.ref(k_cache, forget), weakref.ref(v_cache, forget),
-                                    ks, k_cache.data_ptr(), v_cache.data_ptr(), dtype, q.device,
-                                    slots)
+                                    ks, k_cache.data_ptr(), v_cache.data_ptr(), kv_dtype, dtype,
+                                    q.device, slots)
         return k_flat, v_flat
+
+    def _check_scales(self, k_scale: Any, v_scale: Any, device: torch.device) -> None:
+        if not self._backend.kv_scales:
+            raise ValueError(f"k_scale, v_scale: the {self.backend_name} backend reads no K/V "
+                             "scales; expected None")
+        for name, s, other in (("k_scale", k_scale, "v_scale"), ("v_scale", v_scale, "k_scale")):
+            if s is None:
+                raise ValueError(f"{name}: expected a scale, as {other} is given")
+            if isinstance(s, torch.Tensor):
+                if s.numel() != 1 or s.dtype != torch.float32 or s.device.type != device.type:
+                    raise ValueError(f"{name}: expected a one-element float32 tensor on "
+                                     f"{device}, got {s.dtype} {tuple(s.shape)} on {s.device}")
+            else:
+                real_number(s, name, "a positive finite number or a one-element tensor",
+                            lambda x: x > 0)
 
     def _check_out_once(self, t: Any, name: str, shape: torch.Size, dtype: torch.dtype,
                         device: torch.device) -> None:

@@ -23,12 +23,12 @@ class ToyBackend(Backend):
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def plan(self, layout, plan_kind, block_kv, heads, device, previous=None):
+    def plan(self, layout, plan_kind, block_kv, heads, device, previous=None, kv_dtype=None):
         self.calls.append(("plan", plan_kind, block_kv, heads, device, previous))
         return _Step(make_plan(layout, plan_kind, block_kv), layout)
 
     def run(self, prepared, q, k_cache, v_cache, sm_scale, *, out=None, lse_out=None,
-            want_lse=True):
+            want_lse=True, k_scale=None, v_scale=None, captured=False):
         self.calls.append(("run", out, lse_out, want_lse))
         o, lse = reference_attention(q, k_cache, v_cache, prepared.layout, sm_scale)
         return o.float(), (lse.float() if want_lse else None)

@@ -3,13 +3,14 @@ interpreted on CPU (fp32, fp16), the dispatching functions compiled on a GPU (al
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")
 from deft.model import skinny  # noqa: E402
-from deft.ops.triton.launch import launch_as_captured  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # A float32 accumulation over K = 128..1024 terms, rounded once to the dtype.
@@ -67,23 +68,24 @@ def test_projections_on_the_gpu(rows):
     x = torch.randn(rows, 512, device="cuda", dtype=dt)
     w_o = (torch.randn(512, 512, device="cuda") / 16).to(dt)
     assert torch.equal(skinny.linear(x, w_o), F.linear(x, w_o))  # launched eagerly
-    with launch_as_captured():
-        close(skinny.linear(x, w_o), want(x, w_o), dt)
-        w_qkv = (torch.randn(768, 512, device="cuda") / 16).to(dt)  # wider than its input: cuBLAS
-        assert torch.equal(skinny.linear(x, w_qkv), F.linear(x, w_qkv))
-        gate_up = torch.randn(rows, 1024, device="cuda", dtype=dt)
-        w_down = (torch.randn(256, 512, device="cuda") / 16).to(dt)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
-        close(skinny.linear(act, w_down), want(act, w_down), dt)
-        head = (torch.randn(1000, 512, device="cuda") / 16).to(dt)  # 1,000 rows: the last block ragged
-        logits = skinny.head_proj(x, head)
-        assert logits.dtype == torch.float32
-        close(logits, want(x, head), dt)
-        with pytest.raises(RuntimeError):  # a wrong inner size is cuBLAS's error, not a product
-            skinny.linear(x[:, :256], w_o)
-        x33 = torch.randn(skinny.MAX_ROWS + 1, 512, device="cuda", dtype=dt)
-        assert torch.equal(skinny.linear(x33, w_o), F.linear(x33, w_o))
+    linear = functools.partial(skinny.linear, captured=True)
+    head_proj = functools.partial(skinny.head_proj, captured=True)
+    close(linear(x, w_o), want(x, w_o), dt)
+    w_qkv = (torch.randn(768, 512, device="cuda") / 16).to(dt)  # wider than its input: cuBLAS
+    assert torch.equal(linear(x, w_qkv), F.linear(x, w_qkv))
+    gate_up = torch.randn(rows, 1024, device="cuda", dtype=dt)
+    w_down = (torch.randn(256, 512, device="cuda") / 16).to(dt)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    close(linear(act, w_down), want(act, w_down), dt)
+    head = (torch.randn(1000, 512, device="cuda") / 16).to(dt)  # 1,000 rows: the last block ragged
+    logits = head_proj(x, head)
+    assert logits.dtype == torch.float32
+    close(logits, want(x, head), dt)
+    with pytest.raises(RuntimeError):  # a wrong inner size is cuBLAS's error, not a product
+        linear(x[:, :256], w_o)
+    x33 = torch.randn(skinny.MAX_ROWS + 1, 512, device="cuda", dtype=dt)
+    assert torch.equal(linear(x33, w_o), F.linear(x33, w_o))
 
 
 @pytest.mark.gpu
@@ -107,10 +109,10 @@ def test_model_step_through_the_kernel_is_as_close_to_float64_as_through_cublas(
     t = lambda a: torch.tensor(a, dtype=torch.int64, device="cuda")  # noqa: E731
     args = t([1, 5, 9, 3, 2, 8, 4, 6]), t([0, 1, 2, 3, 4, 5, 6, 6]), t(slots)
 
-    def step(m: LlamaModel) -> torch.Tensor:
+    def step(m: LlamaModel, captured: bool = False) -> torch.Tensor:
         attn = m.attention(backend="torch")
         attn.plan(layout)
-        return m(*args, attn, m.new_pool(4, 4), t([5, 6, 7])).double()
+        return m(*args, attn, m.new_pool(4, 4), t([5, 6, 7]), captured=captured).double()
 
     ref = step(model)
     model.to(torch.bfloat16)
@@ -119,11 +121,9 @@ def test_model_step_through_the_kernel_is_as_close_to_float64_as_through_cublas(
     monkeypatch.setattr(skinny, "_launch", lambda *a: calls.append(a[2]) or launch(*a))
     step(model)
     assert not calls  # launched eagerly, every projection is cuBLAS's
-    with launch_as_captured():
-        err = (step(model) - ref).abs().max().item()
+    err = (step(model, captured=True) - ref).abs().max().item()
     assert len(calls) == 2 * 2 + 1  # o and down per layer, the LM head
     monkeypatch.setattr(skinny, "MAX_ROWS", 0)
-    with launch_as_captured():
-        err_blas = (step(model) - ref).abs().max().item()
+    err_blas = (step(model, captured=True) - ref).abs().max().item()
     assert len(calls) == 5
     assert err <= 1.5 * err_blas + 1e-3, (err, err_blas)

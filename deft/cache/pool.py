@@ -4,13 +4,17 @@ pages a memory budget holds."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..checks import positive_int
 
-__all__ = ["KV_MEMORY_FRACTION", "KVPool", "default_kv_budget", "free_memory", "page_bytes"]
+__all__ = ["KV_MEMORY_FRACTION", "KV_SCALE_MODES", "KVPool", "KVSpec", "default_kv_budget",
+           "free_memory", "page_bytes"]
+
+KV_SCALE_MODES = ("none", "per_layer")
 
 # The default K/V budget is this fraction of the memory still free once the model is loaded;
 # the rest is left to activations, the logits and everything else in the process.
@@ -97,13 +101,40 @@ def _rlimit_free() -> list[int | None]:
     return out
 
 
+@dataclass(frozen=True)
+class KVSpec:
+    """How K and V are stored: ``dtype``, and ``scale``, the dequantisation scales'
+    granularity: ``"none"`` (K/V are the values themselves) or ``"per_layer"`` (one K and
+    one V scale per layer: the values are ``k * k_scale``, ``v * v_scale``; attention
+    backends with ``kv_scales`` read them)."""
+
+    dtype: torch.dtype = torch.float32
+    scale: str = "none"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, torch.dtype) or not (
+                self.dtype.is_floating_point and not self.dtype.is_complex):
+            raise TypeError(f"dtype: expected a floating-point torch dtype for K/V, got "
+                            f"{self.dtype!r}")
+        if self.scale not in KV_SCALE_MODES:
+            raise ValueError(f"scale: expected one of {', '.join(KV_SCALE_MODES)}, got "
+                             f"{self.scale!r}")
+
+    @property
+    def scaled(self) -> bool:
+        return self.scale != "none"
+
+
 class KVPool:
-    """K and V pools of every layer, each ``[num_pages, page_size, num_kv_heads, head_dim]``.
+    """K and V pools of every layer, each ``[num_pages, page_size, num_kv_heads, head_dim]``,
+    stored as ``spec`` says (:class:`KVSpec`; ``dtype`` alone gives an unscaled spec).
 
     Slot ``s`` is row ``s`` of ``k_slots[layer]``, the ``[num_slots, num_kv_heads, head_dim]``
     view of ``k[layer]`` (page ``s // page_size``, offset ``s % page_size``; the views are
     made once: a view costs microseconds of host time, and layers take them every step). The
-    pool holds tensors only; which slots are in use is the cache's bookkeeping.
+    pool holds tensors only; which slots are in use is the cache's bookkeeping. A scaled
+    spec adds ``k_scale``/``v_scale`` (float32 ``[num_layers]``, ones at first; set them
+    before writing) and ``scales(layer)`` returns a layer's pair as one-element views.
     """
 
     def __init__(
@@ -115,12 +146,19 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        spec: KVSpec | None = None,
     ) -> None:
         num_layers, num_pages = positive_int(num_layers, "num_layers"), positive_int(num_pages, "num_pages")
         page_size = positive_int(page_size, "page_size")
         num_kv_heads, head_dim = positive_int(num_kv_heads, "num_kv_heads"), positive_int(head_dim, "head_dim")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        if spec is None:
+            spec = KVSpec(dtype)
+        elif not isinstance(spec, KVSpec):
+            raise TypeError(f"spec: expected a deft.cache.KVSpec, got {type(spec).__name__}")
+        self.spec = spec
+        dtype = spec.dtype
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         # Not zero-filled: a slot is written before any query sees it, and attention never lets
         # rows a query cannot see into its arithmetic; untouched host pages cost no memory.
@@ -128,15 +166,34 @@ class KVPool:
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.k_slots = [t.view(-1, num_kv_heads, head_dim) for t in self.k]
         self.v_slots = [t.view(-1, num_kv_heads, head_dim) for t in self.v]
+        self.k_scale = self.v_scale = None
+        self._scales: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * num_layers
+        if spec.scaled:
+            self.k_scale = torch.ones(num_layers, dtype=torch.float32, device=device)
+            self.v_scale = torch.ones(num_layers, dtype=torch.float32, device=device)
+            self._scales = [(self.k_scale[i:i + 1], self.v_scale[i:i + 1]) for i in range(num_layers)]
 
     @property
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.spec.dtype
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(k_scale, v_scale)`` of ``layer``: one-element float32 views, or ``None`` each
+        for an unscaled spec."""
+        return self._scales[layer]
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k, v [N, num_kv_heads, head_dim]`` at ``slots [N]`` of ``layer``."""
-        self.k_slots[layer][slots] = k.to(self.k[layer].dtype)
-        self.v_slots[layer][slots] = v.to(self.v[layer].dtype)
+        """Store ``k, v [N, num_kv_heads, head_dim]`` at ``slots [N]`` of ``layer`` (divided
+        by the layer's scales under a scaled spec)."""
+        k_scale, v_scale = self._scales[layer]
+        if k_scale is not None:
+            k, v = k.float() / k_scale, v.float() / v_scale
+        self.k_slots[layer][slots] = k.to(self.spec.dtype)
+        self.v_slots[layer][slots] = v.to(self.spec.dtype)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy K/V rows ``src [N]`` to ``dst [N]`` in every layer (e.g. a partly filled page)."""

@@ -13,16 +13,14 @@ See ``docs/cache.md`` for the design and its trade-offs.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..checks import int_at_least, int_in_range, is_int
 from ..layout import TreeLayout, as_index_array, trusted_layout
 from .node import EMPTY, DenseNodes, Node, concat
-from .pool import KVPool
 from .slots import SlotAllocator
 
 __all__ = ["TreeKVCache"]
@@ -35,7 +33,8 @@ class TreeKVCache:
 
     Slot ``s`` is row ``s`` of the flattened pool (page ``s // page_size``); callers
     write K/V into the slots that :meth:`add_root`, :meth:`append` and
-    :meth:`add_subtree` return (e.g. with :meth:`KVPool.write`). Node ids are stable
+    :meth:`add_subtree` return (e.g. with :meth:`KVPool.write`). The cache holds no K/V:
+    it is host bookkeeping, and whoever owns the pool applies the rows it moves. Node ids are stable
     integer handles, never reused. Operations validate everything and check free pages
     before changing anything: a ``ValueError`` or :class:`CacheFullError` leaves the
     cache as it was.
@@ -44,27 +43,20 @@ class TreeKVCache:
     ----------
     num_pages, page_size:
         Pool geometry; ``page_size`` may be 1.
-    pool:
-        Optional :class:`KVPool` with the same page size and at least ``num_pages`` pages
-        (pages beyond are never handed out: an engine's scratch page), used only by
-        :meth:`commit_path` to copy accepted draft rows.
+    on_copy:
+        Optional callable, called with :meth:`commit_path`'s ``(src, dst)`` rows whenever
+        it moves any: the pool's owner copies them before any other K/V write (the engine
+        queues them into its next step).
     """
 
-    def __init__(self, num_pages: int, page_size: int = 16, pool: KVPool | None = None) -> None:
+    def __init__(self, num_pages: int, page_size: int = 16,
+                 on_copy: Callable[[np.ndarray, np.ndarray], None] | None = None) -> None:
         self._slot_alloc = SlotAllocator(num_pages, page_size)
         self.allocator = self._slot_alloc.allocator
         num_pages, page_size = self._slot_alloc.num_pages, self._slot_alloc.page_size
-        if pool is not None:
-            if not isinstance(pool, KVPool):
-                raise TypeError(
-                    f"pool: expected a deft.cache.KVPool or None, got {type(pool).__name__}"
-                )
-            if pool.num_pages < num_pages or pool.page_size != page_size:
-                raise ValueError(
-                    f"pool: expected at least num_pages={num_pages} and page_size={page_size} "
-                    f"like the cache, got num_pages={pool.num_pages}, page_size={pool.page_size}"
-                )
-        self.num_pages, self.page_size, self.pool = num_pages, page_size, pool
+        if on_copy is not None and not callable(on_copy):
+            raise TypeError(f"on_copy: expected a callable or None, got {type(on_copy).__name__}")
+        self.num_pages, self.page_size, self._on_copy = num_pages, page_size, on_copy
         self._nodes: dict[int, Node] = {}
         self._dense = DenseNodes()
         self._next_id = 0
@@ -261,9 +253,9 @@ class TreeKVCache:
         next slots: usually right after its last token in its own last page, where the
         drafts were packed, so only rows not already in place are copied.
 
-        Returns ``(src, dst)``, ``[c]`` each: the rows that moved. With a pool they are
-        copied already (every layer, K and V); without one the caller must copy them
-        before writing any other K/V. Raises :class:`CacheFullError` (changing nothing)
+        Returns ``(src, dst)``, ``[c]`` each: the rows that moved, which the pool's owner
+        must copy (every layer, K and V) before writing any other K/V; ``on_copy`` gets
+        them too. Raises :class:`CacheFullError` (changing nothing)
         if the path does not fit even after the drafts are pruned.
         """
         lf = self._get(leaf, "leaf")
@@ -285,9 +277,8 @@ class TreeKVCache:
         dst = self._append(lf, src.shape[0])
         moved = src != dst
         src, dst = src[moved], dst[moved]
-        if self.pool is not None and src.size:
-            dev = self.pool.k[0].device
-            self.pool.copy_slots(torch.as_tensor(src, device=dev), torch.as_tensor(dst, device=dev))
+        if self._on_copy is not None and src.size:
+            self._on_copy(src, dst)
         return src, dst
 
     # ----------------------------------------------------------------- layout

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import TreeAttention
-from ..cache.pool import KVPool
+from ..cache.pool import KVPool, KVSpec
 from .config import LlamaConfig
 from .rope import apply_rope, rope_table
 
@@ -65,7 +65,9 @@ class LlamaLayer(nn.Module):
         qkv = self.qkv(self.attn_norm(x)).view(n, h + 2 * h_kv, self.head_dim)
         qk = apply_rope(qkv[:, :h + h_kv], cos, sin)  # q and k heads rotated together
         pool.write(layer, write_slots, qk[:, h:], qkv[:, h + h_kv:])
-        o = attn.run(qk[:, :h].contiguous(), pool.k_slots[layer], pool.v_slots[layer])  # [N, H, D]
+        k_scale, v_scale = pool.scales(layer)
+        o = attn.run(qk[:, :h].contiguous(), pool.k_slots[layer], pool.v_slots[layer],
+                     k_scale=k_scale, v_scale=v_scale)  # [N, H, D]
         x = x + self.o(o.reshape(n, self.q_size))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -81,9 +83,11 @@ class LlamaLayer(nn.Module):
         pool: KVPool,
         layer: int,
         out: torch.Tensor,  # [N, H, D]: where attention writes (one buffer for every layer)
+        captured: bool,  # launched into a CUDA graph (or its warm-up)
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` through the fused kernels of :mod:`.fused`; returns the residual
-        stream and this layer's MLP output, which the next layer's norm adds."""
+        """:meth:`forward` through the fused kernels of :mod:`.fused` (an unscaled pool of
+        the activations' dtype); returns the residual stream and this layer's MLP output,
+        which the next layer's norm adds."""
         from . import fused, skinny
 
         n, h, h_kv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -91,11 +95,11 @@ class LlamaLayer(nn.Module):
         qkv = self.qkv(normed).view(n, h + 2 * h_kv, d)
         k, v = pool.k_slots[layer], pool.v_slots[layer]
         q = fused.rope_write(qkv, table, positions, write_slots, k, v, h)
-        o = attn.run(q, k, v, out=out)
-        attn_out = skinny.linear(o.reshape(n, self.q_size), self.o.weight, self.o.bias)
+        o = attn.run(q, k, v, out=out, captured=captured)
+        attn_out = skinny.linear(o.reshape(n, self.q_size), self.o.weight, self.o.bias, captured)
         normed, x = fused.rms_norm(x, self.mlp_norm.weight, self.mlp_norm.eps, attn_out)
         return x, skinny.linear(fused.silu_mul(self.gate_up(normed)), self.down.weight,
-                                self.down.bias)
+                                self.down.bias, captured)
 
 
 class LlamaModel(nn.Module):
@@ -148,18 +152,26 @@ class LlamaModel(nn.Module):
         return TreeAttention(c.num_heads, c.num_kv_heads, c.head_dim, backend=backend,
                              device=self.device if device is None else device, **kwargs)
 
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """``(num_layers, num_kv_heads, head_dim)``: what a K/V pool of this model holds."""
+        c = self.config
+        return c.num_layers, c.num_kv_heads, c.head_dim
+
     def new_pool(
         self,
         num_pages: int,
         page_size: int,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
+        spec: KVSpec | None = None,
     ) -> KVPool:
-        """A :class:`KVPool` for every layer of this model (default: the model's dtype and device)."""
-        c = self.config
-        return KVPool(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim,
+        """A :class:`KVPool` for every layer of this model (default: the model's dtype and
+        device; ``spec`` gives another K/V format)."""
+        layers, heads, dim = self.kv_shape
+        return KVPool(layers, num_pages, page_size, heads, dim,
                       dtype=self.dtype if dtype is None else dtype,
-                      device=self.device if device is None else device)
+                      device=self.device if device is None else device, spec=spec)
 
     def forward(
         self,
@@ -169,6 +181,7 @@ class LlamaModel(nn.Module):
         attn: TreeAttention,
         pool: KVPool,
         logits_rows: torch.Tensor | None = None,
+        captured: bool = False,
     ) -> torch.Tensor:
         """Logits of one step's queries.
 
@@ -184,6 +197,9 @@ class LlamaModel(nn.Module):
             The K/V pool (every layer); the new tokens' K/V are written into it.
         logits_rows:
             ``[R]`` rows whose logits are wanted (e.g. each prompt's last token); all by default.
+        captured:
+            The step is being captured into a CUDA graph, or is its warm-up: kernels that
+            only pay off inside graphs are launched.
 
         Returns
         -------
@@ -192,7 +208,8 @@ class LlamaModel(nn.Module):
         self._check_step(input_ids, positions, write_slots, attn, pool, logits_rows)
         x = self.embed(input_ids)  # [N, hidden]
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        if x.dtype != torch.float64 and (self.fused_ops or (self.fused_ops is None and x.is_cuda)):
+        if (x.dtype != torch.float64 and pool.dtype == x.dtype and not pool.spec.scaled
+                and (self.fused_ops or (self.fused_ops is None and x.is_cuda))):
             from .fused import rms_norm
             from .skinny import head_proj
 
@@ -203,10 +220,11 @@ class LlamaModel(nn.Module):
             out = torch.empty((x.shape[0], c.num_heads, c.head_dim), dtype=x.dtype, device=x.device)
             for i, layer in enumerate(self.layers):
                 x, delta = layer.forward_fused(x, delta, positions, self.rope, write_slots,
-                                               attn, pool, i, out)
+                                               attn, pool, i, out, captured)
             if logits_rows is not None:
                 x, delta = x[logits_rows], delta[logits_rows]
-            return head_proj(rms_norm(x, self.norm.weight, self.norm.eps, delta)[0], head)
+            return head_proj(rms_norm(x, self.norm.weight, self.norm.eps, delta)[0], head,
+                             captured)
         cos, sin = self.rope[positions].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D/2] each
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, write_slots, attn, pool, i)
@@ -257,8 +275,9 @@ class LlamaModel(nn.Module):
                 f"pool: expected layers/kv heads/head dim {c.num_layers}/{c.num_kv_heads}/{c.head_dim}, "
                 f"got {pool.num_layers}/{pool.num_kv_heads}/{pool.head_dim}"
             )
-        if pool.k[0].dtype != self.dtype:
-            raise TypeError(f"pool: expected dtype {self.dtype} (the model's), got {pool.k[0].dtype}")
+        if pool.dtype != self.dtype and pool.dtype != attn.kv_dtype:
+            raise TypeError(f"pool: expected dtype {self.dtype} (the model's) or the attention's "
+                            f"planned kv_dtype, got {pool.dtype}")
 
 
 def fuse_hf_weights(

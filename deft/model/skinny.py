@@ -17,8 +17,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..ops.triton.launch import captured
-
 __all__ = ["MAX_ROWS", "head_proj", "linear"]
 
 MAX_ROWS = 32
@@ -47,14 +45,16 @@ def _skinny_kernel(X, W, Y, M, N, K, stride_x, stride_w, stride_y, EVEN_N: tl.co
     tl.store(Y + rm[:, None] * stride_y + rn[None, :], y, mask=ok)
 
 
-def _takes_kernel(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int]) -> bool:
+def _takes_kernel(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int],
+                  captured: bool) -> bool:
     """Whether the kernel computes ``x @ w.T`` with block shape ``cfg`` (else cuBLAS does):
-    only into CUDA graphs, since launched from Python it costs more host time than cuBLAS."""
+    only into CUDA graphs (``captured``: a capture or its warm-up), since launched from
+    Python it costs more host time than cuBLAS."""
     k = w.shape[1]
     return (x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.shape[1] == k
             and x.dtype in (torch.float16, torch.bfloat16) and w.dtype == x.dtype
             and w.device == x.device and k % cfg[1] == 0 and x.stride(-1) == 1 and w.stride(1) == 1
-            and captured())
+            and (captured or torch._C._cuda_isCurrentStreamCapturing()))
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
@@ -72,18 +72,19 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
     return y
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           captured: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [M, K]``: the kernel for a bias-free projection
     whose outputs are no wider than its inputs (o, down), cuBLAS otherwise."""
     n, k = weight.shape
-    if bias is None and n <= k and _takes_kernel(x, weight, _NARROW):
+    if bias is None and n <= k and _takes_kernel(x, weight, _NARROW, captured):
         return _launch(x, weight, x.dtype, _NARROW)
     return F.linear(x, weight, bias)
 
 
-def head_proj(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def head_proj(x: torch.Tensor, weight: torch.Tensor, captured: bool = False) -> torch.Tensor:
     """Float32 logits ``F.linear(x, weight).float()`` of the LM head (rounded to ``x``'s dtype
     first, as that is), written as float32 by the kernel at few rows."""
-    if _takes_kernel(x, weight, _HEAD):
+    if _takes_kernel(x, weight, _HEAD, captured):
         return _launch(x, weight, torch.float32, _HEAD)
     return F.linear(x, weight).float()

@@ -13,7 +13,14 @@ data its kernels read, then runs it per layer (``run``). Capabilities are class 
   replays every later plan that fits (a plan that does not fit raises
   :class:`CapacityError`, a ``ValueError``);
 * ``max_slot``: the largest cache slot its plan arrays can address (``None``: any);
-* ``default_block_kv``: the tile size used when the caller gives none.
+* ``default_block_kv``: the tile size used when the caller gives none;
+* ``kv_dtypes``: the K/V dtypes ``run`` reads (``None``: only ``q``'s dtype); ``plan`` is
+  told the step's K/V dtype (``kv_dtype``), as kernels are specialised on it;
+* ``kv_scales``: ``run`` applies per-layer dequantisation scales: the K/V it reads are
+  ``k_cache * k_scale`` and ``v_cache * v_scale`` (otherwise both are ``None``).
+
+Planning may be split from upload (``plan_host`` once, ``upload`` to one or several
+devices); by default ``plan_host`` defers everything to ``upload``, which calls ``plan``.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ import torch
 from ..layout import TreeLayout
 from ..plan import TreePlan
 
-__all__ = ["Backend", "Capacity", "CapacityError", "Heads", "Prepared", "check_backend"]
+__all__ = ["Backend", "Capacity", "CapacityError", "Deferred", "Heads", "Prepared",
+           "check_backend"]
 
 
 class Heads(NamedTuple):
@@ -66,6 +74,16 @@ class Prepared(Protocol):
     plan: TreePlan
 
 
+class Deferred(NamedTuple):
+    """A host plan of a backend that plans and uploads in one go: what ``plan`` needs."""
+
+    layout: TreeLayout
+    plan_kind: str
+    block_kv: int
+    heads: Heads
+    kv_dtype: torch.dtype | None
+
+
 class Backend(ABC):
     """An executor of plans. Subclass it and register a factory with
     :func:`deft.register_backend`."""
@@ -76,22 +94,41 @@ class Backend(ABC):
     graph_safe: bool = False
     max_slot: int | None = None
     default_block_kv: int = 64
+    kv_dtypes: tuple[torch.dtype, ...] | None = None
+    kv_scales: bool = False
 
     @abstractmethod
     def plan(self, layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
-             device: torch.device, previous: Any = None) -> Prepared:
-        """Plan one step of ``layout``. ``previous`` is the same caller's last prepared
-        value (or ``None``), whose device buffers may be reused: ``plan`` and ``run`` share
-        one stream, which orders the reuse after the last plan's launches."""
+             device: torch.device, previous: Any = None,
+             kv_dtype: torch.dtype | None = None) -> Prepared:
+        """Plan one step of ``layout`` over K/V of ``kv_dtype`` (``None``: ``q``'s).
+        ``previous`` is the same caller's last prepared value (or ``None``), whose device
+        buffers may be reused: ``plan`` and ``run`` share one stream, which orders the
+        reuse after the last plan's launches."""
 
     @abstractmethod
     def run(self, prepared: Any, q: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, sm_scale: float, *, out: torch.Tensor | None = None,
-            lse_out: torch.Tensor | None = None,
-            want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+            lse_out: torch.Tensor | None = None, want_lse: bool = True,
+            k_scale: Any = None, v_scale: Any = None,
+            captured: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(o [Q, H_q, D] in q.dtype, lse [Q, H_q] float32)`` of the planned step over
         ``k_cache, v_cache [num_slots, H_kv, D]``; ``lse`` may be ``None`` without
-        ``want_lse``. ``out``/``lse_out`` are given only to backends with ``writes_out``."""
+        ``want_lse``. ``out``/``lse_out`` are given only to backends with ``writes_out``;
+        ``k_scale``/``v_scale`` (a float or a one-element float32 tensor) only to backends
+        with ``kv_scales``. ``captured``: the launches go into a CUDA graph, or are its
+        warm-up (a backend may launch differently there)."""
+
+    def plan_host(self, layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
+                  device: torch.device, kv_dtype: torch.dtype | None = None) -> Any:
+        """The host part of :meth:`plan`, to :meth:`upload` to one or more devices of
+        ``device``'s kind."""
+        return Deferred(layout, plan_kind, block_kv, heads, kv_dtype)
+
+    def upload(self, host: Any, device: torch.device, previous: Any = None) -> Prepared:
+        """The prepared value of a :meth:`plan_host` result on ``device``."""
+        return self.plan(host.layout, host.plan_kind, host.block_kv, host.heads, device,
+                         previous, host.kv_dtype)
 
     def reserve(self, capacity: Capacity, block_kv: int, heads: Heads,
                 device: torch.device) -> Any:
@@ -111,9 +148,13 @@ def check_backend(backend: Any, name: str) -> Backend:
     for attr in ("name", "dtypes"):
         if not hasattr(backend, attr):
             raise TypeError(f"backend {name!r}: missing the attribute {attr!r}")
-    if not backend.dtypes or not all(isinstance(d, torch.dtype) for d in backend.dtypes):
-        raise TypeError(f"backend {name!r}: dtypes: expected a non-empty tuple of torch dtypes, "
-                        f"got {backend.dtypes!r}")
+    for attr in ("dtypes", "kv_dtypes"):
+        got = getattr(backend, attr)
+        if (attr == "kv_dtypes" and got is None) or (
+                got and all(isinstance(d, torch.dtype) for d in got)):
+            continue
+        raise TypeError(f"backend {name!r}: {attr}: expected a non-empty tuple of torch dtypes, "
+                        f"got {got!r}")
     for method, expected in _CONTRACT.items():
         got = inspect.signature(getattr(backend, method))
         want = [p for p in expected.parameters if p != "self"]

@@ -79,12 +79,13 @@ class ReferenceBackend(Backend):
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
     def plan(self, layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
-             device: torch.device, previous: object = None) -> _Step:
+             device: torch.device, previous: object = None,
+             kv_dtype: torch.dtype | None = None) -> _Step:
         return _Step(make_plan(layout, plan_kind, block_kv), layout)
 
     def run(self, prepared: _Step, q: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, sm_scale: float, *, out: torch.Tensor | None = None,
-            lse_out: torch.Tensor | None = None,
-            want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+            lse_out: torch.Tensor | None = None, want_lse: bool = True,
+            k_scale: object = None, v_scale: object = None, captured: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         o, lse = reference_attention(q, k_cache, v_cache, prepared.layout, sm_scale)
         return o.to(q.dtype), lse.float()

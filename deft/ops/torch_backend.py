@@ -84,7 +84,8 @@ class TorchBackend(Backend):
     default_block_kv = 256
 
     def plan(self, layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
-             device: torch.device, previous: object = None) -> _Prepared | _Dense:
+             device: torch.device, previous: object = None,
+             kv_dtype: torch.dtype | None = None) -> _Prepared | _Dense:
         fast = flatten_tiles(layout, block_kv) if plan_kind == "flatten" else None
         plan, first = fast if fast is not None else (make_plan(layout, plan_kind, block_kv), None)
         g = heads.num_qo_heads // heads.num_kv_heads
@@ -152,8 +153,8 @@ class TorchBackend(Backend):
 
     def run(self, prepared: _Prepared | _Dense, q: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, sm_scale: float, *, out: torch.Tensor | None = None,
-            lse_out: torch.Tensor | None = None,
-            want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+            lse_out: torch.Tensor | None = None, want_lse: bool = True,
+            k_scale: object = None, v_scale: object = None, captured: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         if isinstance(prepared, _Dense):
             return _dense_attention(prepared, q, k_cache, v_cache, sm_scale, return_lse=want_lse)
         h_q, d = q.shape[1], q.shape[2]

@@ -12,7 +12,7 @@ arguments packed once: :mod:`.native_launch`). Runs on CUDA tensors, or on CPU t
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -26,7 +26,7 @@ from .launch import (HEADER, Pointer, Reserved, StepBuffers, has_tma, launch_sig
 from .native_launch import driver_launch
 from .upload import Staging, staging
 
-__all__ = ["TritonBackend"]
+__all__ = ["HostPlan", "TritonBackend"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,24 +75,41 @@ class TritonBackend(Backend):
     max_slot = 2**31 - 1  # plan arrays are int32 on the device
 
     def plan(self, layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
-             device: torch.device, previous: Any = None) -> StepBuffers:
-        _check_head_dim(heads.head_dim)
+             device: torch.device, previous: Any = None,
+             kv_dtype: torch.dtype | None = None) -> StepBuffers:
         device = _cuda_index(device)
-        reserved = previous if isinstance(previous, Reserved) else getattr(previous, "reserved", None)
-        if reserved is not None and layout.num_queries != reserved.capacity.queries:
-            raise ValueError(f"layout: expected {reserved.capacity.queries} queries (the reserved "
-                             f"capacity's), got {layout.num_queries}")
-        cfg = kernel_config(heads.head_dim, layout.num_queries * heads.num_qo_heads, device)
+        reserved = _reserved_of(previous, layout)
         host = staging(device)
         with host.lock:
             reuse, host_buffer = host.next(), host.new
             if reserved is not None:  # room for the header before the segments
                 reuse = None if reuse is None else reuse[HEADER:]
                 host_buffer = lambda n: host.new(n + HEADER)[HEADER:]  # noqa: E731
-            plan, packed = plan_step(layout, plan_kind, block_kv, coarsening(cfg, heads, device),
-                                     host_buffer, reuse)
-            return _upload(plan, packed, cfg, host, heads, device,
+            plan, packed, cfg = _pack(layout, plan_kind, block_kv, heads, device, host_buffer,
+                                      reuse)
+            return _upload(plan, packed, cfg, host, 0, heads, device,
                            previous if isinstance(previous, StepBuffers) else None, reserved)
+
+    def plan_host(self, layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
+                  device: torch.device, kv_dtype: torch.dtype | None = None) -> HostPlan:
+        """The packed plan in a pinned buffer of its own (a header's room first), to
+        :meth:`upload` to any device like ``device`` (same SM count)."""
+        device = _cuda_index(device)
+        own = Staging(device)
+        own.next()
+        plan, packed, cfg = _pack(layout, plan_kind, block_kv, heads, device,
+                                  lambda n: own.new(n + HEADER)[HEADER:], None)
+        return HostPlan(plan, packed, cfg, own, heads, layout.num_queries, _num_sms(device))
+
+    def upload(self, host: HostPlan, device: torch.device, previous: Any = None) -> StepBuffers:
+        device = _cuda_index(device)
+        if _num_sms(device) != host.sms:
+            raise ValueError(f"device: the host plan was made for {host.sms} SMs, {device} has "
+                             f"{_num_sms(device)}")
+        reserved = _reserved_of(previous, host)
+        return _upload(host.plan, host.packed, host.config, host.source,
+                       0 if reserved is not None else HEADER, host.heads, device,
+                       previous if isinstance(previous, StepBuffers) else None, reserved)
 
     def reserve(self, capacity: Capacity, block_kv: int, heads: Heads,
                 device: torch.device) -> Reserved:
@@ -121,14 +138,47 @@ class TritonBackend(Backend):
 
     def run(self, prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, sm_scale: float, *, out: torch.Tensor | None = None,
-            lse_out: torch.Tensor | None = None,
-            want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+            lse_out: torch.Tensor | None = None, want_lse: bool = True,
+            k_scale: Any = None, v_scale: Any = None,
+            captured: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
         lse = lse_out
         if lse is None and want_lse:
             lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        launch_step(prepared, q, k_cache, v_cache, sm_scale, o, lse)
+        launch_step(prepared, q, k_cache, v_cache, sm_scale, o, lse, captured)
         return o, lse
+
+
+class HostPlan(NamedTuple):
+    """A step packed on the host (:meth:`TritonBackend.plan_host`), not yet uploaded."""
+
+    plan: Any
+    packed: PackedPlan
+    config: KernelConfig
+    source: Staging  # its pinned buffer: a header's room, then the segments
+    heads: Heads
+    num_queries: int
+    sms: int
+
+
+def _reserved_of(previous: Any, layout: Any) -> Reserved | None:
+    """The reserved buffers ``previous`` holds (if any), checked to fit ``layout``'s queries."""
+    reserved = previous if isinstance(previous, Reserved) else getattr(previous, "reserved", None)
+    if reserved is not None and layout.num_queries != reserved.capacity.queries:
+        raise ValueError(f"layout: expected {reserved.capacity.queries} queries (the reserved "
+                         f"capacity's), got {layout.num_queries}")
+    return reserved
+
+
+def _pack(layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
+          device: torch.device, host_buffer: Any, reuse: Any) -> tuple[Any, PackedPlan, KernelConfig]:
+    """Plan, coarsen and pack ``layout`` into ``host_buffer``/``reuse``, with the kernel
+    configuration of ``device``."""
+    _check_head_dim(heads.head_dim)
+    cfg = kernel_config(heads.head_dim, layout.num_queries * heads.num_qo_heads, device)
+    plan, packed = plan_step(layout, plan_kind, block_kv, coarsening(cfg, heads, device),
+                             host_buffer, reuse)
+    return plan, packed, cfg
 
 
 def _check_head_dim(d: int) -> None:
@@ -147,10 +197,10 @@ def _check_fits(plan: Any, packed: PackedPlan, r: Reserved) -> None:
             raise CapacityError(what, need, room)
 
 
-def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, host: Staging, heads: Heads,
-            device: torch.device, previous: StepBuffers | None,
+def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, host: Staging, start: int,
+            heads: Heads, device: torch.device, previous: StepBuffers | None,
             reserved: Reserved | None) -> StepBuffers:
-    """Upload the packed plan (``host``'s current buffer, one copy) and size the fp32
+    """Upload the packed plan (``host``'s current buffer from ``start``, one copy) and size the fp32
     workspace. Both device buffers are ``previous``'s when they fit: the upload and the
     kernels are ordered by the stream (``plan`` and ``run`` on one stream), so the upload
     waits for the old plan's launches. Allocations come first, so a failure leaves
@@ -176,7 +226,7 @@ def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, host: Staging, hea
         counts = (torch.zeros(num_queries * h, dtype=torch.int32, device=device)
                   if cfg.fuse_merge and num_queries and packed.every_query_merged else None)
         plan_buffer = _buffer(previous.plan_buffer if previous else None, n, torch.int32, device)
-        host.upload(plan_buffer, n)
+        host.upload(plan_buffer, n, start)
     # Built without the frozen dataclass's ``__init__`` (one ``object.__setattr__`` per
     # field, about 5 µs): this runs every step. ``StepBuffers`` has no ``__post_init__``.
     prepared = object.__new__(StepBuffers)

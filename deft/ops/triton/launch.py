@@ -15,10 +15,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Union
+from typing import Union
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -31,7 +29,7 @@ from .kernels import merge_kernel, tree_partial_kernel
 from .native_launch import NativeLaunch, batched, native_launch
 
 __all__ = ["HEADER", "Reserved", "StepBuffers", "Pointer", "launch_step", "launch_merge",
-           "launch_as_captured", "launch_signature", "has_tma", "captured"]
+           "launch_signature", "has_tma", "stream_capturing"]
 
 # Ints before the segments of a graph-safe plan buffer: the work-item count, then the
 # offsets of segments 1-9 (``SEGMENTS``) from the first.
@@ -126,9 +124,10 @@ class StepBuffers:
 
 def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, sm_scale: float, o: torch.Tensor,
-                lse: torch.Tensor | None) -> None:
+                lse: torch.Tensor | None, captured: bool = False) -> None:
     """The step's two launches (one when the merge is fused), writing ``o`` and ``lse``
-    (``None``: the plan's lse workspace). Outside CUDA-graph capture, a call that Triton
+    (``None``: the plan's lse workspace). ``captured``: launch as into a CUDA graph (a
+    capture's warm-up passes it; a capture itself is detected). Outside capture, a call that Triton
     specialises like one this plan already launched (same device, shapes, dtypes, strides,
     scale, 16-byte aligned q, K, V, o and lse) repeats that call's launches through the
     driver with its own five addresses; its first call records them."""
@@ -137,7 +136,7 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
     if nq == 0:
         return
     records, key, done = prepared.native, None, 0
-    in_capture = captured(q.device.type == "cuda")
+    in_capture = captured or stream_capturing(q.device.type == "cuda")
     if records is not None and not in_capture:
         addresses = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), o.data_ptr(),
                      prepared.workspaces[2].data_ptr() if lse is None else lse.data_ptr())
@@ -268,33 +267,11 @@ def _native(launches: list) -> _Native | None:
 _TMA_COMPILED: set[tuple] = set()  # launch keys whose TMA variant an eager launch compiled
 
 
-class _AsCaptured(threading.local):
-    """Per thread: whether launches act as inside a capture (:func:`launch_as_captured`)."""
-
-    on = False
-
-
-_AS_CAPTURED = _AsCaptured()
-
-
-def captured(on_cuda: bool = True) -> bool:
-    """Whether this thread's CUDA launches go into a graph capture, or act as if
-    (:func:`launch_as_captured`); ``on_cuda=False`` (interpreted CPU tensors) skips asking CUDA."""
+def stream_capturing(on_cuda: bool = True) -> bool:
+    """Whether this thread's current CUDA stream is capturing a graph; ``on_cuda=False``
+    (interpreted CPU tensors) skips asking CUDA."""
     # torch's private call: the public wrapper costs about a µs more, and this runs per layer.
-    return _AS_CAPTURED.on or (on_cuda and torch._C._cuda_isCurrentStreamCapturing())
-
-
-@contextmanager
-def launch_as_captured() -> Iterator[None]:
-    """Inside, this thread's launches are those of a CUDA-graph capture (TMA variants, no
-    driver records), launched eagerly: a warm-up run before a capture then compiles and
-    loads every kernel, with its exact specialisation, that the capture launches, so the
-    capture itself never compiles or loads one."""
-    _AS_CAPTURED.on = True
-    try:
-        yield
-    finally:
-        _AS_CAPTURED.on = False
+    return on_cuda and torch._C._cuda_isCurrentStreamCapturing()
 
 
 def _tma_ok(cache: torch.Tensor, stride: tuple[int, ...]) -> bool:

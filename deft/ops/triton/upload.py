@@ -103,17 +103,20 @@ class Staging:
         """The first ints of the current buffer, writable (a graph-safe plan's header)."""
         return self.buffers[self.turn][:16].numpy()
 
-    def upload(self, dst: torch.Tensor, n: int) -> None:
-        """Copy the first ``n`` elements of the current buffer to ``dst``, ordered on the
-        current stream (asynchronous for CUDA)."""
+    def upload(self, dst: torch.Tensor, n: int, start: int = 0) -> None:
+        """Copy ``n`` elements of the current buffer from ``start`` to ``dst``, ordered on
+        the current stream of ``dst``'s device (asynchronous for CUDA)."""
         src = self.buffers[self.turn]
         assert src is not None, "upload() before next()/new()"
+        if start:
+            src = src[start:]
         if self.device.type != "cuda":
             dst[:n].copy_(src[:n])
             return
         rt = _cudart()
         # The runtime's calls act on the current device: its events are made there too.
-        if rt is not None and self.device.index == torch.cuda.current_device():
+        if (rt is not None and self.device.index == torch.cuda.current_device()
+                and dst.device == self.device):
             event = self._handle(rt)
             if event is not None and rt.copy(dst.data_ptr(), src.data_ptr(), 4 * n,
                                              torch._C._cuda_getCurrentRawStream(
@@ -123,7 +126,7 @@ class Staging:
                 return
         dst[:n].copy_(src[:n], non_blocking=True)  # on the current stream of dst's device
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(torch.cuda.current_stream(dst.device))
         self.pending[self.turn] = event
 
     def _handle(self, rt: _Runtime) -> int | None:
