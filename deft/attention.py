@@ -148,6 +148,11 @@ class TreeAttention:
         )
 
     @property
+    def graph_safe(self) -> bool:
+        """Whether the backend is graph-safe (``capacity`` and captured runs work)."""
+        return self._backend.graph_safe
+
+    @property
     def current_plan(self) -> TreePlan:
         """The plan made by the last :meth:`plan` call."""
         if self._plan is None:

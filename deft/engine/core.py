@@ -1,10 +1,12 @@
 """The engine core: one model forward per step for every query of every tree.
 
-:class:`TreeEngine` owns a model, its paged K/V pool and the tree cache over it. Callers
-grow the tree (``add_prompt``, ``cache.fork``, ``extend``, ``extend_tree``, or both kinds
-at once with ``forward``) and every call that computes runs exactly ONE forward: it plans
-the step's layout once (``TreeAttention.plan``), the model runs it in every layer, and only
-the logits rows the caller asked for go through the LM head. Decoding policy lives in the
+:class:`TreeEngine` holds the tree cache and a :class:`~deft.engine.runner.ModelRunner`
+(the model on its device: pool, attention, graphs). Callers grow the tree
+(``add_prompt``, ``cache.fork``, ``extend``, ``extend_tree``, or both kinds at once with
+``forward``) and every call that computes runs exactly ONE forward: the engine builds the
+step (:class:`~deft.engine.step.Step`), the runner plans its layout once and runs the
+model, and only the logits rows the caller asked for go through the LM head. Decoding
+policy lives in the
 strategies built on top (:mod:`deft.engine.strategies`: ``generate``, ``sample``,
 ``beam_search``, ``tree_search``, speculative decoding, trace replay).
 """
@@ -12,20 +14,17 @@ strategies built on top (:mod:`deft.engine.strategies`: ``generate``, ``sample``
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from ..cache import CacheFullError, KVPool, TreeKVCache
-from ..checks import int_at_least, is_int
+from ..cache import CacheFullError, TreeKVCache
+from ..checks import is_int
 from ..layout import as_index_array
-from ..model.llama import LlamaModel
-from ..model.tokenizer import Tokenizer
-from ..ops import get_backend
-from ..plan import make_plan
-from .graphs import DEFAULT_BUCKETS, StepGraphs, put_device_ids
+from .config import EngineConfig
+from .runner import STAT_KEYS, ModelRunner
+from .step import Feed, build_step
 
 __all__ = ["TreeEngine", "LOGITS_MODES"]
 
@@ -34,119 +33,78 @@ _I = np.int64
 _KNOWN_TREES = 8  # draft tree shapes whose depths _depths remembers
 
 
-@dataclass
-class _Feed:
-    """Tokens appended to one node, computed in the next forward."""
-
-    nodes: list[int]  # [n] the node of each token's query
-    kv_lens: np.ndarray  # [n] each query's query_kv_len
-    tokens: np.ndarray  # [n]
-    positions: np.ndarray  # [n]
-    slots: np.ndarray  # [n]
-    logits: str  # "last", "all" or "none"
-    source: int = -1  # >= 0: the one token is this row of the step's device tokens
-
-
 class TreeEngine:
     """A model, its K/V pool and the tree cache, run one forward per step.
 
     Parameters
     ----------
     model, tokenizer:
-        From :func:`deft.model.load_model`.
-    num_pages, page_size:
-        Pool geometry: ``num_pages * page_size`` token slots, shared by every tree.
-    backend:
-        The :class:`~deft.TreeAttention` backend (``"auto"``: triton on CUDA, else torch).
-    plan_kind:
-        The attention plan (``"flatten"``: DeFT; ``"per_query"``: each query reads its whole
-        path, as per-branch decoding does, for comparisons).
-    device:
-        Where the pool and plans live; the model's device by default (and required).
-    count_io:
-        Count the K/V bytes each step reads (see ``stats``); costs a per-query plan per step.
-    prefill_chunk:
-        The strategies feed a prompt at most this many tokens per forward (chunked
-        prefill, alongside other requests' decode tokens); ``extend`` itself takes any size.
-    cuda_graphs:
-        Replay every step of at most ``max(graph_buckets)`` queries as the CUDA graph of
-        its bucket (:mod:`deft.engine.graphs`; the pool gets one scratch page more).
-        ``None``: on for CUDA with a graph-safe backend (``triton``), else off.
-    graph_buckets:
-        The query counts that get a graph; a step runs in the smallest that holds it.
-    overlap:
-        The decode loop's default (:class:`~deft.engine.decoding.Batch`): tokens sampled on
-        the device feed the next step there and reach the host one step later, so the host
-        plans a step while the GPU runs the one before (:mod:`deft.engine.inflight`).
-        ``None``: on for CUDA.
+        From :func:`deft.model.load_model` (any model keeping the
+        :class:`~deft.model.DecoderModel` contract; a tokenizer with ``encode``/``decode``).
+    config:
+        An :class:`~deft.engine.EngineConfig`; ``options`` replace its fields (or the
+        defaults'), e.g. ``TreeEngine(model, tok, num_pages=512, backend="torch")``. Pool
+        geometry, attention backend and plan kind, device (the model's by default, and of
+        its kind), I/O counting, prefill chunk, CUDA graphs and their buckets, the decode
+        loop's overlap and the K/V format are all there.
 
-    Change the tree through the engine (``add_prompt``, ``extend``, ``extend_tree``) or
-    the cache's own ``fork``/``prune``/``split``/``commit_path``; the position of a token
-    is its depth, read from the cache. ``stats`` accumulates ``steps``, ``tokens``
-    (queries computed), ``logit_rows``, ``forward_s``, ``plan_s`` (layout and plan,
-    part of ``forward_s``), ``graph_steps`` (steps replayed as graphs) and ``plan_tokens``
-    (K/V tokens the steps' plans load per layer and KV head); while ``count_io``
-    is true also ``kv_bytes_deft`` and ``kv_bytes_per_branch`` (K/V bytes all layers
-    read under DeFT's plan and under per-branch decoding, where each query reads its
+    The engine holds the tree (:class:`~deft.TreeKVCache`, host bookkeeping) and builds
+    each forward as a :class:`~deft.engine.step.Step`; its
+    :class:`~deft.engine.runner.ModelRunner` owns the device side (pool, attention, CUDA
+    graphs) and runs it. Change the tree through the engine (``add_prompt``, ``extend``,
+    ``extend_tree``) or the cache's own ``fork``/``prune``/``split``/``commit_path``; the
+    position of a token is its depth, read from the cache. ``stats`` accumulates
+    ``steps``, ``tokens`` (queries computed), ``logit_rows``, ``forward_s``, ``plan_s``
+    (layout and plan, part of ``forward_s``), ``graph_steps`` (steps replayed as graphs)
+    and ``plan_tokens`` (K/V tokens the steps' plans load per layer and KV head); while
+    ``count_io`` is true also ``kv_bytes_deft`` and ``kv_bytes_per_branch`` (K/V bytes all
+    layers read under DeFT's plan and under per-branch decoding, where each query reads its
     whole path) and ``io_s``, the time that counting took (outside ``forward_s``).
     """
 
-    def __init__(
-        self,
-        model: LlamaModel,
-        tokenizer: Tokenizer,
-        num_pages: int = 4096,
-        page_size: int = 16,
-        backend: str = "auto",
-        plan_kind: str = "flatten",
-        device: str | torch.device | None = None,
-        count_io: bool = False,
-        prefill_chunk: int = 256,
-        cuda_graphs: bool | None = None,
-        graph_buckets: Sequence[int] = DEFAULT_BUCKETS,
-        overlap: bool | None = None,
-    ) -> None:
-        if not isinstance(model, LlamaModel):
-            raise TypeError(f"model: expected a deft LlamaModel, got {type(model).__name__}")
-        if not isinstance(tokenizer, Tokenizer):
-            raise TypeError(f"tokenizer: expected a deft Tokenizer, got {type(tokenizer).__name__}")
-        self.device = model.device if device is None else torch.device(device)
-        if self.device.type != model.device.type:
-            raise ValueError(f"device: expected the model's device {model.device}, got {self.device}")
-        self.model, self.tokenizer = model, tokenizer
-        self.attn = model.attention(device=self.device, backend=backend, plan_kind=plan_kind)
-        graph_safe = get_backend(self.attn.backend_name).graph_safe
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda" and graph_safe
-        elif cuda_graphs and (self.device.type != "cuda" or not graph_safe):
-            raise ValueError(f"cuda_graphs: needs a CUDA device and a graph-safe backend, got "
-                             f"{self.device} and {self.attn.backend_name!r}")
-        num_pages = int_at_least(num_pages, "num_pages", 1)
-        self.pool: KVPool = model.new_pool(num_pages + bool(cuda_graphs), page_size,
-                                           device=self.device)
-        self.cache = TreeKVCache(num_pages, page_size, pool=self.pool)
-        self.graphs = (StepGraphs(model, self.pool, num_pages * self.pool.page_size,
-                                  graph_buckets, self.attn.backend_name, plan_kind, self.device)
-                       if cuda_graphs else None)
-        self.count_io = bool(count_io)
-        self.overlap = self.device.type == "cuda" if overlap is None else bool(overlap)
-        self.prefill_chunk = int_at_least(prefill_chunk, "prefill_chunk", 1)
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None,
+                 **options: Any) -> None:
+        config = EngineConfig.of(config, **options)
+        if not (callable(getattr(tokenizer, "encode", None))
+                and callable(getattr(tokenizer, "decode", None))):
+            raise TypeError(f"tokenizer: expected a deft Tokenizer (encode, decode), got "
+                            f"{type(tokenizer).__name__}")
+        self.config, self.tokenizer = config, tokenizer
+        self.stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)
+        self.runner = ModelRunner(model, config, self.stats)
+        self.device = self.runner.device
+        self._copies: list[tuple[np.ndarray, np.ndarray]] = []
+        self.cache = TreeKVCache(config.num_pages, config.page_size,
+                                 on_copy=lambda src, dst: self._copies.append((src, dst)))
+        self.overlap = self.device.type == "cuda" if config.overlap is None else config.overlap
+        self.prefill_chunk = config.prefill_chunk
         self.vocab_size = model.config.vocab_size
         self.max_positions = model.config.max_position_embeddings
-        self._staged: list[_Feed] = []
+        self._staged: list[Feed] = []
         self._tree_depths: dict[bytes, tuple[np.ndarray, int]] = {}  # see _depths
-        self.stats: dict[str, float] = {}
-        self.reset_stats()
+
+    model = property(lambda self: self.runner.model, doc="The runner's model.")
+    pool = property(lambda self: self.runner.pool, doc="The runner's K/V pool.")
+    attn = property(lambda self: self.runner.attn, doc="The runner's step attention.")
+    graphs = property(lambda self: self.runner.graphs, doc="The runner's CUDA graphs, if any.")
+
+    @property
+    def count_io(self) -> bool:
+        """Whether steps count the K/V bytes they read (see ``stats``); settable."""
+        return self.runner.count_io
+
+    @count_io.setter
+    def count_io(self, on: bool) -> None:
+        self.runner.count_io = bool(on)
 
     def __repr__(self) -> str:
-        return (f"TreeEngine(layers={self.model.config.num_layers}, pages={self.cache.num_pages}x"
-                f"{self.pool.page_size}, backend={self.attn.backend_name!r}, device={str(self.device)!r})")
+        c = self.config
+        return (f"TreeEngine(layers={self.pool.num_layers}, pages={c.num_pages}x{c.page_size}, "
+                f"backend={self.attn.backend_name!r}, device={str(self.device)!r})")
 
     def reset_stats(self) -> None:
         """Zero the counters in :attr:`stats`."""
-        self.stats = dict.fromkeys(("steps", "tokens", "logit_rows", "forward_s", "plan_s",
-                                    "graph_steps", "plan_tokens", "kv_bytes_deft",
-                                    "kv_bytes_per_branch", "io_s"), 0)
+        self.stats.update(dict.fromkeys(STAT_KEYS, 0))
 
     # ------------------------------------------------------------------ tree
 
@@ -256,7 +214,7 @@ class TreeEngine:
         new_ids = []
         for node, par, ids, positions in drafts:
             nodes, slots = self.cache.add_subtree(node, par, 1)
-            self._staged.append(_Feed(nodes, np.ones(len(nodes), _I), ids, positions, slots, "all"))
+            self._staged.append(Feed(nodes, np.ones(len(nodes), _I), ids, positions, slots, "all"))
             new_ids.append(nodes)
         out = self._step(values)[start:]
         return out[:len(checked)], list(zip(new_ids, out[len(checked):]))
@@ -268,7 +226,7 @@ class TreeEngine:
         n, have = ids.shape[0], self.cache.num_tokens(node)
         base = self.cache.position(node)
         slots = self.cache.append(node, n)
-        self._staged.append(_Feed([node] * n, np.arange(have + 1, have + n + 1, dtype=_I), ids,
+        self._staged.append(Feed([node] * n, np.arange(have + 1, have + n + 1, dtype=_I), ids,
                                   np.arange(base, base + n, dtype=_I), slots, mode, source))
 
     def _step(self, values: torch.Tensor | None = None) -> list[torch.Tensor | None]:
@@ -277,59 +235,20 @@ class TreeEngine:
         ``source`` takes its token from ``values`` on the device."""
         staged, self._staged = self._staged, []
         kept = [i for i, f in enumerate(staged) if self.cache.is_live(f.nodes[0])]
-        feeds = [staged[i] for i in kept]
         result: list[torch.Tensor | None] = [None] * len(staged)
-        if not feeds:
+        if not kept:
             return result
-        rows, bounds, n, moved = [], [], 0, []
-        for f in feeds:
-            k = len(f.nodes)
-            want = {"last": [n + k - 1], "all": list(range(n, n + k)), "none": []}[f.logits]
-            bounds.append((len(rows), len(rows) + len(want)))
-            rows += want
-            if f.source >= 0:
-                moved.append((n, f.source))
-            n += k
-        device_ids = None if not moved else (values, np.array(moved, _I).T.copy())
+        feeds = [staged[i] for i in kept]
         t0 = time.perf_counter()
-        layout = self.cache.layout_of([x for f in feeds for x in f.nodes],
-                                      np.concatenate([f.kv_lens for f in feeds]))
-        bucket = None if self.graphs is None else self.graphs.plan(layout)
-        plan = self.attn.plan(layout) if bucket is None else None
-        t_plan = time.perf_counter() - t0
-        feed = [np.concatenate([getattr(f, a) for f in feeds])
-                for a in ("tokens", "positions", "slots")]
-        with torch.no_grad():
-            if bucket is not None:
-                out = self.graphs.replay(bucket, *feed, rows, device_ids)
-            else:
-                # Copies that do not wait for the GPU: a step may be queued behind the last.
-                ids, pos, slots, row_t = (torch.from_numpy(a).to(self.device, non_blocking=True)
-                                          for a in (*feed, np.array(rows, _I)))
-                if device_ids is not None:
-                    put_device_ids(ids, *device_ids)
-                out = self.model(ids, pos, slots, self.attn, self.pool, row_t)  # [len(rows), vocab]
-        out = out.float()
+        copies, self._copies = tuple(self._copies), []
+        step, bounds = build_step(self.cache, feeds, values, copies)
+        self.stats["plan_s"] += time.perf_counter() - t0  # the layout; the runner adds the plan
+        out = self.runner.run(step)
         st = self.stats
         st["steps"] += 1
-        st["graph_steps"] += bucket is not None
-        if bucket is None:
-            st["plan_tokens"] += plan.num_plan_tokens
-        else:  # without the padding's scratch token
-            st["plan_tokens"] += bucket.attn.current_plan.num_plan_tokens - (bucket.queries > n)
-        st["tokens"] += n
-        st["logit_rows"] += len(rows)
+        st["tokens"] += step.num_queries
+        st["logit_rows"] += step.logits_rows.shape[0]
         st["forward_s"] += time.perf_counter() - t0
-        st["plan_s"] += t_plan
-        if self.count_io:
-            t1, c = time.perf_counter(), self.model.config
-            heads = (c.num_heads, c.num_kv_heads, c.head_dim, self.pool.k[0].element_size())
-            per_branch = make_plan(layout, "per_query", self.attn.block_kv)
-            if plan is None:  # the graph's plan counts its padding
-                plan = make_plan(layout, self.attn.plan_kind, self.attn.block_kv)
-            st["kv_bytes_deft"] += plan.io_bytes(*heads)["kv"] * c.num_layers
-            st["kv_bytes_per_branch"] += per_branch.io_bytes(*heads)["kv"] * c.num_layers
-            st["io_s"] += time.perf_counter() - t1
         for i, f, (a, b) in zip(kept, feeds, bounds):
             result[i] = out[a] if f.logits == "last" else out[a:b]
         return result
@@ -448,7 +367,7 @@ class TreeEngine:
 
         Conservative: each append may need ``ceil(n / page_size)`` fresh pages.
         """
-        ps = self.pool.page_size
+        ps = self.config.page_size
         need = sum(-(-n // ps) for n in counts)
         if need > self.cache.num_free_pages:
             raise CacheFullError(need, self.cache.num_free_pages, self.cache.num_pages)

@@ -26,13 +26,13 @@ import torch
 from ..attention import TreeAttention
 from ..cache.pool import KVPool
 from ..layout import TreeLayout, trusted_layout
-from ..model.llama import LlamaModel
+from ..model.contract import DecoderModel
 from ..ops import Capacity, CapacityError
-from ..plan import make_plan
+from .config import DEFAULT_BUCKETS
+from .step import Step
 
-__all__ = ["DEFAULT_BUCKETS", "StepGraphs", "put_device_ids"]
+__all__ = ["StepGraphs", "put_device_ids"]
 
-DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _HEADROOM = 1.25  # capacities reserved beyond a step's needs, before rounding up to 2^k
 _MIN_TOKENS = 2048
 _I = np.int64
@@ -63,7 +63,7 @@ class StepGraphs:
     ``captures`` counts the graphs captured, ``rebuilds`` the buckets a step outgrew.
     """
 
-    def __init__(self, model: LlamaModel, pool: KVPool, scratch_slot: int,
+    def __init__(self, model: DecoderModel, pool: KVPool, scratch_slot: int,
                  buckets: Sequence[int] = DEFAULT_BUCKETS, backend: str = "triton",
                  plan_kind: str = "flatten", device: torch.device | None = None) -> None:
         self.model, self.pool, self.backend, self.plan_kind = model, pool, backend, plan_kind
@@ -74,7 +74,7 @@ class StepGraphs:
             raise ValueError(f"buckets: expected positive query counts, got {tuple(buckets)}")
         self.capture = self.device.type == "cuda"
         self._buckets: dict[int, _Bucket] = {}
-        self._block_kv = model.attention(device=self.device, backend=backend).block_kv
+        self._bound = model.attention(device=self.device, backend=backend, plan_kind=plan_kind)
         self.captures = self.rebuilds = 0
         self.last_graph: torch.cuda.CUDAGraph | None = None  # the last replayed (benchmarks time it)
 
@@ -96,27 +96,24 @@ class StepGraphs:
         b = self._buckets.get(q)
         if b is not None:
             try:
-                b.attn.plan(padded)
+                b.attn.plan(padded, self.pool.dtype)
                 return b
             except CapacityError:
                 self.rebuilds += 1
         b = self._buckets[q] = self._new_bucket(q, padded, b.attn.capacity if b else None)
         return b
 
-    def replay(self, b: _Bucket, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-               rows: Sequence[int],
-               device_ids: tuple[torch.Tensor, np.ndarray] | None = None) -> torch.Tensor:
-        """Logits ``[len(rows), vocab]`` of the step planned into ``b`` (by :meth:`plan`),
-        whose queries' tokens, positions and write slots are ``ids``, ``positions``, ``slots``
-        (``device_ids``: tokens read on the device, see :func:`put_device_ids`)."""
-        n = ids.shape[0]
+    def replay(self, b: _Bucket, step: Step) -> torch.Tensor:
+        """Logits ``[len(step.logits_rows), vocab]`` of ``step``, planned into ``b`` by
+        :meth:`plan`."""
+        n, rows = step.num_queries, step.logits_rows
         host = np.zeros((4, b.queries), _I)
-        host[0, :n], host[1, :n], host[2, :n] = ids, positions, slots
+        host[0, :n], host[1, :n], host[2, :n] = step.token_ids, step.positions, step.write_slots
         host[2, n:] = self.scratch_slot
         host[3, :len(rows)] = rows
         b.inputs.copy_(torch.from_numpy(host), non_blocking=True)
-        if device_ids is not None:
-            put_device_ids(b.inputs[0], *device_ids)
+        if step.device_tokens is not None:
+            put_device_ids(b.inputs[0], *step.device_tokens)
         r = len(rows)
         out = self._forward(b, 0 if r == 0 else min(1 << (r - 1).bit_length(), b.queries))
         return out[:r].clone()
@@ -125,7 +122,7 @@ class StepGraphs:
         """A bucket of ``q`` queries with room for ``layout`` (planned into it) and more, and
         at least the ``old`` bucket's capacity (so rebuilds only ever grow it)."""
         m = self.model
-        bound = make_plan(layout, self.plan_kind, self._block_kv)
+        bound = self._bound.make_plan(layout)
         # The uncoarsened plan's partials bound the coarsened plan's.
         tokens, partials = bound.num_plan_tokens, bound.num_partials
         if old is not None:
@@ -135,7 +132,7 @@ class StepGraphs:
                                plan_kind=self.plan_kind, capacity=Capacity(
                 q, _room(tokens, _MIN_TOKENS), _room(partials, 4 * q)))
             try:
-                attn.plan(layout)
+                attn.plan(layout, self.pool.dtype)
                 break
             except CapacityError as exc:  # a count derived from both: grow both
                 tokens, partials = 2 * tokens, 2 * partials
@@ -149,28 +146,27 @@ class StepGraphs:
         logits; its output buffer."""
         graph, out = b.graphs.get(logits, (None, None))
         if not self.capture:
-            return self._model_step(b, logits)
+            return self._model_step(b, logits, captured=False)
         if graph is None:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            from ..ops.triton.launch import launch_as_captured  # CUDA only: Triton is there
-
-            # Compile and load outside the capture every kernel it launches.
-            with torch.cuda.stream(stream), launch_as_captured():
-                self._model_step(b, logits)
+            # A warm-up launching what the capture launches: every kernel it needs is
+            # compiled and loaded outside the capture.
+            with torch.cuda.stream(stream):
+                self._model_step(b, logits, captured=True)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):  # a private pool: a rebuilt bucket frees its graphs
-                out = self._model_step(b, logits)
+                out = self._model_step(b, logits, captured=True)
             b.graphs[logits] = (graph, out)
             self.captures += 1
         graph.replay()
         self.last_graph = graph
         return out
 
-    def _model_step(self, b: _Bucket, logits: int) -> torch.Tensor:
+    def _model_step(self, b: _Bucket, logits: int, captured: bool) -> torch.Tensor:
         ids, pos, slots, rows = b.inputs
-        return self.model(ids, pos, slots, b.attn, self.pool, rows[:logits])
+        return self.model(ids, pos, slots, b.attn, self.pool, rows[:logits], captured=captured)
 
 
 def put_device_ids(ids: torch.Tensor, values: torch.Tensor, moved: np.ndarray) -> None:

@@ -1,4 +1,5 @@
-"""Llama-family model runtime over the tree KV cache: config, model, loaders, tokenizer.
+"""Models over the tree KV cache: the decoder contract, registered families (Llama,
+Mistral), config, loaders, tokenizer.
 
 ``model, tok = load_model()`` loads the default SmolLM2-135M-Instruct GGUF;
 ``load_random("random:llama-3-8b", "cuda")`` builds a random-weight model of known shapes
@@ -6,10 +7,13 @@
 """
 
 from .config import LlamaConfig, RopeScaling
+from .contract import DecoderModel, check_decoder
+from .families import Family, families, register_family, unregister_family
 from .llama import LlamaModel
 from .loader import load_model
 from .synthetic import is_random_spec, load_random
 from .tokenizer import Tokenizer
 
-__all__ = ["LlamaConfig", "LlamaModel", "RopeScaling", "Tokenizer", "is_random_spec", "load_model",
-           "load_random"]
+__all__ = ["DecoderModel", "Family", "LlamaConfig", "LlamaModel", "RopeScaling", "Tokenizer",
+           "check_decoder", "families", "is_random_spec", "load_model", "load_random",
+           "register_family", "unregister_family"]

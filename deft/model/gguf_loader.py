@@ -53,14 +53,15 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def load_gguf(
-    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    path: str | os.PathLike | GGUFFile, device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[LlamaModel, Tokenizer]:
-    """Model and tokenizer from the GGUF file at ``path``.
+    """Model and tokenizer from the GGUF file at ``path`` (or already opened).
 
     Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming ``path`` for a
     corrupt file, an unsupported architecture, tokenizer or quantisation type.
     """
-    f = GGUFFile(path)
+    f = path if isinstance(path, GGUFFile) else GGUFFile(path)
     path = f.path
     try:
         config = LlamaConfig.from_gguf_metadata(

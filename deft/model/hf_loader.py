@@ -23,10 +23,11 @@ from .config import LlamaConfig
 from .llama import LlamaModel, build_model, fuse_hf_weights
 from .tokenizer import Tokenizer, end_of_turn_ids
 
-__all__ = ["load_hf"]
+__all__ = ["load_hf", "read_json"]
 
 
-def _read_json(path: str, required: bool = True) -> dict[str, Any]:
+def read_json(path: str, required: bool = True) -> dict[str, Any]:
+    """The JSON object in ``path`` (``{}`` for a missing optional file); errors name the file."""
     if not os.path.isfile(path):
         if required:
             raise FileNotFoundError(f"{path}: not found")
@@ -44,7 +45,7 @@ def _read_json(path: str, required: bool = True) -> dict[str, Any]:
 def _shards(folder: str) -> list[str]:
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index}: expected a 'weight_map' object")
         return [os.path.join(folder, f) for f in sorted(set(weight_map.values()))]
@@ -112,7 +113,7 @@ def hf_tokenizer(folder: str, config: dict[str, Any]) -> Tokenizer:
     except Exception as exc:  # tokenizers raises a bare Exception for malformed files
         raise ValueError(f"{tok_file}: invalid tokenizer ({exc})") from None
     tok_file, gen_file = (os.path.join(folder, f) for f in ("tokenizer_config.json", "generation_config.json"))
-    tok_config, gen_config = _read_json(tok_file, required=False), _read_json(gen_file, required=False)
+    tok_config, gen_config = read_json(tok_file, required=False), read_json(gen_file, required=False)
     bos, eos = _token_text(tok_config, "bos_token", tok_file), _token_text(tok_config, "eos_token", tok_file)
     eos_ids = (_ids(config, "eos_token_id", os.path.join(folder, "config.json"))
                | _ids(gen_config, "eos_token_id", gen_file))
@@ -133,7 +134,7 @@ def load_hf(
     """
     folder = os.fspath(path)
     config_file = os.path.join(folder, "config.json")
-    raw = _read_json(config_file)
+    raw = read_json(config_file)
     try:
         config = LlamaConfig.from_hf_config(raw)
     except ValueError as exc:

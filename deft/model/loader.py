@@ -7,15 +7,21 @@ import os
 
 import torch
 
+from .contract import DecoderModel
+from .families import Family, family_for_gguf, family_for_hf, register_family
+from .gguf_file import GGUFFile
 from .gguf_loader import load_gguf
-from .hf_loader import load_hf
-from .llama import LlamaModel
+from .hf_loader import load_hf, read_json
 from .tokenizer import Tokenizer
 
 __all__ = ["load_model", "default_model_path", "DEFAULT_GGUF"]
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+register_family(Family("llama", hf_model_types=("llama",), gguf_architectures=("llama",),
+                       load_hf=load_hf, load_gguf=load_gguf))
+register_family(Family("mistral", hf_model_types=("mistral",), load_hf=load_hf))
 
 
 def default_model_path() -> str:
@@ -32,8 +38,9 @@ def load_model(
     path: str | os.PathLike | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-) -> tuple[LlamaModel, Tokenizer]:
-    """Load a Llama-family model and its tokenizer, ready for inference.
+) -> tuple[DecoderModel, Tokenizer]:
+    """Load a model of a registered family (:mod:`.families`) and its tokenizer, ready
+    for inference.
 
     Parameters
     ----------
@@ -51,7 +58,17 @@ def load_model(
         raise ValueError(f"dtype: expected one of {names}, got {dtype!r}")
     path = default_model_path() if path is None else os.fspath(path)
     if os.path.isdir(path):
-        return load_hf(path, device=device, dtype=dtype)
+        config_file = os.path.join(path, "config.json")
+        try:
+            family = family_for_hf(read_json(config_file).get("model_type"))
+        except ValueError as exc:
+            raise ValueError(f"{config_file}: {exc}") from None
+        return family.load_hf(path, device, dtype)
     if os.path.isfile(path):
-        return load_gguf(path, device=device, dtype=dtype)
+        f = GGUFFile(path)
+        try:
+            family = family_for_gguf(f.metadata.get("general.architecture"))
+        except ValueError as exc:
+            raise ValueError(f"{f.path}: {exc}") from None
+        return family.load_gguf(f, device, dtype)
     raise FileNotFoundError(f"{path}: no such model file or directory")
