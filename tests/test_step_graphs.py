@@ -16,6 +16,7 @@ from deft import TreeKVCache, TreeLayout
 from deft.engine import TreeEngine
 from deft.engine import graphs as graphs_mod
 from deft.engine.graphs import StepGraphs
+from deft.engine.step import Step
 from deft.model import LlamaConfig, LlamaModel
 
 pytest.importorskip("triton")
@@ -43,7 +44,7 @@ def test_padded_bucket_steps_equal_the_plain_forward(monkeypatch):
     model = tiny_model()
     pages, ps = 16, 4
     pool = model.new_pool(pages + 1, ps)
-    cache = TreeKVCache(pages, ps, pool=pool)
+    cache = TreeKVCache(pages, ps)
     graphs = StepGraphs(model, pool, pages * ps, buckets=(1, 2, 4, 8), backend="triton",
                         device="cpu")
     assert not graphs.capture
@@ -72,7 +73,8 @@ def test_padded_bucket_steps_equal_the_plain_forward(monkeypatch):
         bucket = graphs.plan(layout)
         assert bucket.queries == graphs.bucket(len(queries)) >= len(queries)
         built.add(id(bucket))
-        got = graphs.replay(bucket, np.array(ids), np.array(pos), np.array(slots), rows)
+        got = graphs.replay(bucket, Step(layout, np.array(ids), np.array(pos), np.array(slots),
+                                         np.array(rows)))
         # The torch backend recomputes the same K/V rows, then attends without padding.
         want = eager_logits(model, cache, pool, queries, ids, pos, slots, rows)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
@@ -144,7 +146,7 @@ def test_engine_replays_graphs_equal_to_eager_steps(monkeypatch):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_captures_load_no_kernel(monkeypatch):
     """The warm-up before each capture launches what the capture launches
-    (``launch_as_captured``), so no Triton kernel is loaded while a stream captures (a load
+    (``captured=True``), so no Triton kernel is loaded while a stream captures (a load
     then invalidates the capture). A model of shapes no other test uses (3 query heads per
     KV head, head_dim 64) makes every kernel variant new to the process."""
     from triton import knobs

@@ -7,7 +7,7 @@ allocator as it was.
 
 The counts live in an ``array('q')`` that ``refcounts`` views as numpy without a copy:
 the cache's per-step updates touch one or two pages, and Python ints index an array
-several times faster than numpy scalars do. :meth:`take`, :meth:`share` and
+faster than numpy scalars do. :meth:`take`, :meth:`share` and
 :meth:`drop` are the unchecked forms the cache calls with pages it holds.
 """
 

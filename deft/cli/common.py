@@ -15,6 +15,7 @@ from ..checks import int_in_range
 
 if TYPE_CHECKING:
     from ..cache import CacheFullError
+    from ..engine.config import EngineConfig
 
 __all__ = [
     "DEVICES",
@@ -24,6 +25,7 @@ __all__ = [
     "Parser",
     "add_workloads_flag",
     "byte_size",
+    "engine_config",
     "flag_error",
     "format_bytes",
     "in_range",
@@ -179,6 +181,14 @@ def in_range(value: int, flag: str, low: int, high: int) -> int:
         return int_in_range(value, flag, low, high)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
+
+
+def engine_config(num_pages: int, device: str | None = None, **options: Any) -> EngineConfig:
+    """The configuration of a command's engine: ``num_pages`` of :data:`PAGE_SIZE` slots on
+    ``device`` (the model's if ``None``), other fields as given or the defaults."""
+    from ..engine.config import EngineConfig
+
+    return EngineConfig(num_pages=num_pages, page_size=PAGE_SIZE, device=device, **options)
 
 
 def pages_for(tokens: int) -> int:

@@ -15,7 +15,6 @@ import torch
 from ..attention import TreeAttention
 from ..layout import TreeLayout
 from ..ops.reference import reference_attention
-from ..plan import make_plan
 from ..table import markdown_table
 from . import common
 from .common import CliError
@@ -90,7 +89,7 @@ def engine_demo(loaded: tuple[Any, Any], new_tokens: int = 24, trace: str | os.P
 
     model, tok = loaded
     say = progress or (lambda msg: None)
-    engine = TreeEngine(model, tok, num_pages=num_pages, page_size=common.PAGE_SIZE, backend="torch")
+    engine = TreeEngine(model, tok, common.engine_config(num_pages, backend="torch"))
     chat = [tok.apply_chat_template(p) for p in BEAM_PROMPTS]
     params_m = sum(p.numel() for p in model.parameters()) / 1e6
     lines = [f"DeFT engine demo: {model.config.num_layers}-layer SmolLM2 ({params_m:.0f}M parameters, "
@@ -198,7 +197,7 @@ def attention_demo(prompt_len: int = 4000, branches: int = 20, branch_len: int =
     ref_o, ref_lse = reference_attention(q, k, v, layout, attn.sm_scale)
     err_o = float((o.double() - ref_o).abs().max())
     err_lse = float((lse.double() - ref_lse).abs().max())
-    per_query = make_plan(layout, "per_query", attn.block_kv)
+    per_query = attn.make_plan(layout, "per_query")
     rows = []
     for name, p in (("DeFT-Flatten", plan), ("per-query decoding", per_query)):
         io = p.io_bytes(h_q, h_kv, d, elem_bytes=2)

@@ -85,10 +85,12 @@ def run(args: argparse.Namespace) -> None:
         num_pages, *draft_pages = common.KVBudget.of(args).pages([(m, 1 << 26) for m in models])
     else:
         draft_pages = [num_pages]
-    engine = TreeEngine(model, tok, num_pages, common.PAGE_SIZE, device=args.device, prefill_chunk=chunk)
+    engine = TreeEngine(model, tok, common.engine_config(num_pages, args.device,
+                                                           prefill_chunk=chunk))
     drafters: dict[str, Any] = {"ngram": NgramDrafter}
     if draft is not None:
-        draft_engine = TreeEngine(draft, draft_tok, draft_pages[0], common.PAGE_SIZE, device=args.device)
+        draft_engine = TreeEngine(draft, draft_tok,
+                                  common.engine_config(draft_pages[0], args.device))
         drafters["model"] = lambda: ModelDrafter(draft_engine)
     name = model_id(args.model)
     scheduler = Scheduler(engine, max_running, max_queue, Metrics(),

@@ -84,9 +84,9 @@ def _generate(args: argparse.Namespace) -> list:
         needs.append((draft_model, _pages(prompts, params, shape.num_drafts)))
     budget = common.KVBudget.of(args)
     pages = budget.pages(needs)
-    drafter = (ModelDrafter(TreeEngine(draft_model, draft_tok, pages[1], common.PAGE_SIZE))
+    drafter = (ModelDrafter(TreeEngine(draft_model, draft_tok, common.engine_config(pages[1])))
                if args.drafter == "model" else NgramDrafter())
-    engine = TreeEngine(model, tok, pages[0], common.PAGE_SIZE)
+    engine = TreeEngine(model, tok, common.engine_config(pages[0]))
     try:
         return speculative_generate(engine, prompts, params, drafter, shape)
     except CacheFullError as exc:

@@ -1,12 +1,14 @@
 """The inference engine: one forward per step over a tree KV cache, and decoding strategies.
 
-``TreeEngine(model, tokenizer)`` (:mod:`.core`) runs steps; the strategies of
+``TreeEngine(model, tokenizer, EngineConfig(...))`` (:mod:`.core`) builds each step as a
+value (:mod:`.step`) that its device's :class:`~.runner.ModelRunner` runs; the strategies of
 :mod:`.strategies` drive it: ``generate``, ``sample``, ``beam_search``, ``tree_search``,
 ``speculative_generate`` (with the drafters of :mod:`.drafters` and the draft-tree shapes
 of :mod:`.draft_trees`) and ``replay_trace``. ``SamplingParams`` and ``GenerationResult``
 are in :mod:`.params`. See ``docs/engine.md``.
 """
 
+from .config import EngineConfig
 from .core import TreeEngine
 from .draft_trees import TopKShape, TreeShape, as_shape
 from .drafters import DraftJob, Drafter, ModelDrafter, NgramDrafter
@@ -28,6 +30,7 @@ from .strategies import (
 __all__ = [
     "DraftJob",
     "Drafter",
+    "EngineConfig",
     "Expansion",
     "GenerationResult",
     "ModelDrafter",

@@ -62,7 +62,7 @@ def register_family(family: Family) -> None:
             set(other.gguf_architectures) & set(family.gguf_architectures))
         if clash:
             raise ValueError(f"family {family.name!r}: {', '.join(sorted(clash))} already "
-                             f"belong to family {other.name!r}")
+                             f"claimed by family {other.name!r}")
     _FAMILIES[family.name] = family
 
 

@@ -22,7 +22,7 @@ __all__ = ["MAX_ROWS", "head_proj", "linear"]
 MAX_ROWS = 32
 """Row counts up to this take the kernel (where :func:`_takes_kernel` allows it)."""
 
-# (BLOCK_N, BLOCK_K, num_stages, num_warps), best of a sweep on the H200 at 1-20 rows.
+# (BLOCK_N, BLOCK_K, num_stages, num_warps), chosen by a sweep on the H200 at 1-20 rows.
 _NARROW = (32, 256, 5, 4)  # outputs no wider than inputs: o, down
 _HEAD = (128, 128, 3, 4)  # the LM head
 

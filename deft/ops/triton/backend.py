@@ -228,7 +228,7 @@ def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, host: Staging, sta
         plan_buffer = _buffer(previous.plan_buffer if previous else None, n, torch.int32, device)
         host.upload(plan_buffer, n, start)
     # Built without the frozen dataclass's ``__init__`` (one ``object.__setattr__`` per
-    # field, about 5 µs): this runs every step. ``StepBuffers`` has no ``__post_init__``.
+    # field): this runs every step. ``StepBuffers`` has no ``__post_init__``.
     prepared = object.__new__(StepBuffers)
     graph = reserved is not None
     prepared.__dict__.update(

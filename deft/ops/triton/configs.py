@@ -4,7 +4,7 @@
 ``rows_from`` (query, query head) rows on GPUs of that architecture (``"sm90"``, or
 ``"interpreter"`` for ``TRITON_INTERPRET=1``, whose key takes any head_dim as 0). A GPU
 without rows in the table uses ``DEFAULT_ARCH``'s, a head_dim without rows uses
-``DEFAULT_HEAD_DIM``'s. How each entry was chosen, and what it measured, is in CHANGELOG.md;
+``DEFAULT_HEAD_DIM``'s. Why each entry was chosen is in docs/decisions.md;
 ``python -m benchmarks.sweep`` reruns the sweeps.
 """
 

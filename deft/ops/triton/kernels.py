@@ -9,7 +9,7 @@ the tile's slots are consecutive and the launcher passes tensor descriptors), ap
 plan's compact visibility mask from the tile's ``mask_from`` on, keeps an online softmax,
 and writes one partial state per (query, head): ``o`` in ``PO``'s dtype (q's for
 fp16/bf16), ``lse`` in fp32. With ``FUSE_MERGE`` the program that writes a row's last
-partial state also merges the row (off by default: measured slower, see CHANGELOG.md).
+partial state also merges the row (off by default: slower; see docs/decisions.md).
 
 Non-finite K/V stay with the rows that see them, with checks only on values already in
 registers. A non-finite K row makes the score of every row that sees it non-finite: NaN and

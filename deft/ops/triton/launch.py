@@ -183,8 +183,7 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
                   launch_pdl=pdl)
         tma = prepared.tma and _tma_ok(k_cache, ks) and _tma_ok(v_cache, ks)
         # TMA only inside CUDA-graph capture: launched eagerly, Triton's per-launch handling
-        # of the tensor descriptors costs more host time (about 60 µs per layer on an H200
-        # host) than TMA saves on the GPU. Eager launches compile the TMA variant once
+        # of the tensor descriptors costs more host time than TMA saves on the GPU. Eager launches compile the TMA variant once
         # (``warmup``), so that a capture does not run the compiler.
         capturing = q.device.type != "cuda" or in_capture
         tma_key = ((tuple(kw.values()), q.device, q.dtype, qs, ks, os_)
@@ -270,7 +269,7 @@ _TMA_COMPILED: set[tuple] = set()  # launch keys whose TMA variant an eager laun
 def stream_capturing(on_cuda: bool = True) -> bool:
     """Whether this thread's current CUDA stream is capturing a graph; ``on_cuda=False``
     (interpreted CPU tensors) skips asking CUDA."""
-    # torch's private call: the public wrapper costs about a µs more, and this runs per layer.
+    # torch's private call: the public wrapper costs more host time, and this runs per layer.
     return on_cuda and torch._C._cuda_isCurrentStreamCapturing()
 
 

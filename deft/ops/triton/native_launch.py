@@ -1,6 +1,6 @@
 """Eager launches of compiled Triton kernels straight through the CUDA driver.
 
-A Triton 3.6 launch costs about 20 µs of host time: binding and specialising every argument,
+A Triton launch costs much host time: binding and specialising every argument,
 looking the compiled kernel up under that specialisation, then a native launcher that parses
 the arguments again and asks the driver about every pointer. A step's plan fixes all but a
 few arguments of a layer's launches, so a :class:`NativeLaunch` keeps, for one compiled kernel
@@ -57,8 +57,8 @@ class LaunchConfig(ctypes.Structure):
 @functools.cache
 def driver_launch() -> Callable[..., int] | None:
     """``cuLaunchKernelEx(config, function, params, extra)`` of the CUDA driver, called with
-    the GIL held (a launch takes a few µs; releasing the GIL could wait on another thread
-    for much longer); ``None`` without ``libcuda.so.1`` or on a big-endian host."""
+    the GIL held (a launch is short; releasing the GIL could wait on another thread for
+    much longer); ``None`` without ``libcuda.so.1`` or on a big-endian host."""
     if sys.byteorder != "little":  # integer arguments are stored in the low bytes of a slot
         return None
     try:

@@ -1,8 +1,8 @@
-"""Host-to-device upload of the triton backend's packed plans, a few µs per step.
+"""Host-to-device upload of the triton backend's packed plans, cheap on the host.
 
 Every decode step packs its plan into an int32 host buffer and copies it to the device.
-Allocating a pinned buffer, ``Tensor.copy_`` and a torch event per step cost 15–20 µs of
-host time; here each device keeps two host buffers that plans take in turns, and the copy
+Allocating a pinned buffer, ``Tensor.copy_`` and a torch event per step cost more host
+time than the step's plan; here each device keeps two host buffers that plans take in turns, and the copy
 and its event are two calls into torch's CUDA runtime library. A buffer is refilled only
 after its last copy ran (an event per buffer; on an idle GPU that costs no wait). The
 buffers live as long as the process: torch's pinned allocator does not see these copies, so
