@@ -104,8 +104,8 @@ def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
         plan = attn.plan(layout)
         # Planned with the GPU idle, as in decoding, where the next tree waits for the
         # sampled tokens (a host sync). The median of 101 plans after 10 warm-up ones: host
-        # timings on the lent machines swing by up to 1.7x within a run (tools/plan_time.py),
-        # and 21 plans were too few to settle them.
+        # timings on shared machines swing within a run (tools/plan_time.py), and a median of
+        # fewer plans does not settle them.
         torch.cuda.synchronize()
         row["impls"][label] = {"plan_ms": median_plan_seconds(attn, layout, 101, 10) * 1e3,
                                "tiles": plan.num_tiles, "partials": plan.num_partials}

@@ -133,8 +133,8 @@ def lpt_factor(plan: TreePlan, factor: int, g: int, block_m: int, heads: int,
     16)``, up to ``max_factor``: every factor up to twice the rule's when it is at most 16,
     else 17 of them; none when the rule's factor gives one wave of programs (longer tiles
     then only lengthen the longest program) or more than 8 (a last wave then costs little).
-    Only longer tiles than the rule's are candidates: the model's favourite shorter ones
-    measured slower (CHANGELOG)."""
+    Only longer tiles than the rule's are candidates: shorter ones that the model favours run
+    slower (docs/decisions.md)."""
     if slots <= 0:
         return factor
     starts = np.flatnonzero(group_runs(plan))

@@ -2,7 +2,7 @@
 
 The C code computes in a few linear passes exactly what :func:`~deft.plan.make_plan` (kind
 ``"flatten"``), :func:`~deft.plan.coarsen.refine` and :func:`~deft.plan.packing.pack`
-compute with numpy (about 150 small numpy calls, 0.5–1 ms per step), in one call that takes
+compute with numpy (about 150 small numpy calls per step), in one call that takes
 the layout's arrays as they are. It is the extension module ``deft.plan._flatten_plan``,
 compiled by ``pip install`` (``setup.py``). When the build failed (no compiler or Python
 headers), or with ``DEFT_FASTPLAN=0``, :func:`flatten_plan` returns ``None`` (with one
