@@ -227,7 +227,7 @@ class TreeEngine:
         base = self.cache.position(node)
         slots = self.cache.append(node, n)
         self._staged.append(Feed([node] * n, np.arange(have + 1, have + n + 1, dtype=_I), ids,
-                                  np.arange(base, base + n, dtype=_I), slots, mode, source))
+                                 np.arange(base, base + n, dtype=_I), slots, mode, source))
 
     def _step(self, values: torch.Tensor | None = None) -> list[torch.Tensor | None]:
         """Run every staged feed in one forward; per staged feed the logits its mode asked
