@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Collection, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Sequence
 
 import numpy as np
 import torch
@@ -32,6 +32,9 @@ from ..checks import int_at_least, real_number
 from ..model.tokenizer import Tokenizer
 from .core import TreeEngine
 from .params import GenerationResult, SamplingParams
+
+if TYPE_CHECKING:
+    from .requests import Request
 
 __all__ = ["BeamParams", "BeamSearch"]
 
@@ -43,7 +46,8 @@ class BeamParams:
     """How one prompt's beam search runs: ``num_beams`` beams, at most ``max_new_tokens``
     new tokens, the ``num_return_sequences`` best hypotheses returned (see the module
     docstring for ``length_penalty`` and ``early_stopping``); ``stop_token_ids`` ``None``
-    means the tokenizer's end-of-sequence ids."""
+    means the tokenizer's end-of-sequence ids. A request's ``strategy``
+    (:class:`~deft.engine.requests.SearchSpec`)."""
 
     num_beams: int
     max_new_tokens: int = 64
@@ -81,6 +85,14 @@ class BeamParams:
     def search(self, engine: TreeEngine, prompt_len: int) -> BeamSearch:
         """A new search for a prompt of ``prompt_len`` tokens."""
         return BeamSearch(engine, self, prompt_len)
+
+    def build(self, engine: TreeEngine, request: Request) -> BeamSearch:
+        """``request``'s search, from its prompt."""
+        return self.search(engine, len(request.prompt))
+
+    def pages_per_step(self, page_size: int) -> int:
+        """One fresh page per beam."""
+        return self.num_beams
 
 
 @dataclass
