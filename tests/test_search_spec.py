@@ -1,4 +1,4 @@
-"""A search strategy is one value on a :class:`~deft.engine.decoding.Request`: the toy one
+"""A search strategy is one value on a :class:`~deft.engine.requests.Request`: the toy one
 defined here (a :class:`~deft.engine.requests.SearchSpec` and the Search it builds) runs in
 a :class:`~deft.engine.decoding.Batch` and through ``decode`` with nothing else to change,
 next to sampled requests, in overlapped steps and through a preemption, and gives the

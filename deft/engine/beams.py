@@ -110,7 +110,7 @@ class BeamSearch:
     the ``(node, [token])`` items to compute, whose logits rows go to :meth:`take`, until
     ``done``. ``finished`` holds the kept hypotheses ``(score, tokens, sum_logprob)``,
     best first. ``trees`` (draft trees to compute) is always empty: a batch's searches
-    share one protocol (:class:`~deft.engine.decoding.Search`).
+    share one protocol (:class:`~deft.engine.requests.Search`).
     """
 
     trees: Sequence[tuple[int, list[int], list[int]]] = ()
