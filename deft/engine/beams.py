@@ -46,8 +46,8 @@ class BeamParams:
     """How one prompt's beam search runs: ``num_beams`` beams, at most ``max_new_tokens``
     new tokens, the ``num_return_sequences`` best hypotheses returned (see the module
     docstring for ``length_penalty`` and ``early_stopping``); ``stop_token_ids`` ``None``
-    means the tokenizer's end-of-sequence ids. A request's ``strategy``
-    (:class:`~deft.engine.requests.SearchSpec`)."""
+    means the tokenizer's end-of-sequence ids. As a request's ``strategy`` (a
+    :class:`~deft.engine.requests.SearchSpec`) it runs a :class:`BeamSearch`."""
 
     num_beams: int
     max_new_tokens: int = 64

@@ -367,7 +367,7 @@ def prefill(engine: TreeEngine, prompts: list[list[int]]) -> list[tuple[int, tor
 
 def _leaves(engine: TreeEngine, req: Request) -> Branch:
     """The branch that prefills ``req``'s prompt; its ``n`` samples are ``req.branches``
-    (a search, ``req.search``, starts from its logits instead)."""
+    (a search, ``req.search``, built by its ``strategy``, starts from its logits instead)."""
     if req.strategy is not None:
         req.branches, req.search = [], req.strategy.build(engine, req)
         req.root = Branch(None, finish_reason="prefill", owner=req)

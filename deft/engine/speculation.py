@@ -107,8 +107,9 @@ class SpecParams:
     Requests that share one ``SpecParams`` share its drafter and draft in one drafter call
     per step (with the first one's sampling parameters and generator); give each request
     its own, with a drafter of its own, to keep it apart from the others. Each request
-    accepts with a generator of its own, seeded by its ``SamplingParams.seed``. A
-    request's ``strategy`` (:class:`~deft.engine.requests.SearchSpec`).
+    accepts with a generator of its own, seeded by its ``SamplingParams.seed``. As a
+    request's ``strategy`` (a :class:`~deft.engine.requests.SearchSpec`) it runs a
+    :class:`SpecSearch`.
     """
 
     drafter: Drafter
