@@ -34,7 +34,7 @@ def assert_alone(got, want) -> None:
 
 def beam_request(prompt: list[int], params: BeamParams) -> Request:
     return Request(prompt, params.num_beams, SamplingParams(max_new_tokens=params.max_new_tokens),
-                   beam=params)
+                   strategy=params)
 
 
 def results(engine: TreeEngine, req: Request):

@@ -27,7 +27,7 @@ SEEDED = SamplingParams(temperature=1.0, seed=11, max_new_tokens=10)
 
 
 def spec_request(prompt: list[int], params: SamplingParams, drafter=None, tree=None) -> Request:
-    return Request(prompt, 1, params, speculative=SpecParams(drafter or NgramDrafter(), tree))
+    return Request(prompt, 1, params, strategy=SpecParams(drafter or NgramDrafter(), tree))
 
 
 def outcome(req: Request) -> tuple[list[int], str]:
@@ -94,7 +94,7 @@ def test_next_to_samples_and_beams_each_gives_what_it_gives_alone(smol, prompts,
     engine = TreeEngine(*smol, num_pages=64)
     batch = Batch(engine, overlap=overlap)
     first = sampled()
-    beam = Request(prompts[2], 2, SamplingParams(max_new_tokens=6), beam=BeamParams(2, 6))
+    beam = Request(prompts[2], 2, SamplingParams(max_new_tokens=6), strategy=BeamParams(2, 6))
     specs = [spec_request(repeat, GREEDY), spec_request(prompts[3], SEEDED)]
     for r in [*first, beam, *specs]:
         batch.add(r)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Collection, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Sequence
 
 import numpy as np
 import torch
@@ -32,6 +32,9 @@ from ..checks import int_at_least, real_number
 from ..model.tokenizer import Tokenizer
 from .core import TreeEngine
 from .params import GenerationResult, SamplingParams
+
+if TYPE_CHECKING:
+    from .requests import Request
 
 __all__ = ["BeamParams", "BeamSearch"]
 
@@ -43,7 +46,8 @@ class BeamParams:
     """How one prompt's beam search runs: ``num_beams`` beams, at most ``max_new_tokens``
     new tokens, the ``num_return_sequences`` best hypotheses returned (see the module
     docstring for ``length_penalty`` and ``early_stopping``); ``stop_token_ids`` ``None``
-    means the tokenizer's end-of-sequence ids."""
+    means the tokenizer's end-of-sequence ids. As a request's ``strategy`` (a
+    :class:`~deft.engine.requests.SearchSpec`) it runs a :class:`BeamSearch`."""
 
     num_beams: int
     max_new_tokens: int = 64
@@ -82,6 +86,14 @@ class BeamParams:
         """A new search for a prompt of ``prompt_len`` tokens."""
         return BeamSearch(engine, self, prompt_len)
 
+    def build(self, engine: TreeEngine, request: Request) -> BeamSearch:
+        """``request``'s search, from its prompt."""
+        return self.search(engine, len(request.prompt))
+
+    def pages_per_step(self, page_size: int) -> int:
+        """One fresh page per beam."""
+        return self.num_beams
+
 
 @dataclass
 class _Beam:
@@ -98,7 +110,7 @@ class BeamSearch:
     the ``(node, [token])`` items to compute, whose logits rows go to :meth:`take`, until
     ``done``. ``finished`` holds the kept hypotheses ``(score, tokens, sum_logprob)``,
     best first. ``trees`` (draft trees to compute) is always empty: a batch's searches
-    share one protocol (:class:`~deft.engine.decoding.Search`).
+    share one protocol (:class:`~deft.engine.requests.Search`).
     """
 
     trees: Sequence[tuple[int, list[int], list[int]]] = ()

@@ -1,9 +1,9 @@
 """The decode loop shared by the strategies: chunked prefill, shared prefixes, sampling.
 
-A :class:`Branch` is a run of tokens growing from a cache node. Each step, every live
-branch of every request feeds its pending tokens (part of a prompt, a prefix, or the
-token it sampled last) in ONE ``engine.extend``; then all branches that wait for a token
-sample it, one batched call per sampler. Prompts are fed in chunks of at most
+A :class:`~deft.engine.requests.Branch` is a run of tokens growing from a cache node. Each
+step, every live branch of every request feeds its pending tokens (part of a prompt, a
+prefix, or the token it sampled last) in ONE ``engine.extend``; then all branches that wait
+for a token sample it, one batched call per sampler. Prompts are fed in chunks of at most
 ``engine.prefill_chunk`` tokens per step, alongside the other requests' decode tokens.
 A branch whose feed is done forks its ``then`` branches, which continue from its last
 token and share its K/V (a prompt's samples; the prompts that share a prefix). A
@@ -11,99 +11,30 @@ finished branch releases its K/V at once (``prune(release_unused_ancestors=True)
 unless it keeps its last token for children (``keep_last``, tree search).
 
 :class:`Batch` holds that loop's state so that requests can join and leave at any step
-(the server's continuous batching); :func:`decode` runs one to completion. A request
-with ``beam`` or ``speculative`` params runs a :class:`Search` after its prompt
-(:class:`~deft.engine.beams.BeamSearch`, :class:`~deft.engine.speculation.SpecSearch`):
-each step feeds its beam tokens or draft tree in the same forward as the branches.
+(the server's continuous batching), and executes it; its
+:class:`~deft.engine.scheduling.BatchScheduler` decides which requests run and what fits.
+:func:`decode` runs a batch to completion. A request with a ``strategy`` runs the
+:class:`~deft.engine.requests.Search` it builds after its prompt (e.g.
+:class:`~deft.engine.beams.BeamSearch`, :class:`~deft.engine.speculation.SpecSearch`):
+each step feeds its tokens or draft trees in the same forward as the branches.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Collection, Iterator, Protocol, Sequence
+from typing import Callable, Collection, Iterator, Sequence
 
 import torch
 
 from ..cache import CacheFullError
 from .core import TreeEngine
 from .inflight import InFlight, draw
-from .params import SamplingParams
+from .requests import Branch, Request, Search, SearchSpec
 from .sampling import Sampler
+from .scheduling import BatchScheduler, PrefixStore
 
-if TYPE_CHECKING:
-    from .beams import BeamParams
-    from .speculation import SpecParams
-
-__all__ = ["Batch", "Branch", "PrefixStore", "Request", "Search", "decode", "prefill",
+__all__ = ["Batch", "Branch", "PrefixStore", "Request", "Search", "SearchSpec", "decode", "prefill",
            "release_on_error"]
-
-
-@dataclass(eq=False)
-class Branch:
-    """A run of tokens in ``node`` (``None`` until its parent branch forks it).
-
-    ``feed``: tokens to compute (a chunk per step); ``logits`` ``[vocab]``: the row after
-    the last computed token. A branch with a ``sampler`` then samples a token at a time
-    until a stop token or ``max_new_tokens``; one without finishes when its feed is done.
-    ``then``: branches forked from ``node`` once the feed is done; one with an empty feed
-    starts from this branch's logits. ``owner``: the :class:`Request` it serves, if any.
-    Each sampled token's log-probability is in ``logprobs``; with ``top_logprobs`` k > 0,
-    ``tops`` holds each step's k most likely ``(token, log-probability)`` pairs.
-    """
-
-    node: int | None
-    sampler: Sampler | None = None
-    stop_ids: frozenset[int] = frozenset()
-    max_new_tokens: int = 0
-    feed: list[int] = field(default_factory=list)
-    logits: torch.Tensor | None = None
-    keep_last: bool = False
-    then: list[Branch] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    logprob: float = 0.0
-    finish_reason: str | None = None
-    done: bool = False
-    owner: Request | None = None
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: int = 0
-    tops: list[list[tuple[int, float]]] = field(default_factory=list)
-    source: int = -1  # >= 0: ``feed`` is one token drawn on the device, this row of the draw
-
-    def wants_logits(self) -> bool:
-        """Whether the last token of the feed needs its logits."""
-        return self.sampler is not None or any(not c.feed for c in self.then) or (
-            self.finish_reason is not None and not self.then)
-
-
-@dataclass(eq=False)
-class Request:
-    """A prompt decoded into ``n`` branches that share its K/V.
-
-    ``pin_prompt``: prefill the prompt into a node of its own and offer it (and, with
-    ``n == 1``, the answer) to the batch's :class:`PrefixStore`. ``beam`` or
-    ``speculative``: run that search instead (``n`` is then unused; a speculative one
-    samples under ``params``). Set by the batch: ``root``
-    (the branch that prefills the prompt), ``branches`` (the ``n`` samples), ``search``
-    (the :class:`Search`), ``status`` (``"waiting"``, ``"running"``, ``"done"``),
-    ``restarts`` (times it was preempted) and ``error`` (what its search raised: it ended
-    alone, ``"error"``, its nodes released).
-    """
-
-    prompt: list[int]
-    n: int
-    params: SamplingParams
-    top_logprobs: int = 0
-    pin_prompt: bool = False
-    beam: BeamParams | None = None
-    speculative: SpecParams | None = None
-    branches: list[Branch] = field(default_factory=list)
-    root: Branch | None = None
-    search: Search | None = None
-    status: str = "waiting"
-    restarts: int = 0
-    error: Exception | None = None
 
 
 @contextmanager
@@ -119,66 +50,19 @@ def release_on_error(engine: TreeEngine) -> Iterator[None]:
         raise
 
 
-class PrefixStore(Protocol):
-    """Computed prompt nodes kept across requests (the server's prefix cache).
-
-    :class:`Batch` forks admitted prompts from ``match``, offers every computed prompt of a
-    ``pin_prompt`` request to ``insert``, and the answer of such a request with one sampled
-    branch when it ends by a stop or its length (its path: the prompt and the tokens
-    computed; a chat's next turn starts with it); asks ``evict`` for pages when a step does
-    not fit, and never releases a node of ``pinned`` when a branch ends.
-    """
-
-    pinned: set[int]
-
-    def match(self, tokens: list[int]) -> tuple[int, int] | None:
-        """A computed node whose path holds ``tokens[:m]`` (``m < len(tokens)``), and ``m``."""
-
-    def insert(self, tokens: list[int], node: int) -> bool:
-        """``node``'s path, just computed, holds ``tokens``; whether the store keeps it."""
-
-    def evict(self, pages: int) -> None:
-        """Release unreferenced cached nodes until ``pages`` more pages are free (or none is left)."""
-
-
-class Search(Protocol):
-    """A request's search, stepped by the :class:`Batch` after its prompt.
-
-    ``start`` gets the prompt's node and last logits; then, while not ``done``: once
-    ``logits`` are in, ``step`` scores them (returning how far it got: the tokens it took,
-    or the beams it advanced) and sets what to compute: ``feed``, ``(node, tokens)`` items
-    whose last logits it wants, and ``trees``, ``(node, parents, tokens)`` draft trees; the
-    batch computes both in its forward and hands their results to ``take``. ``release``
-    ends it now; ``nodes`` are the leaves it holds.
-    """
-
-    done: bool
-    logits: torch.Tensor | None
-    feed: Sequence[tuple[int, list[int]]]
-    trees: Sequence[tuple[int, list[int], list[int]]]
-    nodes: list[int]
-
-    def start(self, node: int, logits: torch.Tensor) -> None: ...
-    def step(self, keep: Collection[int] = ()) -> int: ...
-    def take(self, rows: Sequence[torch.Tensor], verified: Sequence[tuple[list[int], torch.Tensor]]) -> None: ...
-    def release(self, keep: Collection[int] = ()) -> None: ...
-
-
 class Batch:
     """Requests and branches decoded stepwise: one :meth:`step` is one forward for all.
 
-    Requests join at any step (:meth:`add`; admitted in order while fewer than
-    ``max_running`` run) and their prompts are prefilled in chunks next to the other
-    requests' decode tokens; a request whose last branch ends (or that :meth:`cancel`
-    stops) leaves and releases its nodes at once. A request is admitted when its prompt
-    and first tokens fit next to the running branches; when a step's tokens do not fit in
-    the free pages, the batch asks ``prefixes`` to evict, then defers prompt chunks, then
-    preempts the youngest request (it restarts from its prompt later, with its sampler
-    reseeded: a seeded or greedy request gives the same tokens; nothing is admitted until
-    a running request leaves); only what still does not fit with one request running
-    raises :class:`~deft.CacheFullError`. Searches are admitted, preempted and cancelled
-    the same way (a draft tree of ``t`` tokens may need ``ceil(t / page_size)`` fresh
-    pages); their tokens are never deferred.
+    Requests join at any step (:meth:`add`) and their prompts are prefilled in chunks next
+    to the other requests' decode tokens; a request whose last branch ends (or that
+    :meth:`cancel` stops) leaves and releases its nodes at once. Its ``scheduler``
+    (:class:`~deft.engine.scheduling.BatchScheduler`, with ``max_running`` and ``prefixes``)
+    admits requests and cuts each step to the free pages, deferring prompt chunks or
+    preempting the youngest request (it restarts from its prompt later, with its sampler
+    reseeded or its search built anew: a seeded or greedy request gives the same tokens);
+    only what still does not fit with one request running raises
+    :class:`~deft.CacheFullError`. Searches are admitted, preempted and cancelled the same
+    way.
 
     With ``overlap`` (default: the engine's, on for CUDA) a step draws the sampled tokens on the
     device and feeds them to its forward there; the host reads them at the next step, while
@@ -189,16 +73,33 @@ class Batch:
 
     def __init__(self, engine: TreeEngine, max_running: int | None = None,
                  prefixes: PrefixStore | None = None, overlap: bool | None = None) -> None:
-        self.engine, self.max_running, self.prefixes = engine, max_running, prefixes
+        self.engine, self.prefixes = engine, prefixes
+        self.scheduler = BatchScheduler(engine, max_running, prefixes, self.cancel)
         self.overlap = engine.overlap if overlap is None else bool(overlap)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
         self.live: list[Branch] = []
         self.sampled = 0  # tokens that reached the host in the last step
         self.search_tokens = 0  # tokens the searches took in the last step
+        self.prefill_tokens = 0  # prompt tokens computed, over all steps
         self._inflight: InFlight | None = None
-        self._hold = False  # no admission after a preemption until a request leaves
-        self.stats = {"prefill_tokens": 0, "preempted": 0}
+
+    @property
+    def max_running(self) -> int | None:
+        return self.scheduler.max_running
+
+    @property
+    def waiting(self) -> Sequence[Request]:
+        """The requests not admitted yet (or preempted), first in line first."""
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        """The admitted requests, oldest first."""
+        return self.scheduler.running
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """``prefill_tokens`` computed and requests ``preempted``, over all steps."""
+        return {"prefill_tokens": self.prefill_tokens, "preempted": self.scheduler.preempted}
 
     @property
     def pinned(self) -> Collection[int]:
@@ -206,8 +107,7 @@ class Batch:
 
     def add(self, request: Request) -> None:
         """Queue ``request``; it is admitted at a coming step."""
-        request.status = "waiting"
-        self.waiting.append(request)
+        self.scheduler.add(request)
 
     def add_branches(self, branches: Sequence[Branch]) -> None:
         """Run ``branches`` (already on their nodes) from the next step on."""
@@ -232,12 +132,8 @@ class Batch:
         for r in self.running:
             if r.search.done if r.search is not None else all(b.done for b in r.branches):
                 r.status = "done"
-        left = len(self.running)
-        self.running = [r for r in self.running if r.status == "running"]
-        self._hold = self._hold and len(self.running) == left  # until a request leaves
-        if not self._hold:
-            self._admit()
-        feeding, searches = self._fit([b for b in self.live if b.feed], searches)
+        self._start(self.scheduler.admit(len(self.live)))
+        feeding, searches = self.scheduler.fit([b for b in self.live if b.feed], searches)
         if not feeding and not searches:
             return self._inflight is not None
         chunk = engine.prefill_chunk
@@ -249,7 +145,7 @@ class Batch:
         rows, verified = engine.forward(items, [t for s in searches for t in s.trees], modes, drawn)
         for b, row, mode in zip(feeding, rows, modes):
             if not b.tokens and b.source < 0:  # (a drawn token lands next step)
-                self.stats["prefill_tokens"] += len(b.feed[:chunk])
+                self.prefill_tokens += len(b.feed[:chunk])
             b.source = -1
             b.feed = b.feed[chunk:]
             if not b.feed:
@@ -263,10 +159,7 @@ class Batch:
 
     def cancel(self, request: Request, reason: str = "cancelled") -> None:
         """Stop ``request`` now: its unfinished branches end with ``reason``, nodes released."""
-        if request in self.waiting:
-            self.waiting.remove(request)
-        if request in self.running:
-            self._hold = False  # a request left: admission resumes
+        self.scheduler.leave(request)
         for b in request.branches:
             self.finish(b, reason)
         if request.root is not None and not request.root.done:
@@ -274,7 +167,6 @@ class Batch:
         if request.search is not None and not request.search.done:
             request.search.release(self.pinned)
         request.status = "done"
-        self.running = [r for r in self.running if r is not request]
 
     def close(self, reason: str = "cancelled") -> None:
         """End every request and branch now and release all their nodes (e.g. after an error)."""
@@ -365,17 +257,11 @@ class Batch:
             return False
         return self.prefixes.insert((req.prompt + b.tokens)[:self.engine.position(b.node)], b.node)
 
-    def _admit(self) -> None:
-        engine, admit = self.engine, []
-        while self.waiting and (self.max_running is None
-                                or len(self.running) + len(admit) < self.max_running):
-            req = self.waiting[0]
-            if (self.running or admit) and not self._room(req, admit):
-                break
-            admit.append(self.waiting.popleft())
-        plain = []
-        for req in admit:
-            req.status = "running"
+    def _start(self, admitted: list[Request]) -> None:
+        """Set up the branches (or search) of ``admitted`` requests: prompts forked from the
+        prefix store where it holds a prefix, the others prefilled sharing common prefixes."""
+        engine, plain = self.engine, []
+        for req in admitted:
             leaf = _leaves(engine, req)
             hit = self.prefixes.match(req.prompt) if self.prefixes is not None else None
             if hit is None:
@@ -385,55 +271,6 @@ class Batch:
                 leaf.node, leaf.feed = engine.cache.fork(node, 1)[0], req.prompt[m:]
                 self.live.append(leaf)
         self.live += prompt_branches(engine, plain)
-        self.running += admit
-
-    def _room(self, req: Request, admit: list[Request]) -> bool:
-        """Whether ``req``'s prompt and first tokens fit next to the running branches."""
-        ps = self.engine.pool.page_size
-        want = -(-len(req.prompt) // ps) + 1 + _width(req, ps) + len(self.live)
-        want += sum(_width(r, ps) for r in self.running if r.search is not None)
-        want += sum(-(-len(r.prompt) // ps) + 1 + _width(r, ps) for r in admit)
-        free = self.engine.cache.num_free_pages
-        if want > free and self.prefixes is not None:
-            self.prefixes.evict(want - free)
-        return want <= self.engine.cache.num_free_pages
-
-    def _fit(self, feeding: list[Branch], searches: list[Search]) -> tuple[list[Branch], list[Search]]:
-        """``feeding`` and ``searches`` cut to what fits the free pages (see the class docstring)."""
-        ps, cache = self.engine.pool.page_size, self.engine.cache
-        chunk = self.engine.prefill_chunk
-
-        def need() -> int:  # as the engine counts: ceil(n / page_size) per item and tree
-            return (sum(-(-min(len(b.feed), chunk) // ps) for b in feeding)
-                    + sum(-(-len(f[-1]) // ps) for s in searches for f in (*s.feed, *s.trees)))
-
-        if need() > cache.num_free_pages and self.prefixes is not None:
-            self.prefixes.evict(need() - cache.num_free_pages)
-        order = {id(r): i for i, r in enumerate(self.running)}
-        while need() > cache.num_free_pages:
-            oldest = self.running[0] if self.running else None
-            prompts = [b for b in feeding if b.owner is not None and b.owner is not oldest
-                       and not b.tokens and b.source < 0]
-            if prompts and (len(feeding) > 1 or searches):
-                youngest = max(prompts, key=lambda b: order.get(id(b.owner), -1))
-                feeding = [b for b in feeding if b is not youngest]
-            elif len(self.running) > 1:
-                self._preempt(self.running[-1])
-                feeding = [b for b in feeding if not b.done]
-                searches = [s for s in searches if not s.done]
-            else:
-                break
-        return feeding, searches
-
-    def _preempt(self, req: Request) -> None:
-        """Release ``req`` and queue it first, to restart from its prompt."""
-        self.cancel(req, "preempted")
-        req.branches, req.root, req.search = [], None, None
-        req.restarts += 1
-        self.stats["preempted"] += 1
-        self._hold = True
-        self.waiting.appendleft(req)
-        req.status = "waiting"
 
     def _fed(self, b: Branch, logits: torch.Tensor | None) -> None:
         """``b``'s feed is computed: fork its ``then`` branches, or end it."""
@@ -530,10 +367,9 @@ def prefill(engine: TreeEngine, prompts: list[list[int]]) -> list[tuple[int, tor
 
 def _leaves(engine: TreeEngine, req: Request) -> Branch:
     """The branch that prefills ``req``'s prompt; its ``n`` samples are ``req.branches``
-    (a search, ``req.search``, starts from its logits instead)."""
-    if req.beam is not None or req.speculative is not None:
-        req.branches, req.search = [], (req.beam.search(engine, len(req.prompt)) if req.beam else
-                                        req.speculative.search(engine, req.prompt, req.params))
+    (a search, ``req.search``, built by its ``strategy``, starts from its logits instead)."""
+    if req.strategy is not None:
+        req.branches, req.search = [], req.strategy.build(engine, req)
         req.root = Branch(None, finish_reason="prefill", owner=req)
         return req.root
     p = req.params
@@ -545,12 +381,6 @@ def _leaves(engine: TreeEngine, req: Request) -> Branch:
     else:
         req.root = Branch(None, then=req.branches, owner=req)
     return req.root
-
-
-def _width(r: Request, page_size: int) -> int:
-    """The fresh pages one step of ``r`` may need: one per branch or beam, or its draft tree's."""
-    spec = r.speculative
-    return -(-spec.tree_tokens // page_size) if spec else r.beam.num_beams if r.beam else r.n
 
 
 def _sample(engine: TreeEngine, branches: list[Branch], release: Callable[[Branch, str], None]) -> None:

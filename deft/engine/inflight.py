@@ -21,7 +21,7 @@ __all__ = ["InFlight", "draw"]
 
 
 class Branch(Protocol):
-    """What drawing needs of a :class:`deft.engine.decoding.Branch`."""
+    """What drawing needs of a :class:`deft.engine.requests.Branch`."""
 
     sampler: Sampler | None
     logits: torch.Tensor | None

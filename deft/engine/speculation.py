@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Collection, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Sequence
 
 import torch
 
@@ -28,6 +28,9 @@ from .draft_trees import DraftTree, Shape, TreeGrower, as_shape
 from .drafters import DraftJob, Drafter
 from .params import GenerationResult, SamplingParams
 from .sampling import probabilities
+
+if TYPE_CHECKING:
+    from .requests import Request
 
 __all__ = ["SpecParams", "SpecSearch", "accept_greedy", "accept_sampled"]
 
@@ -104,7 +107,9 @@ class SpecParams:
     Requests that share one ``SpecParams`` share its drafter and draft in one drafter call
     per step (with the first one's sampling parameters and generator); give each request
     its own, with a drafter of its own, to keep it apart from the others. Each request
-    accepts with a generator of its own, seeded by its ``SamplingParams.seed``.
+    accepts with a generator of its own, seeded by its ``SamplingParams.seed``. As a
+    request's ``strategy`` (a :class:`~deft.engine.requests.SearchSpec`) it runs a
+    :class:`SpecSearch`.
     """
 
     drafter: Drafter
@@ -130,9 +135,13 @@ class SpecParams:
             raise ValueError(f"drafter: expected the target's vocabulary of {engine.vocab_size} "
                              f"tokens, got a draft model with {vocab}")
 
-    def search(self, engine: TreeEngine, prompt: list[int], params: SamplingParams) -> SpecSearch:
-        """A new request's search from ``prompt``, sampling under ``params``."""
-        return SpecSearch(engine, self, prompt, params)
+    def build(self, engine: TreeEngine, request: Request) -> SpecSearch:
+        """``request``'s search from its prompt, sampling under its ``params``."""
+        return SpecSearch(engine, self, request.prompt, request.params)
+
+    def pages_per_step(self, page_size: int) -> int:
+        """The fresh pages of one draft tree."""
+        return -(-self.tree_tokens // page_size)
 
 
 class SpecSearch:

@@ -133,7 +133,7 @@ class Scheduler:
                 continue
             job.request = Request(job.prompt, max(job.n, job.best_of), job.params,
                                   top_logprobs=job.top_logprobs or 0,
-                                  pin_prompt=self.prefixes is not None, beam=beam, speculative=spec)
+                                  pin_prompt=self.prefixes is not None, strategy=beam or spec)
             self.metrics.prompt.inc(len(job.prompt))
             self.batch.add(job.request)
             self._active.append(job)

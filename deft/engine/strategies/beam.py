@@ -40,7 +40,7 @@ def beam_search(
                         num_return_sequences, stop_token_ids)
     params.check(engine)
     requests = [Request(p, params.num_beams, SamplingParams(max_new_tokens=params.max_new_tokens),
-                        beam=params) for p in as_prompts(prompts, engine)]
+                        strategy=params) for p in as_prompts(prompts, engine)]
     t0, steps0, io0 = time.perf_counter(), engine.stats["steps"], engine.stats["io_s"]
     with release_on_error(engine):
         decode(engine, requests=requests, progress=progress)

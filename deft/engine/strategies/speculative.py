@@ -72,7 +72,7 @@ def speculative_generate(
     ids = as_prompts(prompts, engine)
     seeds = [None] * len(ids) if params.seed is None else torch.randint(
         1 << 62, (len(ids),), generator=torch.Generator().manual_seed(params.seed)).tolist()
-    requests = [Request(p, 1, dataclasses.replace(params, seed=s), speculative=spec)
+    requests = [Request(p, 1, dataclasses.replace(params, seed=s), strategy=spec)
                 for p, s in zip(ids, seeds)]
     start, io0 = time.perf_counter(), engine.stats["io_s"]
     decode(engine, requests=requests)

@@ -1,0 +1,147 @@
+"""A batch's policy: which requests run, and what of a step fits in the cache's free pages.
+
+The :class:`~deft.engine.decoding.Batch` executes (feeds, one forward, sampling, landing
+tokens, releasing); its :class:`BatchScheduler` decides: admission (waiting to running, in
+order), fitting a step to the free pages (eviction from the :class:`PrefixStore`, deferred
+prompt chunks) and preemption.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Callable, Protocol
+
+from .requests import Branch, Request, Search
+
+if TYPE_CHECKING:
+    from .core import TreeEngine
+
+__all__ = ["BatchScheduler", "PrefixStore"]
+
+
+class PrefixStore(Protocol):
+    """Computed prompt nodes kept across requests (the server's prefix cache).
+
+    The batch forks admitted prompts from ``match``, offers every computed prompt of a
+    ``pin_prompt`` request to ``insert``, and the answer of such a request with one sampled
+    branch when it ends by a stop or its length (its path: the prompt and the tokens
+    computed; a chat's next turn starts with it); its scheduler asks ``evict`` for pages
+    when a step does not fit, and the batch never releases a node of ``pinned`` when a
+    branch ends.
+    """
+
+    pinned: set[int]
+
+    def match(self, tokens: list[int]) -> tuple[int, int] | None:
+        """A computed node whose path holds ``tokens[:m]`` (``m < len(tokens)``), and ``m``."""
+
+    def insert(self, tokens: list[int], node: int) -> bool:
+        """``node``'s path, just computed, holds ``tokens``; whether the store keeps it."""
+
+    def evict(self, pages: int) -> None:
+        """Release unreferenced cached nodes until ``pages`` more pages are free (or none is left)."""
+
+
+class BatchScheduler:
+    """Admission, fitting and preemption of a batch's requests.
+
+    Requests are admitted in order while fewer than ``max_running`` run, once their prompt
+    and first tokens fit next to the running branches. When a step's tokens do not fit in
+    the free pages, ``prefixes`` is asked to evict, then prompt chunks are deferred (never
+    the oldest request's), then the youngest request is preempted: ``cancel`` releases it
+    and it waits first in line, to restart from its prompt; nothing is admitted until a
+    running request leaves. Search tokens are never deferred (a draft tree of ``t`` tokens
+    may need ``ceil(t / page_size)`` fresh pages).
+    """
+
+    def __init__(self, engine: TreeEngine, max_running: int | None, prefixes: PrefixStore | None,
+                 cancel: Callable[[Request, str], None]) -> None:
+        self.engine, self.max_running, self.prefixes, self.cancel = engine, max_running, prefixes, cancel
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preempted = 0
+        self._hold = False  # no admission after a preemption until a request leaves
+
+    def add(self, request: Request) -> None:
+        """Queue ``request`` last."""
+        request.status = "waiting"
+        self.waiting.append(request)
+
+    def leave(self, request: Request) -> None:
+        """Forget ``request`` (cancelled or preempted); admission resumes if it was running."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self._hold = False
+            self.running = [r for r in self.running if r is not request]
+
+    def admit(self, live: int) -> list[Request]:
+        """Drop the requests that are ``"done"`` from ``running``, then move the waiting ones
+        that fit next to ``live`` running branches to it, in order; returns those (now
+        ``"running"``)."""
+        left = len(self.running)
+        self.running = [r for r in self.running if r.status == "running"]
+        self._hold = self._hold and len(self.running) == left  # until a request leaves
+        admit: list[Request] = []
+        while not self._hold and self.waiting and (
+                self.max_running is None or len(self.running) + len(admit) < self.max_running):
+            if (self.running or admit) and not self._room(self.waiting[0], admit, live):
+                break
+            admit.append(self.waiting.popleft())
+        for req in admit:
+            req.status = "running"
+        self.running += admit
+        return admit
+
+    def fit(self, feeding: list[Branch], searches: list[Search]) -> tuple[list[Branch], list[Search]]:
+        """``feeding`` and ``searches`` cut to what fits the free pages (see the class docstring)."""
+        ps, cache = self.engine.pool.page_size, self.engine.cache
+        chunk = self.engine.prefill_chunk
+
+        def need() -> int:  # as the engine counts: ceil(n / page_size) per item and tree
+            return (sum(-(-min(len(b.feed), chunk) // ps) for b in feeding)
+                    + sum(-(-len(f[-1]) // ps) for s in searches for f in (*s.feed, *s.trees)))
+
+        if need() > cache.num_free_pages and self.prefixes is not None:
+            self.prefixes.evict(need() - cache.num_free_pages)
+        order = {id(r): i for i, r in enumerate(self.running)}
+        while need() > cache.num_free_pages:
+            oldest = self.running[0] if self.running else None
+            prompts = [b for b in feeding if b.owner is not None and b.owner is not oldest
+                       and not b.tokens and b.source < 0]
+            if prompts and (len(feeding) > 1 or searches):
+                youngest = max(prompts, key=lambda b: order.get(id(b.owner), -1))
+                feeding = [b for b in feeding if b is not youngest]
+            elif len(self.running) > 1:
+                self._preempt(self.running[-1])
+                feeding = [b for b in feeding if not b.done]
+                searches = [s for s in searches if not s.done]
+            else:
+                break
+        return feeding, searches
+
+    def _room(self, req: Request, admit: list[Request], live: int) -> bool:
+        """Whether ``req``'s prompt and first tokens fit next to the running branches."""
+        ps = self.engine.pool.page_size
+        want = -(-len(req.prompt) // ps) + 1 + _step_pages(req, ps) + live
+        want += sum(_step_pages(r, ps) for r in self.running if r.search is not None)
+        want += sum(-(-len(r.prompt) // ps) + 1 + _step_pages(r, ps) for r in admit)
+        free = self.engine.cache.num_free_pages
+        if want > free and self.prefixes is not None:
+            self.prefixes.evict(want - free)
+        return want <= self.engine.cache.num_free_pages
+
+    def _preempt(self, req: Request) -> None:
+        """Release ``req`` and queue it first, to restart from its prompt."""
+        self.cancel(req, "preempted")
+        req.branches, req.root, req.search = [], None, None
+        req.restarts += 1
+        self.preempted += 1
+        self._hold = True
+        self.waiting.appendleft(req)
+        req.status = "waiting"
+
+
+def _step_pages(r: Request, page_size: int) -> int:
+    """The fresh pages one step of ``r`` may need: its strategy's, or one per branch."""
+    return r.strategy.pages_per_step(page_size) if r.strategy is not None else r.n
