@@ -38,13 +38,14 @@ class _CheckedCaches(NamedTuple):
     v_ptr: int
     dtype: torch.dtype
     q_dtype: torch.dtype
+    planned: torch.dtype | None  # the kv_dtype planned when they were checked
     device: torch.device
     slots: int
 
-    def match(self, q: Any, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Whether ``k`` and ``v`` are this pair, unchanged, and ``q`` has the dtype and
-        device it was checked with."""
-        return (self.k() is k and self.v() is v and type(q) is torch.Tensor
+    def match(self, q: Any, k: torch.Tensor, v: torch.Tensor, planned: torch.dtype | None) -> bool:
+        """Whether ``k`` and ``v`` are this pair, unchanged, and ``q`` and the planned K/V
+        dtype are those they were checked with."""
+        return (planned is self.planned and self.k() is k and self.v() is v and type(q) is torch.Tensor
                 and k.shape == self.shape and v.shape == self.shape and k.data_ptr() == self.k_ptr
                 and v.data_ptr() == self.v_ptr and k.dtype == self.dtype and v.dtype == self.dtype
                 and q.dtype == self.q_dtype and q.device == self.device)
@@ -283,7 +284,7 @@ class TreeAttention:
         """
         plan = self.current_plan
         checked = self._checked.get(id(k_cache))
-        if (checked is not None and checked.match(q, k_cache, v_cache)
+        if (checked is not None and checked.match(q, k_cache, v_cache, self.kv_dtype)
                 and q.shape == (plan.num_queries, self.num_qo_heads, self.head_dim)
                 and self._max_slot < checked.slots):
             k_flat, v_flat = _flat(k_cache, v_cache)
@@ -364,7 +365,7 @@ class TreeAttention:
 
         known[key] = _CheckedCaches(weakref.ref(k_cache, forget), weakref.ref(v_cache, forget),
                                     ks, k_cache.data_ptr(), v_cache.data_ptr(), kv_dtype, dtype,
-                                    q.device, slots)
+                                    self.kv_dtype, q.device, slots)
         return k_flat, v_flat
 
     def _check_scales(self, k_scale: Any, v_scale: Any, device: torch.device) -> None:

@@ -26,7 +26,7 @@ from .launch import (HEADER, Pointer, Reserved, StepBuffers, has_tma, launch_sig
 from .native_launch import driver_launch
 from .upload import Staging, staging
 
-__all__ = ["HostPlan", "TritonBackend"]
+__all__ = ["HostStep", "TritonBackend"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,7 +91,7 @@ class TritonBackend(Backend):
                            previous if isinstance(previous, StepBuffers) else None, reserved)
 
     def plan_host(self, layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
-                  device: torch.device, kv_dtype: torch.dtype | None = None) -> HostPlan:
+                  device: torch.device, kv_dtype: torch.dtype | None = None) -> HostStep:
         """The packed plan in a pinned buffer of its own (a header's room first), to
         :meth:`upload` to any device like ``device`` (same SM count)."""
         device = _cuda_index(device)
@@ -99,9 +99,9 @@ class TritonBackend(Backend):
         own.next()
         plan, packed, cfg = _pack(layout, plan_kind, block_kv, heads, device,
                                   lambda n: own.new(n + HEADER)[HEADER:], None)
-        return HostPlan(plan, packed, cfg, own, heads, layout.num_queries, _num_sms(device))
+        return HostStep(plan, packed, cfg, own, heads, layout.num_queries, _num_sms(device))
 
-    def upload(self, host: HostPlan, device: torch.device, previous: Any = None) -> StepBuffers:
+    def upload(self, host: HostStep, device: torch.device, previous: Any = None) -> StepBuffers:
         device = _cuda_index(device)
         if _num_sms(device) != host.sms:
             raise ValueError(f"device: the host plan was made for {host.sms} SMs, {device} has "
@@ -149,7 +149,7 @@ class TritonBackend(Backend):
         return o, lse
 
 
-class HostPlan(NamedTuple):
+class HostStep(NamedTuple):
     """A step packed on the host (:meth:`TritonBackend.plan_host`), not yet uploaded."""
 
     plan: Any
