@@ -60,6 +60,7 @@ class LlamaLayer(nn.Module):
         attn: TreeAttention,
         pool: KVPool,
         layer: int,
+        captured: bool = False,  # launched into a CUDA graph (or its warm-up)
     ) -> torch.Tensor:
         n, h, h_kv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv(self.attn_norm(x)).view(n, h + 2 * h_kv, self.head_dim)
@@ -67,7 +68,7 @@ class LlamaLayer(nn.Module):
         pool.write(layer, write_slots, qk[:, h:], qkv[:, h + h_kv:])
         k_scale, v_scale = pool.scales(layer)
         o = attn.run(qk[:, :h].contiguous(), pool.k_slots[layer], pool.v_slots[layer],
-                     k_scale=k_scale, v_scale=v_scale)  # [N, H, D]
+                     k_scale=k_scale, v_scale=v_scale, captured=captured)  # [N, H, D]
         x = x + self.o(o.reshape(n, self.q_size))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -227,7 +228,7 @@ class LlamaModel(nn.Module):
                              captured)
         cos, sin = self.rope[positions].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D/2] each
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, write_slots, attn, pool, i)
+            x = layer(x, cos, sin, write_slots, attn, pool, i, captured)
         if logits_rows is not None:
             x = x[logits_rows]
         logits = F.linear(self.norm(x), head)  # [N or R, vocab]
