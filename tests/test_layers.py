@@ -4,26 +4,11 @@ internals; only the attention calls the planner; the capture mode is an argument
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
+from test_structure import _imports
+
 PACKAGE = Path(__file__).resolve().parents[1] / "deft"
-
-
-def _imports(path: Path) -> set[str]:
-    """The absolute names of the deft modules ``path`` imports (top level or in functions)."""
-    package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                up = package.split(".")[:len(package.split(".")) - node.level + 1]
-                base = ".".join(up + ([base] if base else []))
-            found |= {base} | {f"{base}.{a.name}" for a in node.names}
-    return {m for m in found if m.split(".")[0] == "deft"}
 
 
 def _under(names: set[str], *prefixes: str) -> set[str]:
