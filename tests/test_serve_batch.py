@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("fastapi")
 from pydantic import ValidationError  # noqa: E402
 
-from conftest import run_batch  # noqa: E402
+from conftest import pages_on_running_paths, run_batch  # noqa: E402
 from deft.engine import NgramDrafter, SamplingParams, TreeEngine, beam_search, generate  # noqa: E402
 from deft.engine.decoding import Batch, Request  # noqa: E402
 from deft.serve import Metrics, PrefixCache, Scheduler, create_app  # noqa: E402
@@ -326,6 +326,40 @@ def test_an_error_mid_step_releases_every_page(smol, monkeypatch):
     assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 32
 
 
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_the_page_gauges_equal_a_recount_after_every_step(smol, monkeypatch, prefix_cache):
+    """``deft_kv_pages_in_use`` and ``deft_kv_pages_requests`` as served, after every step: the
+    pages in use, and the pages a recount finds on the running requests' paths, for jobs that
+    share a system prompt (cache hits that split entries), with several samples, beams and
+    draft trees; none on running paths once all has ended."""
+    tok = smol[1]
+    engine = TreeEngine(*smol, num_pages=16, page_size=4, prefill_chunk=16)
+    scheduler = Scheduler(engine, 3, 16, Metrics(), prefix_cache=prefix_cache,
+                          drafters={"ngram": NgramDrafter})
+    seen, count, registry = [], scheduler._count, scheduler.metrics.registry
+
+    def count_and_recount() -> None:
+        count()
+        served = [registry.get_sample_value(f"deft_kv_pages_{m}") for m in ("in_use", "requests")]
+        cache = engine.cache
+        seen.append((served, [cache.num_pages - cache.num_free_pages, pages_on_running_paths(scheduler.batch)]))
+
+    monkeypatch.setattr(scheduler, "_count", count_and_recount)
+    system = tok.encode("You answer in one short sentence. ")
+    asks = [system + tok.encode(q) for q in ("Where is Rome?", "Where is Oslo?", "Where is Lima?")]
+    greedy, sampled = SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=12, seed=1, temperature=1.0)
+    serve_groups(scheduler, [
+        [sample(asks[0], 12), {"prompt": asks[1], "n": 2, "params": sampled}],
+        [{"prompt": asks[2], "n": 1, "params": greedy, "kind": "beam",
+          "options": {"num_beams": 2, "length_penalty": 1.0, "early_stopping": False}},
+         {"prompt": asks[0], "n": 1, "params": greedy, "kind": "speculative",
+          "options": {"drafter": "ngram", "tree": None}}, sample(asks[1], 8), sample(asks[2], 8)]])
+    assert len(seen) > 10 and [s for s in seen if s[0] != s[1]] == []
+    assert seen[-1][0][1] == 0
+    if prefix_cache:
+        assert scheduler.prefixes.hits > 0 and seen[-1][0][0] > 0
+
+
 # ------------------------------------------------ HTTP shapes, without a running scheduler
 
 
@@ -363,3 +397,4 @@ def test_streamed_text_offsets_run_on_across_chunks(smol):
     assert first["logprobs"]["text_offset"][0] == 0
     assert second["logprobs"]["text_offset"][0] == len("".join(pieces[:3]))
     assert fmt.chunk(Delta(1, "", [TokenLogprob(ids[0], -1.0, [])]))["logprobs"]["text_offset"] == [0]
+
