@@ -6,6 +6,7 @@ driven from an event loop, and request checks through FastAPI's test client."""
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -15,9 +16,10 @@ from pydantic import ValidationError  # noqa: E402
 from conftest import pages_on_running_paths, run_batch  # noqa: E402
 from deft.engine import NgramDrafter, SamplingParams, TreeEngine, beam_search, generate  # noqa: E402
 from deft.engine.decoding import Batch, Request  # noqa: E402
+from deft.model import Tokenizer, load_random  # noqa: E402
 from deft.serve import Metrics, PrefixCache, Scheduler, create_app  # noqa: E402
 from deft.serve.app import _Format  # noqa: E402
-from deft.serve.jobs import Delta, End, Job, TokenLogprob  # noqa: E402
+from deft.serve.jobs import ChoiceText, Delta, End, Job, TokenLogprob  # noqa: E402
 from deft.serve.protocol import CompletionRequest  # noqa: E402
 
 run = run_batch
@@ -398,3 +400,75 @@ def test_streamed_text_offsets_run_on_across_chunks(smol):
     assert second["logprobs"]["text_offset"][0] == len("".join(pieces[:3]))
     assert fmt.chunk(Delta(1, "", [TokenLogprob(ids[0], -1.0, [])]))["logprobs"]["text_offset"] == [0]
 
+
+class _WholeText:
+    """The reference for :class:`~deft.serve.jobs.ChoiceText`: every update decodes all the
+    tokens again (the text, held back at incomplete UTF-8 and possible starts of stop strings)."""
+
+    def __init__(self, tokenizer, stop: list[str]) -> None:  # noqa: ANN001
+        self.tokenizer, self.stop, self.sent, self.seen = tokenizer, stop, "", 0
+
+    def update(self, tokens: list[int], final: bool) -> tuple[str, int, bool]:
+        new, self.seen = max(0, len(tokens) - self.seen), max(self.seen, len(tokens))
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        start = max(0, len(self.sent) - max((len(s) for s in self.stop), default=0))
+        cut = min((i for i in (text.find(s, start) for s in self.stop) if i >= 0), default=None)
+        if cut is not None:
+            return text[len(self.sent):cut] if cut > len(self.sent) else "", new, True
+        if final:
+            return text[len(self.sent):], new, False
+        safe = len(text.rstrip("\ufffd"))
+        safe -= max((k for s in self.stop for k in range(1, min(len(s) - 1, safe) + 1)
+                     if text[safe - k:safe] == s[:k]), default=0)
+        delta = text[len(self.sent):safe] if safe > len(self.sent) else ""
+        self.sent += delta
+        return delta, new, False
+
+
+def _sentencepiece_like() -> Tokenizer:
+    """Whole words with a leading ``▁`` and byte tokens, decoded as Llama 2's tokenizer does:
+    the first token's leading space dropped, so a piece decodes differently alone."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models
+
+    words = ["<unk>", "▁the", "▁sky", "▁na", "ïve", "!", "▁", "▁stop", "\n"]
+    vocab = {w: i for i, w in enumerate(words)}
+    vocab |= {f"<0x{b:02X}>": len(vocab) + b for b in range(256)}
+    backend = Backend(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return Tokenizer(backend, [])
+
+
+@pytest.mark.parametrize("which", ["smol", "bytes", "sentencepiece"])
+def test_choice_text_decodes_piece_by_piece_what_whole_decoding_gives(smol, which):
+    """Random token streams (multi-byte characters split across tokens, invalid bytes, special
+    tokens, leading spaces), a few tokens per update, with and without stop strings: each
+    update's delta, new-token count and stop equal those of decoding all the tokens again."""
+    tok = {"smol": lambda: smol[1], "bytes": lambda: load_random("random:tiny")[1],
+           "sentencepiece": _sentencepiece_like}[which]()
+    rng = random.Random(0)
+    words = ["the", " sky", " é", "🙂", " naïve", "\n", " 東京", "!", " stop", "ß"]
+    for _ in range(60):
+        text = "".join(rng.choice(words) for _ in range(rng.randrange(1, 30)))
+        if which == "sentencepiece":  # words, and characters as their UTF-8 bytes (stray bytes
+            ids = []                    # would change the text of the bytes before them)
+            for _ in range(rng.randrange(1, 30)):
+                ids += ([rng.randrange(1, 9)] if rng.random() < 0.6 else
+                        [tok.token_id(f"<0x{b:02X}>") for b in rng.choice("é🙂東ß").encode()])
+        else:
+            ids = tok.encode(text, add_special_tokens=False)
+            for _ in range(rng.randrange(0, 4)):  # arbitrary tokens: stray bytes, special tokens
+                ids.insert(rng.randrange(len(ids) + 1), rng.randrange(tok.vocab_size))
+        stop = rng.choice([[], ["\n"], ["stop", "🙂"], [text[3:9] or "x"], ["é!"], ["y n"]])
+        got, want = ChoiceText(tok, stop), _WholeText(tok, stop)
+        seen = 0
+        while seen < len(ids):
+            seen = min(len(ids), seen + rng.choice([1, 1, 2, 3]))
+            final = seen == len(ids) and rng.random() < 0.7
+            step = got.update(ids[:seen], final)
+            assert step == want.update(ids[:seen], final), (ids, stop, seen)
+            if step[2] or final:
+                break
+        else:
+            assert got.update(ids, True) == want.update(ids, True)
