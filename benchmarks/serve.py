@@ -232,6 +232,12 @@ class ServerProcess:
             signal.signal(signal.SIGTERM, self._on_sigterm)
             self._on_sigterm = None
 
+    def model_id(self) -> str:
+        """The id of the model the server serves (``/v1/models``)."""
+        import httpx
+
+        return httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
     def metrics(self) -> dict[str, float]:
         """The unlabelled samples of ``/metrics``, by name."""
         import httpx
@@ -320,19 +326,16 @@ def _ratio(num: float, den: float) -> float:
 # ------------------------------------------------------------------ the library
 
 
-def _library_tokens_per_s(model_path: str | None, device: str, num_pages: int | None,
-                          kv_memory: int | None, reqs: list[BenchRequest],
+def _library_tokens_per_s(model_path: str | None, device: str, num_pages: int, reqs: list[BenchRequest],
                           say: Callable[[str], None]) -> tuple[int, int, float, int]:
-    """``reqs`` one by one through the library's strategies: prompt and completion tokens,
+    """``reqs`` one by one through the library's strategies on ``num_pages`` pages (the
+    server's pool, of the default page size as the server's): prompt and completion tokens,
     seconds, and the system prompt's length in tokens."""
-    from deft.cli.common import PAGE_SIZE, KVBudget, load_from
-    from deft.cli.serve import DEFAULT_PAGES
     from deft.engine import SamplingParams, TreeEngine, beam_search, generate, sample
+    from deft.model import is_random_spec, load_model, load_random
 
-    model, tok = load_from(model_path, device, "--model")
-    if kv_memory is not None:
-        num_pages = KVBudget(kv_memory, "--kv-memory").pages([(model, 1 << 26)])[0]
-    engine = TreeEngine(model, tok, num_pages or DEFAULT_PAGES, PAGE_SIZE, device=device, prefill_chunk=256)
+    model, tok = (load_random if is_random_spec(model_path) else load_model)(model_path, device)
+    engine = TreeEngine(model, tok, num_pages, device=device, prefill_chunk=256)
 
     prompt_tokens = [0]
 
@@ -381,14 +384,11 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
     and of this process, else torch's choice."""
     import torch
 
-    from deft.cli.serve import model_id
-
     say = progress or (lambda msg: None)
     load = os.getloadavg()[0]  # other work on the machine skews every figure
     reqs = request_mix(requests, max_tokens)
     if model is None and device == "cuda":
         model = GPU_MODEL
-    name = model_id(model)
     flags = [*(["--model", model] if model else []), "--device", device,
              *(["--num-pages", str(num_pages)] if num_pages is not None else []),
              *(["--kv-memory", str(kv_memory)] if kv_memory is not None else []),
@@ -397,6 +397,7 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
     if threads is not None:
         torch.set_num_threads(threads)
     with ServerProcess(flags, startup_s, say, threads) as server:
+        name, pool = server.model_id(), int(server.metrics()["deft_kv_pages_total"])
         say("warm-up request")
         warm_up = [BenchRequest(WARM_UP, "greedy", max_tokens)]
         (warm,), _ = _SIGTERM.run(_replay(server.url, name, warm_up, 1, lambda msg: None))
@@ -418,8 +419,7 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
                          _ratio(delta["deft_prefix_cache_hits_total"], delta["deft_prefix_cache_lookups_total"]),
                          100 * _ratio(delta["deft_prompt_tokens_computed_total"],
                                       delta["deft_prompt_tokens_total"])])
-    lib_prompt, lib_tokens, lib_s, system_tokens = _library_tokens_per_s(model, device, num_pages, kv_memory,
-                                                                         reqs, say)
+    lib_prompt, lib_tokens, lib_s, system_tokens = _library_tokens_per_s(model, device, pool, reqs, say)
     lib_rate = lib_tokens / lib_s
     for row in rows:
         row[8] = row[7] / lib_rate

@@ -135,3 +135,13 @@ def run_batch(batch, limit: int = 500, join=()) -> int:  # noqa: ANN001 - a deft
             join = []
         assert steps < limit
     return steps
+
+
+def pages_on_running_paths(batch) -> int:  # noqa: ANN001 - a deft Batch
+    """The server's ``deft_kv_pages_requests`` recounted: the pages of every path from a root
+    to a running branch's or search's node."""
+    cache = batch.engine.cache
+    nodes = [b.node for b in batch.live if b.node is not None and not b.done]
+    nodes += [n for r in batch.running if r.search is not None for n in r.search.nodes]
+    slots = [cache.path_slots(n) for n in nodes]
+    return len(np.unique(np.concatenate(slots) // cache.page_size)) if slots else 0

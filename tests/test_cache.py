@@ -110,6 +110,60 @@ def test_allocator_errors_change_nothing():
         PageAllocator(0)
 
 
+def test_parked_pages_are_counted_as_users_come_and_go():
+    a = PageAllocator(4)
+    a.alloc(3)
+    a.incref(np.array([1, 2]))  # users [1, 2, 2, 0]
+    a.park([0, 1])
+    assert a.num_parked == 1  # page 0 (its one user parked); page 1 has another user
+    a.park([1])
+    assert a.num_parked == 2
+    a.incref(np.array([0]))  # an unparked user joins page 0
+    assert a.num_parked == 1
+    a.decref(np.array([0]))
+    assert a.num_parked == 2
+    a.decref(np.array([2]))
+    a.park([2])
+    assert a.num_parked == 3
+    a.share_many(np.array([2, 2, 1]))
+    assert a.num_parked == 1
+    a.drop([2, 2, 1])
+    assert a.num_parked == 3
+    a.unpark([0, 1, 1, 2])
+    assert a.num_parked == 0 and a.decref(np.array([0, 1, 1, 2])).tolist() == [0, 1, 2]
+    assert a.num_free == 4
+
+
+def test_a_parked_node_shares_its_page_with_a_child_until_the_child_goes():
+    c = TreeKVCache(8, 4)
+    root = c.add_root(6)
+    c.allocator.park([0, 1])
+    assert c.allocator.num_parked == 2
+    (kid,) = c.fork(root, 1)
+    assert c.append(kid, 1).tolist() == [6] and c.allocator.num_parked == 1  # page 1 is shared now
+    c.add_subtree(kid, [-1, -1])  # drafts in the same page
+    assert c.allocator.num_parked == 1
+    c.prune(kid)
+    assert c.allocator.num_parked == 2 and c.allocator.num_used == 2
+
+
+def test_parking_errors_change_nothing():
+    a = PageAllocator(3)
+    a.alloc(2)
+    a.park([0])
+    with pytest.raises(ValueError, match="page 0 has 1 users, 1 of them parked, got 1 more to park"):
+        a.park([1, 0])
+    with pytest.raises(ValueError, match="page 1 has 0 parked users, got 1 to unpark"):
+        a.unpark([0, 1])
+    with pytest.raises(ValueError, match=r"page 0 has 1 users, 1 of them parked, got 1 releases \(unpark"):
+        a.decref(np.array([1, 0]))
+    with pytest.raises(ValueError, match=r"pages: expected page ids in \[0, 3\), got 3"):
+        a.park([3])
+    assert a.refcounts.tolist() == [1, 1, 0] and a.num_parked == 1
+    a.unpark([0])
+    assert a.num_parked == 0
+
+
 # --------------------------------------------------------------- tree basics
 
 
@@ -390,7 +444,9 @@ class CacheModel(RuleBasedStateMachine):
 
     The model keeps each live node's parent and the unique values written into its
     tokens' K/V; after every step the cache must agree on structure, page counts,
-    layouts and the K/V every live node reads back.
+    layouts and the K/V every live node reads back. Nodes are parked and unparked at random
+    as the server's prefix cache does (unparked before they split or go), and the
+    allocator's counts of pages in use and parked pages must equal a recount.
     """
 
     @initialize(page_size=st.sampled_from([1, 2, 3, 4, 16]), num_pages=st.integers(3, 16))
@@ -400,6 +456,7 @@ class CacheModel(RuleBasedStateMachine):
         self.parent: dict[int, int] = {}
         self.values: dict[int, list[float]] = {}
         self.next_value = 1.0
+        self.parked: dict[int, list[int]] = {}  # node -> the pages parked for it
 
     def fill(self, node: int, slots: np.ndarray) -> None:
         vals = self.next_value + np.arange(len(slots))
@@ -430,6 +487,11 @@ class CacheModel(RuleBasedStateMachine):
     def drop(self, nodes) -> None:
         for n in nodes:
             del self.parent[n], self.values[n]
+
+    def unpark(self, nodes) -> None:
+        for n in nodes:
+            if n in self.parked:
+                self.cache.allocator.unpark(self.parked.pop(n))
 
     @rule(k=st.integers(0, 40))
     def add_root(self, k):
@@ -481,6 +543,7 @@ class CacheModel(RuleBasedStateMachine):
             return
         node = data.draw(st.sampled_from(big))
         at = data.draw(st.integers(1, len(self.values[node]) - 1))
+        self.unpark([node])
         head = self.cache.split(node, at)
         self.parent[head], self.parent[node] = self.parent[node], head
         self.values[head], self.values[node] = self.values[node][:at], self.values[node][at:]
@@ -499,6 +562,7 @@ class CacheModel(RuleBasedStateMachine):
                 break
             expect.append(up)
             cur = up
+        self.unpark(expect)
         removed = self.cache.prune(node, release_unused_ancestors=release, keep=keep)
         assert sorted(removed) == sorted(expect)
         self.drop(expect)
@@ -513,11 +577,43 @@ class CacheModel(RuleBasedStateMachine):
         while self.children_of(cur) and data.draw(st.booleans()):
             cur = data.draw(st.sampled_from(sorted(self.children_of(cur))))
             path.append(cur)
+        drafts = [n for c in self.children_of(leaf) for n in self.subtree(c)]
+        held = {n: self.parked[n] for n in drafts if n in self.parked}
+        self.unpark(drafts)
         moved = self.attempt(lambda: self.cache.commit_path(leaf, path))
         if moved is None:
+            for n, pages in held.items():  # as it was
+                self.cache.allocator.park(pages)
+                self.parked[n] = pages
             return
         self.values[leaf] += [v for n in path for v in self.values[n]]
         self.drop([n for c in self.children_of(leaf) for n in self.subtree(c)])
+
+    @rule(data=st.data())
+    def park(self, data):
+        idle = sorted(set(self.parent) - set(self.parked))
+        if not idle:
+            return
+        for node in data.draw(st.lists(st.sampled_from(idle), min_size=1, unique=True)):
+            pages = np.unique(self.cache.slots(node) // self.cache.page_size).tolist()
+            self.cache.allocator.park(pages)
+            self.parked[node] = pages
+
+    @rule(data=st.data())
+    def unpark_one(self, data):
+        if self.parked:
+            self.unpark([data.draw(st.sampled_from(sorted(self.parked)))])
+
+    @invariant()
+    def allocator_counts_agree(self):
+        if not hasattr(self, "cache"):
+            return
+        users = self.cache.allocator.refcounts
+        parked = np.zeros_like(users)
+        for pages in self.parked.values():
+            parked[pages] += 1
+        assert self.cache.allocator.num_used == int(np.count_nonzero(users))
+        assert self.cache.allocator.num_parked == int(np.count_nonzero((users > 0) & (users == parked)))
 
     @invariant()
     def structure_and_pages_agree(self):

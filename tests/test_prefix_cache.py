@@ -1,17 +1,22 @@
 """The server's prefix cache finds what comparing the prompt with every entry finds, by its
-block index, also when the index's hashes collide; and it keeps a request's one answer
-for the next chat turn."""
+block index, also when the index's hashes collide; it keeps a request's one answer for the
+next chat turn; and with its idle pages, the pages on running requests' paths are counted
+from the allocator's counts, as a recount over the paths finds."""
 
 import random
 
 import pytest
 
 pytest.importorskip("fastapi")  # deft.serve's package imports its app
-from conftest import run_batch  # noqa: E402
-from deft.cache import TreeKVCache  # noqa: E402
-from deft.engine import SamplingParams, TreeEngine, generate  # noqa: E402
+from conftest import pages_on_running_paths, run_batch  # noqa: E402
+from deft.cache import CacheFullError, TreeKVCache  # noqa: E402
+from deft.engine import NgramDrafter, SamplingParams, TreeEngine, generate  # noqa: E402
+from deft.engine.beams import BeamParams  # noqa: E402
+from deft.engine.speculation import SpecParams  # noqa: E402
 from deft.engine.decoding import Batch, Request  # noqa: E402
+from deft.model import load_random  # noqa: E402
 from deft.serve import PrefixCache  # noqa: E402
+from deft.serve.scheduler import pages_on_paths  # noqa: E402
 
 
 def _scan(entries: list[list[int]], tokens: list[int], min_tokens: int) -> int:
@@ -95,3 +100,46 @@ def test_a_single_answer_stays_cached_for_the_next_turn(smol, overlap):
     assert len(cache) == 4
     cache.clear()
     assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 64
+
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_pages_on_running_paths_are_counted_without_walking_them(seed):
+    """Requests that share prefixes (cache hits that fork and split entries, answers kept, next
+    turns), with several samples, beams or draft trees, join, are cancelled, preempted or fail
+    for pages as the server fails them, while entries are evicted, in random geometries: after
+    every step the gauge from the allocator's counts equals a recount over the running paths;
+    once all has ended every page in use is the cache's, idle."""
+    model, tok = load_random("random:tiny")
+    rng = random.Random(seed)
+    engine = TreeEngine(model, tok, num_pages=rng.choice([10, 16, 32, 64]), page_size=rng.choice([2, 4, 8]),
+                        prefill_chunk=rng.choice([4, 8, 64]))
+    cache = PrefixCache(engine.cache, min_tokens=rng.choice([None, 2]), max_entries=rng.choice([3, 100]))
+    batch = Batch(engine, max_running=rng.choice([1, 3, 6]), prefixes=cache)
+    stems = [tok.encode(s) for s in ("Weather:", "A cat story:", "1, 2, 3,")]
+    past: list[list[int]] = []
+    for step in range(60):
+        if rng.random() < 0.5:
+            prompt = rng.choice(stems) + [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 12))]
+            if past and rng.random() < 0.4:  # the same prompt again, or a next turn
+                prompt = rng.choice(past) + [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(5))]
+            past.append(prompt)
+            kind = rng.random()
+            params = SamplingParams(max_new_tokens=rng.randrange(1, 9))
+            batch.add(Request(prompt, rng.choice([1, 1, 2, 3]), params, pin_prompt=True,
+                              beam=BeamParams(rng.choice([2, 3]), 4) if kind < 0.2 else None,
+                              speculative=SpecParams(NgramDrafter(), None) if 0.2 <= kind < 0.35 else None))
+        if batch.running and rng.random() < 0.1:
+            batch.cancel(rng.choice(batch.running))
+        try:
+            batch.step()
+        except CacheFullError:  # what the server does: the running requests fail
+            for r in list(batch.running):
+                batch.cancel(r)
+        assert pages_on_paths(batch, cache) == pages_on_running_paths(batch), step
+    for r in list(batch.running) + list(batch.waiting):
+        batch.cancel(r)
+    run_batch(batch)  # a shared prompt prefix still feeding, though its requests are gone
+    assert cache.idle_pages() == engine.cache.allocator.num_used
+    cache.clear()
+    assert cache.idle_pages() == 0 and engine.cache.live_nodes == []

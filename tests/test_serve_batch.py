@@ -6,18 +6,20 @@ driven from an event loop, and request checks through FastAPI's test client."""
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
 pytest.importorskip("fastapi")
 from pydantic import ValidationError  # noqa: E402
 
-from conftest import run_batch  # noqa: E402
+from conftest import pages_on_running_paths, run_batch  # noqa: E402
 from deft.engine import NgramDrafter, SamplingParams, TreeEngine, beam_search, generate  # noqa: E402
 from deft.engine.decoding import Batch, Request  # noqa: E402
+from deft.model import Tokenizer, load_random  # noqa: E402
 from deft.serve import Metrics, PrefixCache, Scheduler, create_app  # noqa: E402
 from deft.serve.app import _Format  # noqa: E402
-from deft.serve.jobs import Delta, End, Job, TokenLogprob  # noqa: E402
+from deft.serve.jobs import ChoiceText, Delta, End, Job, TokenLogprob  # noqa: E402
 from deft.serve.protocol import CompletionRequest  # noqa: E402
 
 run = run_batch
@@ -326,6 +328,40 @@ def test_an_error_mid_step_releases_every_page(smol, monkeypatch):
     assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 32
 
 
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_the_page_gauges_equal_a_recount_after_every_step(smol, monkeypatch, prefix_cache):
+    """``deft_kv_pages_in_use`` and ``deft_kv_pages_requests`` as served, after every step: the
+    pages in use, and the pages a recount finds on the running requests' paths, for jobs that
+    share a system prompt (cache hits that split entries), with several samples, beams and
+    draft trees; none on running paths once all has ended."""
+    tok = smol[1]
+    engine = TreeEngine(*smol, num_pages=16, page_size=4, prefill_chunk=16)
+    scheduler = Scheduler(engine, 3, 16, Metrics(), prefix_cache=prefix_cache,
+                          drafters={"ngram": NgramDrafter})
+    seen, count, registry = [], scheduler._count, scheduler.metrics.registry
+
+    def count_and_recount() -> None:
+        count()
+        served = [registry.get_sample_value(f"deft_kv_pages_{m}") for m in ("in_use", "requests")]
+        cache = engine.cache
+        seen.append((served, [cache.num_pages - cache.num_free_pages, pages_on_running_paths(scheduler.batch)]))
+
+    monkeypatch.setattr(scheduler, "_count", count_and_recount)
+    system = tok.encode("You answer in one short sentence. ")
+    asks = [system + tok.encode(q) for q in ("Where is Rome?", "Where is Oslo?", "Where is Lima?")]
+    greedy, sampled = SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=12, seed=1, temperature=1.0)
+    serve_groups(scheduler, [
+        [sample(asks[0], 12), {"prompt": asks[1], "n": 2, "params": sampled}],
+        [{"prompt": asks[2], "n": 1, "params": greedy, "kind": "beam",
+          "options": {"num_beams": 2, "length_penalty": 1.0, "early_stopping": False}},
+         {"prompt": asks[0], "n": 1, "params": greedy, "kind": "speculative",
+          "options": {"drafter": "ngram", "tree": None}}, sample(asks[1], 8), sample(asks[2], 8)]])
+    assert len(seen) > 10 and [s for s in seen if s[0] != s[1]] == []
+    assert seen[-1][0][1] == 0
+    if prefix_cache:
+        assert scheduler.prefixes.hits > 0 and seen[-1][0][0] > 0
+
+
 # ------------------------------------------------ HTTP shapes, without a running scheduler
 
 
@@ -363,3 +399,76 @@ def test_streamed_text_offsets_run_on_across_chunks(smol):
     assert first["logprobs"]["text_offset"][0] == 0
     assert second["logprobs"]["text_offset"][0] == len("".join(pieces[:3]))
     assert fmt.chunk(Delta(1, "", [TokenLogprob(ids[0], -1.0, [])]))["logprobs"]["text_offset"] == [0]
+
+
+class _WholeText:
+    """The reference for :class:`~deft.serve.jobs.ChoiceText`: every update decodes all the
+    tokens again (the text, held back at incomplete UTF-8 and possible starts of stop strings)."""
+
+    def __init__(self, tokenizer, stop: list[str]) -> None:  # noqa: ANN001
+        self.tokenizer, self.stop, self.sent, self.seen = tokenizer, stop, "", 0
+
+    def update(self, tokens: list[int], final: bool) -> tuple[str, int, bool]:
+        new, self.seen = max(0, len(tokens) - self.seen), max(self.seen, len(tokens))
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        start = max(0, len(self.sent) - max((len(s) for s in self.stop), default=0))
+        cut = min((i for i in (text.find(s, start) for s in self.stop) if i >= 0), default=None)
+        if cut is not None:
+            return text[len(self.sent):cut] if cut > len(self.sent) else "", new, True
+        if final:
+            return text[len(self.sent):], new, False
+        safe = len(text.rstrip("\ufffd"))
+        safe -= max((k for s in self.stop for k in range(1, min(len(s) - 1, safe) + 1)
+                     if text[safe - k:safe] == s[:k]), default=0)
+        delta = text[len(self.sent):safe] if safe > len(self.sent) else ""
+        self.sent += delta
+        return delta, new, False
+
+
+def _sentencepiece_like() -> Tokenizer:
+    """Whole words with a leading ``▁`` and byte tokens, decoded as Llama 2's tokenizer does:
+    the first token's leading space dropped, so a piece decodes differently alone."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models
+
+    words = ["<unk>", "▁the", "▁sky", "▁na", "ïve", "!", "▁", "▁stop", "\n"]
+    vocab = {w: i for i, w in enumerate(words)}
+    vocab |= {f"<0x{b:02X}>": len(vocab) + b for b in range(256)}
+    backend = Backend(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return Tokenizer(backend, [])
+
+
+@pytest.mark.parametrize("which", ["smol", "bytes", "sentencepiece"])
+def test_choice_text_decodes_piece_by_piece_what_whole_decoding_gives(smol, which):
+    """Random token streams (multi-byte characters split across tokens, invalid bytes, special
+    tokens, leading spaces), a few tokens per update, with and without stop strings: each
+    update's delta, new-token count and stop equal those of decoding all the tokens again."""
+    tok = {"smol": lambda: smol[1], "bytes": lambda: load_random("random:tiny")[1],
+           "sentencepiece": _sentencepiece_like}[which]()
+    rng = random.Random(0)
+    words = ["the", " sky", " é", "🙂", " naïve", "\n", " 東京", "!", " stop", "ß"]
+    for _ in range(60):
+        text = "".join(rng.choice(words) for _ in range(rng.randrange(1, 30)))
+        if which == "sentencepiece":  # words, and characters as their UTF-8 bytes (stray bytes
+            ids = []                    # would change the text of the bytes before them)
+            for _ in range(rng.randrange(1, 30)):
+                ids += ([rng.randrange(1, 9)] if rng.random() < 0.6 else
+                        [tok.token_id(f"<0x{b:02X}>") for b in rng.choice("é🙂東ß").encode()])
+        else:
+            ids = tok.encode(text, add_special_tokens=False)
+            for _ in range(rng.randrange(0, 4)):  # arbitrary tokens: stray bytes, special tokens
+                ids.insert(rng.randrange(len(ids) + 1), rng.randrange(tok.vocab_size))
+        stop = rng.choice([[], ["\n"], ["stop", "🙂"], [text[3:9] or "x"], ["é!"], ["y n"]])
+        got, want = ChoiceText(tok, stop), _WholeText(tok, stop)
+        seen = 0
+        while seen < len(ids):
+            seen = min(len(ids), seen + rng.choice([1, 1, 2, 3]))
+            final = seen == len(ids) and rng.random() < 0.7
+            step = got.update(ids[:seen], final)
+            assert step == want.update(ids[:seen], final), (ids, stop, seen)
+            if step[2] or final:
+                break
+        else:
+            assert got.update(ids, True) == want.update(ids, True)

@@ -9,6 +9,10 @@ The counts live in an ``array('q')`` that ``refcounts`` views as numpy without a
 the cache's per-step updates touch one or two pages, and Python ints index an array
 faster than numpy scalars do. :meth:`take`, :meth:`share` and
 :meth:`drop` are the unchecked forms the cache calls with pages it holds.
+
+A holder of cached nodes (the server's prefix cache) may :meth:`park` the users of nodes
+that no running request reads; :attr:`num_parked` then counts, in O(1) as pages are
+shared and dropped, the pages whose every user is parked: what only that cache holds.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ class PageAllocator:
 
     The free list is a LIFO stack (a list whose top is the end), so recently freed
     pages, likely still in cache, are reused first. ``users[p]`` is page ``p``'s count
-    (``array('q')``, read-only for callers).
+    (``array('q')``, read-only for callers); ``_parked[p]`` how many of them are parked.
     """
 
     def __init__(self, num_pages: int) -> None:
@@ -54,6 +58,10 @@ class PageAllocator:
         self.users = array("q", bytes(8 * num_pages))
         self._refcount = np.frombuffer(self.users, _I)  # the same memory, as numpy
         self._free = list(range(num_pages - 1, -1, -1))
+        self._parked = array("q", bytes(8 * num_pages))
+        self._parked_np = np.frombuffer(self._parked, _I)
+        self._num_parked = 0  # pages in use whose every user is parked
+        self._marks = 0  # parked users of all pages: none, and the hot paths skip the checks
 
     @property
     def num_free(self) -> int:
@@ -62,6 +70,11 @@ class PageAllocator:
     @property
     def num_used(self) -> int:
         return self.num_pages - len(self._free)
+
+    @property
+    def num_parked(self) -> int:
+        """Pages in use whose every user is parked (see :meth:`park`), kept up to date in O(1)."""
+        return self._num_parked
 
     @property
     def refcounts(self) -> np.ndarray:
@@ -117,11 +130,22 @@ class PageAllocator:
     def share(self, pages: list[int]) -> None:
         """Add one user per entry of ``pages``, pages known to be in use."""
         users = self.users
+        if self._marks:
+            parked = self._parked
+            for p in pages:
+                if parked[p] and users[p] == parked[p]:  # a parked page gains a user that is not
+                    self._num_parked -= 1
+                users[p] += 1
+            return
         for p in pages:
             users[p] += 1
 
     def share_many(self, pages: np.ndarray) -> None:
         """:meth:`share` for an int64 array of many pages, in one numpy pass."""
+        if self._marks:
+            u = np.unique(pages)
+            parked = self._parked_np[u]
+            self._num_parked -= int(np.count_nonzero((parked > 0) & (self._refcount[u] == parked)))
         np.add.at(self._refcount, pages, 1)
 
     def drop(self, pages: list[int]) -> list[int]:
@@ -133,14 +157,67 @@ class PageAllocator:
             p = min(bad)
             raise ValueError(f"pages: page {p} has {users[p]} users, got {counts[p]} releases "
                              "(a double free)")
+        parked = self._parked
+        if self._marks:
+            bad = [p for p, c in counts.items() if users[p] - c < parked[p]]
+            if bad:
+                p = min(bad)
+                raise ValueError(f"pages: page {p} has {users[p]} users, {parked[p]} of them parked, "
+                                 f"got {counts[p]} releases (unpark a node's pages before releasing it)")
         freed = []
         for p, c in counts.items():
             users[p] -= c
             if not users[p]:
                 freed.append(p)
+            elif users[p] == parked[p]:  # its last user that is not parked went
+                self._num_parked += 1
         freed.sort()
         self._free += freed[::-1]
         return freed
+
+    def park(self, pages: list[int]) -> None:
+        """Mark one user of each entry of ``pages`` parked: kept, read by no running request.
+
+        ``pages`` are the pages of nodes that the caller keeps for later (a page once per
+        node that touches it); it :meth:`unpark` s them before the nodes grow, split or go.
+        Raises ``ValueError`` (and changes nothing) for a page with no unparked user left.
+        """
+        users, parked = self.users, self._parked
+        counts = Counter(self._check(np.asarray(pages), "pages").tolist())
+        bad = [p for p, c in counts.items() if parked[p] + c > users[p]]
+        if bad:
+            p = min(bad)
+            raise ValueError(f"pages: page {p} has {users[p]} users, {parked[p]} of them parked, "
+                             f"got {counts[p]} more to park")
+        for p, c in counts.items():
+            parked[p] += c
+            if parked[p] == users[p]:
+                self._num_parked += 1
+        self._marks += sum(counts.values())
+
+    def unpark(self, pages: list[int]) -> None:
+        """Undo :meth:`park` of ``pages`` (a node read again, or about to change).
+
+        Raises ``ValueError`` (and changes nothing) for a page with fewer parked users.
+        """
+        users, parked = self.users, self._parked
+        counts = Counter(self._check(np.asarray(pages), "pages").tolist())
+        bad = [p for p, c in counts.items() if parked[p] < c]
+        if bad:
+            p = min(bad)
+            raise ValueError(f"pages: page {p} has {parked[p]} parked users, got {counts[p]} to unpark")
+        for p, c in counts.items():
+            if parked[p] == users[p]:
+                self._num_parked -= 1
+            parked[p] -= c
+        self._marks -= sum(counts.values())
+
+    def num_parked_with(self, pages: list[int]) -> int:
+        """How many pages :attr:`num_parked` would count more were one user of each entry of
+        ``pages`` (pages in use, a page once per user) parked too: the pages those users
+        share with parked users only. O(len(pages))."""
+        users, parked = self.users, self._parked
+        return sum(users[p] == parked[p] + c for p, c in Counter(pages).items())
 
     def _check(self, pages: np.ndarray, name: str) -> np.ndarray:
         pages = np.asarray(pages, dtype=_I).reshape(-1)

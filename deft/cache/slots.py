@@ -66,7 +66,7 @@ class SlotAllocator:
         had = nd.n
         slots, take, fresh = self._take(page, k)
         if take and not had:  # a node with tokens already uses its last page
-            self.allocator.users[page] += 1
+            self.allocator.share([page])
             nd.pages.append(page)
         nd.pages += fresh
         nd.extend(slots)

@@ -82,13 +82,24 @@ class Job:
 
 
 class ChoiceText:
-    """The text of one choice so far, as deltas: what is sent is never taken back."""
+    """The text of one choice so far, as deltas: what is sent is never taken back.
+
+    Each update decodes only the tokens since the last point where the text was whole (no
+    incomplete UTF-8 at its end), next to the ones before it for context, as streaming
+    servers do: a choice's text is built piece by piece, never decoded whole again. It
+    keeps the text from just before the last ``max(len(stop))`` characters sent on: what a
+    stop string may still match.
+    """
 
     def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
         self.tokenizer, self.stop = tokenizer, stop
         self.seen = 0  # tokens turned into text
-        self.sent = ""
         self.ended = False
+        self._longest = max((len(s) for s in stop), default=0)
+        self._sent = 0  # characters sent
+        self._context = self._read = 0  # tokens [context, read) decode to the text's whole end
+        self._at = 0  # where ``_text`` starts in the choice's text
+        self._text = ""  # the text of tokens [:read], from ``_at`` on
 
     def update(self, tokens: list[int], final: bool) -> tuple[str, int, bool]:
         """The text delta for ``tokens`` (all the choice's tokens so far), how many new
@@ -97,22 +108,37 @@ class ChoiceText:
             return "", 0, False
         new = max(0, len(tokens) - self.seen)
         self.seen = max(self.seen, len(tokens))
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        decode, start, read = self.tokenizer.decode, self._context, self._read
+        known = decode(tokens[start:read], skip_special_tokens=True)
+        now = decode(tokens[start:], skip_special_tokens=True)
+        text = self._text + now[len(known):]  # the choice's text from ``_at`` on
+        sent = self._sent - self._at
+        if not now.endswith("\ufffd"):  # whole: the next update decodes from here
+            self._text, self._context, self._read = text, read, len(tokens)
         cut = self._stop_at(text)
         if cut is not None:
             self.ended = True
-            return text[len(self.sent):cut] if cut > len(self.sent) else "", new, True
+            return self._send(text[sent:cut] if cut > sent else ""), new, True
         if final:
             self.ended = True
-            return text[len(self.sent):], new, False
+            return self._send(text[sent:]), new, False
         safe = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 sequence decodes to U+FFFD
         safe -= max((k for s in self.stop for k in range(1, min(len(s) - 1, safe) + 1)
                      if text[safe - k:safe] == s[:k]), default=0)  # may begin a stop string
-        delta = text[len(self.sent):safe] if safe > len(self.sent) else ""
-        self.sent += delta
-        return delta, new, False
+        return self._send(text[sent:safe] if safe > sent else ""), new, False
+
+    def _send(self, delta: str) -> str:
+        """Count ``delta`` sent; keep the text from ``_longest`` characters before the end of
+        what is sent (and all that is not), within what is whole."""
+        self._sent += len(delta)
+        drop = min(max(0, self._sent - self._longest) - self._at, len(self._text))
+        if drop > 0:
+            self._text, self._at = self._text[drop:], self._at + drop
+        return delta
 
     def _stop_at(self, text: str) -> int | None:
-        start = max(0, len(self.sent) - max((len(s) for s in self.stop), default=0))
+        """Where the first stop string in ``text`` (the choice's text from ``_at`` on) starts,
+        looking from ``_longest`` characters before the end of what is sent."""
+        start = max(0, self._sent - self._longest) - self._at
         found = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
         return min(found) if found else None

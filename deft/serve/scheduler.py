@@ -17,8 +17,6 @@ import time
 from collections import deque
 from typing import Any
 
-import numpy as np
-
 from ..cache import CacheFullError
 from ..engine import TreeEngine
 from ..engine.decoding import Batch, Request
@@ -29,7 +27,7 @@ from .jobs import ChoiceText, Delta, End, Job, TokenLogprob
 from .metrics import Metrics
 from .prefix_cache import PrefixCache
 
-__all__ = ["Scheduler"]
+__all__ = ["Scheduler", "pages_on_paths"]
 
 _IDLE_WAIT_S = 0.5
 
@@ -246,11 +244,8 @@ class Scheduler:
             self._queued = len(self._pending) + waiting + sum(1 for w, _ in self._inbox if w == "submit")
         m.waiting.set(len(self._pending) + waiting)
         m.running.set(len(self._active) - waiting)
-        m.pages_used.set(cache.num_pages - cache.num_free_pages)
-        nodes = [b.node for b in batch.live if b.node is not None and not b.done]
-        nodes += [n for r in batch.running if r.search is not None for n in r.search.nodes]
-        slots = [cache.path_slots(n) for n in nodes]
-        m.pages_requests.set(len(np.unique(np.concatenate(slots) // cache.page_size)) if slots else 0)
+        m.pages_used.set(cache.allocator.num_used)
+        m.pages_requests.set(pages_on_paths(batch, self.prefixes))
         now = {"prefill": batch.stats["prefill_tokens"], "preempted": batch.stats["preempted"]}
         if self.prefixes is not None:
             pc = self.prefixes
@@ -262,6 +257,22 @@ class Scheduler:
             if key in now and now[key] > self._seen[key]:
                 counter.inc(now[key] - self._seen[key])
                 self._seen[key] = now[key]
+
+
+def pages_on_paths(batch: Batch, prefixes: PrefixCache | None) -> int:
+    """Pages on the paths from a root to ``batch``'s running branches and searches (the
+    ``deft_kv_pages_requests`` gauge): the pages in use less those only ``prefixes``' idle
+    entries hold and those only the draft trees below the searches' nodes hold (verified,
+    taken or pruned at the next step). Costs the draft trees' tokens, not the tokens held."""
+    cache, drafts = batch.engine.cache, []
+    below = [c for r in batch.running if r.search is not None for n in r.search.nodes
+             for c in cache.children(n)]
+    while below:
+        node = below.pop()
+        drafts += set((cache.slots(node) // cache.page_size).tolist())  # one user per page it touches
+        below += cache.children(node)
+    idle = prefixes.idle_pages() if prefixes is not None else 0
+    return cache.allocator.num_used - idle - cache.allocator.num_parked_with(drafts)
 
 
 def _internal(exc: Exception) -> tuple[int, str]:
