@@ -335,7 +335,7 @@ def _library_tokens_per_s(model_path: str | None, device: str, num_pages: int, r
     from deft.model import is_random_spec, load_model, load_random
 
     model, tok = (load_random if is_random_spec(model_path) else load_model)(model_path, device)
-    engine = TreeEngine(model, tok, num_pages, device=device, prefill_chunk=256)
+    engine = TreeEngine(model, tok, num_pages=num_pages, device=device, prefill_chunk=256)
 
     prompt_tokens = [0]
 
