@@ -26,8 +26,8 @@ def test_kv_memory_sizes_the_server_pool(tmp_path, monkeypatch, capsys):
     per_page = page_bytes(m.config.num_layers, PAGE_SIZE, m.config.num_kv_heads, m.config.head_dim, m.dtype)
     seen = []
 
-    def engine(model, tok, num_pages, *args, **kwargs):  # noqa: ANN001, ANN202
-        seen.append(num_pages)
+    def engine(model, tok, config, *args, **kwargs):  # noqa: ANN001, ANN202
+        seen.append(config.num_pages)
         raise Built
 
     import deft.engine
