@@ -126,9 +126,10 @@ def test_the_pages_on_running_paths_are_counted_without_walking_them(seed):
             past.append(prompt)
             kind = rng.random()
             params = SamplingParams(max_new_tokens=rng.randrange(1, 9))
+            strategy = (BeamParams(rng.choice([2, 3]), 4) if kind < 0.2 else
+                        SpecParams(NgramDrafter(), None) if kind < 0.35 else None)
             batch.add(Request(prompt, rng.choice([1, 1, 2, 3]), params, pin_prompt=True,
-                              beam=BeamParams(rng.choice([2, 3]), 4) if kind < 0.2 else None,
-                              speculative=SpecParams(NgramDrafter(), None) if 0.2 <= kind < 0.35 else None))
+                              strategy=strategy))
         if batch.running and rng.random() < 0.1:
             batch.cancel(rng.choice(batch.running))
         try:
