@@ -160,7 +160,7 @@ class TreeAttention:
             raise RuntimeError("TreeAttention.plan(layout) must be called before run()")
         return self._plan
 
-    def plan(self, layout: TreeLayout | Any, kv_dtype: torch.dtype | None = None) -> TreePlan:
+    def plan(self, layout: TreeLayout | HostPlan, kv_dtype: torch.dtype | None = None) -> TreePlan:
         """Plan one step over ``layout`` (or a :meth:`plan_host` result of an attention of
         the same shape, backend and plan kind); the result is reused by every later
         :meth:`run`. ``kv_dtype``: the K/V caches' dtype, if not ``q``'s (one of the
@@ -179,6 +179,9 @@ class TreeAttention:
                 raise ValueError(f"layout: a host plan of {layout.key}, expected one of this "
                                  f"attention's (backend, plan kind, block_kv, heads, device "
                                  f"type) {self._host_key}")
+            if kv_dtype is not None and kv_dtype != layout.kv_dtype:
+                raise ValueError(f"kv_dtype: {kv_dtype} given, the host plan's is "
+                                 f"{layout.kv_dtype}")
             host, layout, kv_dtype = layout, layout.layout, layout.kv_dtype
         self._check_kv_dtype(kv_dtype)
         max_slot = int(layout.kv_indices.max(initial=-1))
@@ -216,6 +219,18 @@ class TreeAttention:
         counting and capacities), not what runs."""
         return make_plan(layout, self.plan_kind if plan_kind is None else plan_kind,
                          self.block_kv)
+
+    def check_kv(self, kv_dtype: torch.dtype, q_dtype: torch.dtype, scaled: bool,
+                 name: str = "kv") -> None:
+        """Raise unless the backend reads K/V of ``kv_dtype`` next to queries of ``q_dtype``
+        (and, if ``scaled``, their scales): a K/V format checked before any step runs."""
+        self._check_kv_dtype(kv_dtype)
+        if kv_dtype != q_dtype and self._backend.kv_dtypes is None:
+            raise TypeError(f"{name}: backend {self.backend_name!r} reads K/V in the queries' "
+                            f"dtype {q_dtype} only, got {kv_dtype}")
+        if scaled and not self._backend.kv_scales:
+            raise ValueError(f"{name}: the {self.backend_name} backend reads no K/V scales; "
+                             "expected an unscaled format")
 
     @property
     def _host_key(self) -> tuple:

@@ -1,4 +1,4 @@
-"""The layer rules of docs/DESIGN: the engine core knows the step and its runner, not the
+"""The layer rules (docs/engine.md): the engine core knows the step and its runner, not the
 model, the kernels or the planner; model and engine code reaches no Triton launch
 internals; only the attention calls the planner; the capture mode is an argument."""
 

@@ -102,7 +102,6 @@ def test_a_single_answer_stays_cached_for_the_next_turn(smol, overlap):
     assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == 64
 
 
-
 @pytest.mark.parametrize("seed", range(12))
 def test_the_pages_on_running_paths_are_counted_without_walking_them(seed):
     """Requests that share prefixes (cache hits that fork and split entries, answers kept, next

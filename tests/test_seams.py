@@ -292,6 +292,35 @@ def test_one_host_plan_uploads_to_several_triton_attentions():
         torch.testing.assert_close(attn.run(q, k, v), ref.float(), atol=1e-4, rtol=1e-4)
 
 
+def test_a_kv_format_the_backend_cannot_read_is_refused_when_the_engine_is_built(scaled_kv):
+    model, tok = tiny_llama(), ToyTokenizer()
+    with pytest.raises(TypeError, match="kv: backend 'torch' reads K/V in the queries' dtype "
+                                        "torch.float32 only, got torch.float16"):
+        TreeEngine(model, tok, num_pages=4, backend="torch", kv=KVSpec(torch.float16))
+    with pytest.raises(ValueError, match="kv: the torch backend reads no K/V scales"):
+        TreeEngine(model, tok, num_pages=4, backend="torch", kv=KVSpec(torch.float32, "per_layer"))
+    with pytest.raises(TypeError, match="kv_dtype: expected one of float16 for backend"):
+        TreeEngine(model, tok, num_pages=4, backend="scaled-kv", kv=KVSpec(torch.float32))
+    engine = TreeEngine(model, tok, 6, 2, backend="scaled-kv", kv=KVSpec(torch.float16, "per_layer"))
+    assert (engine.config.num_pages, engine.config.page_size) == (6, 2)  # positional, as before
+
+
+def test_a_dropped_engine_frees_its_pool_without_the_cycle_collector():
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        engine = TreeEngine(tiny_llama(), ToyTokenizer(), num_pages=4, page_size=4, backend="torch")
+        root = engine.add_prompt([1, 2, 3])
+        engine.extend([(engine.cache.fork(root, 1)[0], [4])])
+        pool = weakref.ref(engine.pool.k[0])
+        del engine
+        assert pool() is None
+    finally:
+        gc.enable()
+
+
 def test_engine_config_checks_every_field_in_one_place():
     c = EngineConfig.of(num_pages=8, graph_buckets=[4, 1, 4])
     assert c.num_pages == 8 and c.graph_buckets == (1, 4) and c.cuda_graphs is None

@@ -42,11 +42,11 @@ class EngineConfig:
     page_size: int = 16
     backend: str = "auto"
     plan_kind: str = "flatten"
-    device: torch.device | None = None
+    device: torch.device | str | None = None
     count_io: bool = False
     prefill_chunk: int = 256
     cuda_graphs: bool | None = None
-    graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    graph_buckets: Sequence[int] = DEFAULT_BUCKETS
     overlap: bool | None = None
     kv: KVSpec | None = None
 

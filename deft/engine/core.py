@@ -43,7 +43,8 @@ class TreeEngine:
         :class:`~deft.model.DecoderModel` contract; a tokenizer with ``encode``/``decode``).
     config:
         An :class:`~deft.engine.EngineConfig`; ``options`` replace its fields (or the
-        defaults'), e.g. ``TreeEngine(model, tok, num_pages=512, backend="torch")``. Pool
+        defaults'), e.g. ``TreeEngine(model, tok, num_pages=512, backend="torch")``; an int
+        in its place and the next argument are ``num_pages`` and ``page_size``. Pool
         geometry, attention backend and plan kind, device (the model's by default, and of
         its kind), I/O counting, prefill chunk, CUDA graphs and their buckets, the decode
         loop's overlap and the K/V format are all there.
@@ -62,8 +63,12 @@ class TreeEngine:
     whole path) and ``io_s``, the time that counting took (outside ``forward_s``).
     """
 
-    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None,
-                 **options: Any) -> None:
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | int | None = None,
+                 page_size: int | None = None, **options: Any) -> None:
+        if is_int(config):  # TreeEngine(model, tokenizer, num_pages, page_size)
+            config, options["num_pages"] = None, config
+        if page_size is not None:
+            options["page_size"] = page_size
         config = EngineConfig.of(config, **options)
         if not (callable(getattr(tokenizer, "encode", None))
                 and callable(getattr(tokenizer, "decode", None))):
@@ -73,9 +78,12 @@ class TreeEngine:
         self.stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)
         self.runner = ModelRunner(model, config, self.stats)
         self.device = self.runner.device
-        self._copies: list[tuple[np.ndarray, np.ndarray]] = []
+        # Rows moved by committed paths, for the next step (the cache holds the list, not
+        # the engine: no cycle keeps a dropped engine's pool alive).
+        copies: list[tuple[np.ndarray, np.ndarray]] = []
+        self._copies = copies
         self.cache = TreeKVCache(config.num_pages, config.page_size,
-                                 on_copy=lambda src, dst: self._copies.append((src, dst)))
+                                 on_copy=lambda src, dst: copies.append((src, dst)))
         self.overlap = self.device.type == "cuda" if config.overlap is None else config.overlap
         self.prefill_chunk = config.prefill_chunk
         self.vocab_size = model.config.vocab_size
@@ -240,10 +248,10 @@ class TreeEngine:
             return result
         feeds = [staged[i] for i in kept]
         t0 = time.perf_counter()
-        copies, self._copies = tuple(self._copies), []
-        step, bounds = build_step(self.cache, feeds, values, copies)
+        step, bounds = build_step(self.cache, feeds, values, tuple(self._copies))
         self.stats["plan_s"] += time.perf_counter() - t0  # the layout; the runner adds the plan
         out = self.runner.run(step)
+        self._copies.clear()  # applied (kept for the next step if the run raised)
         st = self.stats
         st["steps"] += 1
         st["tokens"] += step.num_queries

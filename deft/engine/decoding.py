@@ -21,6 +21,7 @@ each step feeds its tokens or draft trees in the same forward as the branches.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Callable, Collection, Iterator, Sequence
 
@@ -74,7 +75,9 @@ class Batch:
     def __init__(self, engine: TreeEngine, max_running: int | None = None,
                  prefixes: PrefixStore | None = None, overlap: bool | None = None) -> None:
         self.engine, self.prefixes = engine, prefixes
-        self.scheduler = BatchScheduler(engine, max_running, prefixes, self.cancel)
+        cancel = weakref.WeakMethod(self.cancel)  # no cycle: a dropped batch frees at once
+        self.scheduler = BatchScheduler(engine, max_running, prefixes,
+                                        lambda req, reason: cancel()(req, reason))
         self.overlap = engine.overlap if overlap is None else bool(overlap)
         self.live: list[Branch] = []
         self.sampled = 0  # tokens that reached the host in the last step
@@ -335,7 +338,7 @@ def prompt_branches(engine: TreeEngine, prompts: list[tuple[list[int], Branch]])
     rest (a system prompt, a few-shot preamble: computed once, read once per step).
     Returns the root branches to run.
     """
-    share = engine.pool.page_size
+    share = engine.config.page_size
     groups: dict[tuple[int, ...], list[tuple[list[int], Branch]]] = {}
     for i, (ids, leaf) in enumerate(prompts):
         key = tuple(ids[:share]) if len(ids) > share else (-1 - i,)

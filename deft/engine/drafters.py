@@ -176,7 +176,7 @@ class ModelDrafter(Drafter):
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.model.config.vocab_size
+        return self.engine.vocab_size
 
     def draft(self, jobs: Sequence[DraftJob], params: SamplingParams,
               generator: torch.Generator) -> None:

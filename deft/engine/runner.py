@@ -55,6 +55,7 @@ class ModelRunner:
                              f"{self.device} and {self.attn.backend_name!r}")
         layers, kv_heads, head_dim = model.kv_shape
         spec = config.kv if config.kv is not None else KVSpec(model.dtype)
+        self.attn.check_kv(spec.dtype, model.dtype, spec.scaled)
         # A graph bucket's padding writes into one more page, which the cache never hands out.
         self.pool = KVPool(layers, config.num_pages + bool(cuda_graphs), config.page_size,
                            kv_heads, head_dim, device=self.device, spec=spec)
@@ -98,8 +99,8 @@ class ModelRunner:
 
     def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy K/V rows ``src`` to ``dst`` in every layer (rows a committed path moved)."""
-        dev = self.pool.k[0].device
-        self.pool.copy_slots(torch.as_tensor(src, device=dev), torch.as_tensor(dst, device=dev))
+        self.pool.copy_slots(torch.as_tensor(src, device=self.device),
+                             torch.as_tensor(dst, device=self.device))
 
     def _count_io(self, step: Step, plan: Any) -> None:
         """K/V bytes the step reads under its plan and under per-branch decoding."""

@@ -95,7 +95,7 @@ class BatchScheduler:
 
     def fit(self, feeding: list[Branch], searches: list[Search]) -> tuple[list[Branch], list[Search]]:
         """``feeding`` and ``searches`` cut to what fits the free pages (see the class docstring)."""
-        ps, cache = self.engine.pool.page_size, self.engine.cache
+        ps, cache = self.engine.config.page_size, self.engine.cache
         chunk = self.engine.prefill_chunk
 
         def need() -> int:  # as the engine counts: ceil(n / page_size) per item and tree
@@ -122,7 +122,7 @@ class BatchScheduler:
 
     def _room(self, req: Request, admit: list[Request], live: int) -> bool:
         """Whether ``req``'s prompt and first tokens fit next to the running branches."""
-        ps = self.engine.pool.page_size
+        ps = self.engine.config.page_size
         want = -(-len(req.prompt) // ps) + 1 + _step_pages(req, ps) + live
         want += sum(_step_pages(r, ps) for r in self.running if r.search is not None)
         want += sum(-(-len(r.prompt) // ps) + 1 + _step_pages(r, ps) for r in admit)

@@ -4,7 +4,8 @@
 rows whose logits are wanted, the tokens that come from the device (the last step's
 samples, when steps overlap) and the slot copies to apply first (rows that committing a
 draft path moved). A :class:`~deft.engine.runner.ModelRunner` needs nothing else to run
-it on its device, so the same step can go to several runners.
+it on its device, so the same step can go to several runners; only its device tokens are a
+tensor of one device (a runner on another needs them there first).
 """
 
 from __future__ import annotations

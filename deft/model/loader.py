@@ -59,8 +59,9 @@ def load_model(
     path = default_model_path() if path is None else os.fspath(path)
     if os.path.isdir(path):
         config_file = os.path.join(path, "config.json")
+        model_type = read_json(config_file).get("model_type")  # its errors name the file
         try:
-            family = family_for_hf(read_json(config_file).get("model_type"))
+            family = family_for_hf(model_type)
         except ValueError as exc:
             raise ValueError(f"{config_file}: {exc}") from None
         return family.load_hf(path, device, dtype)

@@ -34,7 +34,7 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
     """The server's application; ``scheduler`` must be started (and stopped) by the caller."""
     app = FastAPI(title="deft serve", docs_url=None, redoc_url=None)
     engine = scheduler.engine
-    limits = Limits(model_name, engine.max_positions, engine.cache.num_pages, engine.pool.page_size,
+    limits = Limits(model_name, engine.max_positions, engine.cache.num_pages, engine.config.page_size,
                     set(scheduler.drafters))
     created = int(time.time())
 

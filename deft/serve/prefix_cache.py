@@ -49,7 +49,7 @@ class _Kept:
 
 
 class PrefixCache:
-    """Implements :class:`deft.engine.decoding.PrefixStore` over one tree cache.
+    """Implements :class:`deft.engine.scheduling.PrefixStore` over one tree cache.
 
     ``min_tokens``: shortest shared prefix worth a fork (a page by default);
     ``max_entries`` bounds the bookkeeping. ``hits``/``lookups`` count matches, and

@@ -95,7 +95,7 @@ class TritonBackend(Backend):
         """The packed plan in a pinned buffer of its own (a header's room first), to
         :meth:`upload` to any device like ``device`` (same SM count)."""
         device = _cuda_index(device)
-        own = Staging(device)
+        own = Staging(device, raw=False)
         own.next()
         plan, packed, cfg = _pack(layout, plan_kind, block_kv, heads, device,
                                   lambda n: own.new(n + HEADER)[HEADER:], None)
@@ -107,9 +107,10 @@ class TritonBackend(Backend):
             raise ValueError(f"device: the host plan was made for {host.sms} SMs, {device} has "
                              f"{_num_sms(device)}")
         reserved = _reserved_of(previous, host)
-        return _upload(host.plan, host.packed, host.config, host.source,
-                       0 if reserved is not None else HEADER, host.heads, device,
-                       previous if isinstance(previous, StepBuffers) else None, reserved)
+        with host.source.lock:  # uploads to several devices may come from several threads
+            return _upload(host.plan, host.packed, host.config, host.source,
+                           0 if reserved is not None else HEADER, host.heads, device,
+                           previous if isinstance(previous, StepBuffers) else None, reserved)
 
     def reserve(self, capacity: Capacity, block_kv: int, heads: Heads,
                 device: torch.device) -> Reserved:

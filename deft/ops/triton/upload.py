@@ -71,10 +71,12 @@ def _cudart() -> _Runtime | None:
 class Staging:
     """Two host buffers of one device that plans are packed into, in turns, and uploaded
     from (pinned for CUDA, so copies are asynchronous). Callers hold ``lock`` from
-    :meth:`next` to :meth:`upload`."""
+    :meth:`next` to :meth:`upload`. ``raw``: copy through the CUDA runtime (buffers that
+    live as long as the process); otherwise through torch, whose pinned allocator then
+    keeps a buffer until its copies ran (a host plan's own buffer, dropped with it)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, raw: bool = True) -> None:
+        self.device, self.raw = device, raw
         self.lock = threading.Lock()
         self.turn = 0
         self.buffers: list[torch.Tensor | None] = [None, None]
@@ -115,7 +117,7 @@ class Staging:
             return
         rt = _cudart()
         # The runtime's calls act on the current device: its events are made there too.
-        if (rt is not None and self.device.index == torch.cuda.current_device()
+        if (rt is not None and self.raw and self.device.index == torch.cuda.current_device()
                 and dst.device == self.device):
             event = self._handle(rt)
             if event is not None and rt.copy(dst.data_ptr(), src.data_ptr(), 4 * n,
