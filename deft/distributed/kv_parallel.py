@@ -62,7 +62,7 @@ def shard_layout(layout: TreeLayout, world_size: int, rank: int) -> LayoutShard:
     lens = np.diff(indptr)
     order = _dfs_order(layout.parents)
     start = np.empty_like(lens)  # each node's first token in the depth-first token order
-    start[order] = np.concatenate([[0], np.cumsum(lens[order])[:-1]]) if order.size else []
+    start[order] = np.cumsum(lens[order]) - lens[order]
     total = int(lens.sum())
     lo, hi = (total * rank) // world_size, (total * (rank + 1)) // world_size
     first = np.clip(lo - start, 0, lens)  # this rank's tokens of each node: [first, last)
