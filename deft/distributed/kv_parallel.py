@@ -20,6 +20,7 @@ from ..attention import tree_attention as _local_attention
 from ..checks import int_in_range, positive_int
 from ..layout import TreeLayout, trusted_layout
 from ..merge import merge_states
+from ..plan import dfs_preorder
 
 __all__ = ["LayoutShard", "partial_attention", "shard_layout", "tree_attention"]
 
@@ -38,20 +39,6 @@ class LayoutShard:
     world_size: int
 
 
-def _dfs_order(parents: np.ndarray) -> np.ndarray:
-    """The nodes in depth-first preorder (roots in index order, children in index order)."""
-    children: list[list[int]] = [[] for _ in range(parents.shape[0])]
-    roots = []
-    for j, p in enumerate(parents.tolist()):
-        (roots if p < 0 else children[p]).append(j)
-    order, stack = [], roots[::-1]
-    while stack:
-        j = stack.pop()
-        order.append(j)
-        stack.extend(children[j][::-1])
-    return np.array(order, _I)
-
-
 def shard_layout(layout: TreeLayout, world_size: int, rank: int) -> LayoutShard:
     """Rank ``rank``'s shard of ``layout`` among ``world_size`` (see the module docstring)."""
     if not isinstance(layout, TreeLayout):
@@ -60,7 +47,7 @@ def shard_layout(layout: TreeLayout, world_size: int, rank: int) -> LayoutShard:
     rank = int_in_range(rank, "rank", 0, world_size - 1)
     indptr = layout.node_kv_indptr
     lens = np.diff(indptr)
-    order = _dfs_order(layout.parents)
+    order = dfs_preorder(layout.parents)[0]
     start = np.empty_like(lens)  # each node's first token in the depth-first token order
     start[order] = np.cumsum(lens[order]) - lens[order]
     total = int(lens.sum())
