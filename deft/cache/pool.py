@@ -112,8 +112,7 @@ class KVSpec:
     scale: str = "none"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.dtype, torch.dtype) or not (
-                self.dtype.is_floating_point and not self.dtype.is_complex):
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise TypeError(f"dtype: expected a floating-point torch dtype for K/V, got "
                             f"{self.dtype!r}")
         if self.scale not in KV_SCALE_MODES:

@@ -64,11 +64,13 @@ class EngineConfig:
                              f"{self.plan_kind!r}")
         if self.device is not None:
             set_("device", torch.device(self.device))
-        for name in ("count_io", "cuda_graphs", "overlap"):
+        for name in ("count_io", "cuda_graphs", "overlap"):  # the last two: None = by device
             value = getattr(self, name)
-            if not (value is None and name != "count_io") and not isinstance(value, (bool, int)):
+            if value is None and name != "count_io":
+                continue
+            if not isinstance(value, (bool, int)):
                 raise TypeError(f"{name}: expected a bool, got {value!r}")
-            set_(name, value if value is None else bool(value))
+            set_(name, bool(value))
         buckets = self.graph_buckets
         if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Sequence):
             raise ValueError(f"graph_buckets: expected positive query counts, got {buckets!r}")
