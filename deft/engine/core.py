@@ -48,6 +48,11 @@ class TreeEngine:
         geometry, attention backend and plan kind, device (the model's by default, and of
         its kind), I/O counting, prefill chunk, CUDA graphs and their buckets, the decode
         loop's overlap and the K/V format are all there.
+    tp_group:
+        Tensor parallelism: the :class:`~deft.distributed.TPGroup` whose rank's shard
+        ``model`` is (``load_model(..., tp=group)``). Rank 0 uses the engine as usual and
+        each step goes to every rank; the other ranks call :meth:`follow`. Rank 0 ends the
+        job with :meth:`close` (or a ``with`` block).
 
     The engine holds the tree (:class:`~deft.TreeKVCache`, host bookkeeping) and builds
     each forward as a :class:`~deft.engine.step.Step`; its
@@ -64,7 +69,7 @@ class TreeEngine:
     """
 
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | int | None = None,
-                 page_size: int | None = None, **options: Any) -> None:
+                 page_size: int | None = None, tp_group: Any = None, **options: Any) -> None:
         if is_int(config):  # TreeEngine(model, tokenizer, num_pages, page_size)
             config, options["num_pages"] = None, config
         if page_size is not None:
@@ -76,7 +81,7 @@ class TreeEngine:
                             f"{type(tokenizer).__name__}")
         self.config, self.tokenizer = config, tokenizer
         self.stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)
-        self.runner = ModelRunner(model, config, self.stats)
+        self.runner = ModelRunner(model, config, self.stats, tp_group)
         self.device = self.runner.device
         # Rows moved by committed paths, for the next step (the cache holds the list, not
         # the engine: no cycle keeps a dropped engine's pool alive).
@@ -109,6 +114,22 @@ class TreeEngine:
         c = self.config
         return (f"TreeEngine(layers={self.pool.num_layers}, pages={c.num_pages}x{c.page_size}, "
                 f"backend={self.attn.backend_name!r}, device={str(self.device)!r})")
+
+    def follow(self) -> int:
+        """A tensor-parallel rank other than 0: run rank 0's steps until it closes its
+        engine; returns the number of steps run."""
+        return self.runner.follow()
+
+    def close(self) -> None:
+        """Tensor-parallel rank 0: release the other ranks from :meth:`follow` (idempotent;
+        the engine runs no step after). Nothing to do on one device."""
+        self.runner.close()
+
+    def __enter__(self) -> "TreeEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def reset_stats(self) -> None:
         """Zero the counters in :attr:`stats`."""

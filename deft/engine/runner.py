@@ -5,10 +5,15 @@ its :class:`~deft.KVSpec`), the step's :class:`~deft.TreeAttention` and the CUDA
 :mod:`.graphs`. ``run(step)`` applies the step's slot copies, plans its layout (into a
 graph bucket when one holds it), moves its inputs to the device and returns the logits of
 its wanted rows. It makes no decoding decision: that is the engine's and the strategies'.
+
+Under tensor parallelism (``tp``, a :class:`~deft.distributed.TPGroup`) each rank has a
+runner of its shard of the model: rank 0's broadcasts every step before running it
+(:mod:`.lockstep`), the others :meth:`~ModelRunner.follow`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -16,9 +21,11 @@ import numpy as np
 import torch
 
 from ..cache.pool import KVPool, KVSpec
+from ..distributed.group import TensorParallelError
 from ..model.contract import DecoderModel, check_decoder
 from .config import EngineConfig
 from .graphs import StepGraphs, put_device_ids
+from .lockstep import Leader, receive
 from .step import Step
 
 __all__ = ["ModelRunner", "STAT_KEYS"]
@@ -35,11 +42,19 @@ class ModelRunner:
     ``stats`` (a dict of :data:`STAT_KEYS`) gains, per :meth:`run`, ``plan_s``,
     ``graph_steps``, ``plan_tokens`` and, with ``config.count_io``, ``kv_bytes_deft``,
     ``kv_bytes_per_branch`` and ``io_s`` (while ``count_io``, ``config.count_io`` at first).
+    ``tp``: the tensor-parallel group ``model`` is this rank's shard for (every rank must
+    build its runner with the same ``config``).
     """
 
     def __init__(self, model: DecoderModel, config: EngineConfig,
-                 stats: dict[str, Any] | None = None) -> None:
+                 stats: dict[str, Any] | None = None, tp: Any = None) -> None:
         self.model = check_decoder(model)
+        if getattr(model, "tp", None) is not tp:
+            raise ValueError("model: not the shard of this tensor-parallel group (load it with "
+                             "load_model(..., tp=group) and build the engine with the same group)"
+                             if tp is not None else
+                             "model: a tensor-parallel shard; build the engine with its group "
+                             "(tp_group=...)")
         self.device = model.device if config.device is None else config.device
         if self.device.type != model.device.type:
             raise ValueError(f"device: expected the model's device {model.device}, got {self.device}")
@@ -65,10 +80,53 @@ class ModelRunner:
                        if cuda_graphs else None)
         self.stats = dict.fromkeys(STAT_KEYS, 0) if stats is None else stats
         self.count_io = config.count_io
+        self.tp = tp
+        self._leader: Leader | None = None
+        if tp is not None and tp.world_size > 1:
+            tp.same(repr(dataclasses.replace(config, device=None)), "engine configuration")
+            if tp.leader:
+                self._leader = Leader(tp)
+
+    @property
+    def following(self) -> bool:
+        """Whether this runner runs rank 0's steps (a tensor-parallel rank other than 0)."""
+        return self.tp is not None and not self.tp.leader
+
+    def bucket_of(self, step: Step) -> int:
+        """The query count of the CUDA-graph bucket ``step`` replays in (0: eagerly)."""
+        return 0 if self.graphs is None else self.graphs.bucket(step.num_queries) or 0
+
+    def follow(self) -> int:
+        """Run rank 0's steps until it stops the job; returns the steps run. Only on a
+        tensor-parallel rank other than 0."""
+        if not self.following:
+            raise RuntimeError("follow: only tensor-parallel ranks other than 0 follow; "
+                               "rank 0 runs its steps itself")
+        steps = 0
+        with torch.no_grad():
+            while (got := receive(self.tp, self.device)) is not None:
+                step, bucket = got
+                mine = self.bucket_of(step)
+                if mine != bucket:
+                    raise TensorParallelError(
+                        f"tensor parallelism: rank {self.tp.rank} would run a step of "
+                        f"{step.num_queries} queries in graph bucket {mine} where rank 0 runs "
+                        f"bucket {bucket} (0: eager); every rank must replay the same graph")
+                self.run(step)
+                steps += 1
+        return steps
+
+    def close(self) -> None:
+        """Rank 0: release the followers (their :meth:`follow` returns); else nothing."""
+        if self._leader is not None:
+            self._leader.stop()
 
     def run(self, step: Step) -> torch.Tensor:
         """Float32 logits ``[len(step.logits_rows), vocab]`` of ``step``, queued on the
-        device's current stream (nothing waits for them)."""
+        device's current stream (nothing waits for them). Rank 0 of a tensor-parallel group
+        first sends the step to the other ranks."""
+        if self._leader is not None:
+            self._leader.send(step, self.bucket_of(step))
         for src, dst in step.copies:
             self.copy_slots(src, dst)
         t0 = time.perf_counter()

@@ -16,7 +16,7 @@ import torch
 __all__ = ["Family", "families", "family_for_gguf", "family_for_hf", "register_family",
            "unregister_family"]
 
-# (path or opened file, device, dtype) -> (model, tokenizer)
+# (path or opened file, device, dtype[, tp=TPGroup]) -> (model, tokenizer)
 Loader = Callable[[Any, torch.device | str, torch.dtype], tuple[Any, Any]]
 
 
@@ -27,6 +27,8 @@ class Family:
     ``load_hf(folder, device, dtype)`` loads a Hugging Face directory whose ``model_type``
     is in ``hf_model_types``; ``load_gguf(gguf_file, device, dtype)`` an opened
     :class:`~deft.model.gguf_file.GGUFFile` whose architecture is in ``gguf_architectures``.
+    With ``tensor_parallel``, both loaders also take ``tp=`` (a
+    :class:`~deft.distributed.TPGroup`) and load that rank's shard.
     """
 
     name: str
@@ -34,6 +36,7 @@ class Family:
     gguf_architectures: tuple[str, ...] = ()
     load_hf: Loader | None = None
     load_gguf: Loader | None = None
+    tensor_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

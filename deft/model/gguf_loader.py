@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -12,7 +13,8 @@ import torch
 from .config import LlamaConfig
 from .gguf_file import GGUFFile
 from .gguf_tokenizer import tokenizer_from_gguf
-from .llama import LlamaModel, build_model, fuse_hf_weights
+from .llama import LlamaModel
+from .sharding import build_hf
 from .tokenizer import Tokenizer
 
 __all__ = ["load_gguf"]
@@ -54,9 +56,11 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def load_gguf(
     path: str | os.PathLike | GGUFFile, device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, tp: Any = None,
 ) -> tuple[LlamaModel, Tokenizer]:
-    """Model and tokenizer from the GGUF file at ``path`` (or already opened).
+    """Model and tokenizer from the GGUF file at ``path`` (or already opened); with ``tp``
+    (a :class:`~deft.distributed.TPGroup`), this rank's shard (each tensor is dequantised
+    whole, one at a time, and only the rank's slice kept).
 
     Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming ``path`` for a
     corrupt file, an unsupported architecture, tokenizer or quantisation type.
@@ -76,19 +80,33 @@ def load_gguf(
     if unknown:
         raise ValueError(f"{path}: unsupported tensors for a Llama model: {unknown[:3]}")
     tokenizer = tokenizer_from_gguf(f.metadata, path)  # before the slow part: fail fast
-    tensors = {}
-    for name in f.tensors:
-        if name == "rope_freqs.weight":
-            continue
-        w = f.dequantize(name)
+    tensors = _Tensors(f, config)
+    return build_hf(config, tensors, path, dtype, device, tp), tokenizer
+
+
+class _Tensors(Mapping[str, torch.Tensor]):
+    """A GGUF file's weights under their Hugging Face names, dequantised when read (q and k
+    rows back in rotate-half order)."""
+
+    def __init__(self, f: GGUFFile, config: LlamaConfig) -> None:
+        self.f, self.config = f, config
+        self.names = {_hf_name(n): n for n in f.tensors if n != "rope_freqs.weight"}
+
+    def __getitem__(self, hf: str) -> torch.Tensor:
+        name, c = self.names[hf], self.config
+        w = self.f.dequantize(name)
         if name.startswith("blk.") and (".attn_q." in name or ".attn_k." in name):
-            heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
-            if w.shape[0] != heads * config.head_dim:
+            heads = c.num_heads if ".attn_q." in name else c.num_kv_heads
+            if w.shape[0] != heads * c.head_dim:
                 raise ValueError(
-                    f"{path}: tensor {name!r} has {w.shape[0]} rows, expected "
-                    f"{heads * config.head_dim} ({heads} heads x head_dim {config.head_dim})"
+                    f"{self.f.path}: tensor {name!r} has {w.shape[0]} rows, expected "
+                    f"{heads * c.head_dim} ({heads} heads x head_dim {c.head_dim})"
                 )
             w = _unpermute(w, heads)
-        tensors[_hf_name(name)] = torch.from_numpy(w)
-    state = fuse_hf_weights(config, tensors, path)
-    return build_model(config, state, dtype=dtype, device=device), tokenizer
+        return torch.from_numpy(w)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)

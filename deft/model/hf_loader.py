@@ -11,16 +11,16 @@ import dataclasses
 import json
 import os
 import warnings
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer as _Backend
 
 from ..checks import is_int
 from .config import LlamaConfig
-from .llama import LlamaModel, build_model, fuse_hf_weights
+from .llama import LlamaModel
+from .sharding import build_hf
 from .tokenizer import Tokenizer, end_of_turn_ids
 
 __all__ = ["load_hf", "read_json"]
@@ -55,16 +55,45 @@ def _shards(folder: str) -> list[str]:
     raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-def _load_tensors(folder: str) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in _shards(folder):
-        if not os.path.isfile(shard):
-            raise FileNotFoundError(f"{shard}: listed in the index but not found")
+class _Checkpoint(Mapping[str, torch.Tensor]):
+    """The tensors of a checkpoint's safetensors files, each read when asked for (the files
+    are memory-mapped): a rank of a tensor-parallel job reads only its slices."""
+
+    def __init__(self, folder: str) -> None:
+        self._files: dict[str, Any] = {}
+        self._where: dict[str, str] = {}
+        for shard in _shards(folder):
+            if not os.path.isfile(shard):
+                raise FileNotFoundError(f"{shard}: listed in the index but not found")
+            try:
+                handle = safe_open(shard, framework="pt")
+            except SafetensorError as exc:
+                raise ValueError(f"{shard}: corrupt safetensors file ({exc})") from None
+            self._files[shard] = handle
+            self._where.update(dict.fromkeys(handle.keys(), shard))
+
+    def _read(self, name: str, read: Any) -> torch.Tensor:
         try:
-            tensors.update(load_file(shard))
+            return read(self._files[self._where[name]])
         except SafetensorError as exc:
-            raise ValueError(f"{shard}: corrupt safetensors file ({exc})") from None
-    return tensors
+            raise ValueError(f"{self._where[name]}: corrupt tensor {name!r} ({exc})") from None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._read(name, lambda f: f.get_tensor(name))
+
+    def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (``dim`` 0) or columns (``dim`` 1) ``[start, stop)`` of ``name``, read alone."""
+        index = (slice(start, stop),) if dim == 0 else (slice(None), slice(start, stop))
+        return self._read(name, lambda f: f.get_slice(name)[index])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
 
 
 def _token_text(config: dict[str, Any], key: str, file: str) -> str | None:
@@ -125,9 +154,11 @@ def hf_tokenizer(folder: str, config: dict[str, Any]) -> Tokenizer:
 
 
 def load_hf(
-    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    tp: Any = None,
 ) -> tuple[LlamaModel, Tokenizer]:
-    """Model and tokenizer from the Hugging Face model directory ``path``.
+    """Model and tokenizer from the Hugging Face model directory ``path``; with ``tp`` (a
+    :class:`~deft.distributed.TPGroup`), this rank's shard, reading only its slices.
 
     Raises ``FileNotFoundError`` for missing files and ``ValueError`` naming the file for an
     unsupported model type or corrupt/mismatched weights.
@@ -140,7 +171,7 @@ def load_hf(
     except ValueError as exc:
         raise ValueError(f"{config_file}: {exc}") from None
     tokenizer = hf_tokenizer(folder, raw)  # before the slow part: fail fast
-    tensors = _load_tensors(folder)
+    tensors = _Checkpoint(folder)
     head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
     if config.tie_word_embeddings and head is not None and embed is not None and not torch.equal(head, embed):
         # As transformers does: a stored head that differs from the embedding is used, untied.
@@ -148,5 +179,4 @@ def load_hf(
                       "from model.embed_tokens.weight; using the stored head (untied), as "
                       "transformers does", UserWarning, stacklevel=2)
         config = dataclasses.replace(config, tie_word_embeddings=False)
-    state = fuse_hf_weights(config, tensors, folder)
-    return build_model(config, state, dtype=dtype, device=device), tokenizer
+    return build_hf(config, tensors, folder, dtype, device, tp, tensors.read_slice), tokenizer

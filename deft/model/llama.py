@@ -7,7 +7,7 @@ chunks and decode tokens alike. The caller (the engine) owns the layout: it plan
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,12 @@ class LlamaLayer(nn.Module):
         self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        # Under tensor parallelism (a rank's shard of the heads and MLP): the sum over ranks
+        # of the row-parallel o and down outputs, in place; ``None`` on one device.
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def _reduced(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.all_reduce is None else self.all_reduce(t)
 
     def forward(
         self,
@@ -69,9 +75,9 @@ class LlamaLayer(nn.Module):
         k_scale, v_scale = pool.scales(layer)
         o = attn.run(qk[:, :h].contiguous(), pool.k_slots[layer], pool.v_slots[layer],
                      k_scale=k_scale, v_scale=v_scale, captured=captured)  # [N, H, D]
-        x = x + self.o(o.reshape(n, self.q_size))
+        x = x + self._reduced(self.o(o.reshape(n, self.q_size)))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return x + self._reduced(self.down(F.silu(gate) * up))
 
     def forward_fused(
         self,
@@ -97,10 +103,11 @@ class LlamaLayer(nn.Module):
         k, v = pool.k_slots[layer], pool.v_slots[layer]
         q = fused.rope_write(qkv, table, positions, write_slots, k, v, h)
         o = attn.run(q, k, v, out=out, captured=captured)
-        attn_out = skinny.linear(o.reshape(n, self.q_size), self.o.weight, self.o.bias, captured)
+        attn_out = self._reduced(skinny.linear(o.reshape(n, self.q_size), self.o.weight,
+                                               self.o.bias, captured))
         normed, x = fused.rms_norm(x, self.mlp_norm.weight, self.mlp_norm.eps, attn_out)
-        return x, skinny.linear(fused.silu_mul(self.gate_up(normed)), self.down.weight,
-                                self.down.bias, captured)
+        return x, self._reduced(skinny.linear(fused.silu_mul(self.gate_up(normed)),
+                                              self.down.weight, self.down.bias, captured))
 
 
 class LlamaModel(nn.Module):
@@ -131,6 +138,9 @@ class LlamaModel(nn.Module):
         # (``None``); ``False``: the plain PyTorch ops everywhere; ``True``: fused on any
         # device Triton runs on (CPU tensors when it interprets, for tests).
         self.fused_ops: bool | None = None
+        # The tensor-parallel group this model is one rank's shard for (its config is the
+        # rank's: its heads and MLP rows; see :mod:`.sharding`); ``None`` on one device.
+        self.tp: Any = None
         # [max_positions, D]: cos then sin of every position's angles (not a checkpoint tensor).
         self.register_buffer("rope", rope_table(config, self.embed.weight.dtype,
                                                 self.embed.weight.device), persistent=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
 import torch
 
@@ -20,8 +21,9 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 register_family(Family("llama", hf_model_types=("llama",), gguf_architectures=("llama",),
-                       load_hf=load_hf, load_gguf=load_gguf))
-register_family(Family("mistral", hf_model_types=("mistral",), load_hf=load_hf))
+                       load_hf=load_hf, load_gguf=load_gguf, tensor_parallel=True))
+register_family(Family("mistral", hf_model_types=("mistral",), load_hf=load_hf,
+                       tensor_parallel=True))
 
 
 def default_model_path() -> str:
@@ -38,6 +40,7 @@ def load_model(
     path: str | os.PathLike | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    tp: Any = None,
 ) -> tuple[DecoderModel, Tokenizer]:
     """Load a model of a registered family (:mod:`.families`) and its tokenizer, ready
     for inference.
@@ -49,6 +52,9 @@ def load_model(
         tokenizer.json), or ``None`` for the default SmolLM2-135M-Instruct GGUF.
     device, dtype:
         Where the weights live and their dtype (GGUF weights are dequantised to it).
+    tp:
+        A :class:`~deft.distributed.TPGroup`: load this rank's shard of the weights (its
+        heads and MLP rows, reading only those), for an engine built with the same group.
 
     Raises ``FileNotFoundError`` for a missing path or file and ``ValueError`` naming the path
     for anything unsupported or corrupt.
@@ -64,12 +70,22 @@ def load_model(
             family = family_for_hf(model_type)
         except ValueError as exc:
             raise ValueError(f"{config_file}: {exc}") from None
-        return family.load_hf(path, device, dtype)
+        return _load(family, family.load_hf, path, device, dtype, tp)
     if os.path.isfile(path):
         f = GGUFFile(path)
         try:
             family = family_for_gguf(f.metadata.get("general.architecture"))
         except ValueError as exc:
             raise ValueError(f"{f.path}: {exc}") from None
-        return family.load_gguf(f, device, dtype)
+        return _load(family, family.load_gguf, f, device, dtype, tp)
     raise FileNotFoundError(f"{path}: no such model file or directory")
+
+
+def _load(family: Family, loader: Any, source: Any, device: str | torch.device,
+          dtype: torch.dtype, tp: Any) -> tuple[DecoderModel, Tokenizer]:
+    if tp is None:
+        return loader(source, device, dtype)
+    if not family.tensor_parallel:
+        raise ValueError(f"{getattr(source, 'path', source)}: the {family.name} family does not "
+                         "load tensor-parallel shards")
+    return loader(source, device, dtype, tp=tp)
