@@ -233,3 +233,26 @@ def test_a_lost_rank_ends_the_job_with_a_clear_error(kind, tiny_tp, tmp_path):
         assert "TensorParallelError: tensor parallelism: rank 0 of 2 lost its peers" in log, log[-3000:]
     else:  # rank 1 exited: rank 0 says so, or torchrun tore it down naming rank 1
         assert "lost its peers" in log or "rank      : 1" in log, log[-3000:]
+
+
+def test_cli_needs_torchrun_for_several_ranks(tiny_tp, monkeypatch, capsys):
+    from deft.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["generate", "--tp", "2", "--model", str(tiny_tp), "hi"]) == 2
+    assert "run under torchrun --nproc-per-node 2" in capsys.readouterr().err
+    assert main(["demo", "--tp", "2"]) == 2
+    assert "the demo runs on one device" in capsys.readouterr().err
+
+
+def test_cli_under_torchrun_prints_what_one_process_prints(tiny_tp):
+    args = ["generate", "--model", str(tiny_tp), "--max-new-tokens", "8", "hello world", "the cat"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "PYTHONPATH": os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
+    one = subprocess.run([sys.executable, "-m", "deft", *args], env=env, capture_output=True,
+                         text=True, timeout=120)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", "-m", "deft", *args, "--tp", "2"],
+                         env=env, capture_output=True, text=True, timeout=180)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    assert one.stdout and two.stdout == one.stdout  # rank 0 alone prints, the same text

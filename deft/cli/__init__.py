@@ -35,4 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as exc:
         print(f"deft: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        group = sys.modules.get("deft.distributed.group")  # only loaded under --tp
+        if group is None or not isinstance(exc, group.TensorParallelError):
+            raise
+        print(f"deft: error: {exc}", file=sys.stderr)
+        return 1
     return 0

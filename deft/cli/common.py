@@ -63,7 +63,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def model_flags(default_model: str = "SmolLM2-135M-Instruct GGUF") -> argparse.ArgumentParser:
-    """``--model MODEL``, ``--device`` and ``--kv-memory SIZE``, as a parent parser;
+    """``--model MODEL``, ``--device``, ``--kv-memory SIZE`` and ``--tensor-parallel-size N``
+    (:mod:`.parallel`), as a parent parser;
     ``default_model`` says what runs without ``--model``."""
     from ..cache.pool import KV_MEMORY_FRACTION
 
@@ -79,6 +80,10 @@ def model_flags(default_model: str = "SmolLM2-135M-Instruct GGUF") -> argparse.A
                    "never more than the requests could need; deft serve: --num-pages); generate "
                    "and sample requests that do not fit wait for others to finish, others stop "
                    "with an error")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
+                   dest="tensor_parallel_size",
+                   help="split the model over N devices (tensor parallelism); run the command "
+                   "under torchrun --nproc-per-node N (default 1)")
     return p
 
 

@@ -44,6 +44,9 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> None:
     from ..cache import CacheFullError
 
+    if args.tensor_parallel_size != 1:
+        raise CliError("--tensor-parallel-size: the demo runs on one device; use deft generate, "
+                       "sample, beam, speculate, replay or serve under torchrun")
     if not args.core:
         loaded = common.load(args)
         trace = reasoning_trace(args.workloads)

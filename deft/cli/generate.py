@@ -8,7 +8,7 @@ import math
 import sys
 from typing import Any, Callable
 
-from . import common
+from . import common, parallel
 from .common import CliError, in_range
 
 __all__ = ["MAX_BEAMS", "MAX_SAMPLES", "add_parsers"]
@@ -117,7 +117,7 @@ def _run_engine(args: argparse.Namespace, branches: int,
     from ..engine import TreeEngine
 
     in_range(args.max_new_tokens, "--max-new-tokens", 1, 1 << 20)
-    model, tok = common.load(args)
+    model, tok = parallel.load(args)
     try:
         prompts = [tok.apply_chat_template(p) if args.chat else tok.encode(p) for p in args.prompt]
     except ValueError as exc:
@@ -134,7 +134,7 @@ def _run_engine(args: argparse.Namespace, branches: int,
     tokens = sum(len(p) + branches * (min(args.max_new_tokens, context - len(p)) + 16) for p in prompts)
     budget = common.KVBudget.of(args)
     (num_pages,) = budget.pages([(model, 2 * common.pages_for(tokens) + 8)])
-    engine = TreeEngine(model, tok, common.engine_config(num_pages, args.device))
+    engine = parallel.engine(args, model, tok, common.engine_config(num_pages, args.device))
     total = len(prompts) * branches * args.max_new_tokens
     with tqdm(total=total, unit="tok", desc=args.command, leave=False, disable=None) as bar:
         try:

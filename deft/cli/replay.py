@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import common
+from . import common, parallel
 from .common import CliError, in_range
 
 __all__ = ["add_parser", "run"]
@@ -51,11 +51,11 @@ def run(args: argparse.Namespace) -> None:
         data = load_trace(path, args.record)
     except (FileNotFoundError, ValueError) as exc:
         raise CliError(f"TRACE: {exc}") from exc
-    model, tok = common.load(args)
+    model, tok = parallel.load(args)
     tokens = sum(v["value"] for v in data.values())
     budget = common.KVBudget.of(args)
     (num_pages,) = budget.pages([(model, common.pages_for(tokens) + 2 * len(data) + 8)])
-    engine = TreeEngine(model, tok, common.engine_config(num_pages, args.device))
+    engine = parallel.engine(args, model, tok, common.engine_config(num_pages, args.device))
     last = max(v["end"] for v in data.values())
     total = min(last, args.iterations or last)
     with tqdm(total=total, unit="it", desc="replay", leave=False, disable=None) as bar:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import common
+from . import common, parallel
 from .common import CliError, in_range
 
 __all__ = ["add_parser", "model_id", "run"]
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> None:
         raise CliError(f"deft serve needs the serve extra: pip install 'deft-llm[serve]' ({exc})") from exc
     from ..engine import ModelDrafter, NgramDrafter, TreeEngine
 
-    model, tok = common.load(args)
+    model, tok = parallel.load(args)
     draft = draft_tok = None
     if args.draft_model is not None:
         draft, draft_tok = common.load_from(args.draft_model, args.device, "--draft-model")
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> None:
         num_pages, *draft_pages = common.KVBudget.of(args).pages([(m, 1 << 26) for m in models])
     else:
         draft_pages = [num_pages]
-    engine = TreeEngine(model, tok, common.engine_config(num_pages, args.device,
+    engine = parallel.engine(args, model, tok, common.engine_config(num_pages, args.device,
                                                            prefill_chunk=chunk))
     drafters: dict[str, Any] = {"ngram": NgramDrafter}
     if draft is not None:

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from . import common
+from . import common, parallel
 from .common import CliError
 
 __all__ = ["add_parser", "run"]
@@ -74,7 +74,7 @@ def _generate(args: argparse.Namespace) -> list:
         raise common.flag_error(exc) from exc
     kind = ModelDrafter if args.drafter == "model" else NgramDrafter
     shape = as_shape(args.tree and TreeShape.from_file(args.tree), kind.default_shape)
-    model, tok = common.load(args)
+    model, tok = parallel.load(args)
     prompts = [tok.apply_chat_template(p) if args.chat else tok.encode(p) for p in args.prompt]
     # The engine checks free pages per append, rounded up: a page per draft node covers the
     # draft model's level-by-level appends, a page per PAGE_SIZE drafts one verified tree.
@@ -86,7 +86,7 @@ def _generate(args: argparse.Namespace) -> list:
     pages = budget.pages(needs)
     drafter = (ModelDrafter(TreeEngine(draft_model, draft_tok, common.engine_config(pages[1])))
                if args.drafter == "model" else NgramDrafter())
-    engine = TreeEngine(model, tok, common.engine_config(pages[0]))
+    engine = parallel.engine(args, model, tok, common.engine_config(pages[0]))
     try:
         return speculative_generate(engine, prompts, params, drafter, shape)
     except CacheFullError as exc:

@@ -95,13 +95,17 @@ class Leader:
             self._last = time.monotonic()
 
     def stop(self) -> None:
-        """Release the followers (they return from :func:`follow`); idempotent."""
+        """Release the followers (they return from :func:`follow`); idempotent. Followers
+        that are gone already need no release."""
         with self._lock:
             if self._stopped.is_set():
                 return
             self._stopped.set()
             header = torch.zeros(_HEADER, dtype=torch.int64)
-            self._broadcast(header, "stopping the followers")
+            try:
+                self._broadcast(header, "stopping the followers")
+            except TensorParallelError:
+                pass
 
     def _broadcast(self, t: torch.Tensor, what: str) -> None:
         self.tp.collective(lambda: _dist().broadcast(t, 0, group=self.tp.host_group), what)
