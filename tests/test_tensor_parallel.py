@@ -256,3 +256,15 @@ def test_cli_under_torchrun_prints_what_one_process_prints(tiny_tp):
                          env=env, capture_output=True, text=True, timeout=180)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
     assert one.stdout and two.stdout == one.stdout  # rank 0 alone prints, the same text
+
+
+@pytest.mark.gpu
+def test_nccl_rank_with_graphs_equals_one_process(tiny_tp, tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ranks = min(torch.cuda.device_count(), 2)
+    run = torchrun(ranks, str(tiny_tp), tmp_path, DEFT_TP_DEVICE="cuda")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    got = results(tmp_path, ranks)
+    assert all(got[0]["same"].values()) and "captured_all_reduce" in got[0]["same"], got[0]
+    assert got[0]["logits_err"] < 1e-4

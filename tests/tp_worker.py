@@ -9,6 +9,8 @@ summary to ``rank<N>`` under ``$DEFT_TP_OUT`` and exits 1 on a mismatch.
 
 ``$DEFT_TP_FAULT``: ``hang`` or ``die`` makes rank 1 hang (sleep) or exit after 3 steps, to
 check that the job ends with a clear error within the collective timeout.
+``$DEFT_TP_DEVICE=cuda``: each rank on its GPU over NCCL, with the triton backend and CUDA
+graphs; rank 0 also replays a CUDA graph that captured an NCCL all-reduce.
 """
 
 import json
@@ -24,7 +26,8 @@ from deft.engine import (SamplingParams, TreeEngine, beam_search, generate, samp
 from deft.model import load_model
 
 PROMPTS = [[5, 77, 260, 3, 41, 9, 9, 30], list(range(10, 60, 3)), [7, 8, 9, 7, 8, 9, 7, 8]]
-OPTIONS = dict(num_pages=64, page_size=8, backend="torch")
+DEVICE = os.environ.get("DEFT_TP_DEVICE", "cpu")
+OPTIONS = dict(num_pages=64, page_size=8, backend="torch" if DEVICE == "cpu" else "auto")
 
 
 def tokens(results) -> list:
@@ -65,12 +68,31 @@ def fault(engine: TreeEngine, kind: str) -> None:
     engine.runner.run = faulty
 
 
+def captured_all_reduce(tp) -> bool:
+    """A CUDA graph holding an NCCL all-reduce replays it: the sum over the ranks."""
+    import torch.distributed as dist
+
+    x = torch.ones(1024, device=tp.device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        dist.all_reduce(x, group=tp.group)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dist.all_reduce(x, group=tp.group)
+    x.fill_(2.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    return bool((x == 2.0 * tp.world_size).all())
+
+
 def main() -> int:
     world = int(os.environ["WORLD_SIZE"])
-    tp = init_tensor_parallel(world, "cpu", timeout_s=float(os.environ.get("DEFT_TP_TIMEOUT", 60)))
+    tp = init_tensor_parallel(world, DEVICE, timeout_s=float(os.environ.get("DEFT_TP_TIMEOUT", 60)))
     path = os.environ["DEFT_TP_MODEL"]
     path = None if path == "default" else path
-    model, tok = load_model(path, tp=tp)
+    model, tok = load_model(path, device=tp.device, tp=tp)
     engine = TreeEngine(model, tok, tp_group=tp, **OPTIONS)
     out = os.path.join(os.environ["DEFT_TP_OUT"], f"rank{tp.rank}")
     kind = os.environ.get("DEFT_TP_FAULT")
@@ -85,10 +107,12 @@ def main() -> int:
     with engine:
         got = runs(engine)
         steps = engine.stats["steps"]
-    whole, _ = load_model(path)
+    whole, _ = load_model(path, device=tp.device)
     want = runs(TreeEngine(whole, tok, **OPTIONS))
     err = (got["logits"] - want["logits"]).abs().max().item()
     same = {k: got[k] == want[k] for k in ("greedy", "beam", "speculative", "sampled")}
+    if tp.device.type == "cuda":
+        same["captured_all_reduce"] = captured_all_reduce(tp)
     with open(out, "w") as f:
         json.dump({"rank": 0, "steps": steps, "logits_err": err, "same": same,
                    "heads": [model.config.num_heads, model.config.num_kv_heads]}, f)

@@ -13,7 +13,7 @@ __all__ = ["add_parser"]
 
 def add_parser(subparsers: Any) -> None:
     """Add ``bench`` and its subcommands to ``deft``'s subcommands."""
-    bench = subparsers.add_parser("bench", help="benchmarks (plan, attention, e2e, serve)")
+    bench = subparsers.add_parser("bench", help="benchmarks (plan, attention, e2e, serve, tp)")
     bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     shared = argparse.ArgumentParser(add_help=False)
     common.add_workloads_flag(shared)
@@ -101,6 +101,32 @@ def add_parser(subparsers: Any) -> None:
     srv.add_argument("--json", metavar="PATH",
                      help="also write the result as JSON (machine, commit, date, command, rows)")
     srv.set_defaults(func=run_serve)
+
+    tp = bsub.add_parser(
+        "tp", help="tensor parallelism: the engine at each size, one torchrun job per size",
+        description="For each --sizes N, a torchrun --nproc-per-node N job on this machine "
+        "(gloo on cpu, NCCL on cuda): parallel sampling of --branches sequences from one "
+        "--prompt-tokens prompt (tokens/s end to end, decode step time) and the verification of "
+        "a --draft-tokens draft tree (time per forward), with the all-reduce time of a step's "
+        "layers measured apart. On cpu the ranks share the cores: the table shows the "
+        "collectives' overhead. Without --model: SmolLM2-135M-Instruct on cpu, random:llama-3-8b "
+        "(random bf16 weights of Llama-3-8B's shapes) on cuda.")
+    tp.add_argument("--device", choices=common.DEVICES, default="cpu")
+    tp.add_argument("--model", metavar="MODEL", help="GGUF file, Hugging Face directory or "
+                    "random:NAME[:layers=N] (default: see above)")
+    tp.add_argument("--sizes", type=int, nargs="+", default=[1, 2], metavar="N",
+                    help="tensor-parallel sizes (default 1 2; cuda: at most the GPUs there)")
+    tp.add_argument("--prompt-tokens", type=int, metavar="N",
+                    help="the shared prompt's tokens (default 400 on cpu, 4000 on cuda)")
+    tp.add_argument("--branches", type=int, default=20, metavar="N", help="sampled branches (default 20)")
+    tp.add_argument("--new-tokens", type=int, metavar="N",
+                    help="tokens per branch (default 16 on cpu, 128 on cuda)")
+    tp.add_argument("--draft-tokens", type=int, metavar="N",
+                    help="draft-tree tokens (default 64 on cpu, 256 on cuda)")
+    tp.add_argument("--reps", type=int, default=5, help="timed tree verifications (default 5)")
+    tp.add_argument("--json", metavar="PATH",
+                    help="also write the result as JSON (machine, commit, date, command, rows)")
+    tp.set_defaults(func=run_tp)
 
 
 def run_plan(args: argparse.Namespace) -> None:
@@ -192,4 +218,34 @@ def run_serve(args: argparse.Namespace) -> None:
                           args.threads and in_range(args.threads, "--threads", 1, 1024),
                           progress=common.progress, json_path=args.json), flush=True)
     except ServerError as exc:
+        raise CliError(str(exc)) from exc
+
+
+def run_tp(args: argparse.Namespace) -> None:
+    import torch
+
+    from benchmarks.tp import tp_table
+
+    common.require_device(args.device)
+    cuda = args.device == "cuda"
+    most = torch.cuda.device_count() if cuda else 64
+    sizes = [in_range(n, "--sizes", 1, most) for n in args.sizes]
+    model = args.model or ("random:llama-3-8b" if cuda else None)
+    if model is None:
+        from deft.model.loader import default_model_path
+
+        try:
+            model = default_model_path()
+        except FileNotFoundError as exc:
+            raise CliError(f"--model: {exc}") from exc
+    prompt = in_range(args.prompt_tokens or (4000 if cuda else 400), "--prompt-tokens", 2, 1 << 20)
+    new = in_range(args.new_tokens or (128 if cuda else 16), "--new-tokens", 2, 1 << 16)
+    draft = in_range(args.draft_tokens or (256 if cuda else 64), "--draft-tokens", 1, 4096)
+    branches = in_range(args.branches, "--branches", 1, 4096)
+    pages = common.pages_for(prompt + branches * (new + common.PAGE_SIZE) + draft) * 2 + 16
+    try:
+        print(tp_table(sizes, model, args.device, prompt, branches, new, draft,
+                       in_range(args.reps, "--reps", 1, 1000), pages, progress=common.progress,
+                       json_path=args.json), flush=True)
+    except RuntimeError as exc:
         raise CliError(str(exc)) from exc
