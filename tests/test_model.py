@@ -415,10 +415,10 @@ def test_corrupt_gguf(tiny, tmp_path):
 
 
 def test_unsupported_gguf(tiny, tmp_path):
-    path = tmp_path / "qwen.gguf"
-    write_gguf(path, TINY_CONFIG, tiny[2], tiny[3], arch="qwen2")
+    path = tmp_path / "falcon.gguf"
+    write_gguf(path, TINY_CONFIG, tiny[2], tiny[3], arch="falcon")
     with pytest.raises(ValueError, match=re.escape(path.as_posix()) + ".*general.architecture: "
-                       "expected one of llama, got 'qwen2'"):
+                       "expected one of llama, qwen2, qwen3, got 'falcon'"):
         load_model(path)
 
 
@@ -427,7 +427,7 @@ def test_bad_hf_dirs(tiny, tmp_path):
     shutil.copytree(tiny[0], hf_dir)
     config_file = hf_dir / "config.json"
     config_file.write_text(json.dumps({**TINY, "model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="config.json: model_type: expected one of llama, mistral"):
+    with pytest.raises(ValueError, match="config.json: model_type: expected one of llama, mistral, qwen2, qwen3, "):
         load_model(hf_dir)
     config_file.write_text(json.dumps({**TINY, "vocab_size": 300, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}))
     with pytest.raises(ValueError, match="rope_scaling: expected a type of linear, llama3, got 'yarn'"):

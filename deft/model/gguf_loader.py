@@ -1,10 +1,12 @@
-"""Load a Llama-family model and its tokenizer from a GGUF file (dequantised to ``dtype``)."""
+"""Load a model of a Llama-like family and its tokenizer from a GGUF file (dequantised to
+``dtype``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import re
+from typing import Callable
 
 import numpy as np
 import torch
@@ -28,6 +30,8 @@ _BLOCK_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -54,11 +58,14 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def load_gguf(
     path: str | os.PathLike | GGUFFile, device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, *,
+    adapt: Callable[[LlamaConfig], LlamaConfig] | None = None, permuted_qk: bool = True,
 ) -> tuple[LlamaModel, Tokenizer]:
     """Model and tokenizer from the GGUF file at ``path`` (or already opened).
 
-    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming ``path`` for a
+    A family passes ``adapt`` (its flags set on the config read from the metadata) and
+    ``permuted_qk=False`` where llama.cpp's converter keeps q/k rows in rotate-half order
+    (it permutes them only for its ``llama`` architecture). Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming ``path`` for a
     corrupt file, an unsupported architecture, tokenizer or quantisation type.
     """
     f = path if isinstance(path, GGUFFile) else GGUFFile(path)
@@ -70,18 +77,21 @@ def load_gguf(
         if "rope_freqs.weight" in f.tensors:
             factors = tuple(f.dequantize("rope_freqs.weight").reshape(-1).tolist())
             config = dataclasses.replace(config, rope_freq_factors=factors)
+        if adapt is not None:
+            config = adapt(config)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     unknown = sorted(n for n in f.tensors if n != "rope_freqs.weight" and _hf_name(n) is None)
     if unknown:
-        raise ValueError(f"{path}: unsupported tensors for a Llama model: {unknown[:3]}")
+        raise ValueError(f"{path}: unsupported tensors for a {f.metadata.get('general.architecture')} "
+                         f"model: {unknown[:3]}")
     tokenizer = tokenizer_from_gguf(f.metadata, path)  # before the slow part: fail fast
     tensors = {}
     for name in f.tensors:
         if name == "rope_freqs.weight":
             continue
         w = f.dequantize(name)
-        if name.startswith("blk.") and (".attn_q." in name or ".attn_k." in name):
+        if permuted_qk and name.startswith("blk.") and (".attn_q." in name or ".attn_k." in name):
             heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
             if w.shape[0] != heads * config.head_dim:
                 raise ValueError(

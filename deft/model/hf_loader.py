@@ -1,8 +1,9 @@
-"""Load a Llama-family model and its tokenizer from a Hugging Face model directory.
+"""Load a model of a Llama-like family and its tokenizer from a Hugging Face model directory.
 
 The directory holds ``config.json``, the weights as ``model.safetensors`` or shards listed
 by ``model.safetensors.index.json``, and ``tokenizer.json`` (plus, optionally,
-``tokenizer_config.json``, ``chat_template.jinja`` and ``generation_config.json``).
+``tokenizer_config.json``, ``chat_template.jinja`` and ``generation_config.json``). The
+shards are memory-mapped and each tensor is read once, straight to its device and dtype.
 """
 
 from __future__ import annotations
@@ -11,19 +12,22 @@ import dataclasses
 import json
 import os
 import warnings
-from typing import Any
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer as _Backend
+from tqdm import tqdm
 
 from ..checks import is_int
 from .config import LlamaConfig
 from .llama import LlamaModel, build_model, fuse_hf_weights
 from .tokenizer import Tokenizer, end_of_turn_ids
 
-__all__ = ["load_hf", "read_json"]
+__all__ = ["Checkpoint", "load_hf", "read_json"]
+
+# A family's view of a checkpoint's tensors under Llama's Hugging Face names (lazy: a Mapping).
+TensorView = Callable[[LlamaConfig, Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 
 
 def read_json(path: str, required: bool = True) -> dict[str, Any]:
@@ -55,16 +59,37 @@ def _shards(folder: str) -> list[str]:
     raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-def _load_tensors(folder: str) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in _shards(folder):
-        if not os.path.isfile(shard):
-            raise FileNotFoundError(f"{shard}: listed in the index but not found")
-        try:
-            tensors.update(load_file(shard))
-        except SafetensorError as exc:
-            raise ValueError(f"{shard}: corrupt safetensors file ({exc})") from None
-    return tensors
+class Checkpoint(Mapping[str, torch.Tensor]):
+    """The tensors of a directory's safetensors shards, memory-mapped: each is read when
+    asked for, straight to ``device`` and converted to ``dtype`` there; ``bar`` counts them."""
+
+    def __init__(self, folder: str, device: torch.device | str, dtype: torch.dtype,
+                 bar: tqdm | None = None) -> None:
+        self.device, self.dtype, self.bar = torch.device(device), dtype, bar
+        self._files: dict[str, Any] = {}  # tensor name -> its opened shard
+        for shard in _shards(folder):
+            if not os.path.isfile(shard):
+                raise FileNotFoundError(f"{shard}: listed in the index but not found")
+            try:
+                opened = safe_open(shard, framework="pt", device=str(self.device))
+            except SafetensorError as exc:
+                raise ValueError(f"{shard}: corrupt safetensors file ({exc})") from None
+            self._files.update(dict.fromkeys(opened.keys(), opened))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._files[name].get_tensor(name).to(self.dtype)
+        if self.bar is not None:
+            self.bar.update(1)
+        return t
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._files
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
 
 
 def _token_text(config: dict[str, Any], key: str, file: str) -> str | None:
@@ -125,28 +150,40 @@ def hf_tokenizer(folder: str, config: dict[str, Any]) -> Tokenizer:
 
 
 def load_hf(
-    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    to_config: Callable[[Mapping[str, Any]], LlamaConfig] = LlamaConfig.from_hf_config,
+    view: TensorView | None = None,
 ) -> tuple[LlamaModel, Tokenizer]:
     """Model and tokenizer from the Hugging Face model directory ``path``.
 
+    A family passes ``to_config`` (its ``config.json`` to a :class:`LlamaConfig`) and
+    ``view`` (its tensors under Llama's Hugging Face names) where it differs from Llama.
     Raises ``FileNotFoundError`` for missing files and ``ValueError`` naming the file for an
-    unsupported model type or corrupt/mismatched weights.
+    unsupported model type or feature or corrupt/mismatched weights.
     """
     folder = os.fspath(path)
     config_file = os.path.join(folder, "config.json")
     raw = read_json(config_file)
     try:
-        config = LlamaConfig.from_hf_config(raw)
+        config = to_config(raw)
     except ValueError as exc:
         raise ValueError(f"{config_file}: {exc}") from None
     tokenizer = hf_tokenizer(folder, raw)  # before the slow part: fail fast
-    tensors = _load_tensors(folder)
-    head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
-    if config.tie_word_embeddings and head is not None and embed is not None and not torch.equal(head, embed):
-        # As transformers does: a stored head that differs from the embedding is used, untied.
-        warnings.warn(f"{folder}: tie_word_embeddings is true but the stored lm_head.weight differs "
-                      "from model.embed_tokens.weight; using the stored head (untied), as "
-                      "transformers does", UserWarning, stacklevel=2)
-        config = dataclasses.replace(config, tie_word_embeddings=False)
-    state = fuse_hf_weights(config, tensors, folder)
-    return build_model(config, state, dtype=dtype, device=device), tokenizer
+    with tqdm(desc=f"loading {os.path.basename(os.path.abspath(folder))}", unit="tensor",
+              leave=False, disable=None) as bar:
+        tensors: Mapping[str, torch.Tensor] = Checkpoint(folder, device, dtype, bar)
+        bar.total = len(tensors)
+        if config.tie_word_embeddings and "lm_head.weight" in tensors and "model.embed_tokens.weight" in tensors \
+                and not torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+            # As transformers does: a stored head that differs from the embedding is used, untied.
+            warnings.warn(f"{folder}: tie_word_embeddings is true but the stored lm_head.weight "
+                          "differs from model.embed_tokens.weight; using the stored head (untied), "
+                          "as transformers does", UserWarning, stacklevel=2)
+            config = dataclasses.replace(config, tie_word_embeddings=False)
+        if view is not None:
+            tensors = view(config, tensors)
+        state = fuse_hf_weights(config, tensors, folder)
+        return build_model(config, state, dtype=dtype, device=device), tokenizer
