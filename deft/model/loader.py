@@ -12,6 +12,7 @@ from .families import Family, family_for_gguf, family_for_hf, register_family
 from .gguf_file import GGUFFile
 from .gguf_loader import load_gguf
 from .hf_loader import load_hf, read_json
+from .phi3 import PHI3
 from .qwen import QWEN2, QWEN3
 from .tokenizer import Tokenizer
 
@@ -27,6 +28,7 @@ register_family(Family("llama", hf_model_types=("llama",), gguf_architectures=("
 register_family(Family("mistral", hf_model_types=("mistral",), load_hf=load_hf))
 register_family(QWEN2)
 register_family(QWEN3)
+register_family(PHI3)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
