@@ -263,3 +263,15 @@ def test_shapes_that_disagree_with_the_config_name_the_tensor(tmp_path):
     with pytest.raises(ValueError, match=r"tensor 'model.layers.0.self_attn.qkv_proj.weight' has 128 rows, "
                                          r"expected 192 from the config"):
         load_model(tmp_path)
+
+
+def test_cli_dtype_and_auto_device(checkpoint, capsys):
+    from deft.cli import main
+
+    family, folder, _ = checkpoint
+    if family != "qwen3":
+        pytest.skip("one family is enough for the flags")
+    assert main(["generate", "hello", "--model", str(folder), "--dtype", "bfloat16",
+                 "--max-new-tokens", "2", "--json"]) == 0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert f"model on {device} (--device auto), bfloat16, loaded in" in capsys.readouterr().err

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import time
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -26,6 +27,7 @@ __all__ = [
     "Parser",
     "add_workloads_flag",
     "byte_size",
+    "choose_device",
     "engine_config",
     "flag_error",
     "format_bytes",
@@ -38,7 +40,6 @@ __all__ = [
     "prompt_flags",
     "prompt_text",
     "require_device",
-    "resolve_device",
     "sampling_flags",
     "workloads",
 ]
@@ -166,21 +167,19 @@ def require_device(device: str) -> None:
         raise CliError("--device cuda: no CUDA device is available")
 
 
-def resolve_device(args: argparse.Namespace) -> None:
+def choose_device(args: argparse.Namespace) -> None:
     """``args.device`` ``auto`` as ``cuda`` when a CUDA device is available, else ``cpu``
     (``args.auto_device`` says it was chosen so)."""
     args.auto_device = getattr(args, "device", None) == "auto"
     if args.auto_device:
-        from ..model.loader import resolve_device as pick
+        from ..model.loader import resolve_device
 
-        args.device = pick("auto").type
+        args.device = resolve_device("auto").type
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Any]:
     """The model and tokenizer of ``--model`` on ``--device`` in ``--dtype``; user errors as
     :class:`CliError`. Once loaded, one line on stderr says what runs where."""
-    import time
-
     start = time.perf_counter()
     model, tok = load_from(args.model, args.device, "--model", args.dtype)
     chosen = " (--device auto)" if getattr(args, "auto_device", False) else ""

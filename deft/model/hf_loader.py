@@ -176,8 +176,9 @@ def load_hf(
               leave=False, disable=None) as bar:
         tensors: Mapping[str, torch.Tensor] = Checkpoint(folder, device, dtype, bar)
         bar.total = len(tensors)
-        if config.tie_word_embeddings and "lm_head.weight" in tensors and "model.embed_tokens.weight" in tensors \
-                and not torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+        pair = ("lm_head.weight", "model.embed_tokens.weight")
+        if (config.tie_word_embeddings and all(n in tensors for n in pair)
+                and not torch.equal(*(tensors[n] for n in pair))):
             # As transformers does: a stored head that differs from the embedding is used, untied.
             warnings.warn(f"{folder}: tie_word_embeddings is true but the stored lm_head.weight "
                           "differs from model.embed_tokens.weight; using the stored head (untied), "
