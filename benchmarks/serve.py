@@ -326,15 +326,15 @@ def _ratio(num: float, den: float) -> float:
 # ------------------------------------------------------------------ the library
 
 
-def _library_tokens_per_s(model_path: str | None, device: str, num_pages: int, reqs: list[BenchRequest],
-                          say: Callable[[str], None]) -> tuple[int, int, float, int]:
+def _library_tokens_per_s(model_path: str | None, device: str, dtype: str, num_pages: int,
+                          reqs: list[BenchRequest], say: Callable[[str], None]) -> tuple[int, int, float, int]:
     """``reqs`` one by one through the library's strategies on ``num_pages`` pages (the
     server's pool, of the default page size as the server's): prompt and completion tokens,
     seconds, and the system prompt's length in tokens."""
     from deft.engine import SamplingParams, TreeEngine, beam_search, generate, sample
     from deft.model import is_random_spec, load_model, load_random
 
-    model, tok = (load_random if is_random_spec(model_path) else load_model)(model_path, device)
+    model, tok = (load_random if is_random_spec(model_path) else load_model)(model_path, device, dtype)
     engine = TreeEngine(model, tok, num_pages=num_pages, device=device, prefill_chunk=256)
 
     prompt_tokens = [0]
@@ -374,7 +374,8 @@ HEADERS = ["side", "concurrency", "requests", "completed", "prompt tokens", "com
 
 
 def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max_tokens: int = 16,
-                model: str | None = None, device: str = "cpu", num_pages: int | None = None,
+                model: str | None = None, device: str = "cpu", dtype: str = "auto",
+                num_pages: int | None = None,
                 kv_memory: int | None = None, max_running: int | None = None, threads: int | None = None,
                 progress: Callable[[str], None] | None = None, json_path: str | None = None,
                 startup_s: float = STARTUP_S) -> str:
@@ -389,7 +390,7 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
     reqs = request_mix(requests, max_tokens)
     if model is None and device == "cuda":
         model = GPU_MODEL
-    flags = [*(["--model", model] if model else []), "--device", device,
+    flags = [*(["--model", model] if model else []), "--device", device, "--dtype", dtype,
              *(["--num-pages", str(num_pages)] if num_pages is not None else []),
              *(["--kv-memory", str(kv_memory)] if kv_memory is not None else []),
              *(["--max-running", str(max_running)] if max_running is not None else [])]
@@ -419,7 +420,7 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
                          _ratio(delta["deft_prefix_cache_hits_total"], delta["deft_prefix_cache_lookups_total"]),
                          100 * _ratio(delta["deft_prompt_tokens_computed_total"],
                                       delta["deft_prompt_tokens_total"])])
-    lib_prompt, lib_tokens, lib_s, system_tokens = _library_tokens_per_s(model, device, pool, reqs, say)
+    lib_prompt, lib_tokens, lib_s, system_tokens = _library_tokens_per_s(model, device, dtype, pool, reqs, say)
     lib_rate = lib_tokens / lib_s
     for row in rows:
         row[8] = row[7] / lib_rate

@@ -259,6 +259,11 @@ def write_hf_dir(folder, raw_config: dict, weights: dict[str, torch.Tensor]) -> 
     index = {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as fh:
         json.dump(index, fh)
+    write_tokenizer(folder)
+
+
+def write_tokenizer(folder, chat_template: str = CHATML, bos_token: str | None = None) -> None:
+    """tokenizer.json (byte-level BPE of :func:`tiny_vocab`) and tokenizer_config.json."""
     vocab = tiny_vocab()
     backend = Backend(models.BPE({t: i for i, t in enumerate(vocab)}, MERGES))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -266,7 +271,7 @@ def write_hf_dir(folder, raw_config: dict, weights: dict[str, torch.Tensor]) -> 
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
     backend.save(os.path.join(folder, "tokenizer.json"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as fh:
-        json.dump({"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML}, fh)
+        json.dump({"eos_token": "<|im_end|>", "bos_token": bos_token, "chat_template": chat_template}, fh)
 
 
 def permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -374,7 +379,7 @@ def test_gguf_tokenizer_options(tiny):
             "tokenizer.ggml.bos_token_id": 1}
     tok = tokenizer_from_gguf(meta, "x.gguf")
     assert tok.encode("hello")[0] == 1 and tok.encode("hello", add_special_tokens=False)[0] != 1
-    meta["tokenizer.ggml.pre"] = "qwen2"
+    meta["tokenizer.ggml.pre"] = "falcon"
     with pytest.raises(ValueError, match="x.gguf: tokenizer.ggml.pre: expected one of default, "):
         tokenizer_from_gguf(meta, "x.gguf")
     meta["tokenizer.ggml.model"] = "bert"
@@ -415,10 +420,10 @@ def test_corrupt_gguf(tiny, tmp_path):
 
 
 def test_unsupported_gguf(tiny, tmp_path):
-    path = tmp_path / "qwen.gguf"
-    write_gguf(path, TINY_CONFIG, tiny[2], tiny[3], arch="qwen2")
+    path = tmp_path / "falcon.gguf"
+    write_gguf(path, TINY_CONFIG, tiny[2], tiny[3], arch="falcon")
     with pytest.raises(ValueError, match=re.escape(path.as_posix()) + ".*general.architecture: "
-                       "expected one of llama, got 'qwen2'"):
+                       "expected one of llama, qwen2, qwen3, got 'falcon'"):
         load_model(path)
 
 
@@ -427,7 +432,7 @@ def test_bad_hf_dirs(tiny, tmp_path):
     shutil.copytree(tiny[0], hf_dir)
     config_file = hf_dir / "config.json"
     config_file.write_text(json.dumps({**TINY, "model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="config.json: model_type: expected one of llama, mistral"):
+    with pytest.raises(ValueError, match="config.json: model_type: expected one of llama, mistral, qwen2, qwen3, "):
         load_model(hf_dir)
     config_file.write_text(json.dumps({**TINY, "vocab_size": 300, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}))
     with pytest.raises(ValueError, match="rope_scaling: expected a type of linear, llama3, got 'yarn'"):

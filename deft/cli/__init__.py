@@ -7,7 +7,7 @@ import sys
 from typing import Sequence
 
 from . import bench, demo, generate, replay, serve, speculate
-from .common import CliError, Parser
+from .common import CliError, Parser, choose_device
 
 __all__ = ["CliError", "build_parser", "main"]
 
@@ -30,6 +30,7 @@ def build_parser() -> Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    choose_device(args)
     try:
         args.func(args)
     except CliError as exc:

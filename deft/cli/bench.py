@@ -212,7 +212,7 @@ def run_serve(args: argparse.Namespace) -> None:
     levels = [in_range(c, "--concurrency", 1, 256) for c in args.concurrency]
     try:
         print(serve_table(levels, in_range(args.requests, "--requests", 1, 1024),
-                          in_range(args.max_tokens, "--max-tokens", 1, 1024), args.model, args.device,
+                          in_range(args.max_tokens, "--max-tokens", 1, 1024), args.model, args.device, args.dtype,
                           args.num_pages and in_range(args.num_pages, "--num-pages", 1, 1 << 26),
                           args.kv_memory, args.max_running and in_range(args.max_running, "--max-running", 1, 4096),
                           args.threads and in_range(args.threads, "--threads", 1, 1024),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import time
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -19,12 +20,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEVICES",
+    "DTYPES",
     "PAGE_SIZE",
     "CliError",
     "KVBudget",
     "Parser",
     "add_workloads_flag",
     "byte_size",
+    "choose_device",
     "engine_config",
     "flag_error",
     "format_bytes",
@@ -41,7 +44,8 @@ __all__ = [
     "workloads",
 ]
 
-DEVICES = ("cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda")  # auto: resolved by main before a command runs
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 PAGE_SIZE = 16  # the engines the commands build use the default page size
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -63,9 +67,9 @@ class Parser(argparse.ArgumentParser):
 
 
 def model_flags(default_model: str = "SmolLM2-135M-Instruct GGUF") -> argparse.ArgumentParser:
-    """``--model MODEL``, ``--device``, ``--kv-memory SIZE`` and ``--tensor-parallel-size N``
-    (:mod:`.parallel`), as a parent parser;
-    ``default_model`` says what runs without ``--model``."""
+    """``--model MODEL``, ``--device``, ``--dtype``, ``--kv-memory SIZE`` and
+    ``--tensor-parallel-size N`` (:mod:`.parallel`), as a parent parser; ``default_model``
+    says what runs without ``--model``."""
     from ..cache.pool import KV_MEMORY_FRACTION
 
     p = argparse.ArgumentParser(add_help=False)
@@ -73,7 +77,12 @@ def model_flags(default_model: str = "SmolLM2-135M-Instruct GGUF") -> argparse.A
                    help="GGUF file, Hugging Face directory, or random:NAME[:layers=N] for random "
                    "weights of known shapes (NAME llama-3-8b or tiny; byte-level tokenizer) "
                    f"(default: {default_model})")
-    p.add_argument("--device", choices=DEVICES, default="cpu", help="default cpu")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where the model runs (default auto: cuda when a CUDA device is available, "
+                   "else cpu; said on stderr once the model is loaded)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="the weights' dtype, GGUF weights dequantised to it (default auto: the "
+                   "checkpoint's torch_dtype on cuda, bfloat16 where it states none, float32 on cpu)")
     p.add_argument("--kv-memory", type=byte_size, metavar="SIZE",
                    help="memory for the K/V cache, e.g. 2GiB, 512MB or a byte count (default: "
                    f"{KV_MEMORY_FRACTION:.0%}% of the memory free once the model is loaded, and "
@@ -163,19 +172,38 @@ def require_device(device: str) -> None:
         raise CliError("--device cuda: no CUDA device is available")
 
 
+def choose_device(args: argparse.Namespace) -> None:
+    """``args.device`` ``auto`` as ``cuda`` when a CUDA device is available, else ``cpu``
+    (``args.auto_device`` says it was chosen so)."""
+    args.auto_device = getattr(args, "device", None) == "auto"
+    if args.auto_device:
+        from ..model.loader import resolve_device
+
+        args.device = resolve_device("auto").type
+
+
 def load(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The model and tokenizer of ``--model`` on ``--device``; user errors as :class:`CliError`."""
-    return load_from(args.model, args.device, "--model")
+    """The model and tokenizer of ``--model`` on ``--device`` in ``--dtype``; user errors as
+    :class:`CliError`. Once loaded, one line on stderr says what runs where."""
+    start = time.perf_counter()
+    model, tok = load_from(args.model, args.device, "--model", args.dtype)
+    chosen = " (--device auto)" if getattr(args, "auto_device", False) else ""
+    progress(f"model on {args.device}{chosen}, {str(model.dtype).removeprefix('torch.')}, "
+             f"loaded in {time.perf_counter() - start:.1f} s")
+    return model, tok
 
 
-def load_from(path: str | None, device: str, flag: str) -> tuple[Any, Any]:
+def load_from(path: str | None, device: str, flag: str, dtype: str = "auto") -> tuple[Any, Any]:
     """The model and tokenizer at ``path`` (of ``flag``), or of the random-model spec
-    ``random:...`` (:mod:`deft.model.synthetic`), on ``device``."""
+    ``random:...`` (:mod:`deft.model.synthetic`), on ``device`` in ``dtype`` (a name or
+    ``auto``, as :func:`deft.model.load_model` takes it)."""
     from ..model import is_random_spec, load_model, load_random
 
     require_device(device)
     try:
-        return load_random(path, device) if is_random_spec(path) else load_model(path, device=device)
+        if is_random_spec(path):
+            return load_random(path, device, dtype)
+        return load_model(path, device=device, dtype=dtype)
     except (FileNotFoundError, ValueError) as exc:
         raise CliError(f"{flag}: {exc}") from exc
 

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> None:
     model, tok = parallel.load(args)
     draft = draft_tok = None
     if args.draft_model is not None:
-        draft, draft_tok = common.load_from(args.draft_model, args.device, "--draft-model")
+        draft, draft_tok = common.load_from(args.draft_model, args.device, "--draft-model", args.dtype)
     if args.kv_memory is not None:  # as many pages as the budget holds, shared like the CLI's
         models = [model] + ([draft] if draft is not None else [])
         num_pages, *draft_pages = common.KVBudget.of(args).pages([(m, 1 << 26) for m in models])

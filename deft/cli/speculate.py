@@ -80,7 +80,7 @@ def _generate(args: argparse.Namespace) -> list:
     # draft model's level-by-level appends, a page per PAGE_SIZE drafts one verified tree.
     needs = [(model, _pages(prompts, params, common.pages_for(shape.num_drafts + 1)))]
     if args.drafter == "model":
-        draft_model, draft_tok = common.load_from(args.draft_model, args.device, "--draft-model")
+        draft_model, draft_tok = common.load_from(args.draft_model, args.device, "--draft-model", args.dtype)
         needs.append((draft_model, _pages(prompts, params, shape.num_drafts)))
     budget = common.KVBudget.of(args)
     pages = budget.pages(needs)

@@ -1,11 +1,12 @@
-"""Load a Llama-family model and its tokenizer from a GGUF file (dequantised to ``dtype``)."""
+"""Load a model of a Llama-like family and its tokenizer from a GGUF file (dequantised to
+``dtype``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import re
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -30,6 +31,8 @@ _BLOCK_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -56,14 +59,18 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def load_gguf(
     path: str | os.PathLike | GGUFFile, device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32, tp: Any = None,
+    dtype: torch.dtype = torch.float32, tp: Any = None, *,
+    adapt: Callable[[LlamaConfig], LlamaConfig] | None = None, permuted_qk: bool = True,
 ) -> tuple[LlamaModel, Tokenizer]:
     """Model and tokenizer from the GGUF file at ``path`` (or already opened); with ``tp``
     (a :class:`~deft.distributed.TPGroup`), this rank's shard (each tensor is dequantised
     whole, one at a time, and only the rank's slice kept).
 
-    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming ``path`` for a
-    corrupt file, an unsupported architecture, tokenizer or quantisation type.
+    A family passes ``adapt`` (its flags set on the config read from the metadata) and
+    ``permuted_qk=False`` where llama.cpp's converter keeps q/k rows in rotate-half order
+    (it permutes them only for its ``llama`` architecture). Raises ``FileNotFoundError``
+    for a missing file and ``ValueError`` naming ``path`` for a corrupt file, an
+    unsupported architecture, tokenizer or quantisation type.
     """
     f = path if isinstance(path, GGUFFile) else GGUFFile(path)
     path = f.path
@@ -74,28 +81,31 @@ def load_gguf(
         if "rope_freqs.weight" in f.tensors:
             factors = tuple(f.dequantize("rope_freqs.weight").reshape(-1).tolist())
             config = dataclasses.replace(config, rope_freq_factors=factors)
+        if adapt is not None:
+            config = adapt(config)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     unknown = sorted(n for n in f.tensors if n != "rope_freqs.weight" and _hf_name(n) is None)
     if unknown:
-        raise ValueError(f"{path}: unsupported tensors for a Llama model: {unknown[:3]}")
+        raise ValueError(f"{path}: unsupported tensors for a {f.metadata.get('general.architecture')} "
+                         f"model: {unknown[:3]}")
     tokenizer = tokenizer_from_gguf(f.metadata, path)  # before the slow part: fail fast
-    tensors = _Tensors(f, config)
+    tensors = _Tensors(f, config, permuted_qk)
     return build_hf(config, tensors, path, dtype, device, tp), tokenizer
 
 
 class _Tensors(Mapping[str, torch.Tensor]):
     """A GGUF file's weights under their Hugging Face names, dequantised when read (q and k
-    rows back in rotate-half order)."""
+    rows back in rotate-half order where the converter permuted them)."""
 
-    def __init__(self, f: GGUFFile, config: LlamaConfig) -> None:
-        self.f, self.config = f, config
+    def __init__(self, f: GGUFFile, config: LlamaConfig, permuted_qk: bool) -> None:
+        self.f, self.config, self.permuted_qk = f, config, permuted_qk
         self.names = {_hf_name(n): n for n in f.tensors if n != "rope_freqs.weight"}
 
     def __getitem__(self, hf: str) -> torch.Tensor:
         name, c = self.names[hf], self.config
         w = self.f.dequantize(name)
-        if name.startswith("blk.") and (".attn_q." in name or ".attn_k." in name):
+        if self.permuted_qk and name.startswith("blk.") and (".attn_q." in name or ".attn_k." in name):
             heads = c.num_heads if ".attn_q." in name else c.num_kv_heads
             if w.shape[0] != heads * c.head_dim:
                 raise ValueError(

@@ -24,6 +24,7 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # digits one by one
 
 
 def _gpt2() -> pre_tokenizers.PreTokenizer:
@@ -34,11 +35,19 @@ def _digits_gpt2() -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2()])
 
 
-def _llama3() -> pre_tokenizers.PreTokenizer:
+def _split_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
+
+
+def _llama3() -> pre_tokenizers.PreTokenizer:
+    return _split_bytes(_LLAMA3_SPLIT)
+
+
+def _qwen2() -> pre_tokenizers.PreTokenizer:
+    return _split_bytes(_QWEN2_SPLIT)
 
 
 # tokenizer.ggml.pre -> pre-tokenizer (llama.cpp's regexes for these names).
@@ -46,6 +55,7 @@ PRE_TOKENIZERS = {
     "default": _gpt2, "gpt2": _gpt2, "gpt-2": _gpt2,
     "smollm": _digits_gpt2, "starcoder": _digits_gpt2, "refact": _digits_gpt2,
     "llama3": _llama3, "llama-v3": _llama3, "llama-bpe": _llama3, "smaug-bpe": _llama3,
+    "qwen2": _qwen2,
 }
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types

@@ -1,8 +1,9 @@
-"""Load a Llama-family model and its tokenizer from a Hugging Face model directory.
+"""Load a model of a Llama-like family and its tokenizer from a Hugging Face model directory.
 
 The directory holds ``config.json``, the weights as ``model.safetensors`` or shards listed
 by ``model.safetensors.index.json``, and ``tokenizer.json`` (plus, optionally,
-``tokenizer_config.json``, ``chat_template.jinja`` and ``generation_config.json``).
+``tokenizer_config.json``, ``chat_template.jinja`` and ``generation_config.json``). The
+shards are memory-mapped and each tensor is read once, straight to its device and dtype.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import dataclasses
 import json
 import os
 import warnings
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer as _Backend
+from tqdm import tqdm
 
 from ..checks import is_int
 from .config import LlamaConfig
@@ -23,7 +25,10 @@ from .llama import LlamaModel
 from .sharding import build_hf
 from .tokenizer import Tokenizer, end_of_turn_ids
 
-__all__ = ["load_hf", "read_json"]
+__all__ = ["Checkpoint", "load_hf", "read_json"]
+
+# A family's view of a checkpoint's tensors under Llama's Hugging Face names (lazy: a Mapping).
+TensorView = Callable[[LlamaConfig, Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 
 
 def read_json(path: str, required: bool = True) -> dict[str, Any]:
@@ -55,45 +60,46 @@ def _shards(folder: str) -> list[str]:
     raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-class _Checkpoint(Mapping[str, torch.Tensor]):
-    """The tensors of a checkpoint's safetensors files, each read when asked for (the files
-    are memory-mapped): a rank of a tensor-parallel job reads only its slices."""
+class Checkpoint(Mapping[str, torch.Tensor]):
+    """The tensors of a directory's safetensors shards, memory-mapped: each is read when
+    asked for, straight to ``device`` and converted to ``dtype`` there; ``bar`` counts them."""
 
-    def __init__(self, folder: str) -> None:
-        self._files: dict[str, Any] = {}
-        self._where: dict[str, str] = {}
+    def __init__(self, folder: str, device: torch.device | str, dtype: torch.dtype,
+                 bar: tqdm | None = None) -> None:
+        self.device, self.dtype, self.bar = torch.device(device), dtype, bar
+        self._files: dict[str, Any] = {}  # tensor name -> its opened shard
         for shard in _shards(folder):
             if not os.path.isfile(shard):
                 raise FileNotFoundError(f"{shard}: listed in the index but not found")
             try:
-                handle = safe_open(shard, framework="pt")
+                opened = safe_open(shard, framework="pt", device=str(self.device))
             except SafetensorError as exc:
                 raise ValueError(f"{shard}: corrupt safetensors file ({exc})") from None
-            self._files[shard] = handle
-            self._where.update(dict.fromkeys(handle.keys(), shard))
-
-    def _read(self, name: str, read: Any) -> torch.Tensor:
-        try:
-            return read(self._files[self._where[name]])
-        except SafetensorError as exc:
-            raise ValueError(f"{self._where[name]}: corrupt tensor {name!r} ({exc})") from None
+            self._files.update(dict.fromkeys(opened.keys(), opened))
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._read(name, lambda f: f.get_tensor(name))
-
-    def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
-        """Rows (``dim`` 0) or columns (``dim`` 1) ``[start, stop)`` of ``name``, read alone."""
-        index = (slice(start, stop),) if dim == 0 else (slice(None), slice(start, stop))
-        return self._read(name, lambda f: f.get_slice(name)[index])
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
+        t = self._files[name].get_tensor(name).to(self.dtype)
+        if self.bar is not None:
+            self.bar.update(1)
+        return t
 
     def __contains__(self, name: object) -> bool:
-        return name in self._where
+        return name in self._files
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (``dim`` 0) or columns (``dim`` 1) ``[start, stop)`` of ``name``, read alone
+        (a tensor-parallel rank's part)."""
+        index = (slice(start, stop),) if dim == 0 else (slice(None), slice(start, stop))
+        t = self._files[name].get_slice(name)[index].to(self.device, self.dtype)
+        if self.bar is not None:
+            self.bar.update(1)
+        return t
 
 
 def _token_text(config: dict[str, Any], key: str, file: str) -> str | None:
@@ -154,29 +160,43 @@ def hf_tokenizer(folder: str, config: dict[str, Any]) -> Tokenizer:
 
 
 def load_hf(
-    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    to_config: Callable[[Mapping[str, Any]], LlamaConfig] = LlamaConfig.from_hf_config,
+    view: TensorView | None = None,
     tp: Any = None,
 ) -> tuple[LlamaModel, Tokenizer]:
     """Model and tokenizer from the Hugging Face model directory ``path``; with ``tp`` (a
     :class:`~deft.distributed.TPGroup`), this rank's shard, reading only its slices.
 
+    A family passes ``to_config`` (its ``config.json`` to a :class:`LlamaConfig`) and
+    ``view`` (its tensors under Llama's Hugging Face names) where it differs from Llama.
     Raises ``FileNotFoundError`` for missing files and ``ValueError`` naming the file for an
-    unsupported model type or corrupt/mismatched weights.
+    unsupported model type or feature or corrupt/mismatched weights.
     """
     folder = os.fspath(path)
     config_file = os.path.join(folder, "config.json")
     raw = read_json(config_file)
     try:
-        config = LlamaConfig.from_hf_config(raw)
+        config = to_config(raw)
     except ValueError as exc:
         raise ValueError(f"{config_file}: {exc}") from None
     tokenizer = hf_tokenizer(folder, raw)  # before the slow part: fail fast
-    tensors = _Checkpoint(folder)
-    head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
-    if config.tie_word_embeddings and head is not None and embed is not None and not torch.equal(head, embed):
-        # As transformers does: a stored head that differs from the embedding is used, untied.
-        warnings.warn(f"{folder}: tie_word_embeddings is true but the stored lm_head.weight differs "
-                      "from model.embed_tokens.weight; using the stored head (untied), as "
-                      "transformers does", UserWarning, stacklevel=2)
-        config = dataclasses.replace(config, tie_word_embeddings=False)
-    return build_hf(config, tensors, folder, dtype, device, tp, tensors.read_slice), tokenizer
+    with tqdm(desc=f"loading {os.path.basename(os.path.abspath(folder))}", unit="tensor",
+              leave=False, disable=None) as bar:
+        tensors: Mapping[str, torch.Tensor] = Checkpoint(folder, device, dtype, bar)
+        bar.total = len(tensors)
+        pair = ("lm_head.weight", "model.embed_tokens.weight")
+        if (config.tie_word_embeddings and all(n in tensors for n in pair)
+                and not torch.equal(*(tensors[n] for n in pair))):
+            # As transformers does: a stored head that differs from the embedding is used, untied.
+            warnings.warn(f"{folder}: tie_word_embeddings is true but the stored lm_head.weight "
+                          "differs from model.embed_tokens.weight; using the stored head (untied), "
+                          "as transformers does", UserWarning, stacklevel=2)
+            config = dataclasses.replace(config, tie_word_embeddings=False)
+        read_slice = tensors.read_slice
+        if view is not None:  # its names are not the files': slices are cut after reading
+            tensors, read_slice = view(config, tensors), None
+        return build_hf(config, tensors, folder, dtype, device, tp, read_slice), tokenizer

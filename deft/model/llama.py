@@ -36,7 +36,8 @@ class RMSNorm(nn.Module):
 
 
 class LlamaLayer(nn.Module):
-    """Pre-norm attention block and SwiGLU MLP; q/k/v and gate/up are fused projections."""
+    """Pre-norm attention block and SwiGLU MLP; q/k/v and gate/up are fused projections
+    (with the config's family flags: q/k/v biases, per-head q/k norms)."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -45,8 +46,10 @@ class LlamaLayer(nn.Module):
         self.q_size = c.num_heads * c.head_dim
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.qkv = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
-                             bias=c.attention_bias)
+                             bias=c.attention_bias or c.qkv_bias)
         self.o = nn.Linear(self.q_size, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
@@ -69,7 +72,7 @@ class LlamaLayer(nn.Module):
         captured: bool = False,  # launched into a CUDA graph (or its warm-up)
     ) -> torch.Tensor:
         n, h, h_kv = x.shape[0], self.num_heads, self.num_kv_heads
-        qkv = self.qkv(self.attn_norm(x)).view(n, h + 2 * h_kv, self.head_dim)
+        qkv = self.project_qkv(self.attn_norm(x))
         qk = apply_rope(qkv[:, :h + h_kv], cos, sin)  # q and k heads rotated together
         pool.write(layer, write_slots, qk[:, h:], qkv[:, h + h_kv:])
         k_scale, v_scale = pool.scales(layer)
@@ -78,6 +81,16 @@ class LlamaLayer(nn.Module):
         x = x + self._reduced(self.o(o.reshape(n, self.q_size)))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self._reduced(self.down(F.silu(gate) * up))
+
+    def project_qkv(self, normed: torch.Tensor) -> torch.Tensor:
+        """``[N, H + 2 H_kv, D]``: the q, k and v heads of ``normed [N, hidden]``, q and k
+        RMS-normalised per head where the config says so."""
+        qkv = self.qkv(normed).view(normed.shape[0], -1, self.head_dim)
+        if self.q_norm is None:
+            return qkv
+        h, h_kv = self.num_heads, self.num_kv_heads
+        return torch.cat([self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h:h + h_kv]),
+                          qkv[:, h + h_kv:]], dim=1)
 
     def forward_fused(
         self,
@@ -97,9 +110,9 @@ class LlamaLayer(nn.Module):
         which the next layer's norm adds."""
         from . import fused, skinny
 
-        n, h, h_kv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        n, h = x.shape[0], self.num_heads
         normed, x = fused.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps, delta)
-        qkv = self.qkv(normed).view(n, h + 2 * h_kv, d)
+        qkv = self.project_qkv(normed)
         k, v = pool.k_slots[layer], pool.v_slots[layer]
         q = fused.rope_write(qkv, table, positions, write_slots, k, v, h)
         o = attn.run(q, k, v, out=out, captured=captured)
@@ -294,7 +307,8 @@ class LlamaModel(nn.Module):
 def fuse_hf_weights(
     config: LlamaConfig, tensors: Mapping[str, torch.Tensor], source: str
 ) -> dict[str, torch.Tensor]:
-    """Map Hugging Face Llama tensor names to :class:`LlamaModel`'s (fusing q/k/v and gate/up).
+    """Map Hugging Face Llama tensor names to :class:`LlamaModel`'s (fusing q/k/v and gate/up;
+    ``self_attn.q_norm``/``k_norm`` where ``config.qk_norm``).
 
     Raises ``ValueError`` naming ``source`` for a missing or unexpected tensor, or one whose
     shape does not follow from the config.
@@ -314,7 +328,8 @@ def fuse_hf_weights(
         used.add(name)
         return t
 
-    attn_suffixes = ["weight"] + (["bias"] if c.attention_bias else [])
+    qkv_suffixes = ["weight"] + (["bias"] if c.attention_bias or c.qkv_bias else [])
+    o_suffixes = ["weight"] + (["bias"] if c.attention_bias else [])
     mlp_suffixes = ["weight"] + (["bias"] if c.mlp_bias else [])
     state = {"embed.weight": take("model.embed_tokens.weight", c.vocab_size, hidden),
              "norm.weight": take("model.norm.weight", hidden)}
@@ -324,12 +339,16 @@ def fuse_hf_weights(
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         state[ours + "attn_norm.weight"] = take(hf + "input_layernorm.weight", hidden)
         state[ours + "mlp_norm.weight"] = take(hf + "post_attention_layernorm.weight", hidden)
-        for s in attn_suffixes:
+        for s in qkv_suffixes:
             state[ours + f"qkv.{s}"] = torch.cat([
                 take(hf + f"self_attn.{p}_proj.{s}", rows, hidden)
                 for p, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))
             ])
+        for s in o_suffixes:
             state[ours + f"o.{s}"] = take(hf + f"self_attn.o_proj.{s}", hidden, q_rows)
+        if c.qk_norm:
+            for p in ("q", "k"):
+                state[ours + f"{p}_norm.weight"] = take(hf + f"self_attn.{p}_norm.weight", c.head_dim)
         for s in mlp_suffixes:
             state[ours + f"gate_up.{s}"] = torch.cat([
                 take(hf + f"mlp.{p}_proj.{s}", c.intermediate_size, hidden) for p in ("gate", "up")

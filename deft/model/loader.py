@@ -13,17 +13,45 @@ from .families import Family, family_for_gguf, family_for_hf, register_family
 from .gguf_file import GGUFFile
 from .gguf_loader import load_gguf
 from .hf_loader import load_hf, read_json
+from .phi3 import PHI3
+from .qwen import QWEN2, QWEN3
 from .tokenizer import Tokenizer
 
-__all__ = ["load_model", "default_model_path", "DEFAULT_GGUF"]
+__all__ = ["load_model", "default_model_path", "resolve_device", "resolve_dtype", "DEFAULT_GGUF"]
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float64": torch.float64}
 
 register_family(Family("llama", hf_model_types=("llama",), gguf_architectures=("llama",),
                        load_hf=load_hf, load_gguf=load_gguf, tensor_parallel=True))
 register_family(Family("mistral", hf_model_types=("mistral",), load_hf=load_hf,
                        tensor_parallel=True))
+register_family(QWEN2)
+register_family(QWEN3)
+register_family(PHI3)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device``, with ``"auto"`` as CUDA when it is available, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device, stated: object = None) -> torch.dtype:
+    """``dtype`` (a ``torch.dtype`` or its name), with ``"auto"`` as the checkpoint's
+    ``stated`` dtype name on CUDA (bfloat16 where it states none) and float32 elsewhere."""
+    if dtype == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return _DTYPE_NAMES.get(stated, torch.bfloat16) if isinstance(stated, str) else torch.bfloat16
+    dtype = _DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dtype not in _DTYPES:
+        names = ", ".join(["auto", *_DTYPE_NAMES])
+        raise ValueError(f"dtype: expected one of {names}, got {dtype!r}")
+    return dtype
 
 
 def default_model_path() -> str:
@@ -39,7 +67,7 @@ def default_model_path() -> str:
 def load_model(
     path: str | os.PathLike | None = None,
     device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = "auto",
     tp: Any = None,
 ) -> tuple[DecoderModel, Tokenizer]:
     """Load a model of a registered family (:mod:`.families`) and its tokenizer, ready
@@ -50,8 +78,12 @@ def load_model(
     path:
         A ``.gguf`` file, a Hugging Face model directory (config.json, safetensors,
         tokenizer.json), or ``None`` for the default SmolLM2-135M-Instruct GGUF.
-    device, dtype:
-        Where the weights live and their dtype (GGUF weights are dequantised to it).
+    device:
+        Where the weights live: ``"auto"`` is CUDA when it is available, else the CPU.
+    dtype:
+        The weights' dtype (a ``torch.dtype`` or its name; GGUF weights are dequantised to
+        it): ``"auto"`` is the checkpoint's ``torch_dtype`` on CUDA (bfloat16 where it states
+        none, as GGUF does), float32 on the CPU.
     tp:
         A :class:`~deft.distributed.TPGroup`: load this rank's shard of the weights (its
         heads and MLP rows, reading only those), for an engine built with the same group.
@@ -59,25 +91,25 @@ def load_model(
     Raises ``FileNotFoundError`` for a missing path or file and ``ValueError`` naming the path
     for anything unsupported or corrupt.
     """
-    if dtype not in _DTYPES:
-        names = ", ".join(str(d) for d in _DTYPES)
-        raise ValueError(f"dtype: expected one of {names}, got {dtype!r}")
+    device = resolve_device(device)
+    resolve_dtype(dtype, device)  # a bad dtype fails before any file is read
     path = default_model_path() if path is None else os.fspath(path)
     if os.path.isdir(path):
         config_file = os.path.join(path, "config.json")
-        model_type = read_json(config_file).get("model_type")  # its errors name the file
+        raw = read_json(config_file)  # its errors name the file
         try:
-            family = family_for_hf(model_type)
+            family = family_for_hf(raw.get("model_type"))
         except ValueError as exc:
             raise ValueError(f"{config_file}: {exc}") from None
-        return _load(family, family.load_hf, path, device, dtype, tp)
+        stated = raw.get("torch_dtype", raw.get("dtype"))
+        return _load(family, family.load_hf, path, device, resolve_dtype(dtype, device, stated), tp)
     if os.path.isfile(path):
         f = GGUFFile(path)
         try:
             family = family_for_gguf(f.metadata.get("general.architecture"))
         except ValueError as exc:
             raise ValueError(f"{f.path}: {exc}") from None
-        return _load(family, family.load_gguf, f, device, dtype, tp)
+        return _load(family, family.load_gguf, f, device, resolve_dtype(dtype, device), tp)
     raise FileNotFoundError(f"{path}: no such model file or directory")
 
 

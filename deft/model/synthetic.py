@@ -24,6 +24,7 @@ from tokenizers import Tokenizer as Backend
 from ..checks import int_in_range
 from .config import LlamaConfig
 from .llama import LlamaModel
+from .loader import resolve_device, resolve_dtype
 from .tokenizer import Tokenizer
 
 __all__ = ["SHAPES", "RandomSpec", "byte_tokenizer", "is_random_spec", "load_random", "parse_spec",
@@ -122,7 +123,9 @@ def byte_tokenizer(vocab_size: int) -> Tokenizer:
     return Tokenizer(backend, eos_token_ids=[257], chat_template=CHAT_TEMPLATE, bos_token=BOS, eos_token=EOS)
 
 
-def load_random(spec: str, device: str | torch.device = "cpu") -> tuple[LlamaModel, Tokenizer]:
-    """The random model of ``spec`` (:func:`parse_spec`) on ``device`` and its tokenizer."""
-    config = parse_spec(spec).config
-    return random_model(config, device), byte_tokenizer(config.vocab_size)
+def load_random(spec: str, device: str | torch.device = "cpu",
+                dtype: torch.dtype | str = "auto") -> tuple[LlamaModel, Tokenizer]:
+    """The random model of ``spec`` (:func:`parse_spec`) on ``device`` in ``dtype`` (a
+    ``torch.dtype``, its name, or ``auto``: bf16 on CUDA, float32 elsewhere) and its tokenizer."""
+    config, device = parse_spec(spec).config, resolve_device(device)
+    return random_model(config, device, resolve_dtype(dtype, device)), byte_tokenizer(config.vocab_size)

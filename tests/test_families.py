@@ -1,0 +1,277 @@
+"""Each registered family against ``transformers`` on a tiny random checkpoint built in the test:
+logits of a forest of prompts, greedy and beam-search tokens through the engine, GGUF files
+where llama.cpp has the architecture, chat templates; and the errors users see.
+
+Tolerance: float32 logits within ``ATOL`` (the torch backend's tiled attention sums in another
+order than transformers' dense attention; measured ~1e-6 on these models).
+"""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from deft.engine import SamplingParams, TreeEngine, beam_search, generate
+from deft.model import load_model
+from deft.model.loader import resolve_dtype
+from test_model import (CHATML, MERGES, SPECIALS, TINY_PROMPTS, assert_logits, forest_logits,
+                        reference_logits, tiny_vocab, write_tokenizer)
+
+transformers = pytest.importorskip("transformers")
+
+ATOL = 1e-4
+EOS = [0, 2]  # <|endoftext|> and <|im_end|> of the tiny vocabulary
+SHAPE = dict(vocab_size=len(tiny_vocab()), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+             rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=2,
+             pad_token_id=0)
+# (transformers config class, model class, extra config): each family's distinguishing features.
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, use_sliding_window=False,
+                                                       sliding_window=32)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=24, sliding_window=None)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(original_max_position_embeddings=256)),
+}
+
+
+def build_checkpoint(folder, family: str, seed: int = 0, **changes):
+    """A random ``family`` model of :data:`SHAPE` saved by transformers (float32), with the
+    tiny tokenizer; returns the transformers model. Every weight is random (biases and norms
+    included), large enough that greedy and beam choices are clear."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**SHAPE, **extra, **changes})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif "embed" in name:
+                p.normal_(0, 1.0)
+            else:
+                p.normal_(0, 1.5 / p.shape[-1] ** 0.5)
+    model.save_pretrained(folder)
+    write_tokenizer(folder)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    return request.param, folder, build_checkpoint(folder, request.param)
+
+
+def test_logits_match_transformers(checkpoint):
+    family, folder, ref = checkpoint
+    model, _ = load_model(folder)
+    assert model.dtype == torch.float32  # auto on the CPU
+    c = model.config
+    assert (c.qkv_bias, c.qk_norm) == (family == "qwen2", family == "qwen3")
+    assert c.max_position_embeddings == 256  # Qwen2's unused sliding_window caps nothing
+    for ids, got in zip(TINY_PROMPTS, forest_logits(model, TINY_PROMPTS)):
+        assert_logits(got, reference_logits(ref, ids), ATOL, f"{family}, {len(ids)} tokens")
+
+
+def test_greedy_and_beam_match_transformers(checkpoint):
+    family, folder, ref = checkpoint
+    engine = TreeEngine(*load_model(folder), num_pages=64, page_size=16, backend="torch")
+    prompts, new = [TINY_PROMPTS[0], TINY_PROMPTS[1]], 8
+
+    def hf(ids, **kwargs):
+        return ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                            max_new_tokens=new, do_sample=False, eos_token_id=EOS, pad_token_id=2, **kwargs)
+
+    for ids, got in zip(prompts, generate(engine, prompts, SamplingParams(max_new_tokens=new))):
+        assert got.token_ids == hf(ids)[0, len(ids):].tolist(), family
+    for ids, hyps in zip(prompts, beam_search(engine, prompts, 3, new, num_return_sequences=2)):
+        out = hf(ids, num_beams=3, num_return_sequences=2, output_scores=True, return_dict_in_generate=True)
+        for j, hyp in enumerate(hyps):
+            seq = out.sequences[j, len(ids):].tolist()
+            assert hyp.token_ids == seq[:len(hyp.token_ids)], (family, j)
+            assert hyp.score == pytest.approx(float(out.sequences_scores[j]), abs=1e-3)
+
+
+# ---------------------------------------------------------------- GGUF (qwen2, qwen3)
+
+
+GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+              "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+
+
+def write_qwen_gguf(path, arch: str, ref) -> None:
+    """``ref``'s weights as llama.cpp writes a Qwen GGUF: F32, q/k rows unpermuted."""
+    c = ref.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    vocab = tiny_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(vocab)
+    w.add_token_merges([f"{a} {b}" for a, b in MERGES])
+    w.add_token_types([3 if t in SPECIALS else 1 for t in vocab])
+    w.add_eos_token_id(vocab.index("<|im_end|>"))
+    w.add_chat_template(CHATML)
+    for name, t in ref.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            module, suffix = rest.rsplit(".", 1)
+            out = f"blk.{layer}.{GGUF_NAMES[module]}.{suffix}"
+        else:
+            out = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                   "lm_head.weight": "output.weight"}[name]
+        w.add_tensor(out, t.numpy().astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_gguf_matches_transformers(family, tmp_path):
+    ref = build_checkpoint(tmp_path / "hf", family, seed=1)
+    path = tmp_path / f"{family}.gguf"
+    write_qwen_gguf(path, family, ref)
+    model, tok = load_model(path)
+    assert (model.config.qkv_bias, model.config.qk_norm) == (family == "qwen2", family == "qwen3")
+    for ids, got in zip(TINY_PROMPTS, forest_logits(model, TINY_PROMPTS)):
+        assert_logits(got, reference_logits(ref, ids), ATOL, f"{family} GGUF, {len(ids)} tokens")
+    ref_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in ["hello world 12345", "Ünïcödé 2024 — it's\n\n  x"]:
+        assert tok.encode(text) == ref_tok.encode(text), text
+
+
+# ---------------------------------------------------------------- chat templates
+
+
+# Written for the test in the style of each family's shipped template (the Jinja features they use).
+TEMPLATES = {
+    "qwen": (
+        "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
+        "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+        "{%- endif %}{%- set ns = namespace(last_query=messages|length - 1) %}"
+        "{%- for m in messages[::-1] %}{%- if m.role == 'user' and m.content is string %}"
+        "{%- set ns.last_query = (messages|length - 1) - loop.index0 %}{%- break %}{%- endif %}{%- endfor %}"
+        "{%- for m in messages %}{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}"
+        "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- elif m.role == 'assistant' %}"
+        "{%- set content = m.content.split('</think>')[-1].lstrip('\\n') if '</think>' in m.content else m.content %}"
+        "{{- '<|im_start|>assistant\\n' + content.strip() + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+        "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+        "{%- endif %}{%- endif %}"),
+    "phi3": (
+        "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\\n' + message['content'] "
+        "+ '<|end|>\\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\\n' + message['content'] + '<|end|>\\n'}}"
+        "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\\n' + message['content'] + '<|end|>\\n'}}"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}"
+        "{% endif %}"),
+    "mistral": (
+        "{{- bos_token }}{%- for message in messages %}"
+        "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+        "{%- endif %}{%- if message['role'] == 'user' %}{{- '[INST] ' + message['content'] + '[/INST]' }}"
+        "{%- else %}{{- message['content'] + eos_token }}{%- endif %}{%- endfor %}"),
+}
+CHATS = [
+    [{"role": "user", "content": "Hi!"}],
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "<think>\nhm</think>\n\nHello. "},
+     {"role": "user", "content": "2+2?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}],
+]
+
+
+@pytest.mark.parametrize("style", sorted(TEMPLATES))
+def test_chat_templates_render_as_transformers(style, tmp_path):
+    build_checkpoint(tmp_path, "qwen2")
+    write_tokenizer(tmp_path, TEMPLATES[style], bos_token="<|endoftext|>")
+    _, tok = load_model(tmp_path)
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for messages in CHATS:
+        if style == "mistral" and messages[0]["role"] == "system":
+            continue
+        for gen in (True, False):
+            want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            assert tok.render_chat(messages, add_generation_prompt=gen) == want, (style, messages)
+
+
+# ---------------------------------------------------------------- dtype, errors
+
+
+def test_auto_dtype():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("auto", cpu, "bfloat16") == torch.float32
+    assert resolve_dtype("auto", cuda, "float16") == torch.float16
+    assert resolve_dtype("auto", cuda, None) == resolve_dtype("auto", cuda, "int8") == torch.bfloat16
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype: expected one of auto, float32, float16, bfloat16, "
+                                         "float64, got 'half'"):
+        resolve_dtype("half", cpu)
+
+
+def test_named_dtype_and_memory_mapped_load(checkpoint):
+    family, folder, ref = checkpoint
+    model, _ = load_model(folder, device="auto" if not torch.cuda.is_available() else "cpu", dtype="bfloat16")
+    assert model.dtype == model.rope.dtype == torch.bfloat16 and model.device.type == "cpu"
+    (got,) = forest_logits(model, TINY_PROMPTS[:1])
+    assert_logits(got, reference_logits(ref, TINY_PROMPTS[0]), 0.5, f"{family} bf16 vs float32")
+
+
+@pytest.mark.parametrize("family, change, message", [
+    ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling: expected a type of linear, "
+     "llama3, got 'yarn'"),
+    ("phi3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor: expected 1.0 (partial RoPE is not supported)"),
+    ("qwen2", {"hidden_act": "gelu"}, "hidden_act: expected 'silu'"),
+])
+def test_unsupported_features_name_themselves(tmp_path, family, change, message):
+    build_checkpoint(tmp_path, family)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.pop("rope_parameters", None) if "rope_scaling" in change else None
+    (tmp_path / "config.json").write_text(json.dumps({**raw, **change}))
+    with pytest.raises(ValueError, match="config.json: " + message.replace("(", r"\(").replace(")", r"\)")):
+        load_model(tmp_path)
+
+
+def test_shapes_that_disagree_with_the_config_name_the_tensor(tmp_path):
+    build_checkpoint(tmp_path, "qwen3")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "head_dim": 16}))
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.self_attn.q_proj.weight' has shape "
+                                         r"\(96, 64\), expected \(64, 64\) from the config"):
+        load_model(tmp_path)
+    build_checkpoint(tmp_path, "phi3")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "num_key_value_heads": 4}))
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.self_attn.qkv_proj.weight' has 128 rows, "
+                                         r"expected 192 from the config"):
+        load_model(tmp_path)
+
+
+def test_cli_dtype_and_auto_device(checkpoint, capsys):
+    from deft.cli import main
+
+    family, folder, _ = checkpoint
+    if family != "qwen3":
+        pytest.skip("one family is enough for the flags")
+    assert main(["generate", "hello", "--model", str(folder), "--dtype", "bfloat16",
+                 "--max-new-tokens", "2", "--json"]) == 0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert f"model on {device} (--device auto), bfloat16, loaded in" in capsys.readouterr().err
