@@ -182,28 +182,34 @@ def choose_device(args: argparse.Namespace) -> None:
         args.device = resolve_device("auto").type
 
 
-def load(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The model and tokenizer of ``--model`` on ``--device`` in ``--dtype``; user errors as
+def load(args: argparse.Namespace, tp: Any = None) -> tuple[Any, Any]:
+    """The model and tokenizer of ``--model`` on ``--device`` in ``--dtype`` (with ``tp``,
+    a :class:`~deft.distributed.TPGroup`, this rank's shard on its device); user errors as
     :class:`CliError`. Once loaded, one line on stderr says what runs where."""
     start = time.perf_counter()
-    model, tok = load_from(args.model, args.device, "--model", args.dtype)
+    device = args.device if tp is None else str(tp.device)
+    model, tok = load_from(args.model, device, "--model", args.dtype, tp)
     chosen = " (--device auto)" if getattr(args, "auto_device", False) else ""
-    progress(f"model on {args.device}{chosen}, {str(model.dtype).removeprefix('torch.')}, "
+    rank = "" if tp is None else f" (tensor-parallel rank {tp.rank} of {tp.world_size})"
+    progress(f"model on {device}{chosen}{rank}, {str(model.dtype).removeprefix('torch.')}, "
              f"loaded in {time.perf_counter() - start:.1f} s")
     return model, tok
 
 
-def load_from(path: str | None, device: str, flag: str, dtype: str = "auto") -> tuple[Any, Any]:
+def load_from(path: str | None, device: str, flag: str, dtype: str = "auto",
+              tp: Any = None) -> tuple[Any, Any]:
     """The model and tokenizer at ``path`` (of ``flag``), or of the random-model spec
     ``random:...`` (:mod:`deft.model.synthetic`), on ``device`` in ``dtype`` (a name or
-    ``auto``, as :func:`deft.model.load_model` takes it)."""
+    ``auto``, as :func:`deft.model.load_model` takes it); with ``tp``, this rank's shard."""
     from ..model import is_random_spec, load_model, load_random
+    from ..model.sharding import shard_model
 
     require_device(device)
     try:
         if is_random_spec(path):
-            return load_random(path, device, dtype)
-        return load_model(path, device=device, dtype=dtype)
+            model, tok = load_random(path, device, dtype)
+            return (model if tp is None else shard_model(model, tp)), tok
+        return load_model(path, device=device, dtype=dtype, tp=tp)
     except (FileNotFoundError, ValueError) as exc:
         raise CliError(f"{flag}: {exc}") from exc
 

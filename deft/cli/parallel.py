@@ -42,21 +42,9 @@ def join(args: argparse.Namespace) -> Any:
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The model of ``--model`` and its tokenizer (:func:`common.load`), or, under tensor
+    """The model of ``--model`` and its tokenizer (:func:`common.load`); under tensor
     parallelism, this rank's shard of it."""
-    tp = join(args)
-    if tp is None:
-        return common.load(args)
-    from ..model import is_random_spec, load_model, load_random
-    from ..model.sharding import shard_model
-
-    try:
-        if is_random_spec(args.model):
-            model, tok = load_random(args.model, tp.device)
-            return shard_model(model, tp), tok
-        return load_model(args.model, device=tp.device, tp=tp)
-    except (FileNotFoundError, ValueError) as exc:
-        raise CliError(f"--model: {exc}") from exc
+    return common.load(args, join(args))
 
 
 def engine(args: argparse.Namespace, model: Any, tokenizer: Any, config: Any) -> Any:
