@@ -209,9 +209,9 @@ def test_kv_dtype_and_scales_are_checked_before_any_kernel(scaled_kv):
                                         "float64, float8_e4m3fn for backend 'torch', got "
                                         "torch.int8"):
         attn.plan(layout, kv_dtype=torch.int8)
-    attn.plan(layout, kv_dtype=torch.float16)
-    with pytest.raises(TypeError, match="q: expected dtype torch.float16, the planned kv_dtype"):
-        attn.run(q, k.half(), v.half())
+    attn.plan(layout, kv_dtype=torch.float64)
+    with pytest.raises(TypeError, match="q: expected dtype torch.float64, the planned kv_dtype"):
+        attn.run(q, k.double(), v.double())
     ref = TreeAttention(2, 1, 16, backend="reference")
     ref.plan(layout)
     with pytest.raises(ValueError, match="the reference backend reads no K/V scales"):
@@ -299,10 +299,9 @@ def test_one_host_plan_uploads_to_several_triton_attentions():
 
 def test_a_kv_format_the_backend_cannot_read_is_refused_when_the_engine_is_built(scaled_kv):
     model, tok = tiny_llama(), ToyTokenizer()
-    with pytest.raises(TypeError, match="kv: backend 'torch' reads K/V in the queries' dtype "
-                                        "torch.float32 or torch.float8_e4m3fn only, got "
-                                        "torch.float16"):
-        TreeEngine(model, tok, num_pages=4, backend="torch", kv=KVSpec(torch.float16))
+    with pytest.raises(TypeError, match="kv: backend 'reference' reads K/V in the queries' "
+                                        "dtype torch.float32 only, got torch.float16"):
+        TreeEngine(model, tok, num_pages=4, backend="reference", kv=KVSpec(torch.float16))
     with pytest.raises(ValueError, match="kv: the reference backend reads no K/V scales"):
         TreeEngine(model, tok, num_pages=4, backend="reference",
                    kv=KVSpec(torch.float32, "per_layer"))

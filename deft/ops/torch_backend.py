@@ -9,7 +9,7 @@ against it. Partial states are merged through the plan's reduction map, padded t
 ``[Q, S]`` index. Accumulation is float32 (float64 inputs stay float64). ``flatten`` plans
 and the visibility masks come from the compiled planner when it is built (the same arrays).
 
-K/V of another dtype than ``q`` (FP8) and scaled K/V are dequantised as gathered, exactly as
+K/V of another dtype than ``q`` (16-bit, FP8) and scaled K/V are dequantised as gathered, exactly as
 specified: ``k * k_scale`` in the accumulation dtype (one float32 rounding; exact in float64).
 
 Non-finite K/V are isolated: gathered rows holding a NaN or ±inf are zeroed before any
@@ -82,7 +82,7 @@ class TorchBackend(Backend):
 
     name = "torch"
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-    kv_dtypes = (FP8,)
+    kv_dtypes = (torch.float16, torch.bfloat16, torch.float32, FP8)  # e.g. a 16-bit cache, fp32 q
     kv_scales = True
     # On one CPU core the one-tile path beats the tiled one up to ~2^18 pairs even when most
     # pairs are masked (prompts in a forest); past that its wasted work dominates.
