@@ -8,6 +8,9 @@ cache and with an FP8 cache, side by side in one process.
   engine each, so the FP8 scales are calibrated on that prompt, as in any generation), and
   where they first differ.
 
+* long-context retrieval (:func:`retrieval`): a fact deep in a long prompt of random
+  tokens, asked at the end, answered greedily with either cache.
+
 The 16-bit cache is the model's dtype when it is 16-bit, else bfloat16 (a float32 model on
 CPU). ``tools/kv_fp8_check.py`` prints it for any model; ``tests/test_fp8.py`` runs a short
 version on SmolLM2.
@@ -19,6 +22,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 TEXT = Path(__file__).with_name("data") / "kv_text.txt"
@@ -64,4 +68,32 @@ def kv_accuracy(model: Any, tok: Any, ids: list[int], kv: Any = "fp8_e4m3",
     a, b = greedy["base"], greedy["test"]
     out["greedy_same_prefix"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
     out["greedy_tokens"] = len(a)
+    return out
+
+
+def retrieval(model: Any, tok: Any, context: int = 32768, depth: float = 0.25,
+              kv: Any = "fp8_e4m3", backend: str = "auto", seed: int = 0,
+              new_tokens: int = 12) -> dict[str, Any]:
+    """A secret number stated at ``depth`` of a ``context``-token prompt (random tokens
+    around it; at most the model's context), asked at the end: the greedy answers of a
+    16-bit cache and of ``kv``, and whether each holds the number."""
+    from deft.engine import SamplingParams, TreeEngine, generate
+
+    context = min(context, model.config.max_position_embeddings - new_tokens)
+    rng = np.random.default_rng(seed)
+    secret = str(int(rng.integers(10000, 100000)))
+    fact = tok.encode(f" The secret number is {secret}. Remember it: the secret number is "
+                      f"{secret}. ")
+    question = tok.encode(" Question: what is the secret number? Answer: the secret number is")
+    # Ordinary tokens (ids past the special ones at the start of the vocabulary).
+    filler = rng.integers(1000, model.config.vocab_size, context - len(fact) - len(question))
+    at = int(depth * filler.shape[0])
+    prompt = [*filler[:at].tolist(), *fact, *filler[at:].tolist(), *question]
+    out: dict[str, Any] = {"context": len(prompt), "depth": depth, "secret": secret}
+    params = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=frozenset())
+    for name, spec in (("base", baseline_spec(model)), ("test", kv)):
+        engine = TreeEngine(model, tok, num_pages=-(-(len(prompt) + new_tokens) // 16) + 4,
+                            page_size=16, backend=backend, kv=spec)
+        answer = tok.decode(generate(engine, [prompt], params)[0].token_ids)
+        out[f"answer_{name}"], out[f"found_{name}"] = answer, secret in answer
     return out
