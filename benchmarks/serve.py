@@ -327,7 +327,8 @@ def _ratio(num: float, den: float) -> float:
 
 
 def _library_tokens_per_s(model_path: str | None, device: str, num_pages: int, reqs: list[BenchRequest],
-                          say: Callable[[str], None], kv_dtype: str = "auto") -> tuple[int, int, float, int]:
+                          say: Callable[[str], None],
+                          kv_dtype: str = "auto") -> tuple[int, int, float, int]:
     """``reqs`` one by one through the library's strategies on ``num_pages`` pages (the
     server's pool, of the default page size as the server's): prompt and completion tokens,
     seconds, and the system prompt's length in tokens."""
@@ -421,8 +422,8 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
                          _ratio(delta["deft_prefix_cache_hits_total"], delta["deft_prefix_cache_lookups_total"]),
                          100 * _ratio(delta["deft_prompt_tokens_computed_total"],
                                       delta["deft_prompt_tokens_total"])])
-    lib_prompt, lib_tokens, lib_s, system_tokens = _library_tokens_per_s(model, device, pool, reqs, say,
-                                                                            kv_dtype)
+    lib_prompt, lib_tokens, lib_s, system_tokens = _library_tokens_per_s(
+        model, device, pool, reqs, say, kv_dtype)
     lib_rate = lib_tokens / lib_s
     for row in rows:
         row[8] = row[7] / lib_rate

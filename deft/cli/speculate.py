@@ -84,7 +84,8 @@ def _generate(args: argparse.Namespace) -> list:
         needs.append((draft_model, _pages(prompts, params, shape.num_drafts)))
     budget = common.KVBudget.of(args)
     pages = budget.pages(needs)
-    drafter = (ModelDrafter(TreeEngine(draft_model, draft_tok, common.engine_config(pages[1], kv_dtype=args.kv_dtype)))
+    drafter = (ModelDrafter(TreeEngine(draft_model, draft_tok,
+                                       common.engine_config(pages[1], kv_dtype=args.kv_dtype)))
                if args.drafter == "model" else NgramDrafter())
     engine = TreeEngine(model, tok, common.engine_config(pages[0], kv_dtype=args.kv_dtype))
     try:

@@ -118,8 +118,8 @@ class Backend(ABC):
         ``k_cache, v_cache [num_slots, H_kv, D]``; ``lse`` may be ``None`` without
         ``want_lse``. ``out``/``lse_out`` are given only to backends with ``writes_out``;
         ``k_scale``/``v_scale`` (a float, or a float32 tensor ``[1]`` or ``[H_kv]``, one
-        per KV head) only to backends with ``kv_scales``. ``captured``: the launches go into a CUDA graph, or are its
-        warm-up (a backend may launch differently there)."""
+        per KV head) only to backends with ``kv_scales``. ``captured``: the launches go
+        into a CUDA graph, or are its warm-up (a backend may launch differently there)."""
 
     def plan_host(self, layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
                   device: torch.device, kv_dtype: torch.dtype | None = None) -> Any:

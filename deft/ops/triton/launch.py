@@ -129,10 +129,11 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
     """The step's two launches (one when the merge is fused), writing ``o`` and ``lse``
     (``None``: the plan's lse workspace). ``k_scale``, ``v_scale``: float32 ``[1]`` or
     ``[H_kv]`` dequantisation scales of K/V (both or neither). ``captured``: launch as into
-    a CUDA graph (a capture's warm-up passes it; a capture itself is detected). Outside capture, a call that Triton
-    specialises like one this plan already launched (same device, shapes, dtypes, strides,
-    scale, scale tensors, 16-byte aligned q, K, V, o and lse) repeats that call's launches
-    through the driver with its own five addresses; its first call records them."""
+    a CUDA graph (a capture's warm-up passes it; a capture itself is detected). Outside
+    capture, a call that Triton specialises like one this plan already launched (same
+    device, shapes, dtypes, strides, scale, scale tensors, 16-byte aligned q, K, V, o and
+    lse) repeats that call's launches through the driver with its own five addresses; its
+    first call records them."""
     nq, h_q, d = q.shape
     h_kv = k_cache.shape[1]
     if nq == 0:
