@@ -266,7 +266,8 @@ def check_fused_write(kv_dtype: torch.dtype, device: str) -> None:
     cos, sin = table[pos].unsqueeze(1).chunk(2, dim=-1)
     k = apply_rope(qkv[:, :h + H_KV], cos, sin)[:, h:]
     want_k, want_v = quantize(k, ks, kv_dtype).float(), quantize(qkv[:, h + H_KV:], vs, kv_dtype).float()
-    got_k, got_v = k_cache[slots].float(), v_cache[slots].float()
+    rows = lambda c: c.view(torch.uint8)[slots].view(kv_dtype).float()  # noqa: E731
+    got_k, got_v = rows(k_cache), rows(v_cache)
     for got, want in ((got_k, want_k), (got_v, want_v)):
         assert torch.equal(got.isnan(), want.isnan())
         # RoPE in float32 may differ in the last bit from PyTorch's: a step of the format.
@@ -393,18 +394,18 @@ def test_gpu_fp8_engine_with_cuda_graphs_matches_eager():
     """An FP8 engine's graph-replayed steps (fused RoPE write quantising, scales read from
     their fixed tensors) against the same engine's eager steps."""
     from deft.engine import TreeEngine
-    from strategies_on_device import model, tokenizer
+    from strategies_on_device import PROMPT, model, tokenizer
 
     m = model("cuda", torch.bfloat16)
     out = []
     for graphs in (False, True):
         engine = TreeEngine(m, tokenizer(), num_pages=256, backend="triton", kv="fp8_e4m3",
                             cuda_graphs=graphs)
-        root = engine.add_prompt(list(range(1, 200)))
+        root = engine.add_prompt(PROMPT[:200])
         kids = engine.cache.fork(root, 4)
         steps = [engine.extend([(k, [7 + i]) for i, k in enumerate(kids)])]  # eager: calibrates
         for t in range(3):
-            steps.append(engine.extend([(k, [20 + t]) for k in kids]))
+            steps.append(engine.extend([(k, [20 + t + i]) for i, k in enumerate(kids)]))
         if graphs:
             assert engine.stats["graph_steps"] == 3
         out.append(torch.cat([torch.stack(s) for s in steps]))
