@@ -9,6 +9,11 @@ per-query KV. Each layer has its own KV buffer so L2 cannot hold it across layer
 are ``triton.testing.do_bench`` medians (L2 flushed between repetitions), plain and as
 CUDA-graph replays. The roofline floor is the larger of the unique KV bytes over the HBM
 read bandwidth and the attention FLOPs over the bf16 matmul rate, both measured here.
+
+With ``kv_dtype="fp8_e4m3"`` the two DeFT-Flatten rows are also run over FP8 copies of the
+same K/V (per-head scales calibrated on each layer's K/V), next to the bf16 ones; their
+floor counts one byte per K/V element, and ``max |diff|`` against the bf16 output is the
+quantisation's.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 import triton.testing
 
 from deft.attention import TreeAttention
+from deft.cache.pool import CALIBRATION_HEADROOM, FP8, quantize
 from deft.ops import Capacity
 from deft.layout import TreeLayout
 from deft.ops.reference import visibility_mask
@@ -73,8 +79,15 @@ def time_us(step: Callable[[], object], graph: bool) -> float:
     return triton.testing.do_bench(g.replay, return_mode="median") * 1e3
 
 
+def _fp8_copy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [N, H_kv, D]`` in FP8 with per-head scales, as a calibrated pool stores it."""
+    scale = x.float().abs().amax(dim=(0, 2)) * CALIBRATION_HEADROOM / torch.finfo(FP8).max
+    return quantize(x, scale, FP8), scale
+
+
 def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
-                progress: Callable[[str], None] | None, flex: bool = True) -> dict:
+                progress: Callable[[str], None] | None, flex: bool = True,
+                kv_dtype: str = "auto") -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     n = layout.num_tokens
     ks = [torch.randn(n, H_KV, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(LAYERS)]
@@ -87,6 +100,11 @@ def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
     row: dict = {"workload": name, "tokens": n, "queries": layout.num_queries,
                  "io_floor_us": kv_bytes / bw * 1e6, "flop_floor_us": flop / flops * 1e6,
                  "floor_us": floor_us, "impls": {}}
+    fp8 = kv_dtype == "fp8_e4m3"
+    if fp8:
+        k8s, k_scales = zip(*map(_fp8_copy, ks))
+        v8s, v_scales = zip(*map(_fp8_copy, vs))
+        row["fp8_floor_us"] = max(kv_bytes / 2 / bw, flop / flops) * 1e6
     ref = None
     impls: dict[str, Callable[[int], torch.Tensor]] = {}
     # Graph-safe: fixed buffers for any tree of this many queries on this many tokens, so
@@ -110,6 +128,12 @@ def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
         row["impls"][label] = {"plan_ms": median_plan_seconds(attn, layout, 101, 10) * 1e3,
                                "tiles": plan.num_tiles, "partials": plan.num_partials}
         impls[label] = lambda l, a=attn: a.run(q, ks[l], vs[l])
+        if fp8 and kind == "flatten":
+            a8 = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda", capacity=capacity)
+            a8.plan(layout, FP8)
+            row["impls"][label + " fp8"] = {"floor_us": row["fp8_floor_us"]}
+            impls[label + " fp8"] = lambda l, a=a8: a.run(q, k8s[l], v8s[l], k_scale=k_scales[l],
+                                                          v_scale=v_scales[l])
     sm_scale = D**-0.5
     if flex:
         try:
@@ -147,20 +171,24 @@ def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
     impls.clear()  # the peers' closures hold K/V copies too
     ks.clear()
     vs.clear()
+    if fp8:
+        del k8s, v8s, k_scales, v_scales
     torch.cuda.empty_cache()
     return row
 
 
 def gpu_attention_report(names: list[str] | None = None, workloads: Path | None = None,
                          out: str | None = None, progress=None,  # noqa: ANN001
-                         json_path: str | None = None, flex: bool = True) -> str:
-    """Run the GPU suite (``flex``: with FlexAttention); return a Markdown report (and write JSON details under ``out``, and
+                         json_path: str | None = None, flex: bool = True,
+                         kv_dtype: str = "auto") -> str:
+    """Run the GPU suite (``flex``: with FlexAttention; ``kv_dtype="fp8_e4m3"``: DeFT-Flatten
+    over FP8 K/V too); return a Markdown report (and write JSON details under ``out``, and
     the tables as a result record to ``json_path``)."""
     bw, flops = measure_ceilings()
     cfg = {f"{a} rows>={r}": c for (a, d, r), c in CONFIGS.items() if d == D}
     rows = []
     for name, layout in available(names or GPU_SUITE, workloads):
-        rows.append(_bench_tree(name, layout, bw, flops, progress, flex))
+        rows.append(_bench_tree(name, layout, bw, flops, progress, flex, kv_dtype))
     header = (f"GPU: {torch.cuda.get_device_name()}; measured HBM read {bw / 1e12:.2f} TB/s, "
               f"bf16 matmul {flops / 1e12:.0f} TFLOP/s. Kernel config (head_dim {D}): {cfg}.")
     table = []
@@ -171,7 +199,7 @@ def gpu_attention_report(names: list[str] | None = None, workloads: Path | None 
             g = info.get("graph_us", math.nan)
             table.append([r["workload"], label, info.get("us", math.nan), g,
                           base / g if g == g else math.nan,
-                          100 * r["floor_us"] / g if g == g else math.nan,
+                          100 * info.get("floor_us", r["floor_us"]) / g if g == g else math.nan,
                           info.get("plan_ms", math.nan),
                           info.get("tiles", ""), info.get("max_abs_diff", math.nan)])
     headers = ["workload", "impl", "µs/step", "µs/step (graph)", "x vs per-query", "% roofline",

@@ -190,8 +190,9 @@ def _hf_model(config: Any) -> Any:
 def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
                   layers: int = 32, with_transformers: bool = True, unfused: bool = False,
                   progress: Callable[[str], None] | None = None,
-                  json_path: str | None = None) -> str:
-    """Markdown table of the GPU workloads (see the module docstring); also a result record."""
+                  json_path: str | None = None, kv_dtype: str = "auto") -> str:
+    """Markdown table of the GPU workloads (see the module docstring); also a result record.
+    ``kv_dtype="fp8_e4m3"``: also the graph engine with an FP8 K/V cache."""
     from deft.engine import TreeEngine
     from deft.model.synthetic import RandomSpec, byte_tokenizer, random_model
     from deft.recorded import workloads_dir
@@ -218,6 +219,9 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
                "per-branch": TreeEngine(model, tok, num_pages=pages, plan_kind="per_query")}
     if unfused:
         engines["graph, unfused"] = TreeEngine(model, tok, num_pages=pages)
+    fp8 = kv_dtype == "fp8_e4m3"
+    if fp8:
+        engines["graph, fp8"] = TreeEngine(model, tok, num_pages=pages, kv=kv_dtype)
     hf = _hf_model(config) if with_transformers else None
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -248,7 +252,8 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
             hf_s = _hf_seconds(hf, w, prompts)
         rows.append([w.name, w.prompt, round(g["queries"], 1), g["ms_step"], g["gpu_ms"],
                      got["graph, no overlap"]["ms_step"],
-                     *([got["graph, unfused"]["ms_step"]] if unfused else []), got["eager"]["ms_step"],
+                     *([got["graph, unfused"]["ms_step"]] if unfused else []),
+                     *([got["graph, fp8"]["ms_step"]] if fp8 else []), got["eager"]["ms_step"],
                      got["per-branch"]["ms_step"], floor_ms, 100 * floor_ms / g["ms_step"],
                      got["per-branch"]["ms_step"] / g["ms_step"],
                      g["new"] / g["wall"], None if hf_s is None else hf_s / g["wall"],
@@ -256,7 +261,8 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
         say(f"{w.name}: {rows[-1]}")
     headers = ["workload", "prompt", "queries/step", "graph ms/step", "GPU ms/step",
                "no-overlap ms/step",
-               *(["unfused graph ms/step"] if unfused else []), "eager ms/step",
+               *(["unfused graph ms/step"] if unfused else []),
+               *(["fp8 K/V graph ms/step"] if fp8 else []), "eager ms/step",
                "per-branch ms/step", "floor ms/step", "% of floor", "speed-up over per-branch",
                "tokens/s", "speed-up over transformers", "plan ms/step", "eager steps %"]
     name = torch.cuda.get_device_name()

@@ -327,7 +327,8 @@ def _ratio(num: float, den: float) -> float:
 
 
 def _library_tokens_per_s(model_path: str | None, device: str, dtype: str, num_pages: int,
-                          reqs: list[BenchRequest], say: Callable[[str], None]) -> tuple[int, int, float, int]:
+                          reqs: list[BenchRequest], say: Callable[[str], None],
+                          kv_dtype: str = "auto") -> tuple[int, int, float, int]:
     """``reqs`` one by one through the library's strategies on ``num_pages`` pages (the
     server's pool, of the default page size as the server's): prompt and completion tokens,
     seconds, and the system prompt's length in tokens."""
@@ -335,7 +336,8 @@ def _library_tokens_per_s(model_path: str | None, device: str, dtype: str, num_p
     from deft.model import is_random_spec, load_model, load_random
 
     model, tok = (load_random if is_random_spec(model_path) else load_model)(model_path, device, dtype)
-    engine = TreeEngine(model, tok, num_pages=num_pages, device=device, prefill_chunk=256)
+    engine = TreeEngine(model, tok, num_pages=num_pages, device=device, prefill_chunk=256,
+                        kv=kv_dtype)
 
     prompt_tokens = [0]
 
@@ -378,11 +380,11 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
                 num_pages: int | None = None,
                 kv_memory: int | None = None, max_running: int | None = None, threads: int | None = None,
                 progress: Callable[[str], None] | None = None, json_path: str | None = None,
-                startup_s: float = STARTUP_S) -> str:
+                startup_s: float = STARTUP_S, kv_dtype: str = "auto") -> str:
     """Markdown table of the server at each ``concurrency`` and of the library sequentially
     (also written as a result record to ``json_path``, when given); ``model`` ``None``: the
     default model on CPU, :data:`GPU_MODEL` on CUDA; ``threads``: torch threads of the server
-    and of this process, else torch's choice."""
+    and of this process, else torch's choice; ``kv_dtype``: both sides' ``--kv-dtype``."""
     import torch
 
     say = progress or (lambda msg: None)
@@ -393,7 +395,8 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
     flags = [*(["--model", model] if model else []), "--device", device, "--dtype", dtype,
              *(["--num-pages", str(num_pages)] if num_pages is not None else []),
              *(["--kv-memory", str(kv_memory)] if kv_memory is not None else []),
-             *(["--max-running", str(max_running)] if max_running is not None else [])]
+             *(["--max-running", str(max_running)] if max_running is not None else []),
+             "--kv-dtype", kv_dtype]
     rows = []
     if threads is not None:
         torch.set_num_threads(threads)
@@ -420,7 +423,8 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
                          _ratio(delta["deft_prefix_cache_hits_total"], delta["deft_prefix_cache_lookups_total"]),
                          100 * _ratio(delta["deft_prompt_tokens_computed_total"],
                                       delta["deft_prompt_tokens_total"])])
-    lib_prompt, lib_tokens, lib_s, system_tokens = _library_tokens_per_s(model, device, dtype, pool, reqs, say)
+    lib_prompt, lib_tokens, lib_s, system_tokens = _library_tokens_per_s(
+        model, device, dtype, pool, reqs, say, kv_dtype)
     lib_rate = lib_tokens / lib_s
     for row in rows:
         row[8] = row[7] / lib_rate

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .checks import positive_int, real_number
+from .cache.pool import FP8
 from .layout import TreeLayout
 from .ops import Capacity, Heads, get_backend, resolve_backend
 from .plan import PLAN_KINDS, TreePlan, make_plan
@@ -164,7 +165,7 @@ class TreeAttention:
         """Plan one step over ``layout`` (or a :meth:`plan_host` result of an attention of
         the same shape, backend and plan kind); the result is reused by every later
         :meth:`run`. ``kv_dtype``: the K/V caches' dtype, if not ``q``'s (one of the
-        backend's ``kv_dtypes``).
+        backend's ``kv_dtypes``, e.g. FP8).
 
         Plan and run on one CUDA stream: a plan may reuse the last plan's device buffers,
         which the stream orders after the last plan's launches. Without a ``capacity``,
@@ -223,14 +224,19 @@ class TreeAttention:
     def check_kv(self, kv_dtype: torch.dtype, q_dtype: torch.dtype, scaled: bool,
                  name: str = "kv") -> None:
         """Raise unless the backend reads K/V of ``kv_dtype`` next to queries of ``q_dtype``
-        (and, if ``scaled``, their scales): a K/V format checked before any step runs."""
+        (and, if ``scaled``, their scales; FP8 K/V need them): a K/V format checked before
+        any step runs."""
         self._check_kv_dtype(kv_dtype)
-        if kv_dtype != q_dtype and self._backend.kv_dtypes is None:
+        if kv_dtype != q_dtype and kv_dtype not in (self._backend.kv_dtypes or ()):
             raise TypeError(f"{name}: backend {self.backend_name!r} reads K/V in the queries' "
-                            f"dtype {q_dtype} only, got {kv_dtype}")
+                            f"dtype {q_dtype}{_besides(self._backend.kv_dtypes)} only, got "
+                            f"{kv_dtype}")
         if scaled and not self._backend.kv_scales:
             raise ValueError(f"{name}: the {self.backend_name} backend reads no K/V scales; "
                              "expected an unscaled format")
+        if kv_dtype == FP8 and not scaled:
+            raise ValueError(f"{name}: FP8 K/V need dequantisation scales; expected a scaled "
+                             "format")
 
     @property
     def _host_key(self) -> tuple:
@@ -239,7 +245,7 @@ class TreeAttention:
     def _check_kv_dtype(self, kv_dtype: Any) -> None:
         if kv_dtype is None:
             return
-        allowed = self._backend.kv_dtypes or self._backend.dtypes
+        allowed = tuple(dict.fromkeys(self._backend.dtypes + (self._backend.kv_dtypes or ())))
         if kv_dtype not in allowed:
             names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
             raise TypeError(f"kv_dtype: expected one of {names} for backend "
@@ -277,10 +283,12 @@ class TreeAttention:
             graph reads this plan's buffers: replay it only until the next :meth:`plan`,
             unless the attention has a ``capacity``.
         k_scale, v_scale:
-            Dequantisation scales of this layer's K and V (a positive float or a
-            one-element float32 tensor on the device, e.g. a :class:`~deft.KVPool`'s
-            ``scales(layer)``): attention reads ``k_cache * k_scale`` and ``v_cache *
-            v_scale``. Both or neither; only for backends with ``kv_scales``.
+            Dequantisation scales of this layer's K and V: a positive float, or a float32
+            tensor ``[1]`` or ``[num_kv_heads]`` (one per KV head) on the device, e.g. a
+            :class:`~deft.KVPool`'s ``scales(layer)``: attention reads ``k_cache * k_scale``
+            and ``v_cache * v_scale``. Both or neither; only for backends with
+            ``kv_scales``; required for FP8 (``float8_e4m3fn``) caches. Tensors are read on
+            the device at run time (a captured graph reads their current values).
         captured:
             This run is launched into a CUDA graph, or is its warm-up (a capture itself
             is detected): the backend launches as it does inside graphs.
@@ -296,6 +304,8 @@ class TreeAttention:
         is bitwise what it is when those rows are finite. Rows a query does not see (other
         branches, other trees, unused slots, its own node's tokens past ``query_kv_len``)
         never enter its arithmetic: masked entries are selected away, not multiplied by 0.
+        FP8 caches hold no inf: a non-finite value written into a :class:`~deft.KVPool`
+        becomes NaN there (:func:`deft.cache.pool.quantize`), which the same rule isolates.
         """
         plan = self.current_plan
         checked = self._checked.get(id(k_cache))
@@ -307,6 +317,9 @@ class TreeAttention:
             k_flat, v_flat = self._check_inputs(q, k_cache, v_cache, plan)
         if k_scale is not None or v_scale is not None:
             self._check_scales(k_scale, v_scale, q.device)
+        elif self.kv_dtype is FP8:
+            raise ValueError("k_scale, v_scale: FP8 K/V (float8_e4m3fn) need their "
+                             "dequantisation scales, got None")
         if out is not None:
             self._check_out_once(out, "out", q.shape, q.dtype, q.device)
         if lse_out is not None:
@@ -352,9 +365,10 @@ class TreeAttention:
         if v_cache.shape != ks:
             raise ValueError(f"v_cache: expected shape {tuple(ks)} like k_cache, got {tuple(v_cache.shape)}")
         kv_dtype = dtype if self.kv_dtype is None else self.kv_dtype
-        if kv_dtype != dtype and self._backend.kv_dtypes is None:
+        if kv_dtype != dtype and kv_dtype not in (self._backend.kv_dtypes or ()):
             raise TypeError(f"q: expected dtype {kv_dtype}, the planned kv_dtype: backend "
-                            f"{self.backend_name!r} reads K/V in q's dtype only, got {dtype}")
+                            f"{self.backend_name!r} reads K/V in q's dtype"
+                            f"{_besides(self._backend.kv_dtypes)} only, got {dtype}")
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             if t.dtype != kv_dtype:
                 like = "like q" if self.kv_dtype is None else "the planned kv_dtype"
@@ -387,15 +401,18 @@ class TreeAttention:
         if not self._backend.kv_scales:
             raise ValueError(f"k_scale, v_scale: the {self.backend_name} backend reads no K/V "
                              "scales; expected None")
+        h = self.num_kv_heads
         for name, s, other in (("k_scale", k_scale, "v_scale"), ("v_scale", v_scale, "k_scale")):
             if s is None:
                 raise ValueError(f"{name}: expected a scale, as {other} is given")
             if isinstance(s, torch.Tensor):
-                if s.numel() != 1 or s.dtype != torch.float32 or s.device.type != device.type:
-                    raise ValueError(f"{name}: expected a one-element float32 tensor on "
-                                     f"{device}, got {s.dtype} {tuple(s.shape)} on {s.device}")
+                if (s.dtype != torch.float32 or s.device.type != device.type
+                        or s.shape not in ((1,), (h,)) or s.stride(0) != 1):
+                    raise ValueError(f"{name}: expected a float32 tensor of shape [1] or "
+                                     f"[num_kv_heads={h}] (contiguous) on {device}, got "
+                                     f"{s.dtype} {tuple(s.shape)} on {s.device}")
             else:
-                real_number(s, name, "a positive finite number or a one-element tensor",
+                real_number(s, name, "a positive finite number or a float32 tensor",
                             lambda x: x > 0)
 
     def _check_out_once(self, t: Any, name: str, shape: torch.Size, dtype: torch.dtype,
@@ -408,6 +425,11 @@ class TreeAttention:
             return
         _check_out(t, name, tuple(shape), dtype, device)
         self._checked_out[name] = (weakref.ref(t), dtype, device)
+
+
+def _besides(kv_dtypes: tuple[torch.dtype, ...] | None) -> str:
+    """`` or <kv_dtypes>`` for messages, empty for ``None``."""
+    return "".join(f" or {d}" for d in kv_dtypes or ())
 
 
 def _flat(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -183,8 +183,9 @@ def test_a_scaled_float16_kv_format_runs_through_the_engine(scaled_kv):
                                                  kv=KVSpec(torch.float16, "per_layer")))
     pool = scaled.pool
     assert pool.spec == KVSpec(torch.float16, "per_layer") and pool.k[0].dtype == torch.float16
-    pool.k_scale[:] = torch.tensor([0.25, 2.0])
-    pool.v_scale[:] = torch.tensor([4.0, 0.5])
+    assert not pool.calibrated
+    pool.set_scales(torch.tensor([[0.25], [2.0]]), torch.tensor([[4.0], [0.5]]))
+    assert pool.calibrated
     prompt = [3, 14, 15, 9, 26, 5, 35]
     got, want = [], []
     for engine, out in ((scaled, got), (plain, want)):
@@ -205,17 +206,19 @@ def test_kv_dtype_and_scales_are_checked_before_any_kernel(scaled_kv):
     q, k, v = random_qkv(layout, 2, 1, 16, torch.float32, seed=0)
     attn = TreeAttention(2, 1, 16, backend="torch")
     with pytest.raises(TypeError, match="kv_dtype: expected one of float16, bfloat16, float32, "
-                                        "float64 for backend 'torch', got torch.int8"):
+                                        "float64, float8_e4m3fn for backend 'torch', got "
+                                        "torch.int8"):
         attn.plan(layout, kv_dtype=torch.int8)
-    attn.plan(layout, kv_dtype=torch.float16)
-    with pytest.raises(TypeError, match="q: expected dtype torch.float16, the planned kv_dtype"):
-        attn.run(q, k.half(), v.half())
-    attn.plan(layout)
-    with pytest.raises(ValueError, match="the torch backend reads no K/V scales"):
-        attn.run(q, k, v, k_scale=1.0, v_scale=1.0)
+    attn.plan(layout, kv_dtype=torch.float64)
+    with pytest.raises(TypeError, match="q: expected dtype torch.float64, the planned kv_dtype"):
+        attn.run(q, k.double(), v.double())
+    ref = TreeAttention(2, 1, 16, backend="reference")
+    ref.plan(layout)
+    with pytest.raises(ValueError, match="the reference backend reads no K/V scales"):
+        ref.run(q, k, v, k_scale=1.0, v_scale=1.0)
     toy = TreeAttention(2, 1, 16, backend="scaled-kv")
-    with pytest.raises(TypeError, match="kv_dtype: expected one of float16 for backend"):
-        toy.plan(layout, kv_dtype=torch.float32)
+    with pytest.raises(TypeError, match="kv_dtype: expected one of float32, float16 for backend"):
+        toy.plan(layout, kv_dtype=torch.float64)
     toy.plan(layout, kv_dtype=torch.float16)
     kh, vh = k.half(), v.half()
     with pytest.raises(TypeError, match="k_cache: expected dtype torch.float16 the planned kv_dtype"):
@@ -224,14 +227,16 @@ def test_kv_dtype_and_scales_are_checked_before_any_kernel(scaled_kv):
         toy.run(q, kh, vh, k_scale=1.0)
     with pytest.raises(ValueError, match="k_scale: expected a positive finite number"):
         toy.run(q, kh, vh, k_scale=-2.0, v_scale=1.0)
-    with pytest.raises(ValueError, match="v_scale: expected a one-element float32 tensor"):
+    with pytest.raises(ValueError, match=r"v_scale: expected a float32 tensor of shape \[1\] or "
+                                         r"\[num_kv_heads=1\]"):
         toy.run(q, kh, vh, k_scale=1.0, v_scale=torch.ones(2))
     o = toy.run(q, kh, vh, k_scale=0.5, v_scale=torch.tensor([2.0]))
     ref, _ = reference_attention(q, kh.float() * 0.5, vh.float() * 2.0, layout, 16**-0.5)
     torch.testing.assert_close(o, ref.float())
     with pytest.raises(TypeError, match="scale: expected one of none, per_layer|dtype"):
         KVSpec(torch.int8)
-    with pytest.raises(ValueError, match="scale: expected one of none, per_layer, got 'tensor'"):
+    with pytest.raises(ValueError, match="scale: expected one of none, per_layer, per_head, got "
+                                         "'tensor'"):
         KVSpec(torch.float16, "tensor")
 
 
@@ -294,13 +299,14 @@ def test_one_host_plan_uploads_to_several_triton_attentions():
 
 def test_a_kv_format_the_backend_cannot_read_is_refused_when_the_engine_is_built(scaled_kv):
     model, tok = tiny_llama(), ToyTokenizer()
-    with pytest.raises(TypeError, match="kv: backend 'torch' reads K/V in the queries' dtype "
-                                        "torch.float32 only, got torch.float16"):
-        TreeEngine(model, tok, num_pages=4, backend="torch", kv=KVSpec(torch.float16))
-    with pytest.raises(ValueError, match="kv: the torch backend reads no K/V scales"):
-        TreeEngine(model, tok, num_pages=4, backend="torch", kv=KVSpec(torch.float32, "per_layer"))
-    with pytest.raises(TypeError, match="kv_dtype: expected one of float16 for backend"):
-        TreeEngine(model, tok, num_pages=4, backend="scaled-kv", kv=KVSpec(torch.float32))
+    with pytest.raises(TypeError, match="kv: backend 'reference' reads K/V in the queries' "
+                                        "dtype torch.float32 only, got torch.float16"):
+        TreeEngine(model, tok, num_pages=4, backend="reference", kv=KVSpec(torch.float16))
+    with pytest.raises(ValueError, match="kv: the reference backend reads no K/V scales"):
+        TreeEngine(model, tok, num_pages=4, backend="reference",
+                   kv=KVSpec(torch.float32, "per_layer"))
+    with pytest.raises(TypeError, match="kv_dtype: expected one of float32, float16 for backend"):
+        TreeEngine(model, tok, num_pages=4, backend="scaled-kv", kv=KVSpec(torch.float64))
     engine = TreeEngine(model, tok, 6, 2, backend="scaled-kv", kv=KVSpec(torch.float16, "per_layer"))
     assert (engine.config.num_pages, engine.config.page_size) == (6, 2)  # positional, as before
 
@@ -331,8 +337,13 @@ def test_engine_config_checks_every_field_in_one_place():
         EngineConfig(plan_kind="dense")
     with pytest.raises(ValueError, match="backend: expected one of auto, "):
         EngineConfig(backend="cudnn")
-    with pytest.raises(TypeError, match="kv: expected a deft.KVSpec or None, got dtype"):
+    with pytest.raises(TypeError, match="kv: expected a deft.KVSpec, a K/V dtype name or None, "
+                                        "got dtype"):
         EngineConfig(kv=torch.float16)
+    with pytest.raises(ValueError, match="kv: expected one of auto, fp8_e4m3, got 'fp8'"):
+        EngineConfig(kv="fp8")
+    assert EngineConfig(kv="auto").kv is None
+    assert EngineConfig(kv="fp8_e4m3").kv == KVSpec(torch.float8_e4m3fn, "per_head")
     with pytest.raises(ValueError, match="prefill_chunk"):
         TreeEngine(tiny_llama(), ToyTokenizer(), prefill_chunk=0)
     with pytest.raises(TypeError, match="config: expected a deft EngineConfig, got dict"):

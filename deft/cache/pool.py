@@ -11,10 +11,18 @@ import torch
 
 from ..checks import positive_int
 
-__all__ = ["KV_MEMORY_FRACTION", "KV_SCALE_MODES", "KVPool", "KVSpec", "default_kv_budget",
-           "free_memory", "page_bytes"]
+__all__ = ["CALIBRATION_HEADROOM", "FP8", "KV_DTYPE_NAMES", "KV_MEMORY_FRACTION",
+           "KV_SCALE_MODES", "KVPool", "KVSpec", "default_kv_budget", "free_memory",
+           "page_bytes"]
 
-KV_SCALE_MODES = ("none", "per_layer")
+KV_SCALE_MODES = ("none", "per_layer", "per_head")
+FP8 = torch.float8_e4m3fn
+# The names of K/V formats the commands take (``--kv-dtype``); ``"auto"``: the model's dtype.
+KV_DTYPE_NAMES = ("auto", "fp8_e4m3")
+# A calibrated scale maps this many times the calibration's largest magnitude to the
+# format's largest value: later tokens may be larger (they saturate beyond it). e4m3 keeps
+# its 3-bit relative precision over 2^15 of range, so the headroom costs little.
+CALIBRATION_HEADROOM = 2.0
 
 # The default K/V budget is this fraction of the memory still free once the model is loaded;
 # the rest is left to activations, the logits and everything else in the process.
@@ -104,9 +112,10 @@ def _rlimit_free() -> list[int | None]:
 @dataclass(frozen=True)
 class KVSpec:
     """How K and V are stored: ``dtype``, and ``scale``, the dequantisation scales'
-    granularity: ``"none"`` (K/V are the values themselves) or ``"per_layer"`` (one K and
-    one V scale per layer: the values are ``k * k_scale``, ``v * v_scale``; attention
-    backends with ``kv_scales`` read them)."""
+    granularity: ``"none"`` (K/V are the values themselves), ``"per_layer"`` (one K and one
+    V scale per layer) or ``"per_head"`` (one per layer and KV head): the values are
+    ``k * k_scale``, ``v * v_scale``; attention backends with ``kv_scales`` read them.
+    ``float8_e4m3fn`` (:data:`FP8`) needs scales."""
 
     dtype: torch.dtype = torch.float32
     scale: str = "none"
@@ -118,6 +127,20 @@ class KVSpec:
         if self.scale not in KV_SCALE_MODES:
             raise ValueError(f"scale: expected one of {', '.join(KV_SCALE_MODES)}, got "
                              f"{self.scale!r}")
+        if self.dtype == FP8 and self.scale == "none":
+            raise ValueError("scale: an FP8 K/V format needs scales, expected per_layer or "
+                             "per_head, got 'none'")
+
+    @classmethod
+    def named(cls, name: str) -> KVSpec | None:
+        """The format of a ``--kv-dtype`` name (:data:`KV_DTYPE_NAMES`): ``None`` for
+        ``"auto"`` (the model's dtype, unscaled), ``KVSpec(FP8, "per_head")`` for
+        ``"fp8_e4m3"``."""
+        if name == "auto":
+            return None
+        if name == "fp8_e4m3":
+            return cls(FP8, "per_head")
+        raise ValueError(f"kv_dtype: expected one of {', '.join(KV_DTYPE_NAMES)}, got {name!r}")
 
     @property
     def scaled(self) -> bool:
@@ -131,9 +154,16 @@ class KVPool:
     Slot ``s`` is row ``s`` of ``k_slots[layer]``, the ``[num_slots, num_kv_heads, head_dim]``
     view of ``k[layer]`` (page ``s // page_size``, offset ``s % page_size``; the views are
     made once: a view costs microseconds of host time, and layers take them every step). The
-    pool holds tensors only; which slots are in use is the cache's bookkeeping. A scaled
-    spec adds ``k_scale``/``v_scale`` (float32 ``[num_layers]``, ones at first; set them
-    before writing) and ``scales(layer)`` returns a layer's pair as one-element views.
+    pool holds tensors only; which slots are in use is the cache's bookkeeping.
+
+    A scaled spec adds the static dequantisation scales ``k_scale``/``v_scale``, float32
+    ``[num_layers, 1]`` (``per_layer``) or ``[num_layers, num_kv_heads]`` (``per_head``),
+    at fixed addresses (CUDA graphs read them there); ``scales(layer)`` returns a layer's
+    pair as views. They are given (:meth:`set_scales`) or calibrated: a layer's first
+    :meth:`write` before any is given sets them from the K/V it writes (the engine's first
+    step: the first prompt's first chunk), the largest magnitude of each head times
+    :data:`CALIBRATION_HEADROOM` mapping to the format's largest value. ``calibrated`` says
+    whether every layer has its scales.
     """
 
     def __init__(
@@ -165,12 +195,19 @@ class KVPool:
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.k_slots = [t.view(-1, num_kv_heads, head_dim) for t in self.k]
         self.v_slots = [t.view(-1, num_kv_heads, head_dim) for t in self.v]
+        # FP8 rows are written and copied as bytes (indexing of every device takes those).
+        self._raw = dtype == FP8
+        self._k_rows = [_raw(t, self._raw) for t in self.k_slots]
+        self._v_rows = [_raw(t, self._raw) for t in self.v_slots]
         self.k_scale = self.v_scale = None
         self._scales: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * num_layers
+        self._uncalibrated: set[int] = set()
         if spec.scaled:
-            self.k_scale = torch.ones(num_layers, dtype=torch.float32, device=device)
-            self.v_scale = torch.ones(num_layers, dtype=torch.float32, device=device)
-            self._scales = [(self.k_scale[i:i + 1], self.v_scale[i:i + 1]) for i in range(num_layers)]
+            width = num_kv_heads if spec.scale == "per_head" else 1
+            self.k_scale = torch.ones(num_layers, width, dtype=torch.float32, device=device)
+            self.v_scale = torch.ones(num_layers, width, dtype=torch.float32, device=device)
+            self._scales = [(self.k_scale[i], self.v_scale[i]) for i in range(num_layers)]
+            self._uncalibrated = set(range(num_layers))
 
     @property
     def num_slots(self) -> int:
@@ -180,21 +217,75 @@ class KVPool:
     def dtype(self) -> torch.dtype:
         return self.spec.dtype
 
+    @property
+    def calibrated(self) -> bool:
+        """Every layer has its scales (always, for an unscaled spec)."""
+        return not self._uncalibrated
+
     def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(k_scale, v_scale)`` of ``layer``: one-element float32 views, or ``None`` each
-        for an unscaled spec."""
+        """``(k_scale, v_scale)`` of ``layer``: float32 views ``[1]`` or ``[num_kv_heads]``,
+        or ``None`` each for an unscaled spec."""
         return self._scales[layer]
 
+    def set_scales(self, k_scale: torch.Tensor | float, v_scale: torch.Tensor | float) -> None:
+        """Give every layer's scales (positive and finite; anything that broadcasts to
+        ``k_scale``'s shape), written in place: no calibration then."""
+        if self.k_scale is None:
+            raise ValueError(f"k_scale: the pool's format {self.spec} is unscaled; expected a "
+                             "scaled KVSpec")
+        for name, given, dst in (("k_scale", k_scale, self.k_scale),
+                                 ("v_scale", v_scale, self.v_scale)):
+            t = torch.as_tensor(given, dtype=torch.float32)
+            try:
+                t = torch.broadcast_to(t, dst.shape)
+            except RuntimeError:
+                raise ValueError(f"{name}: expected a shape that broadcasts to "
+                                 f"{tuple(dst.shape)}, got {tuple(t.shape)}") from None
+            if not bool(((t > 0) & torch.isfinite(t)).all()):
+                raise ValueError(f"{name}: expected positive finite scales")
+            dst.copy_(t)
+        self._uncalibrated.clear()
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k, v [N, num_kv_heads, head_dim]`` at ``slots [N]`` of ``layer`` (divided
-        by the layer's scales under a scaled spec)."""
+        """Store ``k, v [N, num_kv_heads, head_dim]`` at ``slots [N]`` of ``layer``; under a
+        scaled spec, :func:`quantize` them by the layer's scales (calibrated first if the
+        layer has none)."""
         k_scale, v_scale = self._scales[layer]
         if k_scale is not None:
-            k, v = k.float() / k_scale, v.float() / v_scale
-        self.k_slots[layer][slots] = k.to(self.spec.dtype)
-        self.v_slots[layer][slots] = v.to(self.spec.dtype)
+            if layer in self._uncalibrated and k.shape[0]:
+                k_scale.copy_(_calibrate(k, k_scale.shape[0], self.spec.dtype))
+                v_scale.copy_(_calibrate(v, v_scale.shape[0], self.spec.dtype))
+                self._uncalibrated.discard(layer)
+            k, v = quantize(k, k_scale, self.spec.dtype), quantize(v, v_scale, self.spec.dtype)
+        raw, dtype = self._raw, self.spec.dtype
+        self._k_rows[layer][slots] = _raw(k.to(dtype), raw)
+        self._v_rows[layer][slots] = _raw(v.to(dtype), raw)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy K/V rows ``src [N]`` to ``dst [N]`` in every layer (e.g. a partly filled page)."""
-        for flat in (*self.k_slots, *self.v_slots):
+        for flat in (*self._k_rows, *self._v_rows):
             flat[dst] = flat[src]
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x [N, H_kv, D] / scale [1 or H_kv]`` in ``dtype``: finite values rounded to nearest
+    and saturated at ``dtype``'s largest magnitude, non-finite ones NaN (e4m3 has no inf, so
+    a non-finite K/V value stays non-finite, and attention isolates it)."""
+    top = torch.finfo(dtype).max
+    y = (x.float() / scale[:, None]).clamp(-top, top)
+    return torch.where(torch.isfinite(x), y, float("nan")).to(dtype)
+
+
+def _calibrate(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Scales ``[width]`` (1: one for all heads) that map :data:`CALIBRATION_HEADROOM` times
+    the largest finite magnitude of ``x [N, H_kv, D]`` (per head) to ``dtype``'s largest
+    value; 1 where ``x`` holds none but zeros. On the device, without synchronising."""
+    a = torch.where(torch.isfinite(x), x.float().abs(), 0.0)
+    amax = a.amax(dim=(0, 2)) if width > 1 else a.amax().reshape(1)
+    scale = amax * (CALIBRATION_HEADROOM / torch.finfo(dtype).max)
+    return torch.where(scale > 0, scale, 1.0)
+
+
+def _raw(t: torch.Tensor, raw: bool) -> torch.Tensor:
+    """``t`` viewed as its bytes if ``raw``, else ``t``."""
+    return t.view(torch.uint8) if raw else t

@@ -39,6 +39,9 @@ def add_parser(subparsers: Any) -> None:
     att.add_argument("--reps", type=int, default=10, help="timed repetitions on CPU (default 10)")
     att.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile is slow)")
     att.add_argument("--out", metavar="DIR", help="(cuda) also write JSON details here")
+    att.add_argument("--kv-dtype", choices=("auto", "fp8_e4m3"), default="auto",
+                     help="(cuda) fp8_e4m3: also DeFT-Flatten over FP8 copies of the K/V (per-head "
+                     "scales), next to bf16, with the FP8 floor (default auto: bf16 only)")
     att.set_defaults(func=run_attention)
 
     e2e = bsub.add_parser("e2e", help="the engine end to end, against per-branch decoding and "
@@ -71,6 +74,9 @@ def add_parser(subparsers: Any) -> None:
                      help="(cuda) skip transformers generate")
     e2e.add_argument("--unfused", action="store_true",
                      help="(cuda) also the graph engine with the plain PyTorch ops instead of the fused kernels")
+    e2e.add_argument("--kv-dtype", choices=("auto", "fp8_e4m3"), default="auto",
+                     help="(cuda) fp8_e4m3: also the graph engine with an FP8 K/V cache (default "
+                     "auto: the model's dtype only)")
     common.add_workloads_flag(e2e)
     e2e.set_defaults(func=run_e2e)
 
@@ -143,8 +149,10 @@ def run_attention(args: argparse.Namespace) -> None:
 
         print(gpu_attention_report(args.workload or None, common.workloads(args.workloads),
                                    out=args.out, progress=common.progress, json_path=args.json,
-                                   flex=not args.no_flex))
+                                   flex=not args.no_flex, kv_dtype=args.kv_dtype))
         return
+    if args.kv_dtype != "auto":
+        raise CliError("--kv-dtype: applies to --device cuda only")
     from benchmarks.attention_cpu import cpu_attention_table
 
     print(cpu_attention_table(args.workload or None, common.workloads(args.workloads),
@@ -159,6 +167,8 @@ def run_e2e(args: argparse.Namespace) -> None:
     if args.device == "cuda":
         run_gpu_e2e(args)
         return
+    if args.kv_dtype != "auto":
+        raise CliError("--kv-dtype: applies to --device cuda only")
     from benchmarks.e2e import WORKLOADS, e2e_table
 
     known = [w.name for w in WORKLOADS]
@@ -192,7 +202,7 @@ def run_gpu_e2e(args: argparse.Namespace) -> None:
     in_range(args.layers, "--layers", 1, 32)
     print(gpu_e2e_table(args.workload, common.workloads(args.workloads), args.layers,
                         not args.no_transformers, args.unfused, progress=common.progress,
-                        json_path=args.json),
+                        json_path=args.json, kv_dtype=args.kv_dtype),
           flush=True)
 
 
@@ -216,7 +226,8 @@ def run_serve(args: argparse.Namespace) -> None:
                           args.num_pages and in_range(args.num_pages, "--num-pages", 1, 1 << 26),
                           args.kv_memory, args.max_running and in_range(args.max_running, "--max-running", 1, 4096),
                           args.threads and in_range(args.threads, "--threads", 1, 1024),
-                          progress=common.progress, json_path=args.json), flush=True)
+                          progress=common.progress, json_path=args.json, kv_dtype=args.kv_dtype),
+              flush=True)
     except ServerError as exc:
         raise CliError(str(exc)) from exc
 

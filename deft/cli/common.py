@@ -32,6 +32,7 @@ __all__ = [
     "flag_error",
     "format_bytes",
     "in_range",
+    "kv_dtype_flag",
     "load",
     "load_from",
     "model_flags",
@@ -67,7 +68,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def model_flags(default_model: str = "SmolLM2-135M-Instruct GGUF") -> argparse.ArgumentParser:
-    """``--model MODEL``, ``--device``, ``--dtype``, ``--kv-memory SIZE`` and
+    """``--model MODEL``, ``--device``, ``--dtype``, ``--kv-memory SIZE``, ``--kv-dtype`` and
     ``--tensor-parallel-size N`` (:mod:`.parallel`), as a parent parser; ``default_model``
     says what runs without ``--model``."""
     from ..cache.pool import KV_MEMORY_FRACTION
@@ -89,11 +90,24 @@ def model_flags(default_model: str = "SmolLM2-135M-Instruct GGUF") -> argparse.A
                    "never more than the requests could need; deft serve: --num-pages); generate "
                    "and sample requests that do not fit wait for others to finish, others stop "
                    "with an error")
+    kv_dtype_flag(p)
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
                    dest="tensor_parallel_size",
                    help="split the model over N devices (tensor parallelism); run the command "
                    "under torchrun --nproc-per-node N (default 1)")
     return p
+
+
+def kv_dtype_flag(parser: argparse.ArgumentParser) -> None:
+    """``--kv-dtype auto|fp8_e4m3``: the K/V cache's format (``EngineConfig.kv``)."""
+    from ..cache.pool import CALIBRATION_HEADROOM, KV_DTYPE_NAMES
+
+    parser.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, default="auto",
+                        help="K/V cache format: auto (the model's dtype) or fp8_e4m3 (float8 "
+                        "e4m3, half the bytes of a 16-bit cache, with static per-layer, per-KV-head "
+                        "scales calibrated on the first prompt chunk: its largest |K|, |V| times "
+                        f"{CALIBRATION_HEADROOM:g} map to the format's largest value; queries "
+                        "and activations keep the model's dtype) (default auto)")
 
 
 def prompt_flags() -> argparse.ArgumentParser:
@@ -222,12 +236,15 @@ def in_range(value: int, flag: str, low: int, high: int) -> int:
         raise CliError(str(exc)) from exc
 
 
-def engine_config(num_pages: int, device: str | None = None, **options: Any) -> EngineConfig:
+def engine_config(num_pages: int, device: str | None = None, kv_dtype: str = "auto",
+                  **options: Any) -> EngineConfig:
     """The configuration of a command's engine: ``num_pages`` of :data:`PAGE_SIZE` slots on
-    ``device`` (the model's if ``None``), other fields as given or the defaults."""
+    ``device`` (the model's if ``None``), K/V in the ``--kv-dtype`` format ``kv_dtype``,
+    other fields as given or the defaults."""
     from ..engine.config import EngineConfig
 
-    return EngineConfig(num_pages=num_pages, page_size=PAGE_SIZE, device=device, **options)
+    return EngineConfig(num_pages=num_pages, page_size=PAGE_SIZE, device=device, kv=kv_dtype,
+                        **options)
 
 
 def pages_for(tokens: int) -> int:
@@ -242,22 +259,26 @@ class KVBudget:
 
     bytes: int
     source: str  # how the user would name it in a message
+    kv_dtype: str = "auto"  # the pools' --kv-dtype
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> "KVBudget":
         from ..cache.pool import KV_MEMORY_FRACTION, default_kv_budget
 
+        kv_dtype = getattr(args, "kv_dtype", "auto")
         if args.kv_memory is not None:
-            return cls(args.kv_memory, "--kv-memory")
-        return cls(default_kv_budget(args.device), f"the default, {KV_MEMORY_FRACTION:.0%} of free memory")
+            return cls(args.kv_memory, "--kv-memory", kv_dtype)
+        return cls(default_kv_budget(args.device),
+                   f"the default, {KV_MEMORY_FRACTION:.0%} of free memory", kv_dtype)
 
     def pages(self, needs: Sequence[tuple[Any, int]]) -> list[int]:
         """Pages of :data:`PAGE_SIZE` for each ``(model, pages it could need at most)`` pool:
         all of them if they fit in the budget together, else each cut in the same proportion."""
-        from ..cache.pool import page_bytes
+        from ..cache.pool import KVSpec, page_bytes
 
+        spec = KVSpec.named(self.kv_dtype)
         sizes = [page_bytes(m.config.num_layers, PAGE_SIZE, m.config.num_kv_heads, m.config.head_dim,
-                            m.dtype) for m, _ in needs]
+                            m.dtype if spec is None else spec.dtype) for m, _ in needs]
         total = sum(n * size for (_, n), size in zip(needs, sizes))
         if total <= self.bytes:
             return [n for _, n in needs]

@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> None:
         budget = common.KVBudget.of(args)
         (pages,) = budget.pages([(loaded[0], DEMO_PAGES)])
         try:
-            print(engine_demo(loaded, trace=trace, num_pages=pages, progress=common.progress), flush=True)
+            print(engine_demo(loaded, trace=trace, num_pages=pages, progress=common.progress,
+                              kv_dtype=args.kv_dtype), flush=True)
         except CacheFullError as exc:
             raise budget.error(exc) from exc
         print()
@@ -80,10 +81,10 @@ def reasoning_trace(workloads: str | None) -> Path | None:
 
 def engine_demo(loaded: tuple[Any, Any], new_tokens: int = 24, trace: str | os.PathLike[str] | None = None,
                 replay_iterations: int = 60, num_pages: int = DEMO_PAGES,
-                progress: Callable[[str], None] | None = None) -> str:
+                progress: Callable[[str], None] | None = None, kv_dtype: str = "auto") -> str:
     """Beam search, parallel sampling, speculative decoding and, with a ``trace`` file, a
     reasoning trace replay of ``replay_iterations`` on built-in prompts; texts, tokens/s and
-    K/V bytes read (decode steps), in a pool of ``num_pages`` pages.
+    K/V bytes read (decode steps), in a pool of ``num_pages`` pages of ``kv_dtype``.
 
     K/V bytes are those all layers read in the decode steps after each prompt's prefill:
     under DeFT's plan, and under per-branch decoding, where every query reads its whole path.
@@ -92,7 +93,8 @@ def engine_demo(loaded: tuple[Any, Any], new_tokens: int = 24, trace: str | os.P
 
     model, tok = loaded
     say = progress or (lambda msg: None)
-    engine = TreeEngine(model, tok, common.engine_config(num_pages, backend="torch"))
+    engine = TreeEngine(model, tok, common.engine_config(num_pages, kv_dtype=kv_dtype,
+                                                         backend="torch"))
     chat = [tok.apply_chat_template(p) for p in BEAM_PROMPTS]
     params_m = sum(p.numel() for p in model.parameters()) / 1e6
     lines = [f"DeFT engine demo: {model.config.num_layers}-layer SmolLM2 ({params_m:.0f}M parameters, "

@@ -134,7 +134,8 @@ def _run_engine(args: argparse.Namespace, branches: int,
     tokens = sum(len(p) + branches * (min(args.max_new_tokens, context - len(p)) + 16) for p in prompts)
     budget = common.KVBudget.of(args)
     (num_pages,) = budget.pages([(model, 2 * common.pages_for(tokens) + 8)])
-    engine = parallel.engine(args, model, tok, common.engine_config(num_pages, args.device))
+    engine = parallel.engine(args, model, tok,
+                             common.engine_config(num_pages, args.device, args.kv_dtype))
     total = len(prompts) * branches * args.max_new_tokens
     with tqdm(total=total, unit="tok", desc=args.command, leave=False, disable=None) as bar:
         try:

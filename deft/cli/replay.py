@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> None:
     tokens = sum(v["value"] for v in data.values())
     budget = common.KVBudget.of(args)
     (num_pages,) = budget.pages([(model, common.pages_for(tokens) + 2 * len(data) + 8)])
-    engine = parallel.engine(args, model, tok, common.engine_config(num_pages, args.device))
+    engine = parallel.engine(args, model, tok,
+                             common.engine_config(num_pages, args.device, args.kv_dtype))
     last = max(v["end"] for v in data.values())
     total = min(last, args.iterations or last)
     with tqdm(total=total, unit="it", desc="replay", leave=False, disable=None) as bar:

@@ -85,12 +85,13 @@ def run(args: argparse.Namespace) -> None:
         num_pages, *draft_pages = common.KVBudget.of(args).pages([(m, 1 << 26) for m in models])
     else:
         draft_pages = [num_pages]
-    engine = parallel.engine(args, model, tok, common.engine_config(num_pages, args.device,
-                                                           prefill_chunk=chunk))
+    engine = parallel.engine(args, model, tok, common.engine_config(
+        num_pages, args.device, args.kv_dtype, prefill_chunk=chunk))
     drafters: dict[str, Any] = {"ngram": NgramDrafter}
     if draft is not None:
         draft_engine = TreeEngine(draft, draft_tok,
-                                  common.engine_config(draft_pages[0], args.device))
+                                  common.engine_config(draft_pages[0], args.device,
+                                                      args.kv_dtype))
         drafters["model"] = lambda: ModelDrafter(draft_engine)
     name = model_id(args.model)
     scheduler = Scheduler(engine, max_running, max_queue, Metrics(),

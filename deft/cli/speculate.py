@@ -84,9 +84,11 @@ def _generate(args: argparse.Namespace) -> list:
         needs.append((draft_model, _pages(prompts, params, shape.num_drafts)))
     budget = common.KVBudget.of(args)
     pages = budget.pages(needs)
-    drafter = (ModelDrafter(TreeEngine(draft_model, draft_tok, common.engine_config(pages[1])))
+    drafter = (ModelDrafter(TreeEngine(draft_model, draft_tok,
+                                       common.engine_config(pages[1], kv_dtype=args.kv_dtype)))
                if args.drafter == "model" else NgramDrafter())
-    engine = parallel.engine(args, model, tok, common.engine_config(pages[0]))
+    engine = parallel.engine(args, model, tok,
+                             common.engine_config(pages[0], kv_dtype=args.kv_dtype))
     try:
         return speculative_generate(engine, prompts, params, drafter, shape)
     except CacheFullError as exc:

@@ -34,8 +34,10 @@ class EngineConfig:
     steps of at most ``max(graph_buckets)`` queries as CUDA graphs, one per bucket
     (``None``: on for CUDA with a graph-safe backend). ``overlap``: the decode loop's
     default, tokens sampled on the device feed the next step there (``None``: on for
-    CUDA). ``kv``: the K/V format (:class:`~deft.KVSpec`; ``None``: the model's dtype,
-    unscaled).
+    CUDA). ``kv``: the K/V format (:class:`~deft.KVSpec`, or a ``--kv-dtype`` name of
+    :data:`~deft.cache.pool.KV_DTYPE_NAMES`: ``"fp8_e4m3"`` is FP8 with per-head scales,
+    calibrated on the first step unless given to the pool; ``None`` or ``"auto"``: the
+    model's dtype, unscaled).
     """
 
     num_pages: int = 4096
@@ -48,7 +50,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     graph_buckets: Sequence[int] = DEFAULT_BUCKETS
     overlap: bool | None = None
-    kv: KVSpec | None = None
+    kv: KVSpec | str | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -77,8 +79,14 @@ class EngineConfig:
         set_("graph_buckets", tuple(sorted({int_at_least(b, "graph_buckets", 1) for b in buckets})))
         if not self.graph_buckets:
             raise ValueError("graph_buckets: expected positive query counts, got none")
+        if isinstance(self.kv, str):
+            try:
+                set_("kv", KVSpec.named(self.kv))
+            except ValueError as exc:
+                raise ValueError(f"kv: {str(exc).partition(': ')[2]}") from None
         if self.kv is not None and not isinstance(self.kv, KVSpec):
-            raise TypeError(f"kv: expected a deft.KVSpec or None, got {type(self.kv).__name__}")
+            raise TypeError(f"kv: expected a deft.KVSpec, a K/V dtype name or None, got "
+                            f"{type(self.kv).__name__}")
 
     @classmethod
     def of(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:

@@ -70,7 +70,7 @@ class ModelRunner:
                              f"{self.device} and {self.attn.backend_name!r}")
         layers, kv_heads, head_dim = model.kv_shape
         spec = config.kv if config.kv is not None else KVSpec(model.dtype)
-        self.attn.check_kv(spec.dtype, model.dtype, spec.scaled)
+        self.attn.check_kv(spec.dtype, model.dtype, spec.scaled)  # before any pool memory
         # A graph bucket's padding writes into one more page, which the cache never hands out.
         self.pool = KVPool(layers, config.num_pages + bool(cuda_graphs), config.page_size,
                            kv_heads, head_dim, device=self.device, spec=spec)
@@ -130,7 +130,9 @@ class ModelRunner:
         for src, dst in step.copies:
             self.copy_slots(src, dst)
         t0 = time.perf_counter()
-        bucket = None if self.graphs is None else self.graphs.plan(step.layout)
+        # Scales are calibrated by an eager step's writes; graphs then read them as they are.
+        bucket = (None if self.graphs is None or not self.pool.calibrated
+                  else self.graphs.plan(step.layout))
         plan = self.attn.plan(step.layout, self.pool.dtype) if bucket is None else None
         self.stats["plan_s"] += time.perf_counter() - t0
         with torch.no_grad():

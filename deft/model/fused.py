@@ -5,7 +5,8 @@ Each replaces several PyTorch kernels (and their HBM round trips) of a decode st
 * :func:`rms_norm`: optional residual add, then RMSNorm, one read of the row;
 * :func:`rope_write`: rotary embedding of the q and k heads of the fused qkv projection,
   straight from the model's cos/sin table, with rotated k and v written into the K/V pool
-  slots and q into a contiguous buffer for attention;
+  slots (quantised by the pool's scales when it has them, as
+  :func:`deft.cache.pool.quantize` does) and q into a contiguous buffer for attention;
 * :func:`silu_mul`: ``silu(gate) * up`` of the fused gate/up projection.
 
 They round where the PyTorch ops they replace round (the residual sum and the normalised
@@ -58,23 +59,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _rotate(X, row_stride, heads, cos, sin, OUT, out_row, out_head,
-            HP: tl.constexpr, HALF: tl.constexpr):
-    """Rotate-half RoPE of ``heads`` heads at ``X`` (rows of ``2 * HALF``) into ``OUT``."""
+def _quantize(x, scale, TOP: tl.constexpr):
+    """``x / scale`` saturated at ``±TOP``; NaN where ``x`` is not finite."""
+    y = tl.minimum(tl.maximum(x / scale, -TOP), TOP)
+    return tl.where(tl.abs(x) < float("inf"), y, float("nan"))
+
+
+@triton.jit
+def _rotate(X, row_stride, heads, cos, sin, OUT, out_row, out_head, S, stride_s,
+            HP: tl.constexpr, HALF: tl.constexpr, SCALED: tl.constexpr, TOP: tl.constexpr):
+    """Rotate-half RoPE of ``heads`` heads at ``X`` (rows of ``2 * HALF``) into ``OUT``
+    (``SCALED``: quantised by the heads' scales at ``S``)."""
     hh = tl.arange(0, HP)[:, None]
     c = tl.arange(0, HALF)[None, :]
     ok = hh < heads
     x1 = tl.load(X + hh * row_stride + c, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(X + hh * row_stride + HALF + c, mask=ok, other=0.0).to(tl.float32)
+    y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    if SCALED:
+        s = tl.load(S + hh * stride_s, mask=ok, other=1.0)
+        y1, y2 = _quantize(y1, s, TOP), _quantize(y2, s, TOP)
     ty = OUT.dtype.element_ty
-    tl.store(OUT + out_row + hh * out_head + c, (x1 * cos - x2 * sin).to(ty), mask=ok)
-    tl.store(OUT + out_row + hh * out_head + HALF + c, (x2 * cos + x1 * sin).to(ty), mask=ok)
+    tl.store(OUT + out_row + hh * out_head + c, y1.to(ty), mask=ok)
+    tl.store(OUT + out_row + hh * out_head + HALF + c, y2.to(ty), mask=ok)
 
 
 @triton.jit
-def _rope_write_kernel(QKV, TABLE, POS, SLOTS, Q_OUT, K, V, h, h_kv, stride_qkv, stride_t,
-                       stride_qo, stride_kn, stride_kh,
-                       HP: tl.constexpr, HKP: tl.constexpr, HALF: tl.constexpr):
+def _rope_write_kernel(QKV, TABLE, POS, SLOTS, Q_OUT, K, V, KS, VS, h, h_kv, stride_qkv,
+                       stride_t, stride_qo, stride_kn, stride_kh, stride_s,
+                       HP: tl.constexpr, HKP: tl.constexpr, HALF: tl.constexpr,
+                       SCALED: tl.constexpr, TOP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + row).to(tl.int64)
     slot = tl.load(SLOTS + row).to(tl.int64)
@@ -83,20 +97,26 @@ def _rope_write_kernel(QKV, TABLE, POS, SLOTS, Q_OUT, K, V, h, h_kv, stride_qkv,
     sin = tl.load(TABLE + pos * stride_t + HALF + c).to(tl.float32)
     d = 2 * HALF
     base = QKV + row * stride_qkv
-    _rotate(base, d, h, cos, sin, Q_OUT, row * stride_qo, d, HP, HALF)
-    _rotate(base + h * d, d, h_kv, cos, sin, K, slot * stride_kn, stride_kh, HKP, HALF)
+    _rotate(base, d, h, cos, sin, Q_OUT, row * stride_qo, d, KS, 0, HP, HALF, False, TOP)
+    _rotate(base + h * d, d, h_kv, cos, sin, K, slot * stride_kn, stride_kh, KS, stride_s, HKP,
+            HALF, SCALED, TOP)
     hh = tl.arange(0, HKP)[:, None]
     cd = tl.arange(0, 2 * HALF)[None, :]
     ok = hh < h_kv
     v = tl.load(base + (h + h_kv) * d + hh * d + cd, mask=ok, other=0.0)
+    if SCALED:
+        v = _quantize(v.to(tl.float32), tl.load(VS + hh * stride_s, mask=ok, other=1.0), TOP)
     tl.store(V + slot * stride_kn + hh * stride_kh + cd, v.to(V.dtype.element_ty), mask=ok)
 
 
 def rope_write(qkv: torch.Tensor, table: torch.Tensor, positions: torch.Tensor,
                slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               num_heads: int) -> torch.Tensor:
+               num_heads: int, k_scale: torch.Tensor | None = None,
+               v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Rotated q ``[N, H, D]`` of ``qkv [N, H + 2 H_kv, D]``; rotated k and v go to
-    ``k_cache, v_cache [slots, H_kv, D]`` at ``slots``. ``table [P, D]``: cos then sin."""
+    ``k_cache, v_cache [slots, H_kv, D]`` at ``slots``, divided by ``k_scale``, ``v_scale``
+    (float32 ``[1]`` or ``[H_kv]``, both or neither) and saturated when given. ``table
+    [P, D]``: cos then sin."""
     n, heads, d = qkv.shape
     h_kv = (heads - num_heads) // 2
     q = torch.empty((n, num_heads, d), dtype=qkv.dtype, device=qkv.device)
@@ -105,10 +125,14 @@ def rope_write(qkv: torch.Tensor, table: torch.Tensor, positions: torch.Tensor,
     if qkv.stride(2) != 1 or qkv.stride(1) != d or k_cache.stride() != v_cache.stride() \
             or k_cache.stride(2) != 1 or table.stride(1) != 1:
         raise ValueError("rope_write: expected rows of contiguous heads and a K/V pool of one layout")
-    _rope_write_kernel[(n,)](qkv, table, positions, slots, q, k_cache, v_cache, num_heads, h_kv,
+    scaled = k_scale is not None
+    _rope_write_kernel[(n,)](qkv, table, positions, slots, q, k_cache, v_cache,
+                             k_scale if scaled else q, v_scale if scaled else q, num_heads, h_kv,
                              qkv.stride(0), table.stride(0), q.stride(0), k_cache.stride(0),
-                             k_cache.stride(1), HP=triton.next_power_of_2(num_heads),
-                             HKP=triton.next_power_of_2(h_kv), HALF=d // 2, num_warps=4)
+                             k_cache.stride(1), int(scaled and k_scale.shape[0] > 1),
+                             HP=triton.next_power_of_2(num_heads),
+                             HKP=triton.next_power_of_2(h_kv), HALF=d // 2, SCALED=scaled,
+                             TOP=torch.finfo(k_cache.dtype).max, num_warps=4)
     return q
 
 

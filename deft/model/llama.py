@@ -105,17 +105,18 @@ class LlamaLayer(nn.Module):
         out: torch.Tensor,  # [N, H, D]: where attention writes (one buffer for every layer)
         captured: bool,  # launched into a CUDA graph (or its warm-up)
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` through the fused kernels of :mod:`.fused` (an unscaled pool of
-        the activations' dtype); returns the residual stream and this layer's MLP output,
-        which the next layer's norm adds."""
+        """:meth:`forward` through the fused kernels of :mod:`.fused` (a pool of the
+        activations' dtype, or a calibrated scaled one: the RoPE write quantises); returns
+        the residual stream and this layer's MLP output, which the next layer's norm adds."""
         from . import fused, skinny
 
         n, h = x.shape[0], self.num_heads
         normed, x = fused.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps, delta)
         qkv = self.project_qkv(normed)
         k, v = pool.k_slots[layer], pool.v_slots[layer]
-        q = fused.rope_write(qkv, table, positions, write_slots, k, v, h)
-        o = attn.run(q, k, v, out=out, captured=captured)
+        k_scale, v_scale = pool.scales(layer)
+        q = fused.rope_write(qkv, table, positions, write_slots, k, v, h, k_scale, v_scale)
+        o = attn.run(q, k, v, out=out, k_scale=k_scale, v_scale=v_scale, captured=captured)
         attn_out = self._reduced(skinny.linear(o.reshape(n, self.q_size), self.o.weight,
                                                self.o.bias, captured))
         normed, x = fused.rms_norm(x, self.mlp_norm.weight, self.mlp_norm.eps, attn_out)
@@ -232,8 +233,10 @@ class LlamaModel(nn.Module):
         self._check_step(input_ids, positions, write_slots, attn, pool, logits_rows)
         x = self.embed(input_ids)  # [N, hidden]
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        if (x.dtype != torch.float64 and pool.dtype == x.dtype and not pool.spec.scaled
-                and (self.fused_ops or (self.fused_ops is None and x.is_cuda))):
+        # A scaled pool takes the fused path once calibrated (calibration reads the K/V
+        # that pool.write gets).
+        if (x.dtype != torch.float64 and (pool.dtype == x.dtype or pool.spec.scaled)
+                and pool.calibrated and (self.fused_ops or (self.fused_ops is None and x.is_cuda))):
             from .fused import rms_norm
             from .skinny import head_proj
 

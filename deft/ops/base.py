@@ -14,10 +14,12 @@ data its kernels read, then runs it per layer (``run``). Capabilities are class 
   :class:`CapacityError`, a ``ValueError``);
 * ``max_slot``: the largest cache slot its plan arrays can address (``None``: any);
 * ``default_block_kv``: the tile size used when the caller gives none;
-* ``kv_dtypes``: the K/V dtypes ``run`` reads (``None``: only ``q``'s dtype); ``plan`` is
-  told the step's K/V dtype (``kv_dtype``), as kernels are specialised on it;
-* ``kv_scales``: ``run`` applies per-layer dequantisation scales: the K/V it reads are
-  ``k_cache * k_scale`` and ``v_cache * v_scale`` (otherwise both are ``None``).
+* ``kv_dtypes``: the K/V dtypes ``run`` reads besides ``q``'s own (``None``: only
+  ``q``'s); ``plan`` is told the step's K/V dtype (``kv_dtype``), as kernels are
+  specialised on it;
+* ``kv_scales``: ``run`` applies dequantisation scales (one per layer, or per layer and
+  KV head): the K/V it reads are ``k_cache * k_scale`` and ``v_cache * v_scale``
+  (otherwise both are ``None``). FP8 (``float8_e4m3fn``) K/V always come with scales.
 
 Planning may be split from upload (``plan_host`` once, ``upload`` to one or several
 devices); by default ``plan_host`` defers everything to ``upload``, which calls ``plan``.
@@ -115,9 +117,9 @@ class Backend(ABC):
         """``(o [Q, H_q, D] in q.dtype, lse [Q, H_q] float32)`` of the planned step over
         ``k_cache, v_cache [num_slots, H_kv, D]``; ``lse`` may be ``None`` without
         ``want_lse``. ``out``/``lse_out`` are given only to backends with ``writes_out``;
-        ``k_scale``/``v_scale`` (a float or a one-element float32 tensor) only to backends
-        with ``kv_scales``. ``captured``: the launches go into a CUDA graph, or are its
-        warm-up (a backend may launch differently there)."""
+        ``k_scale``/``v_scale`` (a float, or a float32 tensor ``[1]`` or ``[H_kv]``, one
+        per KV head) only to backends with ``kv_scales``. ``captured``: the launches go
+        into a CUDA graph, or are its warm-up (a backend may launch differently there)."""
 
     def plan_host(self, layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
                   device: torch.device, kv_dtype: torch.dtype | None = None) -> Any:

@@ -9,6 +9,9 @@ against it. Partial states are merged through the plan's reduction map, padded t
 ``[Q, S]`` index. Accumulation is float32 (float64 inputs stay float64). ``flatten`` plans
 and the visibility masks come from the compiled planner when it is built (the same arrays).
 
+K/V of another dtype than ``q`` (16-bit, FP8) and scaled K/V are dequantised as gathered, exactly as
+specified: ``k * k_scale`` in the accumulation dtype (one float32 rounding; exact in float64).
+
 Non-finite K/V are isolated: gathered rows holding a NaN or ±inf are zeroed before any
 matmul (a masked probability times 0 is exactly what it was times a finite value), and the
 (query, head) pairs that see such a row of their KV head get NaN ``o`` and ``lse``.
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..cache.pool import FP8
 from ..layout import TreeLayout
 from ..plan import TreePlan, make_plan, visible
 from ..plan.compiled import flatten_tiles, tile_masks
@@ -78,6 +82,8 @@ class TorchBackend(Backend):
 
     name = "torch"
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    kv_dtypes = (torch.float16, torch.bfloat16, torch.float32, FP8)  # e.g. a 16-bit cache, fp32 q
+    kv_scales = True
     # On one CPU core the one-tile path beats the tiled one up to ~2^18 pairs even when most
     # pairs are masked (prompts in a forest); past that its wasted work dominates.
     dense_limit = 1 << 18
@@ -156,7 +162,8 @@ class TorchBackend(Backend):
             lse_out: torch.Tensor | None = None, want_lse: bool = True,
             k_scale: object = None, v_scale: object = None, captured: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         if isinstance(prepared, _Dense):
-            return _dense_attention(prepared, q, k_cache, v_cache, sm_scale, return_lse=want_lse)
+            return _dense_attention(prepared, q, k_cache, v_cache, sm_scale, want_lse,
+                                    k_scale, v_scale)
         h_q, d = q.shape[1], q.shape[2]
         h_kv = k_cache.shape[1]
         g = h_q // h_kv
@@ -169,7 +176,8 @@ class TorchBackend(Backend):
             for s in range(0, b.tok.shape[0], b.chunk):
                 sl = slice(s, s + b.chunk)
                 o, lse = _tile_attention(
-                    _rows(q, b.qry[sl]), _rows(k_cache, b.tok[sl]), _rows(v_cache, b.tok[sl]),
+                    _rows(q, b.qry[sl]), _dequant(_rows(k_cache, b.tok[sl]), k_scale, acc),
+                    _dequant(_rows(v_cache, b.tok[sl]), v_scale, acc),
                     None if b.mask is None else b.mask[sl], g, sm_scale, acc,
                 )
                 po[b.pid[sl]] = o
@@ -183,8 +191,23 @@ def _tensor(x: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``x[idx]`` for an index tensor of any shape, through ``index_select`` (faster on CPU)."""
+    """``x[idx]`` for an index tensor of any shape, through ``index_select`` (faster on CPU);
+    FP8 rows as bytes (which every device's ``index_select`` takes)."""
+    if x.dtype == FP8:
+        return _rows(x.view(torch.uint8), idx).view(FP8)
     return x.index_select(0, idx.reshape(-1)).view(*idx.shape, *x.shape[1:])
+
+
+def _dequant(x: torch.Tensor, scale: torch.Tensor | float | None,
+             dtype: torch.dtype) -> torch.Tensor:
+    """Gathered rows ``x [..., H_kv, D]`` in ``dtype``, times ``scale`` (``[1]`` or ``[H_kv]``;
+    ``None``: none)."""
+    x = x.to(dtype)
+    if scale is None:
+        return x
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(dtype)[:, None]
+    return x * scale
 
 
 def _masks(plan: TreePlan, tok0: np.ndarray, tok_len: np.ndarray, q0: np.ndarray,
@@ -224,20 +247,19 @@ def _dense(plan: TreePlan, g: int, device: torch.device) -> _Dense:
 
 def _dense_attention(
     prepared: _Dense, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    sm_scale: float, return_lse: bool,
+    sm_scale: float, return_lse: bool, k_scale: torch.Tensor | float | None,
+    v_scale: torch.Tensor | float | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every query against every plan token: ``o [Q, H_q, D]`` and, if asked, ``lse [Q, H_q]``."""
     nq, h_q, d = q.shape
     h_kv = k_cache.shape[1]
     g = h_q // h_kv
     out_dtype = q.dtype
-    k = k_cache.index_select(0, prepared.slots)  # [N, H_kv, D]
-    v = v_cache.index_select(0, prepared.slots)
-    bias = prepared.bias
-    if q.dtype not in (torch.float32, torch.float64):
-        q, k, v = q.float(), k.float(), v.float()
-    elif q.dtype == torch.float64:
-        bias = bias.double()
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    k = _dequant(_rows(k_cache, prepared.slots), k_scale, acc)  # [N, H_kv, D]
+    v = _dequant(_rows(v_cache, prepared.slots), v_scale, acc)
+    bias = prepared.bias if acc == torch.float32 else prepared.bias.double()
+    q = q.to(acc)
     bad = _sanitize(k, v)  # [N, H_kv] or None
     # Rows of one KV head: (query, GQA head) pairs, matching the bias rows.
     qh = q.reshape(nq, h_kv, g, d).transpose(0, 1).reshape(h_kv, nq * g, d)
@@ -259,8 +281,8 @@ def _dense_attention(
 
 def _tile_attention(
     q: torch.Tensor,  # [nt, G, H_q, D]
-    k: torch.Tensor,  # [nt, L, H_kv, D]
-    v: torch.Tensor,  # [nt, L, H_kv, D]
+    k: torch.Tensor,  # [nt, L, H_kv, D] in acc, dequantised (a copy of the cache rows)
+    v: torch.Tensor,  # [nt, L, H_kv, D] likewise
     mask: torch.Tensor | None,  # [nt, G, L]; None: every query sees every token
     g: int,
     sm_scale: float,
@@ -271,8 +293,8 @@ def _tile_attention(
     h_kv = k.shape[2]
     # Query rows of one KV head: (group query, GQA head) pairs, computed against one K load.
     qh = q.to(acc).view(nt, gq, h_kv, g, d).permute(0, 2, 1, 3, 4).reshape(nt, h_kv, gq * g, d)
-    kh = k.to(acc).permute(0, 2, 1, 3)  # [nt, H_kv, L, D]
-    vh = v.to(acc).permute(0, 2, 1, 3)
+    kh = k.permute(0, 2, 1, 3)  # [nt, H_kv, L, D]
+    vh = v.permute(0, 2, 1, 3)
     bad = _sanitize(kh, vh)  # [nt, H_kv, L] or None
     s = torch.matmul(qh, kh.transpose(-1, -2)) * sm_scale  # [nt, H_kv, G*g, L]
     if mask is not None:

@@ -6,7 +6,8 @@ and packs the step into one of the device's pinned host buffers (compiled code f
 is sized; both device buffers are the last plan's when they fit. Per layer (``run``):
 :func:`.launch.launch_step` (after a plan's first layer, through the CUDA driver with
 arguments packed once: :mod:`.native_launch`). Runs on CUDA tensors, or on CPU tensors under
-``TRITON_INTERPRET=1`` (with small blocks, for tests).
+``TRITON_INTERPRET=1`` (with small blocks, for tests). FP8 K/V (with their scales) load one
+byte per element and are dequantised in registers (:mod:`.kernels`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ...cache.pool import FP8
 from ...layout import TreeLayout
 from ...plan import Coarsening, plan_step
 from ...plan.packing import WORK_FIELDS, PackedPlan, segment_starts
@@ -70,6 +72,8 @@ class TritonBackend(Backend):
 
     name = "triton"
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    kv_dtypes = (FP8,)
+    kv_scales = True
     writes_out = True
     graph_safe = True
     max_slot = 2**31 - 1  # plan arrays are int32 on the device
@@ -146,7 +150,10 @@ class TritonBackend(Backend):
         lse = lse_out
         if lse is None and want_lse:
             lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        launch_step(prepared, q, k_cache, v_cache, sm_scale, o, lse, captured)
+        if k_scale is not None and not isinstance(k_scale, torch.Tensor):  # floats: eager use
+            k_scale, v_scale = (torch.tensor([float(x)], dtype=torch.float32, device=q.device)
+                                for x in (k_scale, v_scale))
+        launch_step(prepared, q, k_cache, v_cache, sm_scale, o, lse, captured, k_scale, v_scale)
         return o, lse
 
 

@@ -11,6 +11,11 @@ and writes one partial state per (query, head): ``o`` in ``PO``'s dtype (q's for
 fp16/bf16), ``lse`` in fp32. With ``FUSE_MERGE`` the program that writes a row's last
 partial state also merges the row (off by default: slower; see docs/decisions.md).
 
+K/V of another dtype than q (FP8: one byte per element read) convert exactly to q's dtype as
+they are loaded; with ``SCALED``, the head's K scale multiplies the score scale and its V
+scale the output, so the result is attention over the dequantised K/V, with no rounding
+added beyond what q's dtype adds to unscaled K/V.
+
 Non-finite K/V stay with the rows that see them, with checks only on values already in
 registers. A non-finite K row makes the score of every row that sees it non-finite: NaN and
 +inf scores make the row's state NaN by themselves, a -inf score (which would silently drop
@@ -96,7 +101,7 @@ def _tile_loop(
             ahead = offs + BLOCK_N
             next_slot = tl.load(tok_slot + ahead, mask=ahead < tok1, other=0)
         kv_off = slot[:, None] * stride_kn + kvh * stride_kh + d[None, :]
-        k = tl.load(K + kv_off, mask=tok_ok[:, None], other=0.0)
+        k = tl.load(K + kv_off, mask=tok_ok[:, None], other=0.0).to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -109,7 +114,7 @@ def _tile_loop(
             vis = vis & _visible(pre[:, None], qlen[:, None], lo[None, :], hi[None, :], off[None, :])
         s = tl.where(vis, _no_neg_inf(s), float("-inf"))
         p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
-        v = tl.load(V + kv_off, mask=tok_ok[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=tok_ok[:, None], other=0.0).to(q.dtype)
         if MASKED:  # padding loads as 0; unmasked blocks need no V check (see the top)
             p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
             v = tl.where(_finite(v), v, 0.0)
@@ -130,7 +135,7 @@ def _tma_block(
     by TMA. ``TAIL``: only tokens before ``tok1`` count; the box's rows past it (another
     node's KV, or unwritten cache) are masked out of the scores, their non-finite V values
     zeroed and their K/V never flag a row."""
-    k = desc_k.load([slot, kvh * D])
+    k = desc_k.load([slot, kvh * D]).to(q.dtype)
     if IEEE:
         s = tl.dot(q, k.T, input_precision="ieee")
     else:
@@ -150,7 +155,7 @@ def _tma_block(
     else:
         s = _no_neg_inf(s)
     p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
-    v = desc_v.load([slot, kvh * D])
+    v = desc_v.load([slot, kvh * D]).to(q.dtype)
     if MASKED or TAIL:  # unmasked blocks need no V check (see the top)
         p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
         v = tl.where(_finite(v), v, 0.0)
@@ -216,9 +221,11 @@ def tree_partial_kernel(
     qk_scale,  # sm_scale * log2(e)
     stride_qn, stride_qh, stride_kn, stride_kh, stride_pn, stride_ph, stride_ln,
     stride_on, stride_oh, num_heads,
+    KS, VS, stride_s,  # K and V dequantisation scales, [1] (stride 0) or [H_kv]; SCALED only
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, HEADER: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     # KV heads vary fastest: programs start in work-item order (largest tiles first) across
     # all heads, so the launch's last programs are its shortest ones.
@@ -247,8 +254,9 @@ def tree_partial_kernel(
                 off_hi, off_off, off_work, off_order, off_pre, off_len, O, LSE, counts,
                 merge_indptr, merge_partials, qk_scale, stride_qn, stride_qh, stride_kn,
                 stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
-                G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG,
-                TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL)
+                KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
+                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED)
         else:
             if PDL:
                 gdc_launch_dependents()
@@ -259,16 +267,18 @@ def tree_partial_kernel(
                 off_hi, off_off, off_work, off_order, off_pre, off_len, O, LSE, counts,
                 merge_indptr, merge_partials, qk_scale, stride_qn, stride_qh, stride_kn,
                 stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
-                G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG,
-                TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False)
+                KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
+                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False, SCALED=SCALED)
     else:
         _work_item(
             tl.program_id(0) // h_kv, tl.program_id(0) % h_kv, Q, K, V, desc_k, desc_v, PO,
             PLSE, plan, off_lo, off_hi, off_off, off_work, off_order, off_pre, off_len, O, LSE,
             counts, merge_indptr, merge_partials, qk_scale, stride_qn, stride_qh, stride_kn,
             stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
-            G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG,
-            TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL)
+            KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK,
+            CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL,
+            SCALED=SCALED)
 
 
 @triton.jit
@@ -276,13 +286,15 @@ def _work_item(
     w, kvh, Q, K, V, desc_k, desc_v, PO, PLSE, plan, off_lo, off_hi, off_off, off_work,
     off_order, off_pre, off_len, O, LSE, counts, merge_indptr, merge_partials, qk_scale,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_pn, stride_ph, stride_ln,
-    stride_on, stride_oh, num_heads,
+    stride_on, stride_oh, num_heads, KS, VS, stride_s,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
-    FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, WAIT: tl.constexpr,
+    FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, WAIT: tl.constexpr, SCALED: tl.constexpr,
 ):
     """Work item ``w`` of the plan for KV head ``kvh``: its partial states. ``WAIT``: wait
-    for the previous launch (programmatic dependent launch) once the item is described."""
+    for the previous launch (programmatic dependent launch) once the item is described.
+    ``SCALED``: K/V (e.g. FP8, converted exactly to q's dtype as loaded) are dequantised
+    by the head's scales: K's folds into the score scale, V's into the epilogue."""
     tok_slot = plan
     tok_lo = plan + off_lo
     tok_hi = plan + off_hi
@@ -328,6 +340,10 @@ def _work_item(
     pre = tl.load(q_pre + qpos, mask=row_ok, other=-1)
     qlen = tl.load(q_len + qpos, mask=row_ok, other=0)
 
+    v_s = 1.0
+    if SCALED:
+        qk_scale = qk_scale * tl.load(KS + kvh * stride_s)
+        v_s = tl.load(VS + kvh * stride_s)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -346,7 +362,7 @@ def _work_item(
                 D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE)
 
     has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    o = acc * (v_s / tl.where(has, l_i, 1.0))[:, None]
     # Natural-log lse from the base-2 running max and sum.
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))

@@ -124,17 +124,24 @@ class StepBuffers:
 
 def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, sm_scale: float, o: torch.Tensor,
-                lse: torch.Tensor | None, captured: bool = False) -> None:
+                lse: torch.Tensor | None, captured: bool = False,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """The step's two launches (one when the merge is fused), writing ``o`` and ``lse``
-    (``None``: the plan's lse workspace). ``captured``: launch as into a CUDA graph (a
-    capture's warm-up passes it; a capture itself is detected). Outside capture, a call that Triton
-    specialises like one this plan already launched (same device, shapes, dtypes, strides,
-    scale, 16-byte aligned q, K, V, o and lse) repeats that call's launches through the
-    driver with its own five addresses; its first call records them."""
+    (``None``: the plan's lse workspace). ``k_scale``, ``v_scale``: float32 ``[1]`` or
+    ``[H_kv]`` dequantisation scales of K/V (both or neither). ``captured``: launch as into
+    a CUDA graph (a capture's warm-up passes it; a capture itself is detected). Outside
+    capture, a call that Triton specialises like one this plan already launched (same
+    device, shapes, dtypes, strides, scale, scale tensors, 16-byte aligned q, K, V, o and
+    lse) repeats that call's launches through the driver with its own five addresses; its
+    first call records them."""
     nq, h_q, d = q.shape
     h_kv = k_cache.shape[1]
     if nq == 0:
         return
+    scaled = k_scale is not None
+    # Scale tensors are launch arguments the records keep (a layer's are fixed tensors).
+    k_s, v_s = (k_scale, v_scale) if scaled else (q, q)
+    s_stride = int(scaled and k_scale.shape[0] > 1)
     records, key, done = prepared.native, None, 0
     in_capture = captured or stream_capturing(q.device.type == "cuda")
     if records is not None and not in_capture:
@@ -144,6 +151,7 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
         key = (device, q.get_device(), q.shape, o.shape, h_kv, q.dtype, k_cache.dtype,
                v_cache.dtype, o.dtype, None if lse is None else lse.dtype, q.stride(),
                k_cache.stride(), v_cache.stride(), o.stride(), sm_scale,
+               scaled and (k_scale.data_ptr(), v_scale.data_ptr(), s_stride),
                not (addresses[0] | addresses[1] | addresses[2] | addresses[3] | addresses[4]) & 15)
         found = records.get(key)
         if found is not None:
@@ -174,11 +182,12 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
         args = [q, k_cache, v_cache, k_cache, v_cache, po, plse, a[0],
                 *offsets, o, lse, prepared.counts if fused else a[1], a[1], a[2],
                 sm_scale * math.log2(math.e),
-                qs[0], qs[1], ks[0], ks[1], h * d_, d_, h, os_[0], os_[1], h_q]
+                qs[0], qs[1], ks[0], ks[1], h * d_, d_, h, os_[0], os_[1], h_q, k_s, v_s,
+                s_stride]
         kw = dict(G=h_q // h_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   USE_MASK=prepared.needs_mask, CONTIG=prepared.contiguous, TMA=False,
                   SORTED=prepared.sorted_queries, FUSE_MERGE=fused,
-                  IEEE=q.dtype == torch.float32, PDL=pdl, HEADER=header,
+                  IEEE=q.dtype == torch.float32, PDL=pdl, HEADER=header, SCALED=scaled,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
                   launch_pdl=pdl)
         tma = prepared.tma and _tma_ok(k_cache, ks) and _tma_ok(v_cache, ks)
