@@ -250,7 +250,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            if m["deft_requests_running"] == m["deft_requests_waiting"] == 0 or time.monotonic() > deadline:
+            if m["deft_num_requests_running"] == m["deft_num_requests_waiting"] == 0 or time.monotonic() > deadline:
                 return m
             time.sleep(0.05)
 

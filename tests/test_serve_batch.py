@@ -192,8 +192,7 @@ def serve_groups(scheduler: Scheduler, groups: list[list[dict]]) -> list[list]:
         out = []
         for specs in groups:
             jobs = [Job(events=queue, loop=loop, **{"stop": [], **spec}) for spec in specs]
-            for job in jobs:
-                assert scheduler.submit(job)
+            assert scheduler.submit(jobs)
             events: dict[int, list] = {id(j): [] for j in jobs}
             while not all(evs and isinstance(evs[-1], End) for evs in events.values()):
                 job, ev = await asyncio.wait_for(queue.get(), 60)

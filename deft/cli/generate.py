@@ -114,7 +114,6 @@ def _run_engine(args: argparse.Namespace, branches: int,
     from tqdm import tqdm
 
     from ..cache import CacheFullError
-    from ..engine import TreeEngine
 
     in_range(args.max_new_tokens, "--max-new-tokens", 1, 1 << 20)
     model, tok = parallel.load(args)

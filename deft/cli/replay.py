@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from ..cache import CacheFullError
-    from ..engine import TreeEngine, load_trace, replay_trace
+    from ..engine import load_trace, replay_trace
 
     path = Path(args.trace)
     if not path.suffix:  # a task name

@@ -61,10 +61,12 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text`` (with BOS if the model adds one and ``add_special_tokens``)."""
+        """Token ids of ``text`` (with BOS if the model adds one and ``add_special_tokens``).
+        Other threads run meanwhile (the batch call releases the GIL; a server's event loop
+        goes on while a long prompt is tokenised)."""
         if not isinstance(text, str):
             raise TypeError(f"text: expected a str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``."""

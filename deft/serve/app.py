@@ -1,42 +1,46 @@
 """The FastAPI application: OpenAI's routes over a :class:`~deft.serve.scheduler.Scheduler`.
 
-Handlers validate a request, turn it into jobs (one per prompt), submit them, and either
-stream their deltas as server-sent events (ending with ``data: [DONE]``) or gather them
-into one response. A client that goes away cancels its jobs. Errors are OpenAI's error
-object: 400 bad input, 401 a wrong API key, 404 an unknown route, 429 a full queue.
+Handlers validate a request, turn it into jobs (one per prompt; prompts are tokenised off
+the event loop), submit them, and either stream their deltas as server-sent events
+(ending with ``data: [DONE]``) or gather them into one response. A client that goes away
+cancels its jobs at once, streamed or not. Errors are OpenAI's error object: 400 bad
+input, 401 a wrong API key, 404 an unknown route or model, 413 a body over the limit, 429
+a full queue, 503 a server shutting down.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from .gate import Gate
 from .jobs import Delta, End, Job
 from .protocol import ChatRequest, CompletionRequest, error_body
-from .requests import ApiError, Limits, completion_jobs
+from .requests import ApiError, Limits, chat_prompt, check_model, completion_jobs, completion_prompts
 from .scheduler import Scheduler
 
 __all__ = ["create_app"]
 
-_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is there
 
-
-def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The server's application; ``scheduler`` must be started (and stopped) by the caller."""
+def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
+               max_request_bytes: int | None = None, max_draft_tokens: int | None = None) -> FastAPI:
+    """The server's application; ``scheduler`` must be started (and stopped) by the caller.
+    ``max_request_bytes`` bounds a request's body (413), ``max_draft_tokens`` a speculative
+    draft tree (400); ``None``: no bound."""
     app = FastAPI(title="deft serve", docs_url=None, redoc_url=None)
+    app.add_middleware(Gate, api_key=api_key, max_body=max_request_bytes)
     engine = scheduler.engine
     limits = Limits(model_name, engine.max_positions, engine.cache.num_pages, engine.config.page_size,
-                    set(scheduler.drafters))
-    created = int(time.time())
+                    set(scheduler.drafters), max_draft_tokens)
+    card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "deft"}
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -55,16 +59,6 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(exc.detail), kind), exc.status_code)
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next: Any) -> Response:
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                body = error_body("invalid API key: expected the header Authorization: Bearer <key>",
-                                  "invalid_request_error", None, "invalid_api_key")
-                return JSONResponse(body, 401)
-        return await call_next(request)
-
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
@@ -75,78 +69,82 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "deft"}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        check_model(model, limits)
+        return card
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        tok = engine.tokenizer
-        prompts = body.prompt
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        ids = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        top = body.logprobs
-        return await _respond(scheduler, request, body, ids, top, "text_completion", limits)
+        check_model(body.model, limits)
+        prompts = lambda: completion_prompts(body, engine.tokenizer)  # noqa: E731
+        return await _respond(scheduler, request, body, prompts, body.logprobs, "text_completion", limits)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
-        tok = engine.tokenizer
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            ids = tok.apply_chat_template(messages)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), "messages") from exc
-        if body.max_completion_tokens is not None and body.max_tokens is None:
-            body.max_tokens = body.max_completion_tokens
+        check_model(body.model, limits)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        return await _respond(scheduler, request, body, [ids], top, "chat.completion", limits)
+        prompts = lambda: [chat_prompt(body, engine.tokenizer)]  # noqa: E731
+        return await _respond(scheduler, request, body, prompts, top, "chat.completion", limits)
 
     return app
 
 
-async def _respond(scheduler: Scheduler, request: Request, body: Any, prompts: list[list[int]],
+async def _respond(scheduler: Scheduler, request: Request, body: Any, prompts: Callable[[], list[list[int]]],
                    top: int | None, kind: str, limits: Limits) -> Response:
-    """Submit the jobs of ``prompts`` and answer: streamed or whole."""
+    """Tokenise (off the loop), submit the jobs and answer: streamed or whole."""
     queue: asyncio.Queue = asyncio.Queue()
-    jobs = completion_jobs(body, prompts, top, limits, scheduler.engine.tokenizer, queue,
-                           asyncio.get_running_loop(), chat=kind == "chat.completion")
-    for i, job in enumerate(jobs):
-        if not scheduler.submit(job):
-            for j in jobs[:i]:
-                scheduler.cancel(j)
-            raise ApiError(429, f"the server's queue is full ({scheduler.max_queue} requests wait); "
-                           "retry later", None, "rate_limit_exceeded", "rate_limit_error")
+    loop = asyncio.get_running_loop()
+    jobs = await asyncio.to_thread(lambda: completion_jobs(
+        body, prompts(), top, limits, scheduler.engine.tokenizer, queue, loop, chat=kind == "chat.completion"))
+    room = scheduler.max_running + scheduler.max_queue
+    if len(jobs) > room:
+        raise ApiError(400, f"prompt: {len(jobs)} prompts, more than the server takes at once "
+                       f"({room}: --max-running plus --max-queue)", "prompt")
+    if not scheduler.submit(jobs):
+        if scheduler.closed:
+            raise ApiError(503, "the server is shutting down", None, "service_unavailable", "server_error")
+        raise ApiError(429, f"the server's queue is full ({scheduler.max_queue} requests wait); "
+                       "retry later", None, "rate_limit_exceeded", "rate_limit_error")
     head = {"id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
             "created": int(time.time()), "model": body.model}
     fmt = _Format(scheduler.engine.tokenizer, kind, top)
-    if body.stream:
+    if body.stream:  # (Starlette's streaming response ends the stream when the client leaves)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return StreamingResponse(_stream(scheduler, jobs, queue, head, fmt, body.n, include_usage),
                                  media_type="text/event-stream")
     choices: dict[int, dict] = {}
     usage = [0, 0]
     open_jobs = set(jobs)
+    watch = asyncio.ensure_future(_left(request, lambda: [scheduler.cancel(j) for j in jobs]))
     try:
         while open_jobs:
-            try:
-                job, ev = await asyncio.wait_for(queue.get(), _POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return Response(status_code=499)
-                continue
+            job, ev = await queue.get()
             if isinstance(ev, End):
                 open_jobs.discard(job)
                 if ev.error is not None:
-                    raise ApiError(ev.error[0], ev.error[1])
+                    status, message = ev.error
+                    raise ApiError(status, message, type_="server_error" if status >= 500 else
+                                   "invalid_request_error")
                 usage[0] += ev.prompt_tokens
                 usage[1] += ev.completion_tokens
             else:
                 fmt.gather(choices.setdefault(ev.index, {"text": "", "logprobs": [], "finish": None}), ev)
     finally:
+        watch.cancel()
         for job in open_jobs:
             scheduler.cancel(job)
     out = [fmt.choice(i, c) for i, c in sorted(choices.items())]
     return JSONResponse({**head, "object": kind, "choices": out, "usage": _usage(*usage)})
+
+
+async def _left(request: Request, cancel: Callable[[], Any]) -> None:
+    """Call ``cancel`` when the client of ``request`` (whose body was read) disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    cancel()
 
 
 async def _stream(scheduler: Scheduler, jobs: list[Job], queue: asyncio.Queue, head: dict,

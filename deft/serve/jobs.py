@@ -68,6 +68,7 @@ class Job:
     options: dict[str, Any] = field(default_factory=dict)
     base_index: int = 0  # index of the job's first choice in the response
     arrival: float = field(default_factory=time.monotonic)
+    started_at: float | None = None  # when the batch first ran it
     request: Request | None = None
     choices: list[ChoiceText] = field(default_factory=list)
     last_token_at: float | None = None

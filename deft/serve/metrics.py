@@ -18,8 +18,8 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.running = Gauge("deft_requests_running", "Requests decoding in the batch", registry=r)
-        self.waiting = Gauge("deft_requests_waiting", "Requests admitted to the queue, not yet running",
+        self.running = Gauge("deft_num_requests_running", "Requests decoding in the batch", registry=r)
+        self.waiting = Gauge("deft_num_requests_waiting", "Requests admitted to the queue, not yet running",
                              registry=r)
         self.requests = Counter("deft_requests", "Finished requests by outcome", ["outcome"], registry=r)
         self.generated = Counter("deft_generation_tokens", "Tokens generated", registry=r)
@@ -31,11 +31,17 @@ class Metrics:
                                   f"Tokens generated per second over the last {_WINDOW_S:g} s", registry=r)
         self.ttft = Histogram("deft_time_to_first_token_seconds", "Arrival to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("deft_request_queue_time_seconds", "Arrival to the first step run",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("deft_e2e_request_latency_seconds", "Arrival to the last event",
+                             buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("deft_inter_token_latency_seconds", "Time between a request's tokens",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.pages_total = Gauge("deft_kv_pages_total", "KV cache pages of the pool", registry=r)
         self.pages_used = Gauge("deft_kv_pages_in_use", "KV cache pages in use (prefix cache included)",
                                 registry=r)
+        self.kv_usage = Gauge("deft_kv_cache_usage_perc", "KV cache pages in use over the pool's (0 to 1)",
+                              registry=r)
         self.pages_requests = Gauge("deft_kv_pages_requests",
                                     "KV cache pages on the paths of running requests", registry=r)
         self.lookups = Counter("deft_prefix_cache_lookups", "Prompts looked up in the prefix cache",

@@ -12,7 +12,7 @@ from ..engine import SamplingParams, TopKShape, TreeShape
 from ..model.tokenizer import Tokenizer
 from .jobs import Job
 
-__all__ = ["ApiError", "Limits", "completion_jobs"]
+__all__ = ["ApiError", "Limits", "chat_prompt", "check_model", "completion_jobs", "completion_prompts"]
 
 MAX_STOP = 16
 CHAT_MAX_TOKENS = 1024  # a chat request without max_tokens: the rest of the context, at most this
@@ -30,22 +30,57 @@ class ApiError(Exception):
 
 @dataclass(frozen=True)
 class Limits:
-    """What the server can take: its model name, context, KV pages and drafters."""
+    """What the server can take: its model name, context, KV pages, drafters and draft tokens."""
 
     model: str
     context: int
     num_pages: int
     page_size: int
     drafters: set[str]
+    max_draft_tokens: int | None = None  # None: any
+
+
+def check_model(model: str, limits: Limits) -> None:
+    """A 404 unless ``model`` is the server's."""
+    if model != limits.model:
+        raise ApiError(404, f"model: expected {limits.model!r} (see /v1/models), got {model!r}",
+                       "model", "model_not_found", "not_found_error")
+
+
+def completion_prompts(body: Any, tokenizer: Tokenizer) -> list[list[int]]:
+    """The token ids of each prompt of a :class:`CompletionRequest`."""
+    prompts = body.prompt
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    return [tokenizer.encode(_text(p, "prompt")) if isinstance(p, str) else list(p) for p in prompts]
+
+
+def chat_prompt(body: Any, tokenizer: Tokenizer) -> list[int]:
+    """The token ids of a :class:`ChatRequest`'s messages, rendered by the chat template."""
+    try:
+        messages = [{"role": m.role, "content": _text(m.text(), f"messages[{i}].content")}
+                    for i, m in enumerate(body.messages)]
+        return tokenizer.apply_chat_template(messages)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "messages") from exc
+
+
+def _text(text: str, param: str) -> str:
+    """``text``, or a 400 naming ``param`` if it holds a lone surrogate (JSON's ``"\\ud800"``),
+    which no UTF-8 tokenizer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"{param}: a lone surrogate U+{ord(text[exc.start]):04X} at character "
+                       f"{exc.start} is not Unicode text", param) from None
+    return text
 
 
 def completion_jobs(body: Any, prompts: list[list[int]], top: int | None, limits: Limits,
                     tokenizer: Tokenizer, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop,
                     chat: bool) -> list[Job]:
     """One job per prompt of ``body`` (a :class:`CompletionRequest` or :class:`ChatRequest`)."""
-    if body.model != limits.model:
-        raise ApiError(400, f"model: expected {limits.model!r} (see /v1/models), got {body.model!r}",
-                       "model", "model_not_found")
+    check_model(body.model, limits)
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise ApiError(400, f"{name}: not supported, expected 0", name)
@@ -60,13 +95,18 @@ def completion_jobs(body: Any, prompts: list[list[int]], top: int | None, limits
     for i, ids in enumerate(prompts):
         if not ids:
             raise ApiError(400, f"{param}: prompt {i} encodes to no tokens", param)
-        if any(t < 0 or t >= tokenizer.vocab_size for t in ids):
-            raise ApiError(400, f"{param}: prompt {i} has a token id outside [0, {tokenizer.vocab_size})", param)
         if len(ids) >= limits.context:
             raise ApiError(400, f"{param}: {len(ids)} prompt tokens leave no room in the model's context "
                            f"of {limits.context}", param, "context_length_exceeded")
+        if any(t < 0 or t >= tokenizer.vocab_size for t in ids):
+            raise ApiError(400, f"{param}: prompt {i} has a token id outside [0, {tokenizer.vocab_size})", param)
     longest = max(len(p) for p in prompts)
     max_tokens = body.max_tokens
+    if chat:
+        if body.max_completion_tokens is not None:  # OpenAI's newer name wins, as in vLLM
+            max_tokens = body.max_completion_tokens
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
     if max_tokens is None:
         max_tokens = min(CHAT_MAX_TOKENS, limits.context - longest) if chat else COMPLETION_MAX_TOKENS
     if longest + max_tokens > limits.context:
@@ -118,6 +158,8 @@ def _strategy(body: Any, n: int, best_of: int, top: int | None, limits: Limits) 
                            "temperature")
         if top is not None:
             raise ApiError(400, "logprobs: not available with use_beam_search", "logprobs")
+        if body.stop:
+            raise ApiError(400, "stop: not available with use_beam_search (stop_token_ids are)", "stop")
         return "beam", {"num_beams": best_of, "length_penalty": body.length_penalty,
                         "early_stopping": body.early_stopping}
     if body.speculative is None:
@@ -139,4 +181,8 @@ def _strategy(body: Any, n: int, best_of: int, top: int | None, limits: Limits) 
             tree = TreeShape.from_choices(spec.tree)
     except (TypeError, ValueError) as exc:
         raise ApiError(400, f"speculative.tree: {exc}", "speculative.tree") from exc
+    drafts = 0 if tree is None else tree.num_drafts
+    if limits.max_draft_tokens is not None and drafts > limits.max_draft_tokens:
+        raise ApiError(400, f"speculative.tree: {drafts} draft tokens, more than the server's "
+                       f"{limits.max_draft_tokens} (--max-draft-tokens)", "speculative.tree")
     return "speculative", {"drafter": spec.drafter, "tree": tree}

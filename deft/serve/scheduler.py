@@ -33,21 +33,21 @@ _IDLE_WAIT_S = 0.5
 
 
 class Scheduler:
-    """Owns ``engine``: at most ``max_running`` jobs of the batch decode at once, at most
-    ``max_queue`` wait (:meth:`submit` refuses more). ``drafters`` maps a speculative
-    drafter name to its :class:`~deft.engine.Drafter` factory."""
+    """Owns ``engine``: at most ``max_running`` jobs of the batch decode at once, and
+    :meth:`submit` takes jobs while at most ``max_queue`` would wait beyond them.
+    ``drafters`` maps a speculative drafter name to its :class:`~deft.engine.Drafter` factory."""
 
     def __init__(self, engine: TreeEngine, max_running: int, max_queue: int, metrics: Metrics,
                  prefix_cache: bool = True, drafters: dict[str, Any] | None = None) -> None:
-        self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
+        self.engine, self.max_running, self.max_queue, self.metrics = engine, max_running, max_queue, metrics
         self.prefixes = PrefixCache(engine.cache) if prefix_cache else None
         self.batch = Batch(engine, max_running, self.prefixes)
         self.drafters = drafters or {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._inbox: list[tuple[str, Job]] = []
-        self._queued = 0  # submitted jobs not running yet
-        self._closed = False
+        self._inbox: list[tuple[str, Job | None]] = []
+        self._live = 0  # submitted jobs not ended
+        self._closed = self._stopping = False
         self._pending: deque[Job] = deque()  # not yet in the batch
         self._active: list[Job] = []  # in the batch
         self._thread = threading.Thread(target=self._run, name="deft-scheduler", daemon=True)
@@ -59,13 +59,25 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: Job) -> bool:
-        """Queue ``job``; ``False`` (nothing queued) when ``max_queue`` jobs wait already."""
+    @property
+    def closed(self) -> bool:
+        """:meth:`close` was called: no job is taken any more."""
+        return self._closed
+
+    @property
+    def idle(self) -> bool:
+        """No submitted job is still to end."""
         with self._lock:
-            if self._closed or self._queued >= self.max_queue:
+            return self._live == 0
+
+    def submit(self, jobs: list[Job]) -> bool:
+        """Queue ``jobs`` (one request's), all or none: ``False`` when closed, or when more
+        than ``max_queue`` jobs would wait beyond the ``max_running`` that decode."""
+        with self._lock:
+            if self._closed or self._live + len(jobs) > self.max_running + self.max_queue:
                 return False
-            self._queued += 1
-            self._inbox.append(("submit", job))
+            self._live += len(jobs)
+            self._inbox += [("submit", job) for job in jobs]
         self._wake.set()
         return True
 
@@ -75,10 +87,21 @@ class Scheduler:
             self._inbox.append(("cancel", job))
         self._wake.set()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Refuse new jobs, end the running ones, and stop the thread."""
+    def close(self) -> None:
+        """Take no more jobs; the submitted ones go on."""
         with self._lock:
             self._closed = True
+
+    def abort(self) -> None:
+        """End every submitted job at the next step boundary with a 503."""
+        with self._lock:
+            self._inbox.append(("abort", None))
+        self._wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Take no more jobs, end the submitted ones with a 503, and stop the thread."""
+        with self._lock:
+            self._closed = self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
 
@@ -88,15 +111,16 @@ class Scheduler:
         while True:
             self._wake.clear()
             with self._lock:
-                inbox, self._inbox, closed = self._inbox, [], self._closed
+                inbox, self._inbox, stopping = self._inbox, [], self._stopping
             for what, job in inbox:
                 if what == "submit":
                     self._pending.append(job)
-                else:
+                elif what == "cancel":
                     self._drop(job, None)
-            if closed:
-                for job in list(self._pending) + list(self._active):
-                    self._drop(job, (503, "the server is shutting down"))
+                else:
+                    self._drop_all(_SHUTDOWN)
+            if stopping:
+                self._drop_all(_SHUTDOWN)
                 return
             self._feed_batch()
             busy = bool(self.batch.live or self.batch.waiting or self.batch.running)
@@ -104,8 +128,7 @@ class Scheduler:
                 if busy:
                     self._step()
             except Exception as exc:  # a bug must not stop the server: fail what was running
-                for job in list(self._pending) + list(self._active):
-                    self._drop(job, _internal(exc))
+                self._drop_all(_internal(exc))
                 self.batch.close("error")
                 self.batch = Batch(self.engine, self.batch.max_running, self.prefixes)
             self._count()
@@ -150,6 +173,9 @@ class Scheduler:
             if job.request.error is not None:  # its search raised: it fails alone
                 self._drop(job, _internal(job.request.error))
             elif job.request.status != "waiting":
+                if job.started_at is None:
+                    job.started_at = now
+                    self.metrics.queue_time.observe(now - job.arrival)
                 self._publish(job, now)
 
     def _publish(self, job: Job, now: float) -> None:
@@ -194,9 +220,7 @@ class Scheduler:
                 self._post_best(job)
             self._active.remove(job)
             self.batch.cancel(job.request)  # no-op unless a branch is still running
-            job.finished = True
-            self.metrics.requests.labels("ok").inc()
-            job.post(End(len(job.prompt), sum(len(b.tokens) for b in branches)))
+            self._end(job, End(len(job.prompt), sum(len(b.tokens) for b in branches)))
 
     def _post_best(self, job: Job) -> None:
         """``best_of`` sampled: post the ``n`` most likely choices, whole."""
@@ -219,32 +243,41 @@ class Scheduler:
             job.post(Delta(job.base_index + i, delta, [], "stop" if stopped else r.stats["finish_reason"]))
         self.metrics.count_tokens(sum(len(r.token_ids) for r in results))
         self.metrics.ttft.observe(time.monotonic() - job.arrival)
-        job.finished = True
-        self.metrics.requests.labels("ok").inc()
-        job.post(End(len(job.prompt), sum(len(r.token_ids) for r in results)))
+        self._end(job, End(len(job.prompt), sum(len(r.token_ids) for r in results)))
 
     def _drop(self, job: Job, error: tuple[int, str] | None) -> None:
         """End ``job`` without a result: cancelled (``error`` None) or failed."""
         if job.finished:
             return
-        job.finished = True
         if job in self._pending:
             self._pending.remove(job)
         if job in self._active:
             self._active.remove(job)
             self.batch.cancel(job.request)
-        self.metrics.requests.labels("error" if error else "cancelled").inc()
-        job.post(End(error=error or (499, "cancelled")))
+        self._end(job, End(error=error or (499, "cancelled")))
+
+    def _drop_all(self, error: tuple[int, str]) -> None:
+        for job in list(self._pending) + list(self._active):
+            self._drop(job, error)
+
+    def _end(self, job: Job, end: End) -> None:
+        """Post ``job``'s last event, count its outcome, and let another job in."""
+        job.finished = True
+        outcome = "ok" if end.error is None else "cancelled" if end.error[0] == 499 else "error"
+        self.metrics.requests.labels(outcome).inc()
+        self.metrics.e2e.observe(time.monotonic() - job.arrival)
+        with self._lock:
+            self._live -= 1
+        job.post(end)
 
     def _count(self) -> None:
         """Refresh the gauges and counters, and the number of queued jobs."""
         m, batch, cache = self.metrics, self.batch, self.engine.cache
         waiting = sum(1 for j in self._active if j.request.status == "waiting")
-        with self._lock:
-            self._queued = len(self._pending) + waiting + sum(1 for w, _ in self._inbox if w == "submit")
         m.waiting.set(len(self._pending) + waiting)
         m.running.set(len(self._active) - waiting)
         m.pages_used.set(cache.allocator.num_used)
+        m.kv_usage.set(cache.allocator.num_used / cache.num_pages)
         m.pages_requests.set(pages_on_paths(batch, self.prefixes))
         now = {"prefill": batch.stats["prefill_tokens"], "preempted": batch.stats["preempted"]}
         if self.prefixes is not None:
@@ -273,6 +306,9 @@ def pages_on_paths(batch: Batch, prefixes: PrefixCache | None) -> int:
         below += cache.children(node)
     idle = prefixes.idle_pages() if prefixes is not None else 0
     return cache.allocator.num_used - idle - cache.allocator.num_parked_with(drafts)
+
+
+_SHUTDOWN = (503, "the server is shutting down")
 
 
 def _internal(exc: Exception) -> tuple[int, str]:
