@@ -106,7 +106,7 @@ def _run(engine: TreeEngine, a: argparse.Namespace) -> dict:
     vocab = engine.vocab_size
     rng = np.random.default_rng(0)
     prompt = rng.integers(10, vocab - 10, a.prompt_tokens).tolist()
-    _timed_sample(engine, prompt[:64], 2, 4)  # warm-up
+    _timed_sample(engine, prompt, a.branches, 4)  # warm-up: every graph bucket the runs use
     first_s, first_steps, _ = _timed_sample(engine, prompt, a.branches, 1)
     seconds, steps, tokens = _timed_sample(engine, prompt, a.branches, a.new_tokens)
     root = engine.add_prompt(prompt)
