@@ -72,8 +72,9 @@ def test_on_cuda_the_default_model_is_random_llama_3_8b(monkeypatch):
     for device in ("cuda", "cpu"):
         with pytest.raises(Started):
             benchmarks.serve.serve_table(device=device)
-    assert seen == [["--model", "random:llama-3-8b", "--device", "cuda", "--dtype", "auto"],
-                    ["--device", "cpu", "--dtype", "auto"]]
+    assert seen == [["--model", "random:llama-3-8b", "--device", "cuda", "--dtype", "auto",
+                     "--kv-dtype", "auto"],
+                    ["--device", "cpu", "--dtype", "auto", "--kv-dtype", "auto"]]
 
 
 @pytest.mark.parametrize("model", [None, "random:tiny"])
