@@ -268,3 +268,24 @@ def test_nccl_rank_with_graphs_equals_one_process(tiny_tp, tmp_path):
     got = results(tmp_path, ranks)
     assert all(got[0]["same"].values()) and "captured_all_reduce" in got[0]["same"], got[0]
     assert got[0]["logits_err"] < 1e-4
+
+
+def test_a_follower_refuses_a_graph_bucket_other_than_rank_0s(tiny_tp, monkeypatch):
+    """Rank 0 replays bucket 8 where this rank would run eagerly: it raises, not runs."""
+    import deft.engine.runner as runner_module
+
+    tp = TPGroup(1, 2, torch.device("cpu"))
+    model, tok = load_model(tiny_tp, tp=tp)
+    leader = TreeEngine(load_model(tiny_tp)[0], tok, num_pages=8, backend="torch")
+    root = leader.add_prompt([5, 6, 7])
+    steps = []
+    run = leader.runner.run
+    monkeypatch.setattr(leader.runner, "run", lambda step: steps.append(step) or run(step))
+    leader.extend([(root, [8])])
+    sent = iter([(steps[0], 8)])
+    monkeypatch.setattr(runner_module, "receive", lambda tp, device: next(sent, None))
+    object.__setattr__(tp, "same", lambda value, what: None)  # no peers to compare with
+    follower = TreeEngine(model, tok, num_pages=8, backend="torch", tp_group=tp)
+    with pytest.raises(TensorParallelError, match="rank 1 would run a step of 4 queries in "
+                       "graph bucket 0 where rank 0 runs bucket 8"):
+        follower.follow()
