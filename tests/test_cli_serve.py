@@ -39,6 +39,7 @@ def test_kv_memory_sizes_the_server_pool(tmp_path, monkeypatch, capsys):
     with pytest.raises(Built):
         main(["serve", "--model", str(path), "--num-pages", "7"])
     assert seen[-1] == 7
+    capsys.readouterr()  # the loads' "model on ..." lines
     assert main(["serve", "--model", str(path), "--num-pages", "7", "--kv-memory", "1MiB"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "deft: error: --kv-memory: give either --kv-memory or --num-pages, not both"]

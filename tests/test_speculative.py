@@ -14,6 +14,7 @@ import torch
 
 from benchmarks.speculative import spec_table
 from deft.cli import CliError
+from deft.cli.common import choose_device
 from deft.cli.speculate import add_parser
 from deft.engine import (DraftJob, ModelDrafter, NgramDrafter, SamplingParams, TreeEngine, probabilities,
                          speculative_generate)
@@ -414,6 +415,7 @@ def run_cli(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="deft")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
+    choose_device(args)  # as deft's main does
     args.func(args)
 
 

@@ -44,7 +44,8 @@ def join(args: argparse.Namespace) -> Any:
 def load(args: argparse.Namespace) -> tuple[Any, Any]:
     """The model of ``--model`` and its tokenizer (:func:`common.load`); under tensor
     parallelism, this rank's shard of it."""
-    return common.load(args, join(args))
+    tp = join(args)
+    return common.load(args) if tp is None else common.load(args, tp)
 
 
 def engine(args: argparse.Namespace, model: Any, tokenizer: Any, config: Any) -> Any:
