@@ -423,3 +423,21 @@ def test_gpu_long_context_retrieval_with_and_without_fp8():
     model, tok = load_model(device="cuda", dtype=torch.bfloat16)
     r = retrieval(model, tok, context=32768)
     assert r["found_base"] == r["found_test"], r
+
+
+def test_a_fixed_calibration_leaves_the_scales_to_no_request():
+    """Calibrated from a fixed prompt first, the scales are the same whichever request comes
+    first, and the throwaway prompt holds no pages afterwards."""
+    from deft.engine import TreeEngine
+
+    model, tok = tiny_llama(), Letters()
+    scales = []
+    for first in ([3, 14, 15], [40, 41, 2, 9, 9, 9, 9]):
+        engine = TreeEngine(model, tok, num_pages=16, page_size=4, backend="torch", kv="fp8_e4m3")
+        free = engine.cache.num_free_pages
+        engine.calibrate(list(range(5, 30)))
+        assert engine.pool.calibrated and engine.cache.num_free_pages == free
+        root = engine.add_prompt(first[:-1])
+        engine.extend([(root, first[-1:])])
+        scales.append(engine.pool.k_scale.clone())
+    assert torch.equal(scales[0], scales[1])

@@ -254,3 +254,18 @@ def test_sigterm_finishes_what_it_can_ends_the_rest_cleanly_and_exits_0():
     assert lines[-1] == "data: [DONE]" and "error" in json.loads(lines[-2][6:]), lines[-3:]
     assert all("choices" in json.loads(ln[6:]) for ln in lines[:-2])
     assert server.proc.returncode == 0 and "Traceback" not in err, err
+
+
+def test_a_drafters_default_tree_counts_against_max_draft_tokens():
+    """Without ``speculative.tree`` the drafter's default tree runs: it is what is capped."""
+    from deft.serve.protocol import CompletionRequest
+    from deft.serve.requests import ApiError, Limits, _strategy
+
+    body = CompletionRequest(model=MODEL, prompt="a b a b", max_tokens=4, speculative={})
+    for cap, refused in ((16, True), (32, False)):
+        limits = Limits(MODEL, 256, 64, 16, {"ngram": 32}, cap)
+        if refused:
+            with pytest.raises(ApiError, match="32 draft tokens \\(the ngram drafter's default tree\\)"):
+                _strategy(body, 1, 1, None, limits)
+        else:
+            assert _strategy(body, 1, 1, None, limits) == ("speculative", {"drafter": "ngram", "tree": None})

@@ -211,6 +211,9 @@ def run_serve(args: argparse.Namespace) -> None:
 
     from deft.model.synthetic import is_random_spec, parse_spec
 
+    if args.tensor_parallel_size != 1:
+        raise CliError("--tensor-parallel-size: bench serve starts one server process; run "
+                       "deft serve --tp N under torchrun and load it yourself")
     common.require_device(args.device)
     if args.num_pages is not None and args.kv_memory is not None:
         raise CliError("--kv-memory: give either --kv-memory or --num-pages, not both")

@@ -12,13 +12,14 @@ import argparse
 import atexit
 import dataclasses
 import os
+import signal
 import sys
 from typing import Any
 
 from . import common
 from .common import CliError
 
-__all__ = ["engine", "join", "load"]
+__all__ = ["engine", "join", "leads", "load"]
 
 
 def join(args: argparse.Namespace) -> Any:
@@ -41,6 +42,12 @@ def join(args: argparse.Namespace) -> Any:
     return group
 
 
+def leads(args: argparse.Namespace) -> bool:
+    """Whether this process decides: rank 0, or the only process."""
+    tp = join(args)
+    return tp is None or tp.leader
+
+
 def load(args: argparse.Namespace) -> tuple[Any, Any]:
     """The model of ``--model`` and its tokenizer (:func:`common.load`); under tensor
     parallelism, this rank's shard of it."""
@@ -51,20 +58,21 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
 def engine(args: argparse.Namespace, model: Any, tokenizer: Any, config: Any) -> Any:
     """The command's :class:`~deft.engine.TreeEngine` of ``config``. Under tensor
     parallelism, rank 0 gets it (its pages: the fewest any rank's memory allows) and the
-    other ranks never return: they follow rank 0's steps, then exit 0."""
-    from ..distributed import TensorParallelError
+    other ranks never return: they follow rank 0's steps, then exit 0 (a lost peer is a
+    ``TensorParallelError``, which ``deft`` prints as one line, exit code 1)."""
     from ..engine import TreeEngine
 
     tp = join(args)
     if tp is None:
         return TreeEngine(model, tokenizer, config)
     config = dataclasses.replace(config, num_pages=tp.agree(config.num_pages, "agreeing on pages"))
-    try:
-        built = TreeEngine(model, tokenizer, config, tp_group=tp)
-        if tp.leader:
-            atexit.register(built.close)
-            return built
-        built.follow()
-    except TensorParallelError as exc:
-        raise CliError(str(exc)) from exc
+    built = TreeEngine(model, tokenizer, config, tp_group=tp)
+    if tp.leader:
+        atexit.register(built.close)
+        return built
+    # Rank 0 decides when the job ends (a server drains first): a signal to the whole job
+    # (Ctrl-C, torchrun passing on SIGTERM) must not end a follower before rank 0's stop.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    built.follow()
     raise SystemExit(0)

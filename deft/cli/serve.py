@@ -34,9 +34,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $DEFT_API_KEY, or none)")
     p.add_argument("--max-running", type=int, default=32, metavar="N",
-                   help="requests decoding at once (default 32)")
+                   help="prompts decoding at once (a request of several prompts counts each; "
+                   "default 32)")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
-                   help="requests that may wait beyond --max-running; one more is HTTP 429 (default 256)")
+                   help="prompts that may wait beyond --max-running (a request of several "
+                   "prompts counts each); one more is HTTP 429 (default 256)")
     p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, metavar="N",
                    help=f"largest request body; beyond, HTTP 413 (default {MAX_REQUEST_BYTES >> 20} MiB)")
     p.add_argument("--max-draft-tokens", type=int, default=MAX_DRAFT_TOKENS, metavar="N",
@@ -70,6 +72,13 @@ def model_id(path: str | None) -> str:
     return p.stem if p.is_file() else p.name
 
 
+# The K/V scales of an FP8 cache come from this text's step at start-up (ordinary prose).
+CALIBRATION_TEXT = (
+    "The committee met on a cold Tuesday morning to review the budget. After a long debate "
+    "about roads, schools and the new library, they agreed to meet again in March, when the "
+    "figures for the winter would be known. Questions from the public followed: 12 in all.")
+
+
 def run(args: argparse.Namespace) -> None:
     """Load the model(s), start the scheduler and serve until SIGINT/SIGTERM, then drain (exit 0)."""
     port = in_range(args.port, "--port", 0, 65535)
@@ -93,16 +102,15 @@ def run(args: argparse.Namespace) -> None:
         raise CliError(f"deft serve needs the serve extra: pip install 'deft-llm[serve]' ({exc})") from exc
     from ..engine import ModelDrafter, NgramDrafter, TreeEngine
 
-    tp = parallel.join(args)  # under --tensor-parallel-size, rank 0 alone listens
-    try:  # before loading: a port in use fails at once
+    try:  # before loading: a port in use fails at once (rank 0 alone listens under --tp)
         sock = (socket.create_server((args.host, port), family=socket.AF_INET6 if ":" in args.host
-                                     else socket.AF_INET) if tp is None or tp.leader else None)
+                                     else socket.AF_INET) if parallel.leads(args) else None)
     except OSError as exc:
         raise CliError(f"--port: could not listen on {args.host}:{port} ({exc.strerror or exc})") from exc
     with sock or contextlib.nullcontext():
         model, tok = parallel.load(args)
         draft = draft_tok = None
-        if args.draft_model is not None:
+        if args.draft_model is not None and parallel.leads(args):  # rank 0 alone drafts
             draft, draft_tok = common.load_from(args.draft_model, args.device, "--draft-model",
                                                 args.dtype)
         if args.kv_memory is not None:  # as many pages as the budget holds, shared like the CLI's
@@ -112,6 +120,8 @@ def run(args: argparse.Namespace) -> None:
             draft_pages = [num_pages]
         engine = parallel.engine(args, model, tok, common.engine_config(
             num_pages, args.device, args.kv_dtype, prefill_chunk=chunk))
+        if not engine.pool.calibrated:  # FP8 scales from a fixed text, not the first request
+            engine.calibrate(tok.encode(CALIBRATION_TEXT))
         drafters: dict[str, Any] = {"ngram": NgramDrafter}
         if draft is not None:
             draft_engine = TreeEngine(draft, draft_tok, common.engine_config(
@@ -132,4 +142,6 @@ def run(args: argparse.Namespace) -> None:
             server.run(sockets=[sock])
         finally:
             scheduler.stop()
+        if scheduler.fatal is not None:  # printed by deft's main as one line, exit 1
+            raise scheduler.fatal
 

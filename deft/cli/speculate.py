@@ -79,14 +79,15 @@ def _generate(args: argparse.Namespace) -> list:
     # The engine checks free pages per append, rounded up: a page per draft node covers the
     # draft model's level-by-level appends, a page per PAGE_SIZE drafts one verified tree.
     needs = [(model, _pages(prompts, params, common.pages_for(shape.num_drafts + 1)))]
-    if args.drafter == "model":
+    drafts = args.drafter == "model" and parallel.leads(args)  # rank 0 alone drafts
+    if drafts:
         draft_model, draft_tok = common.load_from(args.draft_model, args.device, "--draft-model", args.dtype)
         needs.append((draft_model, _pages(prompts, params, shape.num_drafts)))
     budget = common.KVBudget.of(args)
     pages = budget.pages(needs)
     drafter = (ModelDrafter(TreeEngine(draft_model, draft_tok,
                                        common.engine_config(pages[1], kv_dtype=args.kv_dtype)))
-               if args.drafter == "model" else NgramDrafter())
+               if drafts else NgramDrafter())
     engine = parallel.engine(args, model, tok,
                              common.engine_config(pages[0], kv_dtype=args.kv_dtype))
     try:

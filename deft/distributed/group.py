@@ -54,14 +54,19 @@ class TPGroup:
             self.collective(lambda: _dist().all_reduce(t, group=self.group), "summing a layer")
         return t
 
+    def gather(self, value: Any, what: str) -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order."""
+        if self.world_size == 1:
+            return [value]
+        got: list[Any] = [None] * self.world_size
+        self.collective(lambda: _dist().all_gather_object(got, value, group=self.host_group),
+                        f"gathering {what}")
+        return got
+
     def same(self, value: Any, what: str) -> None:
         """Raise :class:`TensorParallelError` on every rank unless every rank's ``value``
         (picklable) equals rank 0's."""
-        if self.world_size == 1:
-            return
-        got: list[Any] = [None] * self.world_size
-        self.collective(lambda: _dist().all_gather_object(got, value, group=self.host_group),
-                        f"comparing {what}")
+        got = self.gather(value, what)
         bad = [r for r, v in enumerate(got) if v != got[0]]
         if bad:
             raise TensorParallelError(f"tensor parallelism: rank {bad[0]}'s {what} differs "

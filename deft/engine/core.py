@@ -115,6 +115,19 @@ class TreeEngine:
         return (f"TreeEngine(layers={self.pool.num_layers}, pages={c.num_pages}x{c.page_size}, "
                 f"backend={self.attn.backend_name!r}, device={str(self.device)!r})")
 
+    def calibrate(self, token_ids: Sequence[int]) -> None:
+        """Compute ``token_ids`` as a throwaway prompt. A scaled K/V pool (FP8) that has no
+        scales yet takes them from this step, so no request's own K/V set them for the
+        others (a server calibrates so at start-up); nothing else changes."""
+        ids = list(token_ids)
+        if not ids:
+            raise ValueError("token_ids: expected at least one token id, got none")
+        root = self.add_prompt(ids[:-1])
+        try:
+            self.extend([(root, ids[-1:])], logits="none")
+        finally:
+            self.cache.prune(root)
+
     def follow(self) -> int:
         """A tensor-parallel rank other than 0: run rank 0's steps until it closes its
         engine; returns the number of steps run."""

@@ -64,10 +64,14 @@ class ModelRunner:
         graph_safe = self.attn.graph_safe
         cuda_graphs = config.cuda_graphs
         if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda" and graph_safe
+            cuda_graphs = self.device.type == "cuda" and graph_safe and _same_heads(model, tp)
         elif cuda_graphs and (self.device.type != "cuda" or not graph_safe):
             raise ValueError(f"cuda_graphs: needs a CUDA device and a graph-safe backend, got "
                              f"{self.device} and {self.attn.backend_name!r}")
+        elif cuda_graphs and not _same_heads(model, tp):
+            raise ValueError("cuda_graphs: the tensor-parallel ranks hold different numbers of "
+                             "heads (an uneven split), so their plans, and when their graphs "
+                             "are captured again, differ; run them eagerly")
         layers, kv_heads, head_dim = model.kv_shape
         spec = config.kv if config.kv is not None else KVSpec(model.dtype)
         self.attn.check_kv(spec.dtype, model.dtype, spec.scaled)  # before any pool memory
@@ -94,7 +98,10 @@ class ModelRunner:
 
     def bucket_of(self, step: Step) -> int:
         """The query count of the CUDA-graph bucket ``step`` replays in (0: eagerly)."""
-        return 0 if self.graphs is None else self.graphs.bucket(step.num_queries) or 0
+        # Scales are calibrated by an eager step's writes; graphs then read them as they are.
+        if self.graphs is None or not self.pool.calibrated:
+            return 0
+        return self.graphs.bucket(step.num_queries) or 0
 
     def follow(self) -> int:
         """Run rank 0's steps until it stops the job; returns the steps run. Only on a
@@ -130,9 +137,7 @@ class ModelRunner:
         for src, dst in step.copies:
             self.copy_slots(src, dst)
         t0 = time.perf_counter()
-        # Scales are calibrated by an eager step's writes; graphs then read them as they are.
-        bucket = (None if self.graphs is None or not self.pool.calibrated
-                  else self.graphs.plan(step.layout))
+        bucket = self.graphs.plan(step.layout) if self.bucket_of(step) else None
         plan = self.attn.plan(step.layout, self.pool.dtype) if bucket is None else None
         self.stats["plan_s"] += time.perf_counter() - t0
         with torch.no_grad():
@@ -173,3 +178,14 @@ class ModelRunner:
         st["kv_bytes_deft"] += plan.io_bytes(*heads)["kv"] * c.num_layers
         st["kv_bytes_per_branch"] += per_branch.io_bytes(*heads)["kv"] * c.num_layers
         st["io_s"] += time.perf_counter() - t0
+
+
+def _same_heads(model: DecoderModel, tp: Any) -> bool:
+    """Whether every tensor-parallel rank's shard has this one's head counts (a collective;
+    true on one device). Planning depends on them, and so does when a CUDA graph outgrows
+    its plan buffers and is captured again: a capture runs the layers' all-reduces, so the
+    ranks must capture together."""
+    if tp is None:
+        return True
+    c = model.config
+    return len(set(tp.gather((c.num_heads, c.num_kv_heads), "head counts"))) == 1

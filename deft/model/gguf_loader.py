@@ -115,6 +115,9 @@ class _Tensors(Mapping[str, torch.Tensor]):
             w = _unpermute(w, heads)
         return torch.from_numpy(w)
 
+    def __contains__(self, hf: object) -> bool:  # without dequantising (Mapping's would)
+        return hf in self.names
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
 

@@ -39,7 +39,8 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
     app.add_middleware(Gate, api_key=api_key, max_body=max_request_bytes)
     engine = scheduler.engine
     limits = Limits(model_name, engine.max_positions, engine.cache.num_pages, engine.config.page_size,
-                    set(scheduler.drafters), max_draft_tokens)
+                    {name: (getattr(make, "default_shape", None) or make().default_shape).num_drafts
+                     for name, make in scheduler.drafters.items()}, max_draft_tokens)
     card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "deft"}
 
     @app.exception_handler(ApiError)
@@ -60,7 +61,10 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
         return JSONResponse(error_body(str(exc.detail), kind), exc.status_code)
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> Any:
+        if scheduler.fatal is not None:
+            return JSONResponse(error_body(f"the engine stopped: {scheduler.fatal}", "server_error"),
+                                503)
         return {"status": "ok"}
 
     @app.get("/metrics")

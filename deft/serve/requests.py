@@ -36,7 +36,7 @@ class Limits:
     context: int
     num_pages: int
     page_size: int
-    drafters: set[str]
+    drafters: dict[str, int]  # name -> draft tokens of its default tree
     max_draft_tokens: int | None = None  # None: any
 
 
@@ -181,8 +181,9 @@ def _strategy(body: Any, n: int, best_of: int, top: int | None, limits: Limits) 
             tree = TreeShape.from_choices(spec.tree)
     except (TypeError, ValueError) as exc:
         raise ApiError(400, f"speculative.tree: {exc}", "speculative.tree") from exc
-    drafts = 0 if tree is None else tree.num_drafts
+    drafts = limits.drafters[spec.drafter] if tree is None else tree.num_drafts
     if limits.max_draft_tokens is not None and drafts > limits.max_draft_tokens:
-        raise ApiError(400, f"speculative.tree: {drafts} draft tokens, more than the server's "
-                       f"{limits.max_draft_tokens} (--max-draft-tokens)", "speculative.tree")
+        given = "" if tree is not None else f" (the {spec.drafter} drafter's default tree)"
+        raise ApiError(400, f"speculative.tree: {drafts} draft tokens{given}, more than the "
+                       f"server's {limits.max_draft_tokens} (--max-draft-tokens)", "speculative.tree")
     return "speculative", {"drafter": spec.drafter, "tree": tree}

@@ -12,12 +12,15 @@ several); a beam-search job's choices are posted whole when its search ends.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections import deque
 from typing import Any
 
 from ..cache import CacheFullError
+from ..distributed.group import TensorParallelError
 from ..engine import TreeEngine
 from ..engine.decoding import Batch, Request
 from ..engine.params import GenerationResult
@@ -48,6 +51,7 @@ class Scheduler:
         self._inbox: list[tuple[str, Job | None]] = []
         self._live = 0  # submitted jobs not ended
         self._closed = self._stopping = False
+        self.fatal: Exception | None = None  # what stopped the thread for good, if anything
         self._pending: deque[Job] = deque()  # not yet in the batch
         self._active: list[Job] = []  # in the batch
         self._thread = threading.Thread(target=self._run, name="deft-scheduler", daemon=True)
@@ -127,6 +131,13 @@ class Scheduler:
             try:
                 if busy:
                     self._step()
+            except TensorParallelError as exc:  # a rank is lost: no step can run again
+                self.fatal = exc
+                with self._lock:
+                    self._closed = True
+                self._drop_all((503, f"the server lost a tensor-parallel rank: {exc}"))
+                os.kill(os.getpid(), signal.SIGTERM)  # the HTTP server drains and stops
+                return
             except Exception as exc:  # a bug must not stop the server: fail what was running
                 self._drop_all(_internal(exc))
                 self.batch.close("error")
