@@ -31,7 +31,7 @@ from test_model import TINY, tiny_weights, write_hf_dir
 TESTS = Path(__file__).resolve().parent
 # 4 layers, 8 query heads over 4 KV heads: 2 ranks split them evenly, 3 unevenly.
 TP_TINY = {**TINY, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
-           "head_dim": 8}
+           "head_dim": 16}  # the triton backend's smallest
 
 
 class ThreadRanks:
