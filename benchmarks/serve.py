@@ -78,6 +78,7 @@ class BenchRequest:
     kind: str
     max_tokens: int
     seed: int | None = None
+    system: str = SYSTEM
 
     @property
     def stream(self) -> bool:
@@ -85,16 +86,27 @@ class BenchRequest:
 
     @property
     def messages(self) -> list[dict[str, str]]:
-        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": self.question}]
+        return [{"role": "system", "content": self.system}, {"role": "user", "content": self.question}]
 
 
-def request_mix(count: int, max_tokens: int) -> list[BenchRequest]:
-    """The first ``count`` requests of the mix (every kind within the first four)."""
+def system_prompt(min_bytes: int = 0) -> str:
+    """:data:`SYSTEM`, its examples repeated until it holds at least ``min_bytes`` UTF-8
+    bytes (as many tokens of the random models' byte-level tokenizer)."""
+    text = SYSTEM
+    while len(text.encode()) < min_bytes:
+        text += FEW_SHOT
+    return text
+
+
+def request_mix(count: int, max_tokens: int, system: str = SYSTEM) -> list[BenchRequest]:
+    """The first ``count`` requests of the mix (every kind within the first four), each with
+    the system prompt ``system``."""
     out = []
     for i in range(count):
         kind = KINDS[i % len(KINDS)]
         question = QUESTIONS[(i + i // len(KINDS)) % len(QUESTIONS)]
-        out.append(BenchRequest(question, kind, max_tokens, seed=i if kind in ("sampled", "n") else None))
+        out.append(BenchRequest(question, kind, max_tokens, seed=i if kind in ("sampled", "n") else None,
+                                system=system))
     return out
 
 
@@ -326,52 +338,95 @@ def _ratio(num: float, den: float) -> float:
 # ------------------------------------------------------------------ the library
 
 
-def _library_tokens_per_s(model_path: str | None, device: str, dtype: str, num_pages: int,
-                          reqs: list[BenchRequest], say: Callable[[str], None],
-                          kv_dtype: str = "auto") -> tuple[int, int, float, int]:
-    """``reqs`` one by one through the library's strategies on ``num_pages`` pages (the
-    server's pool, of the default page size as the server's): prompt and completion tokens,
-    seconds, and the system prompt's length in tokens."""
+@dataclass(frozen=True)
+class LibraryRun:
+    """The library's side: prompt tokens, the system prompt's tokens, and completion tokens
+    and seconds of the requests one by one and of all of them in one batch."""
+
+    prompt_tokens: int
+    system_tokens: int
+    one_by_one: tuple[int, float]
+    batched: tuple[int, float]
+
+
+def _library(model_path: str | None, device: str, dtype: str, num_pages: int,
+             reqs: list[BenchRequest], say: Callable[[str], None], kv_dtype: str = "auto",
+             max_batch: int | None = None) -> LibraryRun:
+    """``reqs`` through the library on ``num_pages`` pages (the server's pool, of the
+    default page size as the server's), first one by one through the strategies
+    (``generate``, ``sample``, ``beam_search``), then offline: all of them as one
+    :func:`~deft.engine.decoding.decode` (at most ``max_batch`` running: the server's most
+    concurrent level, or its ``--max-running`` if lower), each with its own sampling
+    parameters and beams and their prompts shared through a prefix cache, as the server
+    runs them together, in a pool that holds them all at once."""
     from deft.engine import SamplingParams, TreeEngine, beam_search, generate, sample
+    from deft.engine.beams import BeamParams
+    from deft.engine.decoding import decode
+    from deft.engine.requests import Request
     from deft.model import is_random_spec, load_model, load_random
+    from deft.serve.prefix_cache import PrefixCache
+    from deft.serve.scheduler import calibrate_kv
 
     model, tok = (load_random if is_random_spec(model_path) else load_model)(model_path, device, dtype)
     engine = TreeEngine(model, tok, num_pages=num_pages, device=device, prefill_chunk=256,
                         kv=kv_dtype)
+    calibrate_kv(engine)  # as deft serve does
 
-    prompt_tokens = [0]
+    def params(req: BenchRequest) -> SamplingParams:
+        greedy = req.kind in ("greedy", "beam")
+        return SamplingParams(temperature=0.0 if greedy else TEMPERATURE,
+                              seed=None if greedy else req.seed, max_new_tokens=req.max_tokens)
 
     def run(req: BenchRequest) -> int:
         ids = tok.apply_chat_template(req.messages)
-        prompt_tokens[0] += len(ids)
         if req.kind == "beam":
             return sum(len(h.token_ids) for h in beam_search(engine, [ids], WIDTH, req.max_tokens)[0])
-        greedy = req.kind == "greedy"
-        params = SamplingParams(temperature=0.0 if greedy else TEMPERATURE, seed=None if greedy else req.seed,
-                                max_new_tokens=req.max_tokens)
         if req.kind == "n":
-            return sum(len(r.token_ids) for r in sample(engine, [ids], WIDTH, params)[0])
-        return len(generate(engine, [ids], params)[0].token_ids)
+            return sum(len(r.token_ids) for r in sample(engine, [ids], WIDTH, params(req))[0])
+        return len(generate(engine, [ids], params(req))[0].token_ids)
+
+    def request(req: BenchRequest) -> Request:
+        ids = tok.apply_chat_template(req.messages)
+        if req.kind == "beam":
+            beams = BeamParams(WIDTH, req.max_tokens)
+            beams.check(engine)
+            return Request(ids, WIDTH, params(req), pin_prompt=True, strategy=beams)
+        return Request(ids, WIDTH if req.kind == "n" else 1, params(req), pin_prompt=True)
+
+    def made(r: Request) -> int:
+        if r.strategy is not None:
+            return sum(len(h.token_ids) for h in r.search.results(tok, {}))
+        return sum(len(b.tokens) for b in r.branches)
 
     say("library: warm-up")
-    run(BenchRequest(WARM_UP, "greedy", reqs[0].max_tokens))
+    run(BenchRequest(WARM_UP, "greedy", reqs[0].max_tokens, system=reqs[0].system))
     say(f"library: {len(reqs)} requests one by one")
-    prompt_tokens[0] = tokens = 0
-    every = max(1, len(reqs) // 4)
+    tokens, every = 0, max(1, len(reqs) // 4)
     t0 = time.perf_counter()
     for i, req in enumerate(reqs, 1):
         tokens += run(req)
         if i % every == 0 or i == len(reqs):
             say(f"library: {i}/{len(reqs)} requests")
-    seconds = time.perf_counter() - t0
-    return prompt_tokens[0], tokens, seconds, len(tok.encode(SYSTEM, add_special_tokens=False))
+    one_by_one = (tokens, time.perf_counter() - t0)
+    say(f"library: {len(reqs)} requests in one batch")
+    batch = [request(req) for req in reqs]
+    # A pool that holds every request at once: the offline rate, not the page pressure.
+    need = sum(-(-(len(r.prompt) + WIDTH * (r.params.max_new_tokens + 16)) // 16) for r in batch)
+    engine = TreeEngine(model, tok, num_pages=max(num_pages, need), device=device,
+                        prefill_chunk=256, kv=kv_dtype)
+    calibrate_kv(engine)
+    t0 = time.perf_counter()
+    decode(engine, requests=batch, max_batch=max_batch, prefixes=PrefixCache(engine.cache))
+    batched = (sum(made(r) for r in batch), time.perf_counter() - t0)
+    return LibraryRun(sum(len(r.prompt) for r in batch),
+                      len(tok.encode(reqs[0].system, add_special_tokens=False)), one_by_one, batched)
 
 
 # ------------------------------------------------------------------ the table
 
 
 HEADERS = ["side", "concurrency", "requests", "completed", "prompt tokens", "completion tokens", "wall s",
-           "tok/s", "x library", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "prefix hit rate",
+           "tok/s", "x library", "x batch", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "prefix hit rate",
            "prompt computed %"]
 
 
@@ -380,16 +435,18 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
                 num_pages: int | None = None,
                 kv_memory: int | None = None, max_running: int | None = None, threads: int | None = None,
                 progress: Callable[[str], None] | None = None, json_path: str | None = None,
-                startup_s: float = STARTUP_S, kv_dtype: str = "auto") -> str:
-    """Markdown table of the server at each ``concurrency`` and of the library sequentially
-    (also written as a result record to ``json_path``, when given); ``model`` ``None``: the
-    default model on CPU, :data:`GPU_MODEL` on CUDA; ``threads``: torch threads of the server
-    and of this process, else torch's choice; ``kv_dtype``: both sides' ``--kv-dtype``."""
+                startup_s: float = STARTUP_S, kv_dtype: str = "auto", system_bytes: int = 0) -> str:
+    """Markdown table of the server at each ``concurrency`` and of the library, one request
+    at a time and all in one batch (also written as a result record to ``json_path``, when
+    given); ``model`` ``None``: the default model on CPU, :data:`GPU_MODEL` on CUDA;
+    ``threads``: torch threads of the server and of this process, else torch's choice;
+    ``kv_dtype``: both sides' ``--kv-dtype``; ``system_bytes``: the system prompt's size
+    (:func:`system_prompt`)."""
     import torch
 
     say = progress or (lambda msg: None)
     load = os.getloadavg()[0]  # other work on the machine skews every figure
-    reqs = request_mix(requests, max_tokens)
+    reqs = request_mix(requests, max_tokens, system_prompt(system_bytes))
     if model is None and device == "cuda":
         model = GPU_MODEL
     flags = [*(["--model", model] if model else []), "--device", device, "--dtype", dtype,
@@ -403,7 +460,7 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
     with ServerProcess(flags, startup_s, say, threads) as server:
         name, pool = server.model_id(), int(server.metrics()["deft_kv_pages_total"])
         say("warm-up request")
-        warm_up = [BenchRequest(WARM_UP, "greedy", max_tokens)]
+        warm_up = [BenchRequest(WARM_UP, "greedy", max_tokens, system=reqs[0].system)]
         (warm,), _ = _SIGTERM.run(_replay(server.url, name, warm_up, 1, lambda msg: None))
         if warm.error is not None:
             raise ServerError(f"the warm-up request failed: {warm.error}")
@@ -418,21 +475,24 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
             ttft = [o.ttft for o in ok if o.ttft is not None]
             gaps = [g for o in ok for g in o.gaps]
             rows.append(["server", c, len(reqs), len(ok), sum(o.prompt_tokens for o in ok), tokens, wall,
-                         tokens / wall, None,
+                         tokens / wall, None, None,
                          _ms(ttft, 50), _ms(ttft, 99), _ms(gaps, 50), _ms(gaps, 99),
                          _ratio(delta["deft_prefix_cache_hits_total"], delta["deft_prefix_cache_lookups_total"]),
                          100 * _ratio(delta["deft_prompt_tokens_computed_total"],
                                       delta["deft_prompt_tokens_total"])])
-    lib_prompt, lib_tokens, lib_s, system_tokens = _library_tokens_per_s(
-        model, device, dtype, pool, reqs, say, kv_dtype)
-    lib_rate = lib_tokens / lib_s
-    for row in rows:
-        row[8] = row[7] / lib_rate
+    width = min(c for c in (max(concurrency), max_running) if c is not None)
+    lib = _library(model, device, dtype, pool, reqs, say, kv_dtype, width)
     nan = float("nan")
-    rows.append(["library, one by one", 1, len(reqs), len(reqs), lib_prompt, lib_tokens, lib_s, lib_rate,
-                 1.0, nan, nan, nan, nan, nan, nan])
+    one_rate, batch_rate = (t / sec for t, sec in (lib.one_by_one, lib.batched))
+    for row in rows:
+        row[8], row[9] = row[7] / one_rate, row[7] / batch_rate
+    for side, running, (tokens, sec), rate in (
+            ("library, one by one", 1, lib.one_by_one, one_rate),
+            ("library, one batch", width, lib.batched, batch_rate)):
+        rows.append([side, running, len(reqs), len(reqs), lib.prompt_tokens, tokens, sec, rate,
+                     rate / one_rate, rate / batch_rate, nan, nan, nan, nan, nan, nan])
     threads = torch.get_num_threads()  # the server's too: OMP_NUM_THREADS, or the same default
-    mix = (f"chat: one {system_tokens}-token system prompt + a question; of every 8 requests 3 greedy and 3 "
+    mix = (f"chat: one {lib.system_tokens}-token system prompt + a question; of every 8 requests 3 greedy and 3 "
            f"sampled (T={TEMPERATURE}, seeded) streamed, 1 n={WIDTH} sampled, 1 beam search "
            f"k={WIDTH}; max_tokens {max_tokens}")
     if json_path:

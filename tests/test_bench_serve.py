@@ -90,13 +90,14 @@ def test_bench_serve_end_to_end(tmp_path, model, request):
         proc.kill()
     assert proc.returncode == 0, err
     assert _gone(_server_pid(err)) and "stopped (0)" in err
-    assert out.strip().splitlines()[-1].startswith("| library, one by one")
+    assert [line.split("|")[1].strip() for line in out.strip().splitlines()[-2:]] == [
+        "library, one by one", "library, one batch"]
     rec = load_record(path)
     assert rec["requests"] == 4 and rec["max_tokens"] == 4 and rec["threads"] == 1
     assert rec["model"] == (model or "SmolLM2-135M-Instruct") and f"deft serve with {rec['model']} on cpu" in out
     if model is not None:  # byte-level tokenizer: a token per byte
         assert rec["mix"].startswith(f"chat: one {len(SYSTEM.encode())}-token system prompt")
-    server, library = rec["rows"][:-1], rec["rows"][-1]
+    server, (library, batch) = rec["rows"][:-2], rec["rows"][-2:]
     assert [r["concurrency"] for r in server] == [1, 2]
     for row in rec["rows"]:
         assert row["completed"] == row["requests"] == 4
@@ -108,7 +109,9 @@ def test_bench_serve_end_to_end(tmp_path, model, request):
         assert row["prefix hit rate"] == 1.0  # the warm-up request cached the system prompt
         assert 0 < row["prompt computed %"] < 50
         assert row["x library"] == pytest.approx(row["tok/s"] / library["tok/s"])
-    assert library["TTFT p50 ms"] is None and library["x library"] == 1.0
+        assert row["x batch"] == pytest.approx(row["tok/s"] / batch["tok/s"])
+    assert library["TTFT p50 ms"] is None and library["x library"] == 1.0 and batch["x batch"] == 1.0
+    assert batch["concurrency"] == 2  # the most concurrent level
     json.dumps(rec)
 
 

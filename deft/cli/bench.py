@@ -98,6 +98,10 @@ def add_parser(subparsers: Any) -> None:
                      help="requests per level (default 32)")
     srv.add_argument("--max-tokens", type=int, default=16, metavar="N",
                      help="max_tokens of every request (default 16)")
+    srv.add_argument("--system-bytes", type=int, default=0, metavar="N",
+                     help="repeat the system prompt's examples until it holds N bytes: as many "
+                     "tokens of a random model's byte-level tokenizer, e.g. 4000 for 4,000-token "
+                     "prompts (default: the examples once)")
     srv.add_argument("--num-pages", type=int, metavar="N",
                      help="KV cache pages of the server and the library's engine (default: deft serve's)")
     srv.add_argument("--max-running", type=int, metavar="N",
@@ -229,7 +233,8 @@ def run_serve(args: argparse.Namespace) -> None:
                           args.num_pages and in_range(args.num_pages, "--num-pages", 1, 1 << 26),
                           args.kv_memory, args.max_running and in_range(args.max_running, "--max-running", 1, 4096),
                           args.threads and in_range(args.threads, "--threads", 1, 1024),
-                          progress=common.progress, json_path=args.json, kv_dtype=args.kv_dtype),
+                          progress=common.progress, json_path=args.json, kv_dtype=args.kv_dtype,
+                          system_bytes=in_range(args.system_bytes, "--system-bytes", 0, 1 << 24)),
               flush=True)
     except ServerError as exc:
         raise CliError(str(exc)) from exc

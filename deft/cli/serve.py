@@ -72,13 +72,6 @@ def model_id(path: str | None) -> str:
     return p.stem if p.is_file() else p.name
 
 
-# The K/V scales of an FP8 cache come from this text's step at start-up (ordinary prose).
-CALIBRATION_TEXT = (
-    "The committee met on a cold Tuesday morning to review the budget. After a long debate "
-    "about roads, schools and the new library, they agreed to meet again in March, when the "
-    "figures for the winter would be known. Questions from the public followed: 12 in all.")
-
-
 def run(args: argparse.Namespace) -> None:
     """Load the model(s), start the scheduler and serve until SIGINT/SIGTERM, then drain (exit 0)."""
     port = in_range(args.port, "--port", 0, 65535)
@@ -120,8 +113,6 @@ def run(args: argparse.Namespace) -> None:
             draft_pages = [num_pages]
         engine = parallel.engine(args, model, tok, common.engine_config(
             num_pages, args.device, args.kv_dtype, prefill_chunk=chunk))
-        if not engine.pool.calibrated:  # FP8 scales from a fixed text, not the first request
-            engine.calibrate(tok.encode(CALIBRATION_TEXT))
         drafters: dict[str, Any] = {"ngram": NgramDrafter}
         if draft is not None:
             draft_engine = TreeEngine(draft, draft_tok, common.engine_config(

@@ -301,16 +301,18 @@ class Batch:
 
 
 def decode(engine: TreeEngine, branches: Sequence[Branch] = (), requests: Sequence[Request] = (),
-           max_batch: int | None = None, progress: Callable[[int], None] | None = None) -> None:
+           max_batch: int | None = None, progress: Callable[[int], None] | None = None,
+           prefixes: PrefixStore | None = None) -> None:
     """Run ``branches`` and ``requests`` to completion in a :class:`Batch`, one forward per step.
 
     Requests are admitted in order while fewer than ``max_batch`` are running (all at
     once by default); an admitted prompt is prefilled in the same forwards as the other
     requests' decode tokens. ``progress(n)`` is called with the tokens sampled (and the
     searches' tokens) each step. A request's ``error`` is raised (every request then ends,
-    its nodes released), as is an error of a step.
+    its nodes released), as is an error of a step. ``prefixes``: the batch's prefix store
+    (pinned prompts share their prefixes through it, as in ``deft serve``).
     """
-    batch = Batch(engine, max_batch)
+    batch = Batch(engine, max_batch, prefixes)
     batch.add_branches(branches)
     for r in requests:
         batch.add(r)

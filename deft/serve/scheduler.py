@@ -50,6 +50,7 @@ class Scheduler:
         self._wake = threading.Event()
         self._inbox: list[tuple[str, Job | None]] = []
         self._live = 0  # submitted jobs not ended
+        calibrate_kv(engine)
         self._closed = self._stopping = False
         self.fatal: Exception | None = None  # what stopped the thread for good, if anything
         self._pending: deque[Job] = deque()  # not yet in the batch
@@ -320,6 +321,19 @@ def pages_on_paths(batch: Batch, prefixes: PrefixCache | None) -> int:
 
 
 _SHUTDOWN = (503, "the server is shutting down")
+# The K/V scales of an FP8 cache come from this text's step, not from a request's.
+CALIBRATION_TEXT = (
+    "The committee met on a cold Tuesday morning to review the budget. After a long debate "
+    "about roads, schools and the new library, they agreed to meet again in March, when the "
+    "figures for the winter would be known. Questions from the public followed: 12 in all.")
+
+
+def calibrate_kv(engine: TreeEngine) -> None:
+    """Give an engine whose K/V format needs scales (FP8) none yet has them from
+    :data:`CALIBRATION_TEXT`: calibrated by the first request, they would change every
+    later request's values."""
+    if not engine.pool.calibrated:
+        engine.calibrate(engine.tokenizer.encode(CALIBRATION_TEXT))
 
 
 def _internal(exc: Exception) -> tuple[int, str]:
