@@ -15,7 +15,7 @@ from pydantic import ValidationError  # noqa: E402
 
 from conftest import pages_on_running_paths, run_batch  # noqa: E402
 from deft.engine import NgramDrafter, SamplingParams, TreeEngine, beam_search, generate  # noqa: E402
-from deft.engine.decoding import Batch, Request  # noqa: E402
+from deft.engine.decoding import Batch, Request, decode  # noqa: E402
 from deft.model import Tokenizer, load_random  # noqa: E402
 from deft.serve import Metrics, PrefixCache, Scheduler, create_app  # noqa: E402
 from deft.serve.app import _Format  # noqa: E402
@@ -471,3 +471,29 @@ def test_choice_text_decodes_piece_by_piece_what_whole_decoding_gives(smol, whic
                 break
         else:
             assert got.update(ids, True) == want.update(ids, True)
+
+
+def test_preempting_requests_that_share_a_prompt_prefix_leaks_no_pages():
+    """Requests admitted together share their system prompt's prefix through one branch;
+    when all of them are preempted, that branch is released too (it kept feeding and
+    holding pages before), so a tight pool finishes and gives every page back."""
+    from benchmarks.serve import TEMPERATURE, WIDTH, request_mix, system_prompt
+    from deft.engine.beams import BeamParams
+
+    model, tok = load_random("random:tiny")
+    for n, size, pages in ((12, 1000, 200), (16, 2000, 512)):
+        engine = TreeEngine(model, tok, num_pages=pages, prefill_chunk=256)
+        reqs = []
+        for q in request_mix(n, 8, system_prompt(size)):
+            ids = tok.apply_chat_template(q.messages)
+            greedy = q.kind in ("greedy", "beam")
+            params = SamplingParams(temperature=0.0 if greedy else TEMPERATURE,
+                                    seed=None if greedy else q.seed, max_new_tokens=8)
+            beams = BeamParams(WIDTH, 8) if q.kind == "beam" else None
+            reqs.append(Request(ids, WIDTH if q.kind in ("n", "beam") else 1, params,
+                                pin_prompt=True, strategy=beams))
+        prefixes = PrefixCache(engine.cache)
+        decode(engine, requests=reqs, max_batch=8, prefixes=prefixes)
+        assert all(r.status == "done" for r in reqs)
+        prefixes.evict(pages)
+        assert engine.cache.num_free_pages == pages, (n, size, engine.cache.live_nodes)

@@ -169,6 +169,9 @@ class Batch:
             self._release(request.root, reason)
         if request.search is not None and not request.search.done:
             request.search.release(self.pinned)
+        for b in self.live:  # a prompt prefix shared with requests that are all gone
+            if b.owner is None and b.then and not b.done and all(c.done for c in b.then):
+                self._release(b, reason)
         request.status = "done"
 
     def close(self, reason: str = "cancelled") -> None:
