@@ -77,6 +77,7 @@ def main() -> None:
     c = model.config  # every rank takes part in the all-reduces
     decode_ar = _allreduce_ms(tp, a.branches, c.hidden_size, c.num_layers, model.dtype, a.reps)
     tree_ar = _allreduce_ms(tp, a.draft_tokens, c.hidden_size, c.num_layers, model.dtype, a.reps)
+    tp.close()
     if tp.leader:
         row.update(size=a.size, device=str(tp.device), dtype=str(model.dtype).removeprefix("torch."),
                    heads_on_rank0=c.num_heads, allreduce_ms_per_decode_step=decode_ar,

@@ -36,6 +36,7 @@ def join(args: argparse.Namespace) -> Any:
             group = init_tensor_parallel(size, args.device)
         except ValueError as exc:
             raise CliError(f"--tensor-parallel-size: {exc}") from exc
+        atexit.register(group.close)  # after the engine's close (registered later, run first)
         if not group.leader:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     args.tp_group = group

@@ -54,6 +54,12 @@ class TPGroup:
             self.collective(lambda: _dist().all_reduce(t, group=self.group), "summing a layer")
         return t
 
+    def close(self) -> None:
+        """Leave the job's process groups; idempotent. Call it before the process exits: one
+        that exits with its gloo groups alive may abort in their destructors."""
+        if self.world_size > 1 and _dist().is_initialized():
+            _dist().destroy_process_group()
+
     def gather(self, value: Any, what: str) -> list[Any]:
         """Every rank's ``value`` (picklable), in rank order."""
         if self.world_size == 1:

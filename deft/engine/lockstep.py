@@ -106,6 +106,7 @@ class Leader:
                 self._broadcast(header, "stopping the followers")
             except TensorParallelError:
                 pass
+        self._beat.join(timeout=self.tp.timeout_s)
 
     def _broadcast(self, t: torch.Tensor, what: str) -> None:
         self.tp.collective(lambda: _dist().broadcast(t, 0, group=self.tp.host_group), what)
