@@ -1,5 +1,6 @@
-"""``--tensor-parallel-size N`` (:func:`common.model_flags`) for the model commands: join the ``torchrun`` job, load this
-rank's shard, and on ranks other than 0 run rank 0's steps until it is done.
+"""``--tensor-parallel-size N`` (:func:`common.model_flags`) for the model commands: join
+the ``torchrun`` job, load this rank's shard, and on ranks other than 0 run rank 0's steps
+until it is done.
 
 Every rank runs the same command line. Rank 0 does everything a one-device run does (and
 alone prints); the others load their shard, build the same engine and follow rank 0's
