@@ -3,8 +3,8 @@
 :func:`init_tensor_parallel` joins the job ``torchrun`` started: NCCL for the device
 collectives on CUDA (the layers' all-reduces, the device tokens of overlapped steps), gloo on
 CPU; host messages (each step's layout and token ids) always go over a gloo group of their
-own, so they never wait for the GPU. Every collective has a timeout: a rank that dies or hangs ends the others with a
-:class:`TensorParallelError` within it, never a silent hang.
+own, so they never wait for the GPU. Every collective has a timeout: a rank that dies or
+hangs ends the others with a :class:`TensorParallelError` within it, never a silent hang.
 """
 
 from __future__ import annotations
