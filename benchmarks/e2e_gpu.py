@@ -1,7 +1,8 @@
 """``deft bench e2e --device cuda``: whole decode steps of a Llama-3-8B-shaped model on a GPU.
 
 The model has Llama-3-8B's shapes (32 layers, hidden 4096, 32/8 heads of 128, MLP 14336,
-vocabulary 128256) and random bf16 weights, so nothing is downloaded. Every workload runs on
+vocabulary 128256), or another shape of :data:`deft.model.synthetic.SHAPES` (``qwen3-8b``:
+36 layers, MLP 12288, per-head q/k norms), and random bf16 weights, so nothing is downloaded. Every workload runs on
 the same model in four engines: DeFT-Flatten with steps replayed as CUDA graphs (the
 default; the host plans a step while the GPU runs the one before, see
 :mod:`deft.engine.inflight`), the same waiting for each step's tokens ("no overlap"), the
@@ -173,26 +174,30 @@ def _hf_seconds(hf: Any, w: GpuWorkload, prompts: list[list[int]]) -> float | No
 def _hf_model(config: Any) -> Any:
     import transformers
 
-    cfg = transformers.LlamaConfig(
+    kind = "Qwen3" if config.qk_norm else "Llama"
+    cfg = getattr(transformers, f"{kind}Config")(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-        max_position_embeddings=config.max_position_embeddings, rope_theta=config.rope_theta)
+        head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
+        rope_theta=config.rope_theta)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda"):
-            return transformers.LlamaForCausalLM(cfg).eval()
+            return getattr(transformers, f"{kind}ForCausalLM")(cfg).eval()
     finally:
         torch.set_default_dtype(default)
 
 
 def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
-                  layers: int = 32, with_transformers: bool = True, unfused: bool = False,
+                  layers: int | None = None, with_transformers: bool = True, unfused: bool = False,
                   progress: Callable[[str], None] | None = None,
-                  json_path: str | None = None, kv_dtype: str = "auto") -> str:
+                  json_path: str | None = None, kv_dtype: str = "auto",
+                  shape: str = "llama-3-8b") -> str:
     """Markdown table of the GPU workloads (see the module docstring); also a result record.
-    ``kv_dtype="fp8_e4m3"``: also the graph engine with an FP8 K/V cache."""
+    ``kv_dtype="fp8_e4m3"``: also the graph engine with an FP8 K/V cache; ``shape``: a key
+    of :data:`deft.model.synthetic.SHAPES`, ``layers`` of it (``None``: all)."""
     from deft.engine import TreeEngine
     from deft.model.synthetic import RandomSpec, byte_tokenizer, random_model
     from deft.recorded import workloads_dir
@@ -204,7 +209,8 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
     if names and len(chosen) != len(set(names)):
         known = ", ".join(w.name for w in GPU_WORKLOADS)
         raise ValueError(f"workload: unknown name in {names}; known: {known}")
-    config = RandomSpec("llama-3-8b", layers).config
+    config = RandomSpec(shape, layers).config
+    layers = config.num_layers
     bw, rate = measure_ceilings()
     model, tok = random_model(config, "cuda"), byte_tokenizer(config.vocab_size)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
@@ -269,7 +275,7 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
     if json_path:
         write_record(json_path, record(headers, rows, "cuda", gpu=name, layers=layers,
                                        hbm_bytes_per_s=bw, matmul_flops=rate,
-                                       model="Llama-3-8B shapes, random bf16 weights"))
-    return (f"Llama-3-8B shapes ({layers} layers, random bf16 weights) on {name}; HBM "
+                                       model=f"{shape} shapes, random bf16 weights"))
+    return (f"{shape} shapes ({layers} layers, random bf16 weights) on {name}; HBM "
             f"{bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s measured in this run.\n\n"
             + markdown_table(headers, rows))

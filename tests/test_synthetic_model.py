@@ -32,13 +32,21 @@ def test_llama_3_8b_shapes():
     assert parse_spec("random:llama-3-8b:layers=4").config == RandomSpec("llama-3-8b", 4).config
 
 
+def test_qwen3_8b_shapes():
+    c = parse_spec("random:qwen3-8b").config
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads,
+            c.num_kv_heads, c.head_dim, c.rope_theta, c.qk_norm) == (
+        151936, 4096, 12288, 36, 32, 8, 128, 1000000.0, True)
+
+
 @pytest.mark.parametrize("spec, message", [
-    ("random:", "expected random:NAME or random:NAME:layers=N (NAME one of llama-3-8b, tiny), got 'random:'"),
+    ("random:", "expected random:NAME or random:NAME:layers=N (NAME one of llama-3-8b, qwen3-8b, tiny), "
+                "got 'random:'"),
     ("random:Tiny", "got 'random:Tiny'"),
     ("random:tiny:layers=", "got 'random:tiny:layers='"),
     ("random:tiny:layers=-1", "got 'random:tiny:layers=-1'"),
     ("random:tiny:heads=2", "got 'random:tiny:heads=2'"),
-    ("random:gpt-2", "name: expected one of llama-3-8b, tiny, got 'gpt-2'"),
+    ("random:gpt-2", "name: expected one of llama-3-8b, qwen3-8b, tiny, got 'gpt-2'"),
     ("random:tiny:layers=0", "layers: expected an integer in [1, 1024], got 0"),
     ("random:tiny:layers=1025", "layers: expected an integer in [1, 1024], got 1025"),
 ])
@@ -51,7 +59,7 @@ def test_bad_specs_say_what_is_accepted(spec, message):
 def test_a_bad_spec_is_one_line_naming_the_flag(capsys):
     assert main(["generate", "hi", "--model", "random:gpt-2"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "deft: error: --model: name: expected one of llama-3-8b, tiny, got 'gpt-2'"]
+        "deft: error: --model: name: expected one of llama-3-8b, qwen3-8b, tiny, got 'gpt-2'"]
 
 
 def test_byte_symbols_are_the_byte_level_alphabet():

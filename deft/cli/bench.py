@@ -68,8 +68,10 @@ def add_parser(subparsers: Any) -> None:
                      help="also speculative decoding against greedy decoding (benchmarks.speculative)")
     e2e.add_argument("--json", metavar="PATH", help="also write the result as JSON (machine, commit, "
                      "date, command, rows; with --speculative also PATH_speculative.json)")
-    e2e.add_argument("--layers", type=int, default=32,
-                     help="(cuda) layers of the Llama-3-8B-shaped model (default 32)")
+    e2e.add_argument("--shape", choices=("llama-3-8b", "qwen3-8b"), default="llama-3-8b",
+                     help="(cuda) the random model's shapes (default llama-3-8b)")
+    e2e.add_argument("--layers", type=int,
+                     help="(cuda) layers of the model (default: all of the shape's)")
     e2e.add_argument("--no-transformers", action="store_true",
                      help="(cuda) skip transformers generate")
     e2e.add_argument("--unfused", action="store_true",
@@ -171,8 +173,10 @@ def run_e2e(args: argparse.Namespace) -> None:
     if args.device == "cuda":
         run_gpu_e2e(args)
         return
-    if args.kv_dtype != "auto":
-        raise CliError("--kv-dtype: applies to --device cuda only")
+    for flag, given in (("--kv-dtype", args.kv_dtype != "auto"), ("--shape", args.shape != "llama-3-8b"),
+                        ("--layers", args.layers is not None)):
+        if given:
+            raise CliError(f"{flag}: applies to --device cuda only")
     from benchmarks.e2e import WORKLOADS, e2e_table
 
     known = [w.name for w in WORKLOADS]
@@ -203,10 +207,13 @@ def run_gpu_e2e(args: argparse.Namespace) -> None:
                         ("--speculative", args.speculative)):
         if given:
             raise CliError(f"{flag}: applies to --device cpu only")
-    in_range(args.layers, "--layers", 1, 32)
+    from deft.model.synthetic import SHAPES
+
+    if args.layers is not None:
+        in_range(args.layers, "--layers", 1, SHAPES[args.shape].num_layers)
     print(gpu_e2e_table(args.workload, common.workloads(args.workloads), args.layers,
                         not args.no_transformers, args.unfused, progress=common.progress,
-                        json_path=args.json, kv_dtype=args.kv_dtype),
+                        json_path=args.json, kv_dtype=args.kv_dtype, shape=args.shape),
           flush=True)
 
 

@@ -76,7 +76,7 @@ def model_flags(default_model: str = "SmolLM2-135M-Instruct GGUF") -> argparse.A
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--model", metavar="MODEL",
                    help="GGUF file, Hugging Face directory, or random:NAME[:layers=N] for random "
-                   "weights of known shapes (NAME llama-3-8b or tiny; byte-level tokenizer) "
+                   "weights of known shapes (NAME llama-3-8b, qwen3-8b or tiny; byte-level tokenizer) "
                    f"(default: {default_model})")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where the model runs (default auto: cuda when a CUDA device is available, "

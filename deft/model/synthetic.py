@@ -35,6 +35,11 @@ SHAPES = {
     "llama-3-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                               num_layers=32, num_heads=32, num_kv_heads=8,
                               max_position_embeddings=8192, rope_theta=500000.0),
+    # Qwen3-8B: per-head q/k RMSNorm, 36 layers, MLP 12288, a 151,936-token vocabulary.
+    "qwen3-8b": LlamaConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                            num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                            max_position_embeddings=40960, rope_theta=1000000.0,
+                            rms_norm_eps=1e-6, qk_norm=True),
     "tiny": LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_layers=2,
                         num_heads=4, num_kv_heads=2, max_position_embeddings=8192),
 }
