@@ -18,7 +18,7 @@ import torch
 from deft.engine import SamplingParams, TreeEngine, beam_search, generate
 from deft.model import load_model
 from deft.model.loader import resolve_dtype
-from test_model import (CHATML, MERGES, SPECIALS, TINY_PROMPTS, assert_logits, forest_logits,
+from test_model import (TINY_PROMPTS, add_tiny_tokenizer, assert_logits, forest_logits,
                         reference_logits, tiny_vocab, write_tokenizer)
 
 transformers = pytest.importorskip("transformers")
@@ -121,14 +121,7 @@ def write_qwen_gguf(path, arch: str, ref) -> None:
     w.add_value_length(head_dim)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    vocab = tiny_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(vocab)
-    w.add_token_merges([f"{a} {b}" for a, b in MERGES])
-    w.add_token_types([3 if t in SPECIALS else 1 for t in vocab])
-    w.add_eos_token_id(vocab.index("<|im_end|>"))
-    w.add_chat_template(CHATML)
+    add_tiny_tokenizer(w, "qwen2")
     for name, t in ref.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue

@@ -280,6 +280,18 @@ def permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def add_tiny_tokenizer(w: gguf.GGUFWriter, pre: str) -> None:
+    """The tiny byte-level BPE tokenizer (ChatML template) as GGUF metadata, pre-tokenizer ``pre``."""
+    vocab = tiny_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(vocab)
+    w.add_token_merges([f"{a} {b}" for a, b in MERGES])
+    w.add_token_types([3 if t in SPECIALS else 1 for t in vocab])
+    w.add_eos_token_id(vocab.index("<|im_end|>"))
+    w.add_chat_template(CHATML)
+
+
 def write_gguf(path, config: LlamaConfig, weights, blocks, arch: str = "llama") -> None:
     """The same model as a GGUF: Llama 3 scaling as a rope_freqs tensor, mixed F32/F16/Q8_0/Q4_1."""
     w = gguf.GGUFWriter(str(path), arch)
@@ -295,14 +307,7 @@ def write_gguf(path, config: LlamaConfig, weights, blocks, arch: str = "llama") 
     w.add_rope_freq_base(config.rope_theta)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_vocab_size(config.vocab_size)
-    vocab = tiny_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(vocab)
-    w.add_token_merges([f"{a} {b}" for a, b in MERGES])
-    w.add_token_types([3 if t in SPECIALS else 1 for t in vocab])
-    w.add_eos_token_id(vocab.index("<|im_end|>"))
-    w.add_chat_template(CHATML)
+    add_tiny_tokenizer(w, "default")
     plain = dataclasses.replace(config, rope_scaling=None)
     w.add_tensor("rope_freqs.weight", (rope_inv_freq(plain) / rope_inv_freq(config)).numpy())
     rename = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",

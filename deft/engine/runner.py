@@ -132,12 +132,13 @@ class ModelRunner:
         """Float32 logits ``[len(step.logits_rows), vocab]`` of ``step``, queued on the
         device's current stream (nothing waits for them). Rank 0 of a tensor-parallel group
         first sends the step to the other ranks."""
+        replayed = self.bucket_of(step)
         if self._leader is not None:
-            self._leader.send(step, self.bucket_of(step))
+            self._leader.send(step, replayed)
         for src, dst in step.copies:
             self.copy_slots(src, dst)
         t0 = time.perf_counter()
-        bucket = self.graphs.plan(step.layout) if self.bucket_of(step) else None
+        bucket = self.graphs.plan(step.layout) if replayed else None
         plan = self.attn.plan(step.layout, self.pool.dtype) if bucket is None else None
         self.stats["plan_s"] += time.perf_counter() - t0
         with torch.no_grad():
