@@ -58,6 +58,7 @@ GPU_WORKLOADS = [
     GpuWorkload("few-shot b=20", "sample", 4000, 20, 200),
     GpuWorkload("few-shot b=30", "sample", 4000, 30, 200),
     GpuWorkload("few-shot b=50", "sample", 4000, 50, 200),
+    GpuWorkload("sampling n=16, 32k prompt", "sample", 32 * 1024, 16, 128),
     GpuWorkload("beam k=4", "beam", 2000, 4, 128),
     GpuWorkload("beam k=8", "beam", 2000, 8, 128),
     GpuWorkload("beam k=16", "beam", 2000, 16, 128),
@@ -210,6 +211,10 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
         known = ", ".join(w.name for w in GPU_WORKLOADS)
         raise ValueError(f"workload: unknown name in {names}; known: {known}")
     config = RandomSpec(shape, layers).config
+    # Long prompts past the shape's context: a longer RoPE table, nothing else changes.
+    context = max(w.prompt + w.new_tokens for w in chosen)
+    if context > config.max_position_embeddings:
+        config = replace(config, max_position_embeddings=context)
     layers = config.num_layers
     bw, rate = measure_ceilings()
     model, tok = random_model(config, "cuda"), byte_tokenizer(config.vocab_size)
@@ -218,7 +223,7 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
     matmul_weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2
                          and not n.startswith("embed."))
     kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
-    pages = 4096  # 65,536 slots: the largest workload holds 32 x 1,128 tokens
+    pages = 4096  # 65,536 slots: the largest workload holds 32k + 16 x 128 tokens
     engines = {"graph": TreeEngine(model, tok, num_pages=pages),
                "graph, no overlap": TreeEngine(model, tok, num_pages=pages, overlap=False),
                "eager": TreeEngine(model, tok, num_pages=pages, cuda_graphs=False),

@@ -156,6 +156,8 @@ WORKLOADS: dict[str, tuple[str, Callable[[Path], TreeLayout]]] = {
         load_medusa_choices(d / "medusa" / "mc_sim_7b_63.json"), 4096)),
     **{f"reasoning {t}": ("reasoning", _reasoning(t)) for t in ("sorting128ToT", "docmergeToT", "keywordToT")},
     "long prompt 20k x64": ("long-prompt", lambda d: fan_layout(20_000, 64)),
+    **{f"long prompt {k}k x{b}": ("long-prompt", lambda d, k=k, b=b: fan_layout(k * 1024, b))
+       for k in (32, 128) for b in (16, 64)},
     "forest 1000 nodes 100k": ("forest", lambda d: random_forest_layout()),
     "fan 4000 x256": ("speculative", lambda d: fan_layout(4000, 256)),
 }
