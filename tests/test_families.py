@@ -36,6 +36,14 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=24, sliding_window=None)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(original_max_position_embeddings=256)),
+    # Sliding and full layers (their own RoPE, linear scaling on the full ones), a softmax scale
+    # not head_dim's, an embedding scale sqrt(48) that float32 rounds; the window caps the context.
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=4, hidden_size=48, head_dim=24, query_pre_attn_scalar=20, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
+        tie_word_embeddings=True)),
 }
 
 
@@ -51,8 +59,8 @@ def build_checkpoint(folder, family: str, seed: int = 0, **changes):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif "embed" in name:
-                p.normal_(0, 1.0)
+            elif "embed" in name:  # Gemma scales them by sqrt(hidden): the same residual scale
+                p.normal_(0, config.hidden_size ** -0.5 if family == "gemma3_text" else 1.0)
             else:
                 p.normal_(0, 1.5 / p.shape[-1] ** 0.5)
     model.save_pretrained(folder)
@@ -71,8 +79,9 @@ def test_logits_match_transformers(checkpoint):
     model, _ = load_model(folder)
     assert model.dtype == torch.float32  # auto on the CPU
     c = model.config
-    assert (c.qkv_bias, c.qk_norm) == (family == "qwen2", family == "qwen3")
-    assert c.max_position_embeddings == 256  # Qwen2's unused sliding_window caps nothing
+    assert (c.qkv_bias, c.qk_norm) == (family == "qwen2", family in ("qwen3", "gemma3_text"))
+    # Qwen2's unused sliding_window caps nothing; Gemma 3's sliding layers cap the context.
+    assert c.max_position_embeddings == (128 if family == "gemma3_text" else 256)
     for ids, got in zip(TINY_PROMPTS, forest_logits(model, TINY_PROMPTS)):
         assert_logits(got, reference_logits(ref, ids), ATOL, f"{family}, {len(ids)} tokens")
 
@@ -183,6 +192,17 @@ TEMPLATES = {
         "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
         "{%- endif %}{%- if message['role'] == 'user' %}{{- '[INST] ' + message['content'] + '[/INST]' }}"
         "{%- else %}{{- message['content'] + eos_token }}{%- endif %}{%- endfor %}"),
+    "gemma": (
+        "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
+        "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+        "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+        "{%- for message in loop_messages -%}{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+        "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+        "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+        "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+        "{%- else -%}{{ raise_exception('Invalid content type') }}{%- endif -%}{{ '<end_of_turn>\n' }}"
+        "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"),
 }
 CHATS = [
     [{"role": "user", "content": "Hi!"}],

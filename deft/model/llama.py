@@ -46,8 +46,8 @@ class RMSNorm(nn.Module):
 
 @lru_cache(maxsize=None)
 def _rounded(value: float, dtype: torch.dtype) -> float:
-    """``value`` rounded to float32, then to ``dtype`` (how Gemma's embedding scale is applied)."""
-    return torch.tensor(value, dtype=torch.float32).to(dtype).item()
+    """``value`` rounded to ``dtype`` (Gemma's embedding scale is a tensor of the weights' dtype)."""
+    return torch.tensor(value, dtype=dtype).item()
 
 
 class LlamaLayer(nn.Module):
@@ -201,6 +201,13 @@ class LlamaModel(nn.Module):
         """The weights' dtype (and the K/V pool's)."""
         return self.embed.weight.dtype
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]``: the embeddings of ``input_ids [N]``, times the config's
+        ``embed_scale`` rounded to their dtype."""
+        x = self.embed(input_ids)
+        scale = self.config.embed_scale
+        return x if scale == 1.0 else x * _rounded(scale, x.dtype)
+
     def attention(
         self, device: str | torch.device | None = None, backend: str = "auto", **kwargs: Any
     ) -> TreeAttention:
@@ -266,9 +273,7 @@ class LlamaModel(nn.Module):
         """
         self._check_step(input_ids, positions, write_slots, attn, pool, logits_rows)
         c = self.config
-        x = self.embed(input_ids)  # [N, hidden]
-        if c.embed_scale != 1.0:
-            x = x * _rounded(c.embed_scale, x.dtype)
+        x = self.embed_tokens(input_ids)  # [N, hidden]
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         # A scaled pool takes the fused path once calibrated (calibration reads the K/V
         # that pool.write gets).

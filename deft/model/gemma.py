@@ -1,0 +1,91 @@
+"""Gemma 3 (text): Llama's decoder with Gemma's ``(1 + w)`` RMSNorms before and after
+attention and MLP, GeGLU, embeddings scaled by ``sqrt(hidden_size)``, per-head q/k norms, a
+softmax scale of ``query_pre_attn_scalar ** -0.5`` and a RoPE of its own for the
+sliding-window layers; Hugging Face ``gemma3_text`` directories (``Gemma3ForCausalLM``).
+
+The engine has no windowed attention; within the window a sliding layer sees every token,
+so the context is capped to ``sliding_window`` (exact, never approximated). Gemma 2 and the
+multimodal ``gemma3`` wrapper are refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any, Mapping
+
+from ..checks import positive_int
+from .config import LlamaConfig, rope_from_hf
+from .families import Family
+from .hf_loader import load_hf
+
+__all__ = ["GEMMA2_REFUSED", "GEMMA3", "GEMMA3_MULTIMODAL_REFUSED", "LAYER_TYPES", "gemma3_config"]
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+# Gemma3TextConfig's defaults where Llama's differ (a saved config.json may leave them out).
+_DEFAULTS = {"head_dim": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+             "max_position_embeddings": 131072, "query_pre_attn_scalar": 256,
+             "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh"}
+
+
+def _layer_types(raw: Mapping[str, Any], layers: int) -> list[str]:
+    """Each layer's ``layer_types`` entry; older configs state a ``sliding_window_pattern``
+    (every n-th layer full, the others sliding)."""
+    types = raw.get("layer_types")
+    if types is None:
+        n = positive_int(raw.get("sliding_window_pattern", 6), "sliding_window_pattern")
+        return ["full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or not set(types) <= set(LAYER_TYPES):
+        raise ValueError(f"layer_types: expected {layers} of {', '.join(LAYER_TYPES)}, got {types!r}")
+    return types
+
+
+def _ropes(raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The RoPE objects of the full and the sliding layers, as transformers reads them: a
+    per-layer-type ``rope_parameters``, or the older ``rope_theta`` (full),
+    ``rope_local_base_freq`` (sliding) and ``rope_scaling`` (full)."""
+    params = raw.get("rope_parameters") or {}
+    if not isinstance(params, Mapping) or not set(params) <= set(LAYER_TYPES):
+        raise ValueError(f"rope_parameters: expected an object of {', '.join(LAYER_TYPES)}, got {params!r}")
+    full = dict(params.get("full_attention") or {"rope_type": "default"})
+    full.update(raw.get("rope_scaling") or {})
+    full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
+    local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    local.setdefault("rope_theta", raw.get("rope_local_base_freq", 10_000.0))
+    return full, local
+
+
+def gemma3_config(raw: Mapping[str, Any]) -> LlamaConfig:
+    """A Gemma 3 text ``config.json`` as a :class:`LlamaConfig`; soft-capping and
+    bidirectional attention are refused by name."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(key) is not None:
+            raise ValueError(f"{key}: expected null (tanh soft-capping cannot be exact in the tree "
+                             f"kernel's softmax), got {raw[key]!r}")
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention: expected false (causal decoding), got "
+                         f"{raw['use_bidirectional_attention']!r}")
+    raw = {**_DEFAULTS, **raw}
+    full, local = _ropes(raw)
+    config = LlamaConfig.from_hf_config({**raw, "hidden_act": raw["hidden_activation"],
+                                         "rope_parameters": full, "rope_theta": full["rope_theta"],
+                                         "sliding_window": None})
+    sliding = tuple(i for i, t in enumerate(_layer_types(raw, config.num_layers))
+                    if t == "sliding_attention")
+    max_pos = config.max_position_embeddings
+    if sliding:  # within the window, a sliding layer's attention is full attention
+        max_pos = min(max_pos, positive_int(raw["sliding_window"], "sliding_window"))
+    theta, scaling = rope_from_hf(local)
+    return dataclasses.replace(
+        config, max_position_embeddings=max_pos, qk_norm=True, norm_plus_one=True,
+        sandwich_norms=True, embed_scale=config.hidden_size ** 0.5,
+        query_pre_attn_scalar=raw["query_pre_attn_scalar"], local_rope_theta=theta,
+        local_rope_scaling=scaling, local_rope_layers=sliding)
+
+
+GEMMA3 = Family("gemma3_text", hf_model_types=("gemma3_text",),
+                load_hf=partial(load_hf, to_config=gemma3_config), tensor_parallel=True)
+# Why the loader refuses these kinds (see :func:`~deft.model.families.refuse`).
+GEMMA2_REFUSED = "Gemma 2: its attention-logit soft-capping cannot be exact in the tree kernel's softmax"
+GEMMA3_MULTIMODAL_REFUSED = ("the multimodal Gemma 3 wrapper: load a text-only gemma3_text "
+                             "checkpoint (Gemma3ForCausalLM)")
