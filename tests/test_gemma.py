@@ -1,8 +1,9 @@
-"""Gemma 3 (text) beyond the checks every family gets in tests/test_families.py (logits, greedy
-and beam tokens, bf16 load, chat template): float64 logits equal to transformers', bf16 norms
-and embeddings bit-equal to transformers', the older config keys read as transformers reads
-them, the context capped to the sliding window, the fused-ops flag never taking Gemma to the
-fused kernels, and the refusals (Gemma 2, the multimodal wrapper, soft-capping, ...)."""
+"""Gemma 3 beyond the checks every family gets in tests/test_families.py (logits, greedy and
+beam tokens, bf16 load, chat template): float64 logits equal to transformers', bf16 norms and
+embeddings bit-equal to transformers', the older config keys read as transformers reads them,
+the language model of a multimodal checkpoint, the context capped to the sliding window, the
+fused-ops flag never taking Gemma to the fused kernels, a Gemma tokenizer, and the refusals
+(Gemma 2, soft-capping, ...)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from deft.engine import SamplingParams, TreeEngine, generate
 from deft.model import LlamaConfig, load_model
-from deft.model.gemma import gemma3_config
+from deft.model.gemma import gemma3_config, gemma3_multimodal_config
 from deft.model.llama import RMSNorm
 from test_families import ATOL, FAMILIES, build_checkpoint
-from test_model import TINY_PROMPTS, assert_logits, forest_logits, reference_logits
+from test_model import TINY_PROMPTS, assert_logits, forest_logits, reference_logits, write_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,6 +33,20 @@ def gemma(tmp_path_factory):
 
 def saved_config(folder) -> dict:
     return json.loads((folder / "config.json").read_text())
+
+
+def build_multimodal(folder, text_ref):
+    """A ``Gemma3ForConditionalGeneration`` whose language model holds ``text_ref``'s weights
+    (a ``Gemma3ForCausalLM``), beside a tiny random SigLIP tower, saved by transformers."""
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text_ref.config, vision_config=vision, mm_tokens_per_image=4,
+                                       boi_token_index=260, eoi_token_index=261, image_token_index=262)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    model.model.language_model.load_state_dict(text_ref.model.state_dict())
+    model.save_pretrained(folder)
+    write_tokenizer(folder)
+    return model
 
 
 def test_float64_logits_equal_transformers(gemma):
@@ -79,6 +95,19 @@ def test_older_config_keys_read_as_transformers_reads_them(gemma):
     assert ours.local_rope_scaling is None
 
 
+def test_a_multimodal_text_config_takes_transformers_defaults():
+    """Google's multimodal checkpoints state only what differs from Gemma3TextConfig's defaults
+    (here gemma-3-4b's text_config)."""
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+            "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024}
+    ours = gemma3_multimodal_config({"model_type": "gemma3", "text_config": text})
+    hf = transformers.Gemma3Config(text_config=text).text_config.to_dict()
+    assert ours == gemma3_config(hf)
+    assert (ours.vocab_size, ours.num_heads, ours.head_dim, ours.max_position_embeddings) == (262_208, 8, 256, 1024)
+    assert ours.local_rope_layers == tuple(i for i in range(34) if (i + 1) % 6)
+
+
 def test_gemma3_config_flags(gemma):
     folder, _ = gemma
     c = gemma3_config(saved_config(folder))
@@ -88,6 +117,21 @@ def test_gemma3_config_flags(gemma):
     # Only a model with sliding layers is capped to the window.
     full = gemma3_config({**saved_config(folder), "layer_types": ["full_attention"] * 4})
     assert (full.max_position_embeddings, full.local_rope_layers) == (256, ())
+
+
+def test_the_language_model_of_a_multimodal_checkpoint(gemma, tmp_path):
+    folder, text_ref = gemma
+    mm = build_multimodal(tmp_path, text_ref)
+    model, _ = load_model(tmp_path)
+    assert model.config == load_model(folder)[0].config
+    for ids, got in zip(TINY_PROMPTS, forest_logits(model, TINY_PROMPTS)):
+        assert_logits(got, reference_logits(mm, ids), ATOL, f"multimodal, {len(ids)} tokens")
+    # Newer files name the language model model.language_model.*: the same weights load.
+    path = tmp_path / "model.safetensors"
+    save_file({n.replace("language_model.model.", "model.language_model."): t
+               for n, t in load_file(path).items()}, path)
+    renamed, _ = load_model(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), renamed.state_dict().values()))
 
 
 def test_the_models_softmax_scale_is_the_attentions(gemma):
@@ -158,10 +202,10 @@ def test_a_gemma_tokenizer_encodes_as_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"model_type": "gemma2"}, r"model_type: expected one of llama, .*gemma3_text, got 'gemma2' \(Gemma 2: "
+    ({"model_type": "gemma2"}, r"model_type: expected one of llama, .*gemma3_text, gemma3, got 'gemma2' \(Gemma 2: "
                                r"its attention-logit soft-capping cannot be exact"),
-    ({"model_type": "gemma3"}, r"model_type: expected one of llama, .*gemma3_text, got 'gemma3' \(the "
-                               r"multimodal Gemma 3 wrapper: load a text-only gemma3_text checkpoint"),
+    ({"model_type": "gemma3", "text_config": {"model_type": "gemma2"}},
+     r"text_config: expected a gemma3_text configuration, got \{'model_type': 'gemma2'\}"),
     ({"attn_logit_softcapping": 50.0}, r"attn_logit_softcapping: expected null \(tanh soft-capping"),
     ({"final_logit_softcapping": 30.0}, r"final_logit_softcapping: expected null \(tanh soft-capping"),
     ({"use_bidirectional_attention": True}, r"use_bidirectional_attention: expected false"),

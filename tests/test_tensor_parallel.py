@@ -104,13 +104,18 @@ def thread_logits(shards, prompts) -> list:
     return got
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_thread_ranks_of_a_gemma3_checkpoint_give_its_logits(world, tmp_path):
+@pytest.mark.parametrize("world, multimodal", [(2, False), (4, False), (2, True)])
+def test_thread_ranks_of_a_gemma3_checkpoint_give_its_logits(world, multimodal, tmp_path):
     """Gemma 3's norms after attention and MLP are replicated and see the all-reduced sums;
-    its q/k norms are per head: every rank's logits are the whole model's."""
+    its q/k norms are per head: every rank's logits are the whole model's (the language model
+    of a multimodal checkpoint too)."""
     from test_families import build_checkpoint
+    from test_gemma import build_multimodal
 
-    build_checkpoint(tmp_path, "gemma3_text")
+    ref = build_checkpoint(tmp_path, "gemma3_text")
+    if multimodal:
+        tmp_path = tmp_path / "multimodal"
+        build_multimodal(tmp_path, ref)
     whole, _ = load_model(tmp_path, dtype="float64")
     prompts = [np.arange(3, 10), np.arange(40, 52)]
     ranks = ThreadRanks(world)

@@ -1,31 +1,43 @@
-"""Gemma 3 (text): Llama's decoder with Gemma's ``(1 + w)`` RMSNorms before and after
-attention and MLP, GeGLU, embeddings scaled by ``sqrt(hidden_size)``, per-head q/k norms, a
-softmax scale of ``query_pre_attn_scalar ** -0.5`` and a RoPE of its own for the
-sliding-window layers; Hugging Face ``gemma3_text`` directories (``Gemma3ForCausalLM``).
+"""Gemma 3: Llama's decoder with Gemma's ``(1 + w)`` RMSNorms before and after attention
+and MLP, GeGLU, embeddings scaled by ``sqrt(hidden_size)``, per-head q/k norms, a softmax
+scale of ``query_pre_attn_scalar ** -0.5`` and a RoPE of its own for the sliding-window
+layers. Hugging Face ``gemma3_text`` directories (``Gemma3ForCausalLM``) and the language
+model of ``gemma3`` ones (``Gemma3ForConditionalGeneration``: text in, text out; the vision
+tower is not read).
 
 The engine has no windowed attention; within the window a sliding layer sees every token,
-so the context is capped to ``sliding_window`` (exact, never approximated). Gemma 2 and the
-multimodal ``gemma3`` wrapper are refused by name.
+so the context is capped to ``sliding_window`` (exact, never approximated). Gemma 2 is
+refused by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
+
+import torch
 
 from ..checks import positive_int
 from .config import LlamaConfig, rope_from_hf
 from .families import Family
 from .hf_loader import load_hf
 
-__all__ = ["GEMMA2_REFUSED", "GEMMA3", "GEMMA3_MULTIMODAL_REFUSED", "LAYER_TYPES", "gemma3_config"]
+__all__ = ["GEMMA2_REFUSED", "GEMMA3", "GEMMA3_MULTIMODAL", "Gemma3TextTensors", "LAYER_TYPES",
+           "gemma3_config", "gemma3_multimodal_config"]
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
-# Gemma3TextConfig's defaults where Llama's differ (a saved config.json may leave them out).
-_DEFAULTS = {"head_dim": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
-             "max_position_embeddings": 131072, "query_pre_attn_scalar": 256,
+# Gemma3TextConfig's defaults (a config.json may leave them out: the multimodal checkpoints'
+# text_config states only what differs from them).
+_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+             "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+             "head_dim": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+             "max_position_embeddings": 131_072, "query_pre_attn_scalar": 256,
              "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh"}
+# Where a multimodal checkpoint keeps the language model's tensors -> Gemma3ForCausalLM's
+# names (the first older transformers' files, the second newer ones).
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
 
 
 def _layer_types(raw: Mapping[str, Any], layers: int) -> list[str]:
@@ -83,9 +95,45 @@ def gemma3_config(raw: Mapping[str, Any]) -> LlamaConfig:
         local_rope_scaling=scaling, local_rope_layers=sliding)
 
 
+def gemma3_multimodal_config(raw: Mapping[str, Any]) -> LlamaConfig:
+    """The language model of a multimodal Gemma 3 ``config.json`` (its ``text_config``)."""
+    text = raw.get("text_config") or {}
+    if not isinstance(text, Mapping) or text.get("model_type", "gemma3_text") != "gemma3_text":
+        raise ValueError(f"text_config: expected a gemma3_text configuration, got {text!r}")
+    return gemma3_config({**text, "tie_word_embeddings": raw.get(
+        "tie_word_embeddings", text.get("tie_word_embeddings", True))})
+
+
+class Gemma3TextTensors(Mapping[str, torch.Tensor]):
+    """The language model's tensors of a multimodal Gemma 3 checkpoint under
+    ``Gemma3ForCausalLM``'s names; the vision tower and projector are left out."""
+
+    def __init__(self, config: LlamaConfig, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._tensors = tensors
+        self._names: dict[str, str] = {}  # ours -> the checkpoint's
+        for name in tensors:
+            for prefix, ours in _TEXT_PREFIXES:
+                if name.startswith(prefix):
+                    self._names[ours + name[len(prefix):]] = name
+                    break
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[self._names[name]]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 GEMMA3 = Family("gemma3_text", hf_model_types=("gemma3_text",),
                 load_hf=partial(load_hf, to_config=gemma3_config), tensor_parallel=True)
-# Why the loader refuses these kinds (see :func:`~deft.model.families.refuse`).
+GEMMA3_MULTIMODAL = Family("gemma3", hf_model_types=("gemma3",), load_hf=partial(
+    load_hf, to_config=gemma3_multimodal_config, view=Gemma3TextTensors), tensor_parallel=True)
+
+# Why the loader refuses Gemma 2 (see :func:`~deft.model.families.refuse`).
 GEMMA2_REFUSED = "Gemma 2: its attention-logit soft-capping cannot be exact in the tree kernel's softmax"
-GEMMA3_MULTIMODAL_REFUSED = ("the multimodal Gemma 3 wrapper: load a text-only gemma3_text "
-                             "checkpoint (Gemma3ForCausalLM)")
