@@ -37,7 +37,7 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=24, sliding_window=None)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(original_max_position_embeddings=256)),
     # Sliding and full layers (their own RoPE, linear scaling on the full ones), a softmax scale
-    # not head_dim's, an embedding scale sqrt(48) that float32 rounds; the window caps the context.
+    # not head_dim's, an embedding scale sqrt(48) that bf16 rounds; the window caps the context.
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         num_hidden_layers=4, hidden_size=48, head_dim=24, query_pre_attn_scalar=20, sliding_window=128,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],

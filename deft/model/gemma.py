@@ -61,9 +61,9 @@ def _ropes(raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         raise ValueError(f"rope_parameters: expected an object of {', '.join(LAYER_TYPES)}, got {params!r}")
     full = dict(params.get("full_attention") or {"rope_type": "default"})
     full.update(raw.get("rope_scaling") or {})
-    full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
+    full.setdefault("rope_theta", raw.get("rope_theta") or 1_000_000.0)
     local = dict(params.get("sliding_attention") or {"rope_type": "default"})
-    local.setdefault("rope_theta", raw.get("rope_local_base_freq", 10_000.0))
+    local.setdefault("rope_theta", raw.get("rope_local_base_freq") or 10_000.0)
     return full, local
 
 
