@@ -1,24 +1,28 @@
 """Gemma 3 beyond the checks every family gets in tests/test_families.py (logits, greedy and
 beam tokens, bf16 load, chat template): float64 logits equal to transformers', bf16 norms and
 embeddings bit-equal to transformers', the older config keys read as transformers reads them,
-the language model of a multimodal checkpoint, the context capped to the sliding window, the
-fused-ops flag never taking Gemma to the fused kernels, a Gemma tokenizer, and the refusals
-(Gemma 2, soft-capping, ...)."""
+the language model of a multimodal checkpoint, a GGUF file as llama.cpp writes it, the context
+capped to the sliding window, the fused-ops flag never taking Gemma to the fused kernels, a
+Gemma tokenizer, and the refusals (Gemma 2, soft-capping, ...)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from deft.engine import SamplingParams, TreeEngine, generate
 from deft.model import LlamaConfig, load_model
-from deft.model.gemma import gemma3_config, gemma3_multimodal_config
+from deft.model.gemma import gemma3_config, gemma3_gguf_config, gemma3_multimodal_config
 from deft.model.llama import RMSNorm
 from test_families import ATOL, FAMILIES, build_checkpoint
-from test_model import TINY_PROMPTS, assert_logits, forest_logits, reference_logits, write_tokenizer
+from test_model import (TINY_PROMPTS, add_tiny_tokenizer, assert_logits, forest_logits, reference_logits,
+                        write_tokenizer)
 
 transformers = pytest.importorskip("transformers")
 
@@ -134,6 +138,77 @@ def test_the_language_model_of_a_multimodal_checkpoint(gemma, tmp_path):
                for n, t in load_file(path).items()}, path)
     renamed, _ = load_model(tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), renamed.state_dict().values()))
+
+
+# Hugging Face module -> llama.cpp's name in a Gemma 3 block.
+GGUF_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+              "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+
+
+def write_gemma3_gguf(path, ref) -> None:
+    """``ref``'s weights as llama.cpp's converter writes a Gemma 3 GGUF: F32, q/k rows as they
+    are, ``1 + w`` for every norm weight, no query_pre_attn_scalar or layer pattern."""
+    c = ref.config
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(c.rope_parameters["full_attention"]["factor"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_sliding_window(c.sliding_window)
+    add_tiny_tokenizer(w, "default")
+    for name, t in ref.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            module, suffix = rest.rsplit(".", 1)
+            out = f"blk.{layer}.{GGUF_BLOCK[module]}.{suffix}"
+        else:
+            out = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
+        data = t.numpy().astype(np.float32)
+        w.add_tensor(out, data + np.float32(1) if name.endswith("norm.weight") else data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_gguf_file_matches_transformers(tmp_path):
+    """llama.cpp's Gemma 3: every 6th layer full, the softmax scale of head_dim."""
+    ref = build_checkpoint(tmp_path / "hf", "gemma3_text", seed=1, num_hidden_layers=6, layer_types=None,
+                           query_pre_attn_scalar=24)
+    assert ref.config.layer_types[4:] == ["sliding_attention", "full_attention"]
+    path = tmp_path / "gemma3.gguf"
+    write_gemma3_gguf(path, ref)
+    model, _ = load_model(path)
+    # The same config as the directory's (GGUF stores eps as a float32).
+    assert dataclasses.replace(model.config, rms_norm_eps=1e-6) == load_model(tmp_path / "hf")[0].config
+    for ids, got in zip(TINY_PROMPTS, forest_logits(model, TINY_PROMPTS)):
+        assert_logits(got, reference_logits(ref, ids), ATOL, f"GGUF, {len(ids)} tokens")
+
+
+def test_gguf_config_follows_llama_cpp():
+    base = LlamaConfig(vocab_size=8, hidden_size=5376, intermediate_size=8, num_layers=62, num_heads=32,
+                       num_kv_heads=16, head_dim=128, max_position_embeddings=131072)
+    meta = {"general.architecture": "gemma3", "gemma3.attention.sliding_window": 1024}
+    c = gemma3_gguf_config(meta, base)  # the 27B model: 5376 / 32 = 168, not head_dim
+    assert (c.query_pre_attn_scalar, c.max_position_embeddings, len(c.local_rope_layers)) == (168, 1024, 52)
+    c = gemma3_gguf_config({"general.architecture": "gemma3"}, dataclasses.replace(base, num_layers=26))
+    assert (c.query_pre_attn_scalar, c.max_position_embeddings, c.local_rope_layers) == (128, 131072, ())
+    with pytest.raises(ValueError, match="gemma3.final_logit_softcapping: expected none"):
+        gemma3_gguf_config({**meta, "gemma3.final_logit_softcapping": 30.0}, base)
 
 
 def test_the_models_softmax_scale_is_the_attentions(gemma):

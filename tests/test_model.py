@@ -428,7 +428,7 @@ def test_unsupported_gguf(tiny, tmp_path):
     path = tmp_path / "falcon.gguf"
     write_gguf(path, TINY_CONFIG, tiny[2], tiny[3], arch="falcon")
     with pytest.raises(ValueError, match=re.escape(path.as_posix()) + ".*general.architecture: "
-                       "expected one of llama, qwen2, qwen3, got 'falcon'"):
+                       "expected one of llama, qwen2, qwen3, gemma3, got 'falcon'"):
         load_model(path)
 
 

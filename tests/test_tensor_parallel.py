@@ -104,22 +104,24 @@ def thread_logits(shards, prompts) -> list:
     return got
 
 
-@pytest.mark.parametrize("world, multimodal", [(2, False), (4, False), (2, True)])
-def test_thread_ranks_of_a_gemma3_checkpoint_give_its_logits(world, multimodal, tmp_path):
+@pytest.mark.parametrize("world, kind", [(2, "hf"), (4, "hf"), (2, "multimodal"), (2, "gguf")])
+def test_thread_ranks_of_a_gemma3_checkpoint_give_its_logits(world, kind, tmp_path):
     """Gemma 3's norms after attention and MLP are replicated and see the all-reduced sums;
     its q/k norms are per head: every rank's logits are the whole model's (the language model
-    of a multimodal checkpoint too)."""
+    of a multimodal checkpoint and a GGUF file too)."""
     from test_families import build_checkpoint
-    from test_gemma import build_multimodal
+    from test_gemma import build_multimodal, write_gemma3_gguf
 
-    ref = build_checkpoint(tmp_path, "gemma3_text")
-    if multimodal:
-        tmp_path = tmp_path / "multimodal"
-        build_multimodal(tmp_path, ref)
-    whole, _ = load_model(tmp_path, dtype="float64")
+    ref = build_checkpoint(tmp_path / "hf", "gemma3_text")
+    path = {"hf": tmp_path / "hf", "multimodal": tmp_path / "multimodal", "gguf": tmp_path / "g.gguf"}[kind]
+    if kind == "multimodal":
+        build_multimodal(path, ref)
+    elif kind == "gguf":
+        write_gemma3_gguf(path, ref)
+    whole, _ = load_model(path, dtype="float64")
     prompts = [np.arange(3, 10), np.arange(40, 52)]
     ranks = ThreadRanks(world)
-    shards = [load_model(tmp_path, dtype="float64", tp=ranks.rank(r))[0] for r in range(world)]
+    shards = [load_model(path, dtype="float64", tp=ranks.rank(r))[0] for r in range(world)]
     assert [s.config.num_heads for s in shards] == [4 // world] * world
     for got in thread_logits(shards, prompts):
         torch.testing.assert_close(got, forest_logits(whole, prompts), atol=1e-10, rtol=1e-10)

@@ -1,9 +1,10 @@
 """Gemma 3: Llama's decoder with Gemma's ``(1 + w)`` RMSNorms before and after attention
 and MLP, GeGLU, embeddings scaled by ``sqrt(hidden_size)``, per-head q/k norms, a softmax
 scale of ``query_pre_attn_scalar ** -0.5`` and a RoPE of its own for the sliding-window
-layers. Hugging Face ``gemma3_text`` directories (``Gemma3ForCausalLM``) and the language
-model of ``gemma3`` ones (``Gemma3ForConditionalGeneration``: text in, text out; the vision
-tower is not read).
+layers. Hugging Face ``gemma3_text`` directories (``Gemma3ForCausalLM``), the language model
+of ``gemma3`` ones (``Gemma3ForConditionalGeneration``: text in, text out; the vision tower is
+not read) and GGUF ``gemma3`` files (llama.cpp's conventions: norm weights stored as ``1 + w``,
+every 6th layer full).
 
 The engine has no windowed attention; within the window a sliding layer sees every token,
 so the context is capped to ``sliding_window`` (exact, never approximated). Gemma 2 is
@@ -21,10 +22,14 @@ import torch
 from ..checks import positive_int
 from .config import LlamaConfig, rope_from_hf
 from .families import Family
+from .gguf_file import GGUFFile
+from .gguf_loader import BLOCK_NAMES, load_gguf
 from .hf_loader import load_hf
+from .llama import LlamaModel
+from .tokenizer import Tokenizer
 
 __all__ = ["GEMMA2_REFUSED", "GEMMA3", "GEMMA3_MULTIMODAL", "Gemma3TextTensors", "LAYER_TYPES",
-           "gemma3_config", "gemma3_multimodal_config"]
+           "gemma3_config", "gemma3_gguf_config", "gemma3_multimodal_config", "load_gemma3_gguf"]
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 # Gemma3TextConfig's defaults (a config.json may leave them out: the multimodal checkpoints'
@@ -38,6 +43,13 @@ _DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 92
 # names (the first older transformers' files, the second newer ones).
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                   ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+# llama.cpp's names of a Gemma 3 block's norms (the others are Llama's).
+_GGUF_BLOCKS = {**BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# What llama.cpp fixes for a Gemma 3 GGUF rather than reading it: with a sliding window, every
+# 6th layer full and the others sliding with RoPE theta 10000, unscaled; the softmax scale of
+# head_dim, or of hidden_size / heads for the 62-layer 27B model.
+_GGUF_PATTERN, _GGUF_LOCAL_THETA, _GGUF_27B_LAYERS = 6, 10_000.0, 62
 
 
 def _layer_types(raw: Mapping[str, Any], layers: int) -> list[str]:
@@ -130,8 +142,37 @@ class Gemma3TextTensors(Mapping[str, torch.Tensor]):
         return len(self._names)
 
 
-GEMMA3 = Family("gemma3_text", hf_model_types=("gemma3_text",),
-                load_hf=partial(load_hf, to_config=gemma3_config), tensor_parallel=True)
+def gemma3_gguf_config(metadata: Mapping[str, Any], config: LlamaConfig) -> LlamaConfig:
+    """A Gemma 3 GGUF's :class:`LlamaConfig`: ``config`` (read from the keys llama.cpp's
+    architectures share) with what llama.cpp reads or fixes for ``gemma3``."""
+    arch = metadata.get("general.architecture")
+    softcap = metadata.get(f"{arch}.final_logit_softcapping")
+    if softcap:
+        raise ValueError(f"{arch}.final_logit_softcapping: expected none (tanh soft-capping cannot "
+                         f"be exact in the tree kernel's softmax), got {softcap!r}")
+    window = metadata.get(f"{arch}.attention.sliding_window") or 0
+    sliding = tuple(i for i in range(config.num_layers) if (i + 1) % _GGUF_PATTERN) if window else ()
+    max_pos = config.max_position_embeddings
+    if sliding:  # within the window, a sliding layer's attention is full attention
+        max_pos = min(max_pos, positive_int(window, f"{arch}.attention.sliding_window"))
+    scalar = (config.hidden_size // config.num_heads if config.num_layers == _GGUF_27B_LAYERS
+              else config.head_dim)
+    return dataclasses.replace(
+        config, max_position_embeddings=max_pos, qk_norm=True, norm_plus_one=True,
+        sandwich_norms=True, hidden_act="gelu_pytorch_tanh", embed_scale=config.hidden_size ** 0.5,
+        query_pre_attn_scalar=scalar, local_rope_theta=_GGUF_LOCAL_THETA, local_rope_layers=sliding)
+
+
+def load_gemma3_gguf(f: GGUFFile, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                     tp: Any = None) -> tuple[LlamaModel, Tokenizer]:
+    """Model and tokenizer of the opened Gemma 3 GGUF ``f`` (see :func:`~.gguf_loader.load_gguf`)."""
+    return load_gguf(f, device, dtype, tp, adapt=partial(gemma3_gguf_config, f.metadata),
+                     permuted_qk=False, block_names=_GGUF_BLOCKS, norm_offset=1.0)
+
+
+GEMMA3 = Family("gemma3_text", hf_model_types=("gemma3_text",), gguf_architectures=("gemma3",),
+                load_hf=partial(load_hf, to_config=gemma3_config), load_gguf=load_gemma3_gguf,
+                tensor_parallel=True)
 GEMMA3_MULTIMODAL = Family("gemma3", hf_model_types=("gemma3",), load_hf=partial(
     load_hf, to_config=gemma3_multimodal_config, view=Gemma3TextTensors), tensor_parallel=True)
 
