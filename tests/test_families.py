@@ -9,6 +9,7 @@ order than transformers' dense attention; measured ~1e-6 on these models).
 from __future__ import annotations
 
 import json
+from typing import Callable
 
 import gguf
 import numpy as np
@@ -115,8 +116,12 @@ GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "mlp.down_proj": "ffn_down"}
 
 
-def write_qwen_gguf(path, arch: str, ref) -> None:
-    """``ref``'s weights as llama.cpp writes a Qwen GGUF: F32, q/k rows unpermuted."""
+def write_llama_cpp_gguf(path, arch: str, ref, names: dict[str, str] = GGUF_NAMES,
+                         metadata: Callable[[gguf.GGUFWriter], None] | None = None,
+                         norm_offset: float = 0.0) -> None:
+    """``ref``'s weights as llama.cpp's converter writes an ``arch`` GGUF: F32, q/k rows
+    unpermuted, block tensors named by ``names``, ``norm_offset`` added to the norm weights;
+    the shape metadata, ``metadata(writer)`` and the tiny tokenizer."""
     c = ref.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -128,8 +133,9 @@ def write_qwen_gguf(path, arch: str, ref) -> None:
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if metadata is not None:
+        metadata(w)
     add_tiny_tokenizer(w, "qwen2")
     for name, t in ref.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
@@ -137,11 +143,12 @@ def write_qwen_gguf(path, arch: str, ref) -> None:
         if name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
             module, suffix = rest.rsplit(".", 1)
-            out = f"blk.{layer}.{GGUF_NAMES[module]}.{suffix}"
+            out = f"blk.{layer}.{names[module]}.{suffix}"
         else:
             out = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                    "lm_head.weight": "output.weight"}[name]
-        w.add_tensor(out, t.numpy().astype(np.float32))
+        data = t.numpy().astype(np.float32)
+        w.add_tensor(out, data + np.float32(norm_offset) if name.endswith("norm.weight") else data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -152,7 +159,8 @@ def write_qwen_gguf(path, arch: str, ref) -> None:
 def test_gguf_matches_transformers(family, tmp_path):
     ref = build_checkpoint(tmp_path / "hf", family, seed=1)
     path = tmp_path / f"{family}.gguf"
-    write_qwen_gguf(path, family, ref)
+    write_llama_cpp_gguf(path, family, ref,
+                         metadata=lambda w: w.add_rope_freq_base(ref.config.rope_parameters["rope_theta"]))
     model, tok = load_model(path)
     assert (model.config.qkv_bias, model.config.qk_norm) == (family == "qwen2", family == "qwen3")
     for ids, got in zip(TINY_PROMPTS, forest_logits(model, TINY_PROMPTS)):

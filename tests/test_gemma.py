@@ -11,7 +11,6 @@ import dataclasses
 import json
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -20,9 +19,8 @@ from deft.engine import SamplingParams, TreeEngine, generate
 from deft.model import LlamaConfig, load_model
 from deft.model.gemma import gemma3_config, gemma3_gguf_config, gemma3_multimodal_config
 from deft.model.llama import RMSNorm
-from test_families import ATOL, FAMILIES, build_checkpoint
-from test_model import (TINY_PROMPTS, add_tiny_tokenizer, assert_logits, forest_logits, reference_logits,
-                        write_tokenizer)
+from test_families import ATOL, FAMILIES, GGUF_NAMES, build_checkpoint, write_llama_cpp_gguf
+from test_model import TINY_PROMPTS, assert_logits, forest_logits, reference_logits, write_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -140,49 +138,23 @@ def test_the_language_model_of_a_multimodal_checkpoint(gemma, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), renamed.state_dict().values()))
 
 
-# Hugging Face module -> llama.cpp's name in a Gemma 3 block.
-GGUF_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
-              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-              "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
+# llama.cpp's names of a Gemma 3 block's norms (the others are Llama's).
+GGUF_BLOCK = {**GGUF_NAMES, "post_attention_layernorm": "post_attention_norm",
+              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def write_gemma3_gguf(path, ref) -> None:
-    """``ref``'s weights as llama.cpp's converter writes a Gemma 3 GGUF: F32, q/k rows as they
-    are, ``1 + w`` for every norm weight, no query_pre_attn_scalar or layer pattern."""
-    c = ref.config
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
-    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-    w.add_rope_scaling_factor(c.rope_parameters["full_attention"]["factor"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_sliding_window(c.sliding_window)
-    add_tiny_tokenizer(w, "default")
-    for name, t in ref.state_dict().items():
-        if name == "lm_head.weight":
-            continue
-        if name.startswith("model.layers."):
-            _, _, layer, rest = name.split(".", 3)
-            module, suffix = rest.rsplit(".", 1)
-            out = f"blk.{layer}.{GGUF_BLOCK[module]}.{suffix}"
-        else:
-            out = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
-        data = t.numpy().astype(np.float32)
-        w.add_tensor(out, data + np.float32(1) if name.endswith("norm.weight") else data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    """``ref``'s weights as llama.cpp's converter writes a Gemma 3 GGUF: ``1 + w`` for every
+    norm weight, no query_pre_attn_scalar or layer pattern."""
+    rope = ref.config.rope_parameters["full_attention"]
+
+    def metadata(w: gguf.GGUFWriter) -> None:
+        w.add_rope_freq_base(rope["rope_theta"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_sliding_window(ref.config.sliding_window)
+
+    write_llama_cpp_gguf(path, "gemma3", ref, GGUF_BLOCK, metadata, norm_offset=1.0)
 
 
 def test_a_gguf_file_matches_transformers(tmp_path):
