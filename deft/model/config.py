@@ -97,9 +97,9 @@ class LlamaConfig:
     ``norm_plus_one``: every RMSNorm scales by ``1 + w`` in float32 and rounds last (Llama
     rounds before scaling by ``w``); ``sandwich_norms``: the attention and MLP outputs are
     RMS-normalised before their residual adds; ``embed_scale``: the embeddings are multiplied
-    by it (rounded to the weights' dtype); ``query_pre_attn_scalar``: the
-    softmax scale is its inverse square root (default: ``head_dim``'s); ``local_rope_layers``:
-    the layers whose RoPE is ``local_rope_theta``/``local_rope_scaling`` instead of
+    by it (rounded to the weights' dtype); ``query_pre_attn_scalar``: the softmax scale is its
+    inverse square root (default: ``head_dim``'s); ``local_rope_layers``: the layers whose
+    RoPE is ``local_rope_theta``/``local_rope_scaling`` instead of
     ``rope_theta``/``rope_scaling`` (Gemma 3's sliding-window layers).
     """
 
