@@ -9,6 +9,7 @@ order than transformers' dense attention; measured ~1e-6 on these models).
 from __future__ import annotations
 
 import json
+from typing import Callable
 
 import gguf
 import numpy as np
@@ -36,6 +37,14 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=24, sliding_window=None)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(original_max_position_embeddings=256)),
+    # Sliding and full layers (their own RoPE, linear scaling on the full ones), a softmax scale
+    # not head_dim's, an embedding scale sqrt(48) that bf16 rounds; the window caps the context.
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=4, hidden_size=48, head_dim=24, query_pre_attn_scalar=20, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
+        tie_word_embeddings=True)),
 }
 
 
@@ -51,8 +60,8 @@ def build_checkpoint(folder, family: str, seed: int = 0, **changes):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif "embed" in name:
-                p.normal_(0, 1.0)
+            elif "embed" in name:  # Gemma scales them by sqrt(hidden): the same residual scale
+                p.normal_(0, config.hidden_size ** -0.5 if family == "gemma3_text" else 1.0)
             else:
                 p.normal_(0, 1.5 / p.shape[-1] ** 0.5)
     model.save_pretrained(folder)
@@ -71,8 +80,9 @@ def test_logits_match_transformers(checkpoint):
     model, _ = load_model(folder)
     assert model.dtype == torch.float32  # auto on the CPU
     c = model.config
-    assert (c.qkv_bias, c.qk_norm) == (family == "qwen2", family == "qwen3")
-    assert c.max_position_embeddings == 256  # Qwen2's unused sliding_window caps nothing
+    assert (c.qkv_bias, c.qk_norm) == (family == "qwen2", family in ("qwen3", "gemma3_text"))
+    # Qwen2's unused sliding_window caps nothing; Gemma 3's sliding layers cap the context.
+    assert c.max_position_embeddings == (128 if family == "gemma3_text" else 256)
     for ids, got in zip(TINY_PROMPTS, forest_logits(model, TINY_PROMPTS)):
         assert_logits(got, reference_logits(ref, ids), ATOL, f"{family}, {len(ids)} tokens")
 
@@ -106,8 +116,12 @@ GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "mlp.down_proj": "ffn_down"}
 
 
-def write_qwen_gguf(path, arch: str, ref) -> None:
-    """``ref``'s weights as llama.cpp writes a Qwen GGUF: F32, q/k rows unpermuted."""
+def write_llama_cpp_gguf(path, arch: str, ref, names: dict[str, str] = GGUF_NAMES,
+                         metadata: Callable[[gguf.GGUFWriter], None] | None = None,
+                         norm_offset: float = 0.0) -> None:
+    """``ref``'s weights as llama.cpp's converter writes an ``arch`` GGUF: F32, q/k rows
+    unpermuted, block tensors named by ``names``, ``norm_offset`` added to the norm weights;
+    the shape metadata, ``metadata(writer)`` and the tiny tokenizer."""
     c = ref.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -119,8 +133,9 @@ def write_qwen_gguf(path, arch: str, ref) -> None:
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if metadata is not None:
+        metadata(w)
     add_tiny_tokenizer(w, "qwen2")
     for name, t in ref.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
@@ -128,11 +143,12 @@ def write_qwen_gguf(path, arch: str, ref) -> None:
         if name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
             module, suffix = rest.rsplit(".", 1)
-            out = f"blk.{layer}.{GGUF_NAMES[module]}.{suffix}"
+            out = f"blk.{layer}.{names[module]}.{suffix}"
         else:
             out = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                    "lm_head.weight": "output.weight"}[name]
-        w.add_tensor(out, t.numpy().astype(np.float32))
+        data = t.numpy().astype(np.float32)
+        w.add_tensor(out, data + np.float32(norm_offset) if name.endswith("norm.weight") else data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -143,7 +159,8 @@ def write_qwen_gguf(path, arch: str, ref) -> None:
 def test_gguf_matches_transformers(family, tmp_path):
     ref = build_checkpoint(tmp_path / "hf", family, seed=1)
     path = tmp_path / f"{family}.gguf"
-    write_qwen_gguf(path, family, ref)
+    write_llama_cpp_gguf(path, family, ref,
+                         metadata=lambda w: w.add_rope_freq_base(ref.config.rope_parameters["rope_theta"]))
     model, tok = load_model(path)
     assert (model.config.qkv_bias, model.config.qk_norm) == (family == "qwen2", family == "qwen3")
     for ids, got in zip(TINY_PROMPTS, forest_logits(model, TINY_PROMPTS)):
@@ -183,6 +200,17 @@ TEMPLATES = {
         "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
         "{%- endif %}{%- if message['role'] == 'user' %}{{- '[INST] ' + message['content'] + '[/INST]' }}"
         "{%- else %}{{- message['content'] + eos_token }}{%- endif %}{%- endfor %}"),
+    "gemma": (
+        "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
+        "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+        "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+        "{%- for message in loop_messages -%}{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+        "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+        "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+        "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+        "{%- else -%}{{ raise_exception('Invalid content type') }}{%- endif -%}{{ '<end_of_turn>\n' }}"
+        "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"),
 }
 CHATS = [
     [{"role": "user", "content": "Hi!"}],
@@ -232,7 +260,7 @@ def test_named_dtype_and_memory_mapped_load(checkpoint):
     ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling: expected a type of linear, "
      "llama3, got 'yarn'"),
     ("phi3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor: expected 1.0 (partial RoPE is not supported)"),
-    ("qwen2", {"hidden_act": "gelu"}, "hidden_act: expected 'silu'"),
+    ("qwen2", {"hidden_act": "gelu"}, "hidden_act: expected one of silu, gelu_pytorch_tanh, got 'gelu'"),
 ])
 def test_unsupported_features_name_themselves(tmp_path, family, change, message):
     build_checkpoint(tmp_path, family)

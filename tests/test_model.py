@@ -428,7 +428,7 @@ def test_unsupported_gguf(tiny, tmp_path):
     path = tmp_path / "falcon.gguf"
     write_gguf(path, TINY_CONFIG, tiny[2], tiny[3], arch="falcon")
     with pytest.raises(ValueError, match=re.escape(path.as_posix()) + ".*general.architecture: "
-                       "expected one of llama, qwen2, qwen3, got 'falcon'"):
+                       "expected one of llama, qwen2, qwen3, gemma3, got 'falcon'"):
         load_model(path)
 
 
@@ -470,7 +470,7 @@ def test_missing_tensor_and_tokenizer(tiny, tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"num_attention_heads": 4, "num_key_value_heads": 3}, "num_heads: expected a multiple of num_kv_heads=3"),
     ({"head_dim": 25}, "head_dim: expected an even number"),
-    ({"hidden_act": "gelu"}, "hidden_act: expected 'silu'"),
+    ({"hidden_act": "gelu"}, "hidden_act: expected one of silu, gelu_pytorch_tanh, got 'gelu'"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
                        "high_freq_factor": 1.0}}, "high_freq_factor: expected > low_freq_factor"),
     ({"intermediate_size": 0}, "intermediate_size: expected a positive integer, got 0"),

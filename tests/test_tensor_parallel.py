@@ -85,18 +85,46 @@ def test_thread_ranks_give_the_whole_models_logits(heads, kv_heads, world):
     held = [(s.config.num_heads, s.config.num_kv_heads) for s in shards]
     assert sum(h for h, _ in held) == heads  # each query head on one rank
     assert all(h % kv == 0 for h, kv in held)
-    got = [None] * world
+    for got in thread_logits(shards, prompts):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+def thread_logits(shards, prompts) -> list:
+    """Each rank's :func:`forest_logits`, the ranks (of one :class:`ThreadRanks`) as threads."""
+    got = [None] * len(shards)
 
     def run(r):
         got[r] = forest_logits(shards[r], prompts)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(shards))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
-    for r in range(world):
-        torch.testing.assert_close(got[r], want, atol=1e-10, rtol=1e-10)
+    return got
+
+
+@pytest.mark.parametrize("world, kind", [(2, "hf"), (4, "hf"), (2, "multimodal"), (2, "gguf")])
+def test_thread_ranks_of_a_gemma3_checkpoint_give_its_logits(world, kind, tmp_path):
+    """Gemma 3's norms after attention and MLP are replicated and see the all-reduced sums;
+    its q/k norms are per head: every rank's logits are the whole model's (the language model
+    of a multimodal checkpoint and a GGUF file too)."""
+    from test_families import build_checkpoint
+    from test_gemma import build_multimodal, write_gemma3_gguf
+
+    ref = build_checkpoint(tmp_path / "hf", "gemma3_text")
+    path = {"hf": tmp_path / "hf", "multimodal": tmp_path / "multimodal", "gguf": tmp_path / "g.gguf"}[kind]
+    if kind == "multimodal":
+        build_multimodal(path, ref)
+    elif kind == "gguf":
+        write_gemma3_gguf(path, ref)
+    whole, _ = load_model(path, dtype="float64")
+    prompts = [np.arange(3, 10), np.arange(40, 52)]
+    ranks = ThreadRanks(world)
+    shards = [load_model(path, dtype="float64", tp=ranks.rank(r))[0] for r in range(world)]
+    assert [s.config.num_heads for s in shards] == [4 // world] * world
+    for got in thread_logits(shards, prompts):
+        torch.testing.assert_close(got, forest_logits(whole, prompts), atol=1e-10, rtol=1e-10)
 
 
 def test_shards_of_smollm2_shapes():

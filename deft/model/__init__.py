@@ -1,5 +1,5 @@
 """Models over the tree KV cache: the decoder contract, registered families (Llama, Mistral,
-Qwen2, Qwen3, Phi-3), config, loaders, tokenizer.
+Qwen2, Qwen3, Phi-3, Gemma 3), config, loaders, tokenizer.
 
 ``model, tok = load_model()`` loads the default SmolLM2-135M-Instruct GGUF;
 ``load_random("random:llama-3-8b", "cuda")`` builds a random-weight model of known shapes

@@ -2,22 +2,26 @@
 
 Covers Llama 2/3 (incl. ``llama3`` and ``linear`` RoPE scaling), SmolLM2 and Mistral-style
 GQA, with tied or untied embeddings, and the flags other families switch on (q/k/v biases,
-per-head q/k RMSNorm). Built from a Hugging Face ``config.json``
+per-head q/k RMSNorm; Gemma's ``(1 + w)`` sandwich norms, GeGLU, embedding and softmax
+scales and per-layer RoPE). Built from a Hugging Face ``config.json``
 (:meth:`LlamaConfig.from_hf_config`; a family's module adapts its keys first) or from GGUF
 metadata (:meth:`LlamaConfig.from_gguf_metadata`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any, Mapping
 
 from ..checks import int_in_range, is_int, positive_int, real_number
 
-__all__ = ["LlamaConfig", "RopeScaling", "ROPE_SCALING_KINDS"]
+__all__ = ["ACTIVATIONS", "LlamaConfig", "RopeScaling", "ROPE_SCALING_KINDS", "rope_from_hf"]
 
 ROPE_SCALING_KINDS = ("linear", "llama3")
+# The MLP's gate activations, by their Hugging Face names: SwiGLU and Gemma's GeGLU.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # The RoPE table holds every position up to max_position_embeddings; its angles are computed
 # in float32, exact for integer positions up to 2**24 (like the reference implementation).
 MAX_POSITIONS = 1 << 24
@@ -60,6 +64,24 @@ class RopeScaling:
         positive_int(self.original_max_position_embeddings, "rope_scaling.original_max_position_embeddings")
 
 
+def rope_from_hf(rope: Any, theta: Any = None) -> tuple[float, RopeScaling | None]:
+    """``(theta, scaling)`` of a Hugging Face RoPE object (``rope_parameters``, or the older
+    ``rope_scaling``); ``theta`` where the config states it apart, else the object's (10000)."""
+    if not isinstance(rope, Mapping):
+        raise ValueError(f"rope_scaling: expected an object, got {rope!r}")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    scaling = None
+    if kind != "default":
+        scaling = RopeScaling(
+            kind=kind,
+            factor=rope.get("factor"),
+            low_freq_factor=rope.get("low_freq_factor", 1.0),
+            high_freq_factor=rope.get("high_freq_factor", 4.0),
+            original_max_position_embeddings=rope.get("original_max_position_embeddings", 8192),
+        )
+    return rope.get("rope_theta", 10000.0) if theta is None else theta, scaling
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     """Shape and numerics of a Llama-family decoder.
@@ -70,6 +92,15 @@ class LlamaConfig:
     q/k/v and o projections have biases; ``qkv_bias``: only q/k/v do (Qwen2); ``qk_norm``:
     each q and k head is RMS-normalised over ``head_dim`` before RoPE (Qwen3), one weight
     shared by the heads, so any subset of heads normalises the same.
+
+    Gemma's flags: ``hidden_act`` the MLP gate's activation (:data:`ACTIVATIONS`);
+    ``norm_plus_one``: every RMSNorm scales by ``1 + w`` in float32 and rounds last (Llama
+    rounds before scaling by ``w``); ``sandwich_norms``: the attention and MLP outputs are
+    RMS-normalised before their residual adds; ``embed_scale``: the embeddings are multiplied
+    by it (rounded to the weights' dtype); ``query_pre_attn_scalar``: the softmax scale is its
+    inverse square root (default: ``head_dim``'s); ``local_rope_layers``: the layers whose
+    RoPE is ``local_rope_theta``/``local_rope_scaling`` instead of
+    ``rope_theta``/``rope_scaling`` (Gemma 3's sliding-window layers).
     """
 
     vocab_size: int
@@ -89,6 +120,14 @@ class LlamaConfig:
     mlp_bias: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
+    hidden_act: str = "silu"
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False
+    embed_scale: float = 1.0
+    query_pre_attn_scalar: float | None = None
+    local_rope_theta: float = 10000.0
+    local_rope_scaling: RopeScaling | None = None
+    local_rope_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -110,11 +149,23 @@ class LlamaConfig:
                 f"num_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, got {self.num_heads}"
             )
         object.__setattr__(self, "rms_norm_eps", _pos_float(self.rms_norm_eps, "rms_norm_eps"))
-        object.__setattr__(self, "rope_theta", _pos_float(self.rope_theta, "rope_theta"))
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-            raise TypeError(
-                f"rope_scaling: expected a RopeScaling or None, got {type(self.rope_scaling).__name__}"
-            )
+        for name in ("rope_theta", "local_rope_theta", "embed_scale"):
+            object.__setattr__(self, name, _pos_float(getattr(self, name), name))
+        for name in ("rope_scaling", "local_rope_scaling"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), RopeScaling):
+                raise TypeError(
+                    f"{name}: expected a RopeScaling or None, got {type(getattr(self, name)).__name__}"
+                )
+        if self.query_pre_attn_scalar is not None:
+            object.__setattr__(self, "query_pre_attn_scalar",
+                               _pos_float(self.query_pre_attn_scalar, "query_pre_attn_scalar"))
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act: expected one of {', '.join(ACTIVATIONS)}, got {self.hidden_act!r}")
+        local = tuple(int_in_range(i, "local_rope_layers[i]", 0, self.num_layers - 1)
+                      for i in self.local_rope_layers)
+        if list(local) != sorted(set(local)):
+            raise ValueError(f"local_rope_layers: expected increasing layer indices, got {local}")
+        object.__setattr__(self, "local_rope_layers", local)
         if self.rope_freq_factors is not None:
             factors = tuple(_pos_float(f, "rope_freq_factors[i]") for f in self.rope_freq_factors)
             if len(factors) != self.head_dim // 2:
@@ -123,9 +174,25 @@ class LlamaConfig:
                     f"got {len(factors)}"
                 )
             object.__setattr__(self, "rope_freq_factors", factors)
-        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "qkv_bias", "qk_norm"):
+        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "qkv_bias", "qk_norm",
+                     "norm_plus_one", "sandwich_norms"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+
+    @property
+    def sm_scale(self) -> float:
+        """The attention softmax scale: ``query_pre_attn_scalar ** -0.5`` where set, else
+        ``1 / sqrt(head_dim)`` (:class:`~deft.TreeAttention`'s default)."""
+        if self.query_pre_attn_scalar is not None:
+            return self.query_pre_attn_scalar ** -0.5
+        return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def fusable(self) -> bool:
+        """Whether the fused CUDA kernels of :mod:`.fused` compute this decoder: SwiGLU,
+        Llama's norms and one RoPE table (Gemma's features take the plain ops everywhere)."""
+        return (self.hidden_act == "silu" and not self.norm_plus_one and not self.sandwich_norms
+                and self.embed_scale == 1.0 and not self.local_rope_layers)
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> "LlamaConfig":
@@ -135,27 +202,12 @@ class LlamaConfig:
         A ``sliding_window`` caps ``max_position_embeddings``: within the window full
         attention is exact.
         """
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act: expected 'silu' (SwiGLU), got {act!r}")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads"):
             if key not in config:
                 raise ValueError(f"{key}: missing from the model config")
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if not isinstance(rope, Mapping):
-            raise ValueError(f"rope_scaling: expected an object, got {rope!r}")
-        theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        scaling = None
-        if kind != "default":
-            scaling = RopeScaling(
-                kind=kind,
-                factor=rope.get("factor"),
-                low_freq_factor=rope.get("low_freq_factor", 1.0),
-                high_freq_factor=rope.get("high_freq_factor", 4.0),
-                original_max_position_embeddings=rope.get("original_max_position_embeddings", 8192),
-            )
+        theta, scaling = rope_from_hf(config.get("rope_parameters") or config.get("rope_scaling") or {},
+                                      config.get("rope_theta"))
         max_pos = config.get("max_position_embeddings", 8192)
         window = config.get("sliding_window")
         if window is not None:
@@ -176,6 +228,7 @@ class LlamaConfig:
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             attention_bias=config.get("attention_bias", False),
             mlp_bias=config.get("mlp_bias", False),
+            hidden_act=config.get("hidden_act", "silu"),
         )
 
     @classmethod

@@ -4,6 +4,7 @@ A :class:`Family` says how to load a checkpoint of its kind into a model that ke
 :class:`~deft.model.contract.DecoderModel` contract. :func:`~deft.model.load_model` finds
 the family of a directory by its ``config.json``'s ``model_type`` and of a GGUF file by its
 ``general.architecture``; a new family is one module and a :func:`register_family` call.
+A kind no family loads can be refused with a reason (:func:`refuse`), named in the error.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Family", "families", "family_for_gguf", "family_for_hf", "register_family",
+__all__ = ["Family", "families", "family_for_gguf", "family_for_hf", "refuse", "register_family",
            "unregister_family"]
 
 # (path or opened file, device, dtype[, tp=TPGroup]) -> (model, tokenizer)
@@ -51,6 +52,8 @@ class Family:
 
 
 _FAMILIES: dict[str, Family] = {}
+# Checkpoint kinds no family loads, by Family field -> kind -> why (said in the error).
+_REFUSED: dict[str, dict[str, str]] = {"hf_model_types": {}, "gguf_architectures": {}}
 
 
 def register_family(family: Family) -> None:
@@ -67,6 +70,13 @@ def register_family(family: Family) -> None:
             raise ValueError(f"family {family.name!r}: {', '.join(sorted(clash))} already "
                              f"claimed by family {other.name!r}")
     _FAMILIES[family.name] = family
+
+
+def refuse(why: str, hf_model_types: tuple[str, ...] = (),
+           gguf_architectures: tuple[str, ...] = ()) -> None:
+    """Say ``why`` in the error for these checkpoint kinds while no family claims them."""
+    for field, kinds in (("hf_model_types", hf_model_types), ("gguf_architectures", gguf_architectures)):
+        _REFUSED[field].update(dict.fromkeys(kinds, why))
 
 
 def unregister_family(name: str) -> None:
@@ -94,4 +104,6 @@ def _find(kind: Any, field: str, name: str) -> Family:
     for f in _FAMILIES.values():
         if isinstance(kind, str) and kind in getattr(f, field):
             return f
-    raise ValueError(f"{name}: expected one of {', '.join(known)}, got {kind!r}")
+    why = _REFUSED[field].get(kind) if isinstance(kind, str) else None
+    raise ValueError(f"{name}: expected one of {', '.join(known)}, got {kind!r}"
+                     + (f" ({why})" if why else ""))

@@ -18,14 +18,15 @@ from .llama import LlamaModel
 from .sharding import build_hf
 from .tokenizer import Tokenizer
 
-__all__ = ["load_gguf"]
+__all__ = ["BLOCK_NAMES", "load_gguf"]
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_BLOCK_NAMES = {
+# llama.cpp's per-block tensor names -> Llama's Hugging Face names
+BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -41,12 +42,13 @@ _BLOCK_NAMES = {
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def _hf_name(name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, or ``None`` if it is not a Llama weight."""
+def _hf_name(name: str, blocks: Mapping[str, str]) -> str | None:
+    """The Hugging Face name of a GGUF tensor (``blocks``: the block tensors' names), or
+    ``None`` if it is not a Llama weight."""
     m = _BLOCK.fullmatch(name)
     if m:
         block, kind, suffix = m.groups()
-        return f"model.layers.{block}.{_BLOCK_NAMES[kind]}.{suffix}" if kind in _BLOCK_NAMES else None
+        return f"model.layers.{block}.{blocks[kind]}.{suffix}" if kind in blocks else None
     base, _, suffix = name.rpartition(".")
     return f"{_GLOBAL_NAMES[base]}.{suffix}" if base in _GLOBAL_NAMES else None
 
@@ -61,6 +63,7 @@ def load_gguf(
     path: str | os.PathLike | GGUFFile, device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32, tp: Any = None, *,
     adapt: Callable[[LlamaConfig], LlamaConfig] | None = None, permuted_qk: bool = True,
+    block_names: Mapping[str, str] = BLOCK_NAMES, norm_offset: float = 0.0,
 ) -> tuple[LlamaModel, Tokenizer]:
     """Model and tokenizer from the GGUF file at ``path`` (or already opened); with ``tp``
     (a :class:`~deft.distributed.TPGroup`), this rank's shard (each tensor is dequantised
@@ -68,7 +71,9 @@ def load_gguf(
 
     A family passes ``adapt`` (its flags set on the config read from the metadata) and
     ``permuted_qk=False`` where llama.cpp's converter keeps q/k rows in rotate-half order
-    (it permutes them only for its ``llama`` architecture). Raises ``FileNotFoundError``
+    (it permutes them only for its ``llama`` architecture), ``block_names`` where its block
+    tensors map to other Hugging Face names, and ``norm_offset`` where the converter added
+    it to every norm weight (Gemma's ``1 + w``: it is subtracted). Raises ``FileNotFoundError``
     for a missing file and ``ValueError`` naming ``path`` for a corrupt file, an
     unsupported architecture, tokenizer or quantisation type.
     """
@@ -85,22 +90,24 @@ def load_gguf(
             config = adapt(config)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
-    unknown = sorted(n for n in f.tensors if n != "rope_freqs.weight" and _hf_name(n) is None)
+    unknown = sorted(n for n in f.tensors if n != "rope_freqs.weight" and _hf_name(n, block_names) is None)
     if unknown:
         raise ValueError(f"{path}: unsupported tensors for a {f.metadata.get('general.architecture')} "
                          f"model: {unknown[:3]}")
     tokenizer = tokenizer_from_gguf(f.metadata, path)  # before the slow part: fail fast
-    tensors = _Tensors(f, config, permuted_qk)
+    tensors = _Tensors(f, config, permuted_qk, block_names, norm_offset)
     return build_hf(config, tensors, path, dtype, device, tp), tokenizer
 
 
 class _Tensors(Mapping[str, torch.Tensor]):
     """A GGUF file's weights under their Hugging Face names, dequantised when read (q and k
-    rows back in rotate-half order where the converter permuted them)."""
+    rows back in rotate-half order where the converter permuted them, ``norm_offset`` taken
+    off the norm weights)."""
 
-    def __init__(self, f: GGUFFile, config: LlamaConfig, permuted_qk: bool) -> None:
-        self.f, self.config, self.permuted_qk = f, config, permuted_qk
-        self.names = {_hf_name(n): n for n in f.tensors if n != "rope_freqs.weight"}
+    def __init__(self, f: GGUFFile, config: LlamaConfig, permuted_qk: bool,
+                 block_names: Mapping[str, str], norm_offset: float) -> None:
+        self.f, self.config, self.permuted_qk, self.norm_offset = f, config, permuted_qk, norm_offset
+        self.names = {_hf_name(n, block_names): n for n in f.tensors if n != "rope_freqs.weight"}
 
     def __getitem__(self, hf: str) -> torch.Tensor:
         name, c = self.names[hf], self.config
@@ -113,6 +120,8 @@ class _Tensors(Mapping[str, torch.Tensor]):
                     f"{heads * c.head_dim} ({heads} heads x head_dim {c.head_dim})"
                 )
             w = _unpermute(w, heads)
+        if self.norm_offset and hf.endswith("norm.weight"):
+            w = w - np.float32(self.norm_offset)
         return torch.from_numpy(w)
 
     def __contains__(self, hf: object) -> bool:  # without dequantising (Mapping's would)

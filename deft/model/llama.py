@@ -7,6 +7,7 @@ chunks and decode tokens alike. The caller (the engine) owns the layout: it plan
 
 from __future__ import annotations
 
+from functools import lru_cache, partial
 from typing import Any, Callable, Mapping
 
 import torch
@@ -21,44 +22,68 @@ from .rope import apply_rope, rope_table
 __all__ = ["LlamaModel", "build_model", "fuse_hf_weights"]
 
 
-class RMSNorm(nn.Module):
-    """``w * x / rms(x)``, computed in float32 and rounded back (as in Llama)."""
+# The MLP gate's activation by its config name (:data:`~deft.model.config.ACTIVATIONS`).
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
-    def __init__(self, dim: int, eps: float) -> None:
+
+class RMSNorm(nn.Module):
+    """``w * x / rms(x)``, normalised in float32: rounded back before the scaling by ``w``
+    (Llama), or, with ``plus_one``, scaled by ``1 + w`` in float32 and rounded last (Gemma)."""
+
+    def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
+        self.eps, self.plus_one = eps, plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
+@lru_cache(maxsize=None)
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (Gemma's embedding scale is a tensor of the weights' dtype)."""
+    return torch.tensor(value, dtype=dtype).item()
+
+
 class LlamaLayer(nn.Module):
-    """Pre-norm attention block and SwiGLU MLP; q/k/v and gate/up are fused projections
-    (with the config's family flags: q/k/v biases, per-head q/k norms)."""
+    """Pre-norm attention block and gated MLP; q/k/v and gate/up are fused projections
+    (with the config's family flags: q/k/v biases, per-head q/k norms, Gemma's norms
+    after attention and MLP, GeGLU)."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         c = config
+
+        def norm(dim: int) -> RMSNorm:
+            return RMSNorm(dim, c.rms_norm_eps, c.norm_plus_one)
+
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size = c.num_heads * c.head_dim
-        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.attn_norm = norm(c.hidden_size)
         self.qkv = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
                              bias=c.attention_bias or c.qkv_bias)
         self.o = nn.Linear(self.q_size, c.hidden_size, bias=c.attention_bias)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
-        self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.q_norm = norm(c.head_dim) if c.qk_norm else None
+        self.k_norm = norm(c.head_dim) if c.qk_norm else None
+        self.post_attn_norm = norm(c.hidden_size) if c.sandwich_norms else None
+        self.mlp_norm = norm(c.hidden_size)
+        self.post_mlp_norm = norm(c.hidden_size) if c.sandwich_norms else None
+        self.act = _ACTIVATIONS[c.hidden_act]
         self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
         # Under tensor parallelism (a rank's shard of the heads and MLP): the sum over ranks
         # of the row-parallel o and down outputs, in place; ``None`` on one device.
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def _reduced(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.all_reduce is None else self.all_reduce(t)
+    def _reduced(self, t: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        """``t`` summed over the ranks, then normalised by ``norm`` where there is one."""
+        t = t if self.all_reduce is None else self.all_reduce(t)
+        return t if norm is None else norm(t)
 
     def forward(
         self,
@@ -78,9 +103,9 @@ class LlamaLayer(nn.Module):
         k_scale, v_scale = pool.scales(layer)
         o = attn.run(qk[:, :h].contiguous(), pool.k_slots[layer], pool.v_slots[layer],
                      k_scale=k_scale, v_scale=v_scale, captured=captured)  # [N, H, D]
-        x = x + self._reduced(self.o(o.reshape(n, self.q_size)))
+        x = x + self._reduced(self.o(o.reshape(n, self.q_size)), self.post_attn_norm)
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self._reduced(self.down(F.silu(gate) * up))
+        return x + self._reduced(self.down(self.act(gate) * up), self.post_mlp_norm)
 
     def project_qkv(self, normed: torch.Tensor) -> torch.Tensor:
         """``[N, H + 2 H_kv, D]``: the q, k and v heads of ``normed [N, hidden]``, q and k
@@ -105,8 +130,9 @@ class LlamaLayer(nn.Module):
         out: torch.Tensor,  # [N, H, D]: where attention writes (one buffer for every layer)
         captured: bool,  # launched into a CUDA graph (or its warm-up)
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` through the fused kernels of :mod:`.fused` (a pool of the
-        activations' dtype, or a calibrated scaled one: the RoPE write quantises); returns
+        """:meth:`forward` through the fused kernels of :mod:`.fused` (a
+        :attr:`~LlamaConfig.fusable` config; a pool of the activations' dtype, or a calibrated
+        scaled one: the RoPE write quantises); returns
         the residual stream and this layer's MLP output, which the next layer's norm adds."""
         from . import fused, skinny
 
@@ -143,14 +169,15 @@ class LlamaModel(nn.Module):
         if not self.embed.weight.is_meta:
             nn.init.normal_(self.embed.weight)
         self.layers = nn.ModuleList(LlamaLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_plus_one)
         self.lm_head = (
             None if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         # On CUDA, the layers' memory-bound ops run as the fused kernels of ``deft.model.fused``
         # (``None``); ``False``: the plain PyTorch ops everywhere; ``True``: fused on any
-        # device Triton runs on (CPU tensors when it interprets, for tests).
+        # device Triton runs on (CPU tensors when it interprets, for tests). A config that
+        # is not ``fusable`` takes the plain ops whatever this says.
         self.fused_ops: bool | None = None
         # The tensor-parallel group this model is one rank's shard for (its config is the
         # rank's: its heads and MLP rows; see :mod:`.sharding`); ``None`` on one device.
@@ -158,6 +185,11 @@ class LlamaModel(nn.Module):
         # [max_positions, D]: cos then sin of every position's angles (not a checkpoint tensor).
         self.register_buffer("rope", rope_table(config, self.embed.weight.dtype,
                                                 self.embed.weight.device), persistent=False)
+        # The same of the config's local_rope_layers, where it has some.
+        self.register_buffer("local_rope", rope_table(
+            config, self.embed.weight.dtype, self.embed.weight.device, local=True)
+            if config.local_rope_layers else None, persistent=False)
+        self._local = frozenset(config.local_rope_layers)
 
     @property
     def device(self) -> torch.device:
@@ -169,13 +201,22 @@ class LlamaModel(nn.Module):
         """The weights' dtype (and the K/V pool's)."""
         return self.embed.weight.dtype
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]``: the embeddings of ``input_ids [N]``, times the config's
+        ``embed_scale`` rounded to their dtype."""
+        x = self.embed(input_ids)
+        scale = self.config.embed_scale
+        return x if scale == 1.0 else x * _rounded(scale, x.dtype)
+
     def attention(
         self, device: str | torch.device | None = None, backend: str = "auto", **kwargs: Any
     ) -> TreeAttention:
-        """A :class:`TreeAttention` of this model's heads on ``device`` (default: the model's)."""
+        """A :class:`TreeAttention` of this model's heads and softmax scale on ``device``
+        (default: the model's)."""
         c = self.config
-        return TreeAttention(c.num_heads, c.num_kv_heads, c.head_dim, backend=backend,
-                             device=self.device if device is None else device, **kwargs)
+        return TreeAttention(c.num_heads, c.num_kv_heads, c.head_dim, sm_scale=c.sm_scale,
+                             backend=backend, device=self.device if device is None else device,
+                             **kwargs)
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:
@@ -231,17 +272,17 @@ class LlamaModel(nn.Module):
         ``[N or R, vocab_size]`` logits in float32 (float64 for a float64 model).
         """
         self._check_step(input_ids, positions, write_slots, attn, pool, logits_rows)
-        x = self.embed(input_ids)  # [N, hidden]
+        c = self.config
+        x = self.embed_tokens(input_ids)  # [N, hidden]
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         # A scaled pool takes the fused path once calibrated (calibration reads the K/V
         # that pool.write gets).
-        if (x.dtype != torch.float64 and (pool.dtype == x.dtype or pool.spec.scaled)
+        if (c.fusable and x.dtype != torch.float64 and (pool.dtype == x.dtype or pool.spec.scaled)
                 and pool.calibrated and (self.fused_ops or (self.fused_ops is None and x.is_cuda))):
             from .fused import rms_norm
             from .skinny import head_proj
 
             delta = None
-            c = self.config
             # Each layer's attention output is read by its o projection before the next
             # layer writes it (stream order): one buffer serves them all.
             out = torch.empty((x.shape[0], c.num_heads, c.head_dim), dtype=x.dtype, device=x.device)
@@ -252,9 +293,11 @@ class LlamaModel(nn.Module):
                 x, delta = x[logits_rows], delta[logits_rows]
             return head_proj(rms_norm(x, self.norm.weight, self.norm.eps, delta)[0], head,
                              captured)
-        cos, sin = self.rope[positions].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D/2] each
+        # cos, sin: [N, 1, D/2] each, of every layer's RoPE table
+        rope, local = (None if t is None else t[positions].unsqueeze(1).chunk(2, dim=-1)
+                       for t in (self.rope, self.local_rope))
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, write_slots, attn, pool, i, captured)
+            x = layer(x, *(local if i in self._local else rope), write_slots, attn, pool, i, captured)
         if logits_rows is not None:
             x = x[logits_rows]
         logits = F.linear(self.norm(x), head)  # [N or R, vocab]
@@ -311,7 +354,9 @@ def fuse_hf_weights(
     config: LlamaConfig, tensors: Mapping[str, torch.Tensor], source: str
 ) -> dict[str, torch.Tensor]:
     """Map Hugging Face Llama tensor names to :class:`LlamaModel`'s (fusing q/k/v and gate/up;
-    ``self_attn.q_norm``/``k_norm`` where ``config.qk_norm``).
+    ``self_attn.q_norm``/``k_norm`` where ``config.qk_norm``; with ``config.sandwich_norms``,
+    Gemma's ``post_attention_layernorm`` normalises the attention output and
+    ``pre_feedforward_layernorm``/``post_feedforward_layernorm`` the MLP's input and output).
 
     Raises ``ValueError`` naming ``source`` for a missing or unexpected tensor, or one whose
     shape does not follow from the config.
@@ -340,8 +385,12 @@ def fuse_hf_weights(
         state["lm_head.weight"] = take("lm_head.weight", c.vocab_size, hidden)
     for i in range(c.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        state[ours + "attn_norm.weight"] = take(hf + "input_layernorm.weight", hidden)
-        state[ours + "mlp_norm.weight"] = take(hf + "post_attention_layernorm.weight", hidden)
+        norms = ({"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+                  "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
+                 if c.sandwich_norms else
+                 {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"})
+        for norm, name in norms.items():
+            state[ours + f"{norm}.weight"] = take(hf + f"{name}.weight", hidden)
         for s in qkv_suffixes:
             state[ours + f"qkv.{s}"] = torch.cat([
                 take(hf + f"self_attn.{p}_proj.{s}", rows, hidden)
@@ -382,4 +431,6 @@ def build_model(
         {name: t.to(device=device, dtype=dtype) for name, t in state.items()}, strict=True, assign=True
     )
     model.rope = rope_table(config, dtype, device)
+    if config.local_rope_layers:
+        model.local_rope = rope_table(config, dtype, device, local=True)
     return model.requires_grad_(False).eval()

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from .contract import DecoderModel
-from .families import Family, family_for_gguf, family_for_hf, register_family
+from .families import Family, family_for_gguf, family_for_hf, refuse, register_family
+from .gemma import GEMMA2_REFUSED, GEMMA3, GEMMA3_MULTIMODAL
 from .gguf_file import GGUFFile
 from .gguf_loader import load_gguf
 from .hf_loader import load_hf, read_json
@@ -31,6 +32,9 @@ register_family(Family("mistral", hf_model_types=("mistral",), load_hf=load_hf,
 register_family(QWEN2)
 register_family(QWEN3)
 register_family(PHI3)
+register_family(GEMMA3)
+register_family(GEMMA3_MULTIMODAL)
+refuse(GEMMA2_REFUSED, hf_model_types=("gemma2",), gguf_architectures=("gemma2",))
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

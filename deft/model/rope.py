@@ -1,4 +1,5 @@
-"""Rotate-half rotary position embedding with Llama 3 / linear frequency scaling."""
+"""Rotate-half rotary position embedding with Llama 3 / linear frequency scaling; a config
+with ``local_rope_layers`` has a second table for them (Gemma 3's sliding-window layers)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from .config import LlamaConfig
 __all__ = ["rope_inv_freq", "rope_table", "apply_rope"]
 
 
-def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` float32 on the CPU, scaled as the config says."""
+def rope_inv_freq(config: LlamaConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` float32 on the CPU, scaled as the config says
+    (``local``: those of the ``local_rope_layers``)."""
     d = config.head_dim
+    theta, s = ((config.local_rope_theta, config.local_rope_scaling) if local
+                else (config.rope_theta, config.rope_scaling))
     arange = torch.arange(0, d, 2, dtype=torch.int64, device="cpu")
-    inv = 1.0 / (config.rope_theta ** (arange.float() / d))
-    s = config.rope_scaling
+    inv = 1.0 / (theta ** (arange.float() / d))
     if s is not None and s.kind == "linear":
         inv = inv / s.factor
     elif s is not None and s.kind == "llama3":
@@ -27,22 +30,23 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
         medium = (wavelen >= old_len / s.high_freq_factor) & (wavelen <= old_len / s.low_freq_factor)
         inv = torch.where(medium, smoothed, scaled)
-    if config.rope_freq_factors is not None:
+    if config.rope_freq_factors is not None and not local:
         inv = inv / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device="cpu")
     return inv
 
 
 def rope_table(
-    config: LlamaConfig, dtype: torch.dtype, device: str | torch.device = "cpu"
+    config: LlamaConfig, dtype: torch.dtype, device: str | torch.device = "cpu", local: bool = False
 ) -> torch.Tensor:
-    """``[max_position_embeddings, head_dim]``: cos of every angle, then sin, in ``dtype``.
+    """``[max_position_embeddings, head_dim]``: cos of every angle, then sin, in ``dtype``
+    (``local``: of the ``local_rope_layers``' RoPE).
 
     Angles are computed in float32 (like the reference implementation) and only then
     rounded, so a bf16/fp16 table loses no positional precision.
     """
     # Built on the CPU whatever the default device (meta included), then moved.
     pos = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
-    angles = pos[:, None] * rope_inv_freq(config)[None, :]  # [P, D/2]
+    angles = pos[:, None] * rope_inv_freq(config, local)[None, :]  # [P, D/2]
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device=device, dtype=dtype)
 
 
