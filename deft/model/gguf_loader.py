@@ -14,6 +14,7 @@ import torch
 from .config import LlamaConfig
 from .gguf_file import GGUFFile
 from .gguf_tokenizer import tokenizer_from_gguf
+from .hf_loader import TensorView
 from .llama import LlamaModel
 from .sharding import build_hf
 from .tokenizer import Tokenizer
@@ -41,12 +42,13 @@ _BLOCK_NAMES = {
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def _hf_name(name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, or ``None`` if it is not a Llama weight."""
+def _hf_name(name: str, blocks: Mapping[str, str]) -> str | None:
+    """The Hugging Face name of a GGUF tensor (``blocks``: GGUF block tensor kind -> Hugging
+    Face module), or ``None`` if it is not a weight of the model."""
     m = _BLOCK.fullmatch(name)
     if m:
         block, kind, suffix = m.groups()
-        return f"model.layers.{block}.{_BLOCK_NAMES[kind]}.{suffix}" if kind in _BLOCK_NAMES else None
+        return f"model.layers.{block}.{blocks[kind]}.{suffix}" if kind in blocks else None
     base, _, suffix = name.rpartition(".")
     return f"{_GLOBAL_NAMES[base]}.{suffix}" if base in _GLOBAL_NAMES else None
 
@@ -61,16 +63,19 @@ def load_gguf(
     path: str | os.PathLike | GGUFFile, device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32, tp: Any = None, *,
     adapt: Callable[[LlamaConfig], LlamaConfig] | None = None, permuted_qk: bool = True,
+    block_names: Mapping[str, str] | None = None, view: TensorView | None = None,
 ) -> tuple[LlamaModel, Tokenizer]:
     """Model and tokenizer from the GGUF file at ``path`` (or already opened); with ``tp``
     (a :class:`~deft.distributed.TPGroup`), this rank's shard (each tensor is dequantised
     whole, one at a time, and only the rank's slice kept).
 
-    A family passes ``adapt`` (its flags set on the config read from the metadata) and
+    A family passes ``adapt`` (the config read from the metadata, its flags set and checked),
     ``permuted_qk=False`` where llama.cpp's converter keeps q/k rows in rotate-half order
-    (it permutes them only for its ``llama`` architecture). Raises ``FileNotFoundError``
-    for a missing file and ``ValueError`` naming ``path`` for a corrupt file, an
-    unsupported architecture, tokenizer or quantisation type.
+    (it permutes them only for its ``llama`` architecture), and where its tensors differ
+    from Llama's, ``block_names`` (GGUF block tensor kinds over Llama's Hugging Face
+    modules, e.g. a fused one) and ``view`` (as for :func:`~deft.model.hf_loader.load_hf`).
+    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming ``path`` for
+    a corrupt file, an unsupported architecture, tokenizer or quantisation type.
     """
     f = path if isinstance(path, GGUFFile) else GGUFFile(path)
     path = f.path
@@ -85,12 +90,15 @@ def load_gguf(
             config = adapt(config)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
-    unknown = sorted(n for n in f.tensors if n != "rope_freqs.weight" and _hf_name(n) is None)
+    blocks = {**_BLOCK_NAMES, **(block_names or {})}
+    unknown = sorted(n for n in f.tensors if n != "rope_freqs.weight" and _hf_name(n, blocks) is None)
     if unknown:
         raise ValueError(f"{path}: unsupported tensors for a {f.metadata.get('general.architecture')} "
                          f"model: {unknown[:3]}")
     tokenizer = tokenizer_from_gguf(f.metadata, path)  # before the slow part: fail fast
-    tensors = _Tensors(f, config, permuted_qk)
+    tensors: Mapping[str, torch.Tensor] = _Tensors(f, config, permuted_qk, blocks)
+    if view is not None:
+        tensors = view(config, tensors)
     return build_hf(config, tensors, path, dtype, device, tp), tokenizer
 
 
@@ -98,9 +106,10 @@ class _Tensors(Mapping[str, torch.Tensor]):
     """A GGUF file's weights under their Hugging Face names, dequantised when read (q and k
     rows back in rotate-half order where the converter permuted them)."""
 
-    def __init__(self, f: GGUFFile, config: LlamaConfig, permuted_qk: bool) -> None:
+    def __init__(self, f: GGUFFile, config: LlamaConfig, permuted_qk: bool,
+                 blocks: Mapping[str, str]) -> None:
         self.f, self.config, self.permuted_qk = f, config, permuted_qk
-        self.names = {_hf_name(n): n for n in f.tensors if n != "rope_freqs.weight"}
+        self.names = {_hf_name(n, blocks): n for n in f.tensors if n != "rope_freqs.weight"}
 
     def __getitem__(self, hf: str) -> torch.Tensor:
         name, c = self.names[hf], self.config
