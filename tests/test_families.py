@@ -1,6 +1,7 @@
 """Each registered family against ``transformers`` on a tiny random checkpoint built in the test:
 logits of a forest of prompts, greedy and beam-search tokens through the engine, GGUF files
-where llama.cpp has the architecture, chat templates; and the errors users see.
+where llama.cpp has the architecture (and their tensor-parallel shards), chat templates; and
+the errors users see.
 
 Tolerance: float32 logits within ``ATOL`` (the torch backend's tiled attention sums in another
 order than transformers' dense attention; measured ~1e-6 on these models).
@@ -9,7 +10,7 @@ order than transformers' dense attention; measured ~1e-6 on these models).
 from __future__ import annotations
 
 import json
-from typing import Callable
+import re
 
 import gguf
 import numpy as np
@@ -21,6 +22,7 @@ from deft.model import load_model
 from deft.model.loader import resolve_dtype
 from test_model import (TINY_PROMPTS, add_tiny_tokenizer, assert_logits, forest_logits,
                         reference_logits, tiny_vocab, write_tokenizer)
+from test_tensor_parallel import ThreadRanks
 
 transformers = pytest.importorskip("transformers")
 
@@ -106,36 +108,37 @@ def test_greedy_and_beam_match_transformers(checkpoint):
             assert hyp.score == pytest.approx(float(out.sequences_scores[j]), abs=1e-3)
 
 
-# ---------------------------------------------------------------- GGUF (qwen2, qwen3)
+# ---------------------------------------------------------------- GGUF (qwen2, qwen3, phi3)
 
 
 GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-              "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down"}
 
 
 def write_llama_cpp_gguf(path, arch: str, ref, names: dict[str, str] = GGUF_NAMES,
-                         metadata: Callable[[gguf.GGUFWriter], None] | None = None,
-                         norm_offset: float = 0.0) -> None:
-    """``ref``'s weights as llama.cpp's converter writes an ``arch`` GGUF: F32, q/k rows
-    unpermuted, block tensors named by ``names``, ``norm_offset`` added to the norm weights;
-    the shape metadata, ``metadata(writer)`` and the tiny tokenizer."""
+                         norm_offset: float = 0.0, extra_tensors=(), **metadata) -> None:
+    """``ref``'s weights as llama.cpp's converter writes a GGUF of ``arch``: F32, q/k rows
+    unpermuted, Phi-3's fused q/k/v and gate/up kept fused, block tensors named by ``names``,
+    ``norm_offset`` added to the norm weights. ``metadata`` replaces the ``add_<key>``
+    values (None: left out); ``extra_tensors`` are (name, array) pairs."""
     c = ref.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    values = dict(block_count=c.num_hidden_layers, context_length=c.max_position_embeddings,
+                  embedding_length=c.hidden_size, feed_forward_length=c.intermediate_size,
+                  head_count=c.num_attention_heads, head_count_kv=c.num_key_value_heads,
+                  key_length=head_dim, value_length=head_dim, rope_freq_base=c.rope_parameters.get("rope_theta"),
+                  layer_norm_rms_eps=c.rms_norm_eps)
+    if arch == "phi3":  # as Phi3MiniModel writes it: no key/value length, a window (0: none)
+        values.update(key_length=None, value_length=None, rope_dimension_count=head_dim,
+                      sliding_window=c.sliding_window or 0)
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    if metadata is not None:
-        metadata(w)
+    for key, value in {**values, **metadata}.items():
+        if value is not None:
+            getattr(w, f"add_{key}")(value)
     add_tiny_tokenizer(w, "qwen2")
     for name, t in ref.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
@@ -149,25 +152,75 @@ def write_llama_cpp_gguf(path, arch: str, ref, names: dict[str, str] = GGUF_NAME
                    "lm_head.weight": "output.weight"}[name]
         data = t.numpy().astype(np.float32)
         w.add_tensor(out, data + np.float32(norm_offset) if name.endswith("norm.weight") else data)
+    for name, a in extra_tensors:
+        w.add_tensor(name, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3"])
 def test_gguf_matches_transformers(family, tmp_path):
     ref = build_checkpoint(tmp_path / "hf", family, seed=1)
     path = tmp_path / f"{family}.gguf"
-    write_llama_cpp_gguf(path, family, ref,
-                         metadata=lambda w: w.add_rope_freq_base(ref.config.rope_parameters["rope_theta"]))
+    write_llama_cpp_gguf(path, family, ref)
     model, tok = load_model(path)
-    assert (model.config.qkv_bias, model.config.qk_norm) == (family == "qwen2", family == "qwen3")
+    c = model.config
+    assert (c.qkv_bias, c.qk_norm, c.max_position_embeddings) == (family == "qwen2", family == "qwen3", 256)
     for ids, got in zip(TINY_PROMPTS, forest_logits(model, TINY_PROMPTS)):
         assert_logits(got, reference_logits(ref, ids), ATOL, f"{family} GGUF, {len(ids)} tokens")
+    engine = TreeEngine(model, tok, num_pages=64, page_size=16, backend="torch")
+    prompts = TINY_PROMPTS[:2]
+    for ids, got in zip(prompts, generate(engine, prompts, SamplingParams(max_new_tokens=8))):
+        want = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                            max_new_tokens=8, do_sample=False, eos_token_id=EOS, pad_token_id=2)
+        assert got.token_ids == want[0, len(ids):].tolist(), family
     ref_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     for text in ["hello world 12345", "Ünïcödé 2024 — it's\n\n  x"]:
         assert tok.encode(text) == ref_tok.encode(text), text
+
+
+@pytest.mark.parametrize("metadata, positions", [
+    (dict(sliding_window=32), 32),  # within the window full attention is exact
+    (dict(sliding_window=None, context_length=4096), 2047),  # Phi-3-mini-4k converted before the key
+    (dict(sliding_window=None), 256),
+])
+def test_phi3_gguf_context_capped_at_the_sliding_window(tmp_path, metadata, positions):
+    ref = build_checkpoint(tmp_path / "hf", "phi3")
+    write_llama_cpp_gguf(tmp_path / "phi3.gguf", "phi3", ref, **metadata)
+    assert load_model(tmp_path / "phi3.gguf")[0].config.max_position_embeddings == positions
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_phi3_gguf_tensor_parallel_ranks_give_the_whole_models_logits(tmp_path, world):
+    ref = build_checkpoint(tmp_path / "hf", "phi3")
+    path = tmp_path / "phi3.gguf"
+    write_llama_cpp_gguf(path, "phi3", ref)
+    want = forest_logits(load_model(path)[0], TINY_PROMPTS)
+    ranks = ThreadRanks(world)
+    shards = [load_model(path, tp=ranks.rank(r))[0] for r in range(world)]
+    assert [s.config.num_heads for s in shards] == [4 // world] * world
+    got = ranks.run(lambda r: forest_logits(shards[r], TINY_PROMPTS))
+    for r in range(world):
+        for a, b in zip(got[r], want):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_phi3_gguf_refusals_name_the_tensor(tmp_path):
+    ref = build_checkpoint(tmp_path / "hf", "phi3")
+    path = tmp_path / "phi3.gguf"
+    factors = np.ones(8, np.float32)  # head_dim / 2
+    write_llama_cpp_gguf(path, "phi3", ref, extra_tensors=[("rope_factors_long.weight", factors),
+                                                         ("rope_factors_short.weight", factors)])
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": tensors rope_factors_long.weight, "
+                                         r"rope_factors_short.weight: LongRoPE scaling \(the 128k Phi-3 "
+                                         r"and Phi-3.5 models\) is not supported"):
+        load_model(path)
+    write_llama_cpp_gguf(path, "phi3", ref, head_count_kv=4)
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": tensor 'blk.0.attn_qkv.weight' has "
+                                         r"shape \(128, 64\), expected \(192, 64\) from the metadata"):
+        load_model(path)
 
 
 # ---------------------------------------------------------------- chat templates

@@ -147,14 +147,9 @@ def write_gemma3_gguf(path, ref) -> None:
     """``ref``'s weights as llama.cpp's converter writes a Gemma 3 GGUF: ``1 + w`` for every
     norm weight, no query_pre_attn_scalar or layer pattern."""
     rope = ref.config.rope_parameters["full_attention"]
-
-    def metadata(w: gguf.GGUFWriter) -> None:
-        w.add_rope_freq_base(rope["rope_theta"])
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(rope["factor"])
-        w.add_sliding_window(ref.config.sliding_window)
-
-    write_llama_cpp_gguf(path, "gemma3", ref, GGUF_BLOCK, metadata, norm_offset=1.0)
+    write_llama_cpp_gguf(path, "gemma3", ref, GGUF_BLOCK, norm_offset=1.0, rope_freq_base=rope["rope_theta"],
+                         rope_scaling_type=gguf.RopeScalingType.LINEAR, rope_scaling_factor=rope["factor"],
+                         sliding_window=ref.config.sliding_window)
 
 
 def test_a_gguf_file_matches_transformers(tmp_path):

@@ -428,7 +428,7 @@ def test_unsupported_gguf(tiny, tmp_path):
     path = tmp_path / "falcon.gguf"
     write_gguf(path, TINY_CONFIG, tiny[2], tiny[3], arch="falcon")
     with pytest.raises(ValueError, match=re.escape(path.as_posix()) + ".*general.architecture: "
-                       "expected one of llama, qwen2, qwen3, gemma3, got 'falcon'"):
+                       "expected one of llama, qwen2, qwen3, phi3, gemma3, got 'falcon'"):
         load_model(path)
 
 
@@ -524,13 +524,15 @@ def test_forward_argument_errors(tiny):
     assert model(ids, pos, pos, attn, pool, torch.tensor([2])).shape == (1, model.config.vocab_size)
 
 
-def test_sentencepiece_gguf_tokenizer(tmp_path):
-    """Llama 2 / Mistral GGUF vocabularies (tokenizer.ggml.model "llama") go through transformers."""
+@pytest.mark.parametrize("arch, two_spaces", [("llama", ["▁", "▁hello"]), ("phi3", ["▁", "▁", "▁hello"])])
+def test_sentencepiece_gguf_tokenizer(tmp_path, arch, two_spaces):
+    """Llama 2 / Mistral / Phi-3 GGUF vocabularies (tokenizer.ggml.model "llama") go through
+    transformers, which gives Phi-3's its prefix-space normalizer (one more space kept)."""
     pieces = ["▁h", "el", "lo", "▁w", "or", "ld", "▁hel", "▁hello", "▁wor", "▁world", "▁", "h", "e", "l",
               "o", "w", "r", "d"]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + pieces
     path = tmp_path / "spm.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
@@ -545,5 +547,6 @@ def test_sentencepiece_gguf_tokenizer(tmp_path):
     tok = tokenizer_from_gguf(GGUFFile(path).metadata, str(path))
     ids = tok.encode("hello world")
     assert [tokens[i] for i in ids] == ["<s>", "▁hello", "▁world"]
+    assert [tokens[i] for i in tok.encode("  hello")] == ["<s>", *two_spaces]
     assert tok.decode(tok.encode("hi"), skip_special_tokens=True) == "hi"  # "i" by byte fallback
     assert tok.eos_token_ids == {2}

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -44,6 +45,20 @@ class ThreadRanks:
         group = TPGroup(r, self.world, torch.device("cpu"))
         object.__setattr__(group, "all_reduce", lambda t: self._sum(r, t))
         return group
+
+    def run(self, work: Callable[[int], Any]) -> list[Any]:
+        """``work(rank)`` of every rank, each on its own thread; the results in rank order."""
+        got: list[Any] = [None] * self.world
+
+        def one(r: int) -> None:
+            got[r] = work(r)
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        return got
 
     def _sum(self, r: int, t: torch.Tensor) -> torch.Tensor:
         self.parts[r] = t.clone()
@@ -85,23 +100,9 @@ def test_thread_ranks_give_the_whole_models_logits(heads, kv_heads, world):
     held = [(s.config.num_heads, s.config.num_kv_heads) for s in shards]
     assert sum(h for h, _ in held) == heads  # each query head on one rank
     assert all(h % kv == 0 for h, kv in held)
-    for got in thread_logits(shards, prompts):
-        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
-
-
-def thread_logits(shards, prompts) -> list:
-    """Each rank's :func:`forest_logits`, the ranks (of one :class:`ThreadRanks`) as threads."""
-    got = [None] * len(shards)
-
-    def run(r):
-        got[r] = forest_logits(shards[r], prompts)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(shards))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    return got
+    got = ranks.run(lambda r: forest_logits(shards[r], prompts))
+    for r in range(world):
+        torch.testing.assert_close(got[r], want, atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("world, kind", [(2, "hf"), (4, "hf"), (2, "multimodal"), (2, "gguf")])
@@ -123,8 +124,9 @@ def test_thread_ranks_of_a_gemma3_checkpoint_give_its_logits(world, kind, tmp_pa
     ranks = ThreadRanks(world)
     shards = [load_model(path, dtype="float64", tp=ranks.rank(r))[0] for r in range(world)]
     assert [s.config.num_heads for s in shards] == [4 // world] * world
-    for got in thread_logits(shards, prompts):
-        torch.testing.assert_close(got, forest_logits(whole, prompts), atol=1e-10, rtol=1e-10)
+    want = forest_logits(whole, prompts)
+    for got in ranks.run(lambda r: forest_logits(shards[r], prompts)):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
 
 
 def test_shards_of_smollm2_shapes():

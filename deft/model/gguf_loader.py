@@ -14,6 +14,7 @@ import torch
 from .config import LlamaConfig
 from .gguf_file import GGUFFile
 from .gguf_tokenizer import tokenizer_from_gguf
+from .hf_loader import TensorView
 from .llama import LlamaModel
 from .sharding import build_hf
 from .tokenizer import Tokenizer
@@ -43,8 +44,8 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def _hf_name(name: str, blocks: Mapping[str, str]) -> str | None:
-    """The Hugging Face name of a GGUF tensor (``blocks``: the block tensors' names), or
-    ``None`` if it is not a Llama weight."""
+    """The Hugging Face name of a GGUF tensor (``blocks``: GGUF block tensor kind -> Hugging
+    Face module), or ``None`` if it is not a weight of the model."""
     m = _BLOCK.fullmatch(name)
     if m:
         block, kind, suffix = m.groups()
@@ -64,18 +65,20 @@ def load_gguf(
     dtype: torch.dtype = torch.float32, tp: Any = None, *,
     adapt: Callable[[LlamaConfig], LlamaConfig] | None = None, permuted_qk: bool = True,
     block_names: Mapping[str, str] = BLOCK_NAMES, norm_offset: float = 0.0,
+    view: TensorView | None = None,
 ) -> tuple[LlamaModel, Tokenizer]:
     """Model and tokenizer from the GGUF file at ``path`` (or already opened); with ``tp``
     (a :class:`~deft.distributed.TPGroup`), this rank's shard (each tensor is dequantised
     whole, one at a time, and only the rank's slice kept).
 
-    A family passes ``adapt`` (its flags set on the config read from the metadata) and
+    A family passes ``adapt`` (the config read from the metadata, its flags set and checked),
     ``permuted_qk=False`` where llama.cpp's converter keeps q/k rows in rotate-half order
-    (it permutes them only for its ``llama`` architecture), ``block_names`` where its block
-    tensors map to other Hugging Face names, and ``norm_offset`` where the converter added
-    it to every norm weight (Gemma's ``1 + w``: it is subtracted). Raises ``FileNotFoundError``
-    for a missing file and ``ValueError`` naming ``path`` for a corrupt file, an
-    unsupported architecture, tokenizer or quantisation type.
+    (it permutes them only for its ``llama`` architecture), and where its tensors differ
+    from Llama's, ``block_names`` (GGUF block tensor kinds -> Hugging Face modules, e.g. a
+    fused one), ``norm_offset`` (what the converter added to every norm weight, Gemma's
+    ``1 + w``: it is subtracted) and ``view`` (as for :func:`~deft.model.hf_loader.load_hf`).
+    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming ``path`` for
+    a corrupt file, an unsupported architecture, tokenizer or quantisation type.
     """
     f = path if isinstance(path, GGUFFile) else GGUFFile(path)
     path = f.path
@@ -95,7 +98,9 @@ def load_gguf(
         raise ValueError(f"{path}: unsupported tensors for a {f.metadata.get('general.architecture')} "
                          f"model: {unknown[:3]}")
     tokenizer = tokenizer_from_gguf(f.metadata, path)  # before the slow part: fail fast
-    tensors = _Tensors(f, config, permuted_qk, block_names, norm_offset)
+    tensors: Mapping[str, torch.Tensor] = _Tensors(f, config, permuted_qk, block_names, norm_offset)
+    if view is not None:
+        tensors = view(config, tensors)
     return build_hf(config, tensors, path, dtype, device, tp), tokenizer
 
 

@@ -1,22 +1,37 @@
 """Phi-3: Llama's decoder whose checkpoint fuses q/k/v (``self_attn.qkv_proj``) and gate/up
-(``mlp.gate_up_proj``); Hugging Face ``phi3`` directories. The fused tensors are shown under
-Llama's names as row slices, so every loader (and a per-rank one) sees one layout."""
+(``mlp.gate_up_proj``); Hugging Face ``phi3`` directories and GGUF ``phi3`` files (llama.cpp
+keeps the fused tensors as ``attn_qkv`` and ``ffn_up``, gate rows first, and q/k rows in
+rotate-half order). The fused tensors are shown under Llama's names as row slices, so every
+loader (and a per-rank one) sees one layout."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
 from functools import partial
 from typing import Any, Iterator, Mapping
 
 import torch
 
+from ..checks import int_at_least
 from .config import LlamaConfig
 from .families import Family
+from .gguf_file import GGUFFile
+from .gguf_loader import BLOCK_NAMES, load_gguf
 from .hf_loader import load_hf
+from .llama import LlamaModel
+from .tokenizer import Tokenizer
 
-__all__ = ["PHI3", "phi3_config", "Phi3Tensors"]
+__all__ = ["PHI3", "phi3_config", "load_phi3_gguf", "Phi3Tensors"]
 
 _FUSED = re.compile(r"(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight")
+# GGUF block tensor kind -> the Hugging Face fused module it holds
+_GGUF_FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_GGUF_FUSED_NAME = re.compile(r"blk\.\d+\.(attn_qkv|ffn_up)\.weight")
+# Files converted before llama.cpp wrote the sliding window: context length -> the window
+# of the models of that context (Phi-3-mini/medium-4k's config.json)
+_UNSTATED_WINDOW = {4096: 2047}
 
 
 def phi3_config(raw: Mapping[str, Any]) -> LlamaConfig:
@@ -70,5 +85,46 @@ class Phi3Tensors(Mapping[str, torch.Tensor]):
         return sum(1 for _ in self)
 
 
-PHI3 = Family("phi3", hf_model_types=("phi3",), load_hf=partial(load_hf, to_config=phi3_config, view=Phi3Tensors),
-              tensor_parallel=True)
+def load_phi3_gguf(
+    path: str | os.PathLike | GGUFFile, device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32, tp: Any = None,
+) -> tuple[LlamaModel, Tokenizer]:
+    """Model and tokenizer from the GGUF ``phi3`` file at ``path`` (or already opened), as
+    :func:`~deft.model.gguf_loader.load_gguf` loads one; with ``tp``, this rank's shard.
+
+    The context is capped at the sliding window, within which full attention is exact (as
+    for a Hugging Face directory). LongRoPE files (``rope_factors_long``/``_short``: the
+    128k Phi-3 and Phi-3.5 models) and fused tensors whose shape disagrees with the
+    metadata raise ``ValueError`` naming ``path`` and the tensor.
+    """
+    f = path if isinstance(path, GGUFFile) else GGUFFile(path)
+    return load_gguf(f, device, dtype, tp, adapt=partial(_gguf_config, f), permuted_qk=False,
+                     block_names={**BLOCK_NAMES, **_GGUF_FUSED}, view=Phi3Tensors)
+
+
+def _gguf_config(f: GGUFFile, config: LlamaConfig) -> LlamaConfig:
+    """``config`` (read from ``f``'s metadata) capped at the sliding window, once ``f`` is
+    known to need no LongRoPE and to hold fused tensors of the shapes it implies."""
+    longrope = sorted(n for n in f.tensors if n.startswith("rope_factors_"))
+    if longrope:
+        raise ValueError(f"tensors {', '.join(longrope)}: LongRoPE scaling (the 128k Phi-3 and "
+                         "Phi-3.5 models) is not supported")
+    c = config
+    rows = {"attn_qkv": (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, "ffn_up": 2 * c.intermediate_size}
+    for name, t in f.tensors.items():
+        m = _GGUF_FUSED_NAME.fullmatch(name)
+        if m and t.shape != (expected := (rows[m.group(1)], c.hidden_size)):
+            raise ValueError(f"tensor {name!r} has shape {t.shape}, expected {expected} from the metadata")
+    key = f"{f.metadata.get('general.architecture')}.attention.sliding_window"
+    if key in f.metadata:
+        window = int_at_least(f.metadata[key], key, 0)  # 0: none
+    else:
+        window = _UNSTATED_WINDOW.get(c.max_position_embeddings, 0)
+    if not window:
+        return c
+    return dataclasses.replace(c, max_position_embeddings=min(c.max_position_embeddings, window))
+
+
+PHI3 = Family("phi3", hf_model_types=("phi3",), gguf_architectures=("phi3",),
+              load_hf=partial(load_hf, to_config=phi3_config, view=Phi3Tensors),
+              load_gguf=load_phi3_gguf, tensor_parallel=True)
