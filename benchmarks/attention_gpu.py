@@ -38,8 +38,8 @@ from .report import markdown_table, record, rows_as_dicts, write_record
 from .timing import median_plan_seconds
 from .trees import GPU_SUITE, available
 
-__all__ = ["D", "DTYPE", "H_KV", "H_Q", "LAYERS", "gpu_attention_report", "measure_ceilings",
-           "time_us"]
+__all__ = ["D", "DTYPE", "FP8", "H_KV", "H_Q", "LAYERS", "fp8_copy", "gpu_attention_report",
+           "measure_ceilings", "time_us"]
 
 H_Q, H_KV, D, LAYERS = 32, 8, 128, 32
 DTYPE = torch.bfloat16
@@ -79,7 +79,7 @@ def time_us(step: Callable[[], object], graph: bool) -> float:
     return triton.testing.do_bench(g.replay, return_mode="median") * 1e3
 
 
-def _fp8_copy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_copy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [N, H_kv, D]`` in FP8 with per-head scales, as a calibrated pool stores it."""
     scale = x.float().abs().amax(dim=(0, 2)) * CALIBRATION_HEADROOM / torch.finfo(FP8).max
     return quantize(x, scale, FP8), scale
@@ -102,8 +102,8 @@ def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
                  "floor_us": floor_us, "impls": {}}
     fp8 = kv_dtype == "fp8_e4m3"
     if fp8:
-        k8s, k_scales = zip(*map(_fp8_copy, ks))
-        v8s, v_scales = zip(*map(_fp8_copy, vs))
+        k8s, k_scales = zip(*map(fp8_copy, ks))
+        v8s, v_scales = zip(*map(fp8_copy, vs))
         row["fp8_floor_us"] = max(kv_bytes / 2 / bw, flop / flops) * 1e6
     ref = None
     impls: dict[str, Callable[[int], torch.Tensor]] = {}

@@ -21,8 +21,11 @@ config and coarsening (``deft.plan.coarsen.refine``):
 * ``mergeheads``: merge programs of several query heads (states per step, warps, heads),
   for every step.
 
-Usage: ``python -m benchmarks.sweep [--sweep NAME] [--eager] [--only LABEL,...] [--json PATH]
-[TREE ...]``: one line per (tree, variant), then registers and spills of every compiled
+With ``--kv-dtype fp8_e4m3`` the K/V are FP8 copies with per-head scales (as a calibrated
+pool holds them), checked against the float64 reference of the dequantised K/V.
+
+Usage: ``python -m benchmarks.sweep [--sweep NAME] [--kv-dtype fp8_e4m3] [--eager]
+[--only LABEL,...] [--json PATH] [TREE ...]``: one line per (tree, variant), then registers and spills of every compiled
 partial-kernel variant, the best variants per tree and each variant's mean slowdown against
 the per-tree best.
 """
@@ -43,7 +46,7 @@ from deft.ops.triton import configs, kernels
 from deft.plan import coarsen_plan, step as plan_step
 from deft.recorded import workloads_dir
 
-from .attention_gpu import D, DTYPE, H_KV, H_Q, LAYERS, time_us
+from .attention_gpu import D, DTYPE, FP8, H_KV, H_Q, LAYERS, fp8_copy, time_us
 from .report import record, write_record
 from .trees import GPU_SUITE, available
 
@@ -112,14 +115,24 @@ def _compiled() -> dict:
     return dict(caches[torch.cuda.current_device()][0]) if caches else {}
 
 
-def _sweep_tree(name: str, layout, variant_list, graph: bool, registers: dict) -> list[dict]:  # noqa: ANN001
-    """Time every variant on one tree; the shipped configs and coarsening are restored."""
+def _sweep_tree(name: str, layout, variant_list, graph: bool, registers: dict,  # noqa: ANN001
+                fp8: bool = False) -> list[dict]:
+    """Time every variant on one tree (``fp8``: over FP8 K/V); the shipped configs and
+    coarsening are restored."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     n = layout.num_tokens
     ks = [torch.randn(n, H_KV, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(LAYERS)]
     vs = [torch.randn(n, H_KV, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(LAYERS)]
     q = torch.randn(layout.num_queries, H_Q, D, device="cuda", dtype=DTYPE, generator=gen)
-    ref, _ = reference_attention(q, ks[0], vs[0], layout, D**-0.5)
+    scales: list[dict] = [{} for _ in range(LAYERS)]
+    if fp8:
+        for layer in range(LAYERS):
+            (ks[layer], ks_), (vs[layer], vs_) = fp8_copy(ks[layer]), fp8_copy(vs[layer])
+            scales[layer] = {"k_scale": ks_, "v_scale": vs_}
+        ref, _ = reference_attention(q, ks[0].double() * ks_[:, None].double(),
+                                     vs[0].double() * vs_[:, None].double(), layout, D**-0.5)
+    else:
+        ref, _ = reference_attention(q, ks[0], vs[0], layout, D**-0.5)
     shipped_table, shipped_refine = dict(configs.CONFIGS), plan_step.refine
     opted_out = os.environ.get("DEFT_FASTPLAN")
     rows = []
@@ -135,14 +148,14 @@ def _sweep_tree(name: str, layout, variant_list, graph: bool, registers: dict) -
             # The compiled planner coarsens as shipped: fixed factors plan with numpy.
             os.environ["DEFT_FASTPLAN"] = "1" if u is None else "0"
             attn = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda")
-            plan = attn.plan(layout)
+            plan = attn.plan(layout, FP8 if fp8 else None)
             before = _compiled()
             try:
-                diff = float((attn.run(q, ks[0], vs[0]).double() - ref.double()).abs().max())
+                diff = float((attn.run(q, ks[0], vs[0], **scales[0]).double() - ref.double()).abs().max())
 
                 def step(attn=attn) -> None:
                     for layer in range(LAYERS):
-                        attn.run(q, ks[layer], vs[layer])
+                        attn.run(q, ks[layer], vs[layer], **scales[layer])
 
                 us = time_us(step, graph=graph)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report, go on
@@ -172,6 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("trees", nargs="*", metavar="TREE", help="benchmark trees (default: the GPU suite)")
     ap.add_argument("--sweep", choices=SWEEPS, default="merge", help="which variants (default merge)")
     ap.add_argument("--factors", default="2,4,8,16,32", help="(--sweep factors) comma-separated factors")
+    ap.add_argument("--kv-dtype", choices=("auto", "fp8_e4m3"), default="auto",
+                    help="K/V format: auto (bf16, like q) or fp8_e4m3 (FP8 with per-head scales)")
     ap.add_argument("--eager", action="store_true", help="time the step launched from Python, not replayed")
     ap.add_argument("--only", metavar="LABEL,...", help="keep just these variants")
     ap.add_argument("--workloads", metavar="DIR", help="recorded workloads directory "
@@ -192,11 +207,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[dict] = []
     registers: dict[str, set] = {}
     for name, layout in available(args.trees or GPU_SUITE, workloads):
-        results += _sweep_tree(name, layout, variant_list, not args.eager, registers)
+        results += _sweep_tree(name, layout, variant_list, not args.eager, registers,
+                               args.kv_dtype == "fp8_e4m3")
         torch.cuda.empty_cache()
     if args.json:
         rec = record(list(results[0]) if results else [], [list(r.values()) for r in results],
-                     "cuda", sweep=args.sweep, mode=mode)
+                     "cuda", sweep=args.sweep, mode=mode,
+                     kv_dtype=args.kv_dtype)
         write_record(args.json, rec)
     print("\npartial kernel (registers, spills) compiled per variant:")
     for label, regs in registers.items():
