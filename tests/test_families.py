@@ -1,7 +1,7 @@
 """Each registered family against ``transformers`` on a tiny random checkpoint built in the test:
 logits of a forest of prompts, greedy and beam-search tokens through the engine, GGUF files
 where llama.cpp has the architecture (and their tensor-parallel shards), chat templates; and
-the errors users see.
+the errors users see. Phi-3 also with LongRoPE (``phi3_longrope``), within its original context.
 
 Tolerance: float32 logits within ``ATOL`` (the torch backend's tiled attention sums in another
 order than transformers' dense attention; measured ~1e-6 on these models).
@@ -10,6 +10,7 @@ order than transformers' dense attention; measured ~1e-6 on these models).
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import gguf
@@ -18,8 +19,10 @@ import pytest
 import torch
 
 from deft.engine import SamplingParams, TreeEngine, beam_search, generate
-from deft.model import load_model
+from deft.model import LlamaConfig, RopeScaling, load_model
 from deft.model.loader import resolve_dtype
+from deft.model.phi3 import phi3_config
+from deft.model.rope import rope_table
 from test_model import (TINY_PROMPTS, add_tiny_tokenizer, assert_logits, forest_logits,
                         reference_logits, tiny_vocab, write_tokenizer)
 from test_tensor_parallel import ThreadRanks
@@ -32,6 +35,18 @@ SHAPE = dict(vocab_size=len(tiny_vocab()), hidden_size=64, intermediate_size=96,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
              rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=2,
              pad_token_id=0)
+
+
+def longrope(head_dim: int, original: int = 64) -> dict:
+    """Phi3Config keys of LongRoPE (the 128k Phi-3 and Phi-3.5) over :data:`SHAPE`'s context of
+    256: a factor per rotated pair within the ``original`` context and past it; cos/sin are
+    scaled by sqrt(1 + ln(256 / original) / ln(original)); the context is capped at ``original``."""
+    half = head_dim // 2
+    return dict(original_max_position_embeddings=original, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 2 * i / half for i in range(half)],
+        "long_factor": [2.0 + i for i in range(half)]})
+
+
 # (transformers config class, model class, extra config): each family's distinguishing features.
 FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, use_sliding_window=False,
@@ -39,6 +54,7 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=24, sliding_window=None)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(original_max_position_embeddings=256)),
+    "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM", longrope(16)),
     # Sliding and full layers (their own RoPE, linear scaling on the full ones), a softmax scale
     # not head_dim's, an embedding scale sqrt(48) that bf16 rounds; the window caps the context.
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
@@ -83,9 +99,11 @@ def test_logits_match_transformers(checkpoint):
     assert model.dtype == torch.float32  # auto on the CPU
     c = model.config
     assert (c.qkv_bias, c.qk_norm) == (family == "qwen2", family in ("qwen3", "gemma3_text"))
-    # Qwen2's unused sliding_window caps nothing; Gemma 3's sliding layers cap the context.
-    assert c.max_position_embeddings == (128 if family == "gemma3_text" else 256)
-    for ids, got in zip(TINY_PROMPTS, forest_logits(model, TINY_PROMPTS)):
+    # Qwen2's unused sliding_window caps nothing; Gemma 3's sliding layers cap the context, and
+    # LongRoPE's original context does.
+    assert c.max_position_embeddings == {"gemma3_text": 128, "phi3_longrope": 64}.get(family, 256)
+    prompts = [p for p in TINY_PROMPTS if len(p) <= c.max_position_embeddings]
+    for ids, got in zip(prompts, forest_logits(model, prompts)):
         assert_logits(got, reference_logits(ref, ids), ATOL, f"{family}, {len(ids)} tokens")
 
 
@@ -122,9 +140,10 @@ GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
 def write_llama_cpp_gguf(path, arch: str, ref, names: dict[str, str] = GGUF_NAMES,
                          norm_offset: float = 0.0, extra_tensors=(), **metadata) -> None:
     """``ref``'s weights as llama.cpp's converter writes a GGUF of ``arch``: F32, q/k rows
-    unpermuted, Phi-3's fused q/k/v and gate/up kept fused, block tensors named by ``names``,
-    ``norm_offset`` added to the norm weights. ``metadata`` replaces the ``add_<key>``
-    values (None: left out); ``extra_tensors`` are (name, array) pairs."""
+    unpermuted, Phi-3's fused q/k/v and gate/up kept fused (its LongRoPE factors as tensors,
+    the original context and attention factor as metadata), block tensors named by
+    ``names``, ``norm_offset`` added to the norm weights. ``metadata`` replaces the
+    ``add_<key>`` values (None: left out); ``extra_tensors`` are (name, array) pairs."""
     c = ref.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     values = dict(block_count=c.num_hidden_layers, context_length=c.max_position_embeddings,
@@ -133,8 +152,14 @@ def write_llama_cpp_gguf(path, arch: str, ref, names: dict[str, str] = GGUF_NAME
                   key_length=head_dim, value_length=head_dim, rope_freq_base=c.rope_parameters.get("rope_theta"),
                   layer_norm_rms_eps=c.rms_norm_eps)
     if arch == "phi3":  # as Phi3MiniModel writes it: no key/value length, a window (0: none)
+        rope, original = c.rope_parameters, c.original_max_position_embeddings
         values.update(key_length=None, value_length=None, rope_dimension_count=head_dim,
-                      sliding_window=c.sliding_window or 0)
+                      sliding_window=c.sliding_window or 0, rope_scaling_orig_ctx_len=original)
+        if rope["rope_type"] == "longrope":
+            scale = c.max_position_embeddings / original
+            values["rope_scaling_attn_factors"] = math.sqrt(1 + math.log(scale) / math.log(original))
+            extra_tensors = [(f"rope_factors_{k}.weight", np.array(rope[f"{k}_factor"], np.float32))
+                             for k in ("long", "short")] + list(extra_tensors)
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in {**values, **metadata}.items():
         if value is not None:
@@ -160,15 +185,17 @@ def write_llama_cpp_gguf(path, arch: str, ref, names: dict[str, str] = GGUF_NAME
     w.close()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "phi3_longrope"])
 def test_gguf_matches_transformers(family, tmp_path):
     ref = build_checkpoint(tmp_path / "hf", family, seed=1)
     path = tmp_path / f"{family}.gguf"
-    write_llama_cpp_gguf(path, family, ref)
+    write_llama_cpp_gguf(path, family.split("_")[0], ref)
     model, tok = load_model(path)
     c = model.config
-    assert (c.qkv_bias, c.qk_norm, c.max_position_embeddings) == (family == "qwen2", family == "qwen3", 256)
-    for ids, got in zip(TINY_PROMPTS, forest_logits(model, TINY_PROMPTS)):
+    assert (c.qkv_bias, c.qk_norm) == (family == "qwen2", family == "qwen3")
+    assert c.max_position_embeddings == (64 if family == "phi3_longrope" else 256)
+    prompts = [p for p in TINY_PROMPTS if len(p) <= c.max_position_embeddings]
+    for ids, got in zip(prompts, forest_logits(model, prompts)):
         assert_logits(got, reference_logits(ref, ids), ATOL, f"{family} GGUF, {len(ids)} tokens")
     engine = TreeEngine(model, tok, num_pages=64, page_size=16, backend="torch")
     prompts = TINY_PROMPTS[:2]
@@ -181,13 +208,16 @@ def test_gguf_matches_transformers(family, tmp_path):
         assert tok.encode(text) == ref_tok.encode(text), text
 
 
-@pytest.mark.parametrize("metadata, positions", [
-    (dict(sliding_window=32), 32),  # within the window full attention is exact
-    (dict(sliding_window=None, context_length=4096), 2047),  # Phi-3-mini-4k converted before the key
-    (dict(sliding_window=None), 256),
+@pytest.mark.parametrize("family, metadata, positions", [
+    ("phi3", dict(sliding_window=32), 32),  # within the window full attention is exact
+    ("phi3", dict(sliding_window=None, context_length=4096), 2047),  # Phi-3-mini-4k converted before the key
+    ("phi3", dict(sliding_window=None), 256),
+    ("phi3_longrope", dict(sliding_window=32), 32),
+    # LongRoPE: the original context (Phi-3-mini-128k's, converted before the window key)
+    ("phi3_longrope", dict(sliding_window=None, context_length=131072, rope_scaling_orig_ctx_len=4096), 4096),
 ])
-def test_phi3_gguf_context_capped_at_the_sliding_window(tmp_path, metadata, positions):
-    ref = build_checkpoint(tmp_path / "hf", "phi3")
+def test_phi3_gguf_context_capped_at_the_window_or_the_original_context(tmp_path, family, metadata, positions):
+    ref = build_checkpoint(tmp_path / "hf", family)
     write_llama_cpp_gguf(tmp_path / "phi3.gguf", "phi3", ref, **metadata)
     assert load_model(tmp_path / "phi3.gguf")[0].config.max_position_embeddings == positions
 
@@ -207,20 +237,99 @@ def test_phi3_gguf_tensor_parallel_ranks_give_the_whole_models_logits(tmp_path, 
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_phi3_gguf_refusals_name_the_tensor(tmp_path):
+def test_phi3_gguf_refusals_name_the_tensor_or_key(tmp_path):
     ref = build_checkpoint(tmp_path / "hf", "phi3")
     path = tmp_path / "phi3.gguf"
-    factors = np.ones(8, np.float32)  # head_dim / 2
-    write_llama_cpp_gguf(path, "phi3", ref, extra_tensors=[("rope_factors_long.weight", factors),
-                                                         ("rope_factors_short.weight", factors)])
-    with pytest.raises(ValueError, match=re.escape(str(path)) + r": tensors rope_factors_long.weight, "
-                                         r"rope_factors_short.weight: LongRoPE scaling \(the 128k Phi-3 "
-                                         r"and Phi-3.5 models\) is not supported"):
-        load_model(path)
     write_llama_cpp_gguf(path, "phi3", ref, head_count_kv=4)
     with pytest.raises(ValueError, match=re.escape(str(path)) + r": tensor 'blk.0.attn_qkv.weight' has "
                                          r"shape \(128, 64\), expected \(192, 64\) from the metadata"):
         load_model(path)
+    write_llama_cpp_gguf(path, "phi3", ref, extra_tensors=[("rope_factors_long.weight", np.ones(8, np.float32))])
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": tensor 'rope_factors_short.weight': "
+                                         r"missing \(LongRoPE's factors within the original context\)"):
+        load_model(path)
+    write_llama_cpp_gguf(path, "phi3", build_checkpoint(tmp_path / "hf", "phi3_longrope"),
+                         rope_scaling_orig_ctx_len=None)
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ": phi3.rope.scaling.original_context_length: "
+                                         "missing from the GGUF metadata"):
+        load_model(path)
+
+
+# ---------------------------------------------------------------- LongRoPE (phi3)
+
+
+def _longrope_config(rope: dict, **top) -> dict:
+    """A Phi-3 ``config.json`` of :data:`SHAPE` and an original context of 64, its
+    ``rope_scaling`` ``rope`` over the ``phi3_longrope`` factors, ``top`` over the rest
+    (None: left out)."""
+    factors = {k: longrope(16)["rope_parameters"][k] for k in ("short_factor", "long_factor")}
+    raw = {**SHAPE, "model_type": "phi3", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+           "rope_scaling": {**factors, **rope}, **top}
+    return {k: v for k, v in raw.items() if v is not None}
+
+
+@pytest.mark.parametrize("rope, top", [
+    ({"type": "longrope"}, {}),  # Phi-3.5-mini's and the 128k Phi-3's config.json
+    ({"rope_type": "longrope", "factor": 2.0}, {}),  # the factor, not the contexts' ratio, sets the scale
+    ({"rope_type": "longrope", "attention_factor": 1.25}, {}),
+    ({"type": "longrope"}, {"original_max_position_embeddings": None}),  # Phi3Config's default: 4096
+])
+def test_longrope_rope_table_equals_transformers(rope, top):
+    """Every position's cos and sin, bit for bit, as transformers' Phi-3 rotary embedding
+    computes them within the original context."""
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    raw = _longrope_config(rope, **top)
+    ours = phi3_config(raw)
+    theirs = Phi3RotaryEmbedding(transformers.Phi3Config(**raw))
+    assert ours.max_position_embeddings == min(256, raw.get("original_max_position_embeddings", 4096))
+    assert ours.rope_scaling.attention_factor == theirs.attention_scaling
+    positions, half = torch.arange(ours.max_position_embeddings)[None], ours.head_dim // 2
+    cos, sin = theirs(torch.zeros(1, dtype=torch.float32), positions)  # [1, P, D]: each half twice
+    assert torch.equal(rope_table(ours, torch.float32), torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1))
+
+
+def test_longrope_su_is_longrope():
+    """The 128k Phi-3's first config.json named it ``su``, which Phi3Config renames (and
+    transformers 5.24 then refuses for want of the original context inside it)."""
+    assert phi3_config(_longrope_config({"type": "su"})) == phi3_config(_longrope_config({"type": "longrope"}))
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_longrope_prompt_past_the_original_context_is_refused(tmp_path, source):
+    ref = build_checkpoint(tmp_path, "phi3_longrope")
+    path = tmp_path
+    if source == "gguf":
+        path = tmp_path / "phi3.gguf"
+        write_llama_cpp_gguf(path, "phi3", ref)
+    engine = TreeEngine(*load_model(path), num_pages=64, page_size=16, backend="torch")
+    with pytest.raises(ValueError, match=r"prompts\[0\]: the prompt has 90 tokens, more than the model's "
+                                         r"context of 64"):
+        generate(engine, [TINY_PROMPTS[2]], SamplingParams(max_new_tokens=1))
+
+
+def test_longrope_gguf_attention_factor(tmp_path):
+    """The file's ``attn_factor``; where it is left out, LongRoPE's default from the contexts."""
+    ref = build_checkpoint(tmp_path / "hf", "phi3_longrope")
+    path = tmp_path / "phi3.gguf"
+    for attn, want in [(1.5, 1.5), (None, pytest.approx(math.sqrt(1 + math.log(4) / math.log(64))))]:
+        write_llama_cpp_gguf(path, "phi3", ref, rope_scaling_attn_factors=attn)
+        assert load_model(path)[0].config.rope_scaling.attention_factor == want
+
+
+def test_longrope_config_is_capped_at_the_original_context():
+    scaling = RopeScaling("longrope", 4.0, original_max_position_embeddings=64, short_factor=(1.0,) * 8)
+    assert LlamaConfig(100, 64, 96, 1, 4, 2, rope_scaling=scaling, max_position_embeddings=64).rope_scaling == scaling
+    with pytest.raises(ValueError, match=r"max_position_embeddings: expected at most rope_scaling.original_max_"
+                                         r"position_embeddings=64 \(LongRoPE's short factors hold only within "
+                                         r"it\), got 65"):
+        LlamaConfig(100, 64, 96, 1, 4, 2, rope_scaling=scaling, max_position_embeddings=65)
+    with pytest.raises(ValueError, match=r"rope_scaling.short_factor: expected head_dim // 2 = 8 values, got 4"):
+        LlamaConfig(100, 64, 96, 1, 4, 2, max_position_embeddings=64,
+                    rope_scaling=RopeScaling("longrope", 4.0, original_max_position_embeddings=64,
+                                             short_factor=(1.0,) * 4))
+    with pytest.raises(ValueError, match=r"rope_scaling.short_factor: expected a list of numbers, got None"):
+        phi3_config(_longrope_config({"type": "su", "short_factor": None}))
 
 
 # ---------------------------------------------------------------- chat templates
@@ -311,7 +420,7 @@ def test_named_dtype_and_memory_mapped_load(checkpoint):
 
 @pytest.mark.parametrize("family, change, message", [
     ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling: expected a type of linear, "
-     "llama3, got 'yarn'"),
+     "llama3, longrope, got 'yarn'"),
     ("phi3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor: expected 1.0 (partial RoPE is not supported)"),
     ("qwen2", {"hidden_act": "gelu"}, "hidden_act: expected one of silu, gelu_pytorch_tanh, got 'gelu'"),
 ])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deft.engine import SamplingParams, TreeEngine, beam_search, generate
-from test_families import EOS, FAMILIES, build_checkpoint
+from test_families import EOS, FAMILIES, build_checkpoint, longrope
 from test_model import TINY_PROMPTS
 
 pytestmark = [pytest.mark.gpu,
@@ -21,12 +21,14 @@ pytestmark = [pytest.mark.gpu,
 transformers = pytest.importorskip("transformers")
 
 GPU_SHAPE = {"hidden_size": 128, "head_dim": 32}  # 4 heads of 32
+# LongRoPE's factors for that head_dim, and an original context that holds every prompt
+GPU_CHANGES = {"phi3_longrope": longrope(32, original=128)}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def checkpoint(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"{request.param}_gpu")
-    ref = build_checkpoint(folder, request.param, **GPU_SHAPE)
+    ref = build_checkpoint(folder, request.param, **GPU_SHAPE, **GPU_CHANGES.get(request.param, {}))
     return request.param, folder, ref.to("cuda")
 
 

@@ -440,7 +440,7 @@ def test_bad_hf_dirs(tiny, tmp_path):
     with pytest.raises(ValueError, match="config.json: model_type: expected one of llama, mistral, qwen2, qwen3, "):
         load_model(hf_dir)
     config_file.write_text(json.dumps({**TINY, "vocab_size": 300, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}))
-    with pytest.raises(ValueError, match="rope_scaling: expected a type of linear, llama3, got 'yarn'"):
+    with pytest.raises(ValueError, match="rope_scaling: expected a type of linear, llama3, longrope, got 'yarn'"):
         load_model(hf_dir)
     config_file.write_text(json.dumps({**TINY, "vocab_size": 300}))  # weights hold fewer rows
     with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' has shape \(\d+, 64\), expected \(300, 64\)"):

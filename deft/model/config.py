@@ -3,7 +3,7 @@
 Covers Llama 2/3 (incl. ``llama3`` and ``linear`` RoPE scaling), SmolLM2 and Mistral-style
 GQA, with tied or untied embeddings, and the flags other families switch on (q/k/v biases,
 per-head q/k RMSNorm; Gemma's ``(1 + w)`` sandwich norms, GeGLU, embedding and softmax
-scales and per-layer RoPE). Built from a Hugging Face ``config.json``
+scales and per-layer RoPE; Phi-3's ``longrope`` scaling). Built from a Hugging Face ``config.json``
 (:meth:`LlamaConfig.from_hf_config`; a family's module adapts its keys first) or from GGUF
 metadata (:meth:`LlamaConfig.from_gguf_metadata`).
 """
@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from numbers import Real
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..checks import int_in_range, is_int, positive_int, real_number
 
 __all__ = ["ACTIVATIONS", "LlamaConfig", "RopeScaling", "ROPE_SCALING_KINDS", "rope_from_hf"]
 
-ROPE_SCALING_KINDS = ("linear", "llama3")
+ROPE_SCALING_KINDS = ("linear", "llama3", "longrope")
 # The MLP's gate activations, by their Hugging Face names: SwiGLU and Gemma's GeGLU.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # The RoPE table holds every position up to max_position_embeddings; its angles are computed
@@ -31,6 +31,13 @@ def _pos_float(value: Any, name: str) -> float:
     return real_number(value, name, "a positive finite number", lambda x: x > 0)
 
 
+def _check_count(factors: tuple[float, ...], name: str, head_dim: int) -> tuple[float, ...]:
+    """``factors``, one per rotated pair of ``head_dim``."""
+    if len(factors) != head_dim // 2:
+        raise ValueError(f"{name}: expected head_dim // 2 = {head_dim // 2} values, got {len(factors)}")
+    return factors
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling.
@@ -38,7 +45,15 @@ class RopeScaling:
     ``linear`` divides every inverse frequency by ``factor``; ``llama3`` (Llama 3.1+)
     divides the low frequencies by ``factor``, keeps the high ones and interpolates
     between ``low_freq_factor`` and ``high_freq_factor`` wavelengths of
-    ``original_max_position_embeddings``.
+    ``original_max_position_embeddings``. ``longrope`` (the 128k Phi-3 and Phi-3.5) divides
+    each inverse frequency by its ``short_factor``, the factors of positions within
+    ``original_max_position_embeddings`` (a config with it is capped there: its long factors
+    would re-rotate every position, cached keys included); ``factor`` is the extended
+    context over the original one.
+
+    cos and sin are multiplied by ``attention_factor``; ``None`` gives LongRoPE's
+    ``sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`` (1 where ``factor``
+    <= 1) and 1 for the other kinds.
     """
 
     kind: str
@@ -46,13 +61,16 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = field(default=(), repr=False)
+    attention_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ROPE_SCALING_KINDS:
             raise ValueError(
                 f"rope_scaling: expected a type of {', '.join(ROPE_SCALING_KINDS)}, got {self.kind!r}"
             )
-        object.__setattr__(self, "factor", _pos_float(self.factor, "rope_scaling.factor"))
+        factor = _pos_float(self.factor, "rope_scaling.factor")
+        object.__setattr__(self, "factor", factor)
         lo = _pos_float(self.low_freq_factor, "rope_scaling.low_freq_factor")
         hi = _pos_float(self.high_freq_factor, "rope_scaling.high_freq_factor")
         if self.kind == "llama3" and hi <= lo:
@@ -61,17 +79,42 @@ class RopeScaling:
             )
         object.__setattr__(self, "low_freq_factor", lo)
         object.__setattr__(self, "high_freq_factor", hi)
-        positive_int(self.original_max_position_embeddings, "rope_scaling.original_max_position_embeddings")
+        original = positive_int(self.original_max_position_embeddings,
+                                "rope_scaling.original_max_position_embeddings")
+        longrope = self.kind == "longrope"
+        if not isinstance(self.short_factor, Sequence) or bool(self.short_factor) != longrope:
+            expected = "a list of numbers" if longrope else f"none for {self.kind!r} scaling"
+            raise ValueError(f"rope_scaling.short_factor: expected {expected}, got {self.short_factor!r}")
+        object.__setattr__(self, "short_factor", tuple(
+            _pos_float(f, "rope_scaling.short_factor[i]") for f in self.short_factor))
+        attention = self.attention_factor
+        if attention is None:
+            attention = (math.sqrt(1 + math.log(factor) / math.log(original))
+                         if longrope and factor > 1 else 1.0)
+        object.__setattr__(self, "attention_factor", _pos_float(attention, "rope_scaling.attention_factor"))
 
 
-def rope_from_hf(rope: Any, theta: Any = None) -> tuple[float, RopeScaling | None]:
+def rope_from_hf(
+    rope: Any, theta: Any = None, max_position_embeddings: Any = None
+) -> tuple[float, RopeScaling | None]:
     """``(theta, scaling)`` of a Hugging Face RoPE object (``rope_parameters``, or the older
-    ``rope_scaling``); ``theta`` where the config states it apart, else the object's (10000)."""
+    ``rope_scaling``); ``theta`` where the config states it apart, else the object's (10000).
+    ``max_position_embeddings`` (the config's) is LongRoPE's default original context, and
+    its ratio to the original one LongRoPE's default ``factor``, as in transformers."""
     if not isinstance(rope, Mapping):
         raise ValueError(f"rope_scaling: expected an object, got {rope!r}")
     kind = rope.get("rope_type", rope.get("type", "default"))
     scaling = None
-    if kind != "default":
+    if kind == "longrope":
+        original = positive_int(rope.get("original_max_position_embeddings", max_position_embeddings),
+                                "rope_scaling.original_max_position_embeddings")
+        factor = rope.get("factor")
+        if factor is None:
+            factor = positive_int(max_position_embeddings, "max_position_embeddings") / original
+        scaling = RopeScaling(kind, factor, original_max_position_embeddings=original,
+                              short_factor=rope.get("short_factor"),
+                              attention_factor=rope.get("attention_factor"))
+    elif kind != "default":
         scaling = RopeScaling(
             kind=kind,
             factor=rope.get("factor"),
@@ -152,10 +195,17 @@ class LlamaConfig:
         for name in ("rope_theta", "local_rope_theta", "embed_scale"):
             object.__setattr__(self, name, _pos_float(getattr(self, name), name))
         for name in ("rope_scaling", "local_rope_scaling"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), RopeScaling):
-                raise TypeError(
-                    f"{name}: expected a RopeScaling or None, got {type(getattr(self, name)).__name__}"
-                )
+            s = getattr(self, name)
+            if s is not None and not isinstance(s, RopeScaling):
+                raise TypeError(f"{name}: expected a RopeScaling or None, got {type(s).__name__}")
+            if s is not None and s.kind == "longrope":
+                _check_count(s.short_factor, f"{name}.short_factor", self.head_dim)
+                if self.max_position_embeddings > s.original_max_position_embeddings:
+                    raise ValueError(
+                        f"max_position_embeddings: expected at most {name}.original_max_position_"
+                        f"embeddings={s.original_max_position_embeddings} (LongRoPE's short factors "
+                        f"hold only within it), got {self.max_position_embeddings}"
+                    )
         if self.query_pre_attn_scalar is not None:
             object.__setattr__(self, "query_pre_attn_scalar",
                                _pos_float(self.query_pre_attn_scalar, "query_pre_attn_scalar"))
@@ -168,12 +218,8 @@ class LlamaConfig:
         object.__setattr__(self, "local_rope_layers", local)
         if self.rope_freq_factors is not None:
             factors = tuple(_pos_float(f, "rope_freq_factors[i]") for f in self.rope_freq_factors)
-            if len(factors) != self.head_dim // 2:
-                raise ValueError(
-                    f"rope_freq_factors: expected head_dim // 2 = {self.head_dim // 2} values, "
-                    f"got {len(factors)}"
-                )
-            object.__setattr__(self, "rope_freq_factors", factors)
+            object.__setattr__(self, "rope_freq_factors", _check_count(factors, "rope_freq_factors",
+                                                                       self.head_dim))
         for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "qkv_bias", "qk_norm",
                      "norm_plus_one", "sandwich_norms"):
             if not isinstance(getattr(self, name), bool):
@@ -199,19 +245,21 @@ class LlamaConfig:
         """Build from a Hugging Face ``config.json`` dict with Llama's keys (the family's
         module has checked ``model_type`` and adapted other keys).
 
-        A ``sliding_window`` caps ``max_position_embeddings``: within the window full
-        attention is exact.
+        A ``sliding_window`` caps ``max_position_embeddings`` (within the window full
+        attention is exact), and so does LongRoPE's ``original_max_position_embeddings``.
         """
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads"):
             if key not in config:
                 raise ValueError(f"{key}: missing from the model config")
-        theta, scaling = rope_from_hf(config.get("rope_parameters") or config.get("rope_scaling") or {},
-                                      config.get("rope_theta"))
         max_pos = config.get("max_position_embeddings", 8192)
+        theta, scaling = rope_from_hf(config.get("rope_parameters") or config.get("rope_scaling") or {},
+                                      config.get("rope_theta"), max_pos)
         window = config.get("sliding_window")
         if window is not None:
             max_pos = min(max_pos, positive_int(window, "sliding_window"))
+        if scaling is not None and scaling.kind == "longrope":
+            max_pos = min(max_pos, scaling.original_max_position_embeddings)
         heads = config["num_attention_heads"]
         return cls(
             vocab_size=config["vocab_size"],
@@ -233,14 +281,18 @@ class LlamaConfig:
 
     @classmethod
     def from_gguf_metadata(
-        cls, metadata: Mapping[str, Any], tie_word_embeddings: bool = True
+        cls, metadata: Mapping[str, Any], tie_word_embeddings: bool = True,
+        short_factor: Sequence[float] | None = None,
     ) -> "LlamaConfig":
         """Build from GGUF key/values under ``{general.architecture}.`` (llama.cpp's keys,
         shared by the Llama-like architectures).
 
         GGUF has no tying flag: a file without ``output.weight`` is tied, so the loader
         passes ``tie_word_embeddings``. Llama 3.1 files carry their RoPE scaling as the
-        ``rope_freqs`` tensor, which the loader sets as ``rope_freq_factors``.
+        ``rope_freqs`` tensor, which the loader sets as ``rope_freq_factors``; LongRoPE files
+        as the ``rope_factors_short``/``_long`` tensors, the loader passing the short ones as
+        ``short_factor``: the original context is then ``rope.scaling.original_context_length``
+        (the context is capped there) and ``rope.scaling.attn_factor`` the cos/sin scale.
         """
         arch = metadata.get("general.architecture")
         if not isinstance(arch, str) or not arch:
@@ -272,6 +324,18 @@ class LlamaConfig:
             raise ValueError(f"{arch}.rope.scaling.type: expected 'none' or 'linear', got {scaling_type!r}")
         if scaling_type == "linear":
             scaling = RopeScaling("linear", num("rope.scaling.factor", 1.0, float))
+        max_pos = num("context_length", 4096)
+        if short_factor is not None:
+            if scaling is not None:
+                raise ValueError(f"{arch}.rope.scaling.type: expected 'none' with LongRoPE's factors, "
+                                 f"got {scaling_type!r}")
+            original = positive_int(num("rope.scaling.original_context_length"),
+                                    f"{arch}.rope.scaling.original_context_length")
+            attention = (num("rope.scaling.attn_factor", kind=float)
+                         if f"{arch}.rope.scaling.attn_factor" in metadata else None)
+            scaling = RopeScaling("longrope", max_pos / original, original_max_position_embeddings=original,
+                                  short_factor=short_factor, attention_factor=attention)
+            max_pos = min(max_pos, original)
         tokens = metadata.get("tokenizer.ggml.tokens", ())
         vocab = num("vocab_size", 0) or (len(tokens) if isinstance(tokens, list) else 0)
         return cls(
@@ -285,6 +349,6 @@ class LlamaConfig:
             rms_norm_eps=num("attention.layer_norm_rms_epsilon", 1e-5, float),
             rope_theta=num("rope.freq_base", 10000.0, float),
             rope_scaling=scaling,
-            max_position_embeddings=num("context_length", 4096),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=tie_word_embeddings,
         )

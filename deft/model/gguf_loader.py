@@ -41,6 +41,11 @@ BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Tensors that set RoPE's frequencies, not weights: Llama 3.1's, and LongRoPE's past and within
+# the original context
+_ROPE_FREQS, _LONG_FACTORS, _SHORT_FACTORS = ("rope_freqs.weight", "rope_factors_long.weight",
+                                              "rope_factors_short.weight")
+_ROPE_TENSORS = (_ROPE_FREQS, _LONG_FACTORS, _SHORT_FACTORS)
 
 
 def _hf_name(name: str, blocks: Mapping[str, str]) -> str | None:
@@ -77,23 +82,30 @@ def load_gguf(
     from Llama's, ``block_names`` (GGUF block tensor kinds -> Hugging Face modules, e.g. a
     fused one), ``norm_offset`` (what the converter added to every norm weight, Gemma's
     ``1 + w``: it is subtracted) and ``view`` (as for :func:`~deft.model.hf_loader.load_hf`).
-    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming ``path`` for
-    a corrupt file, an unsupported architecture, tokenizer or quantisation type.
+    A LongRoPE file (``rope_factors_long``/``_short``) is read with its short factors and
+    its context capped at the original one (see
+    :meth:`~deft.model.config.LlamaConfig.from_gguf_metadata`). Raises
+    ``FileNotFoundError`` for a missing file and ``ValueError`` naming ``path`` for a
+    corrupt file, an unsupported architecture, tokenizer or quantisation type.
     """
     f = path if isinstance(path, GGUFFile) else GGUFFile(path)
     path = f.path
     try:
+        longrope = _LONG_FACTORS in f.tensors or _SHORT_FACTORS in f.tensors
+        if longrope and _SHORT_FACTORS not in f.tensors:
+            raise ValueError(f"tensor {_SHORT_FACTORS!r}: missing (LongRoPE's factors within the "
+                             "original context)")
         config = LlamaConfig.from_gguf_metadata(
-            f.metadata, tie_word_embeddings="output.weight" not in f.tensors
+            f.metadata, tie_word_embeddings="output.weight" not in f.tensors,
+            short_factor=_factors(f, _SHORT_FACTORS) if longrope else None,
         )
-        if "rope_freqs.weight" in f.tensors:
-            factors = tuple(f.dequantize("rope_freqs.weight").reshape(-1).tolist())
-            config = dataclasses.replace(config, rope_freq_factors=factors)
+        if _ROPE_FREQS in f.tensors:
+            config = dataclasses.replace(config, rope_freq_factors=_factors(f, _ROPE_FREQS))
         if adapt is not None:
             config = adapt(config)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
-    unknown = sorted(n for n in f.tensors if n != "rope_freqs.weight" and _hf_name(n, block_names) is None)
+    unknown = sorted(n for n in f.tensors if n not in _ROPE_TENSORS and _hf_name(n, block_names) is None)
     if unknown:
         raise ValueError(f"{path}: unsupported tensors for a {f.metadata.get('general.architecture')} "
                          f"model: {unknown[:3]}")
@@ -104,6 +116,11 @@ def load_gguf(
     return build_hf(config, tensors, path, dtype, device, tp), tokenizer
 
 
+def _factors(f: GGUFFile, name: str) -> tuple[float, ...]:
+    """The values of ``f``'s RoPE factor tensor ``name``."""
+    return tuple(f.dequantize(name).reshape(-1).tolist())
+
+
 class _Tensors(Mapping[str, torch.Tensor]):
     """A GGUF file's weights under their Hugging Face names, dequantised when read (q and k
     rows back in rotate-half order where the converter permuted them, ``norm_offset`` taken
@@ -112,7 +129,7 @@ class _Tensors(Mapping[str, torch.Tensor]):
     def __init__(self, f: GGUFFile, config: LlamaConfig, permuted_qk: bool,
                  block_names: Mapping[str, str], norm_offset: float) -> None:
         self.f, self.config, self.permuted_qk, self.norm_offset = f, config, permuted_qk, norm_offset
-        self.names = {_hf_name(n, block_names): n for n in f.tensors if n != "rope_freqs.weight"}
+        self.names = {_hf_name(n, block_names): n for n in f.tensors if n not in _ROPE_TENSORS}
 
     def __getitem__(self, hf: str) -> torch.Tensor:
         name, c = self.names[hf], self.config

@@ -2,7 +2,8 @@
 (``mlp.gate_up_proj``); Hugging Face ``phi3`` directories and GGUF ``phi3`` files (llama.cpp
 keeps the fused tensors as ``attn_qkv`` and ``ffn_up``, gate rows first, and q/k rows in
 rotate-half order). The fused tensors are shown under Llama's names as row slices, so every
-loader (and a per-rank one) sees one layout."""
+loader (and a per-rank one) sees one layout. The 128k Phi-3 and Phi-3.5 models' LongRoPE is
+exact up to their original context (4k), where the context is capped."""
 
 from __future__ import annotations
 
@@ -32,13 +33,23 @@ _GGUF_FUSED_NAME = re.compile(r"blk\.\d+\.(attn_qkv|ffn_up)\.weight")
 # Files converted before llama.cpp wrote the sliding window: context length -> the window
 # of the models of that context (Phi-3-mini/medium-4k's config.json)
 _UNSTATED_WINDOW = {4096: 2047}
+# Phi3Config's names of LongRoPE, and its original context where config.json states none
+_LONGROPE_NAMES = ("longrope", "su", "yarn")
+_ORIGINAL_CONTEXT = 4096
 
 
 def phi3_config(raw: Mapping[str, Any]) -> LlamaConfig:
-    """A Phi-3 ``config.json`` as a :class:`LlamaConfig`; partial rotary is refused by name."""
+    """A Phi-3 ``config.json`` as a :class:`LlamaConfig`, read as transformers' Phi3Config
+    reads it: ``su`` and ``yarn`` RoPE are LongRoPE, whose original context is the top-level
+    ``original_max_position_embeddings``. Partial rotary is refused by name."""
     factor = raw.get("partial_rotary_factor", 1.0)
     if factor != 1.0:
         raise ValueError(f"partial_rotary_factor: expected 1.0 (partial RoPE is not supported), got {factor!r}")
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters")
+    if isinstance(rope, Mapping) and rope.get("rope_type", rope.get("type")) in _LONGROPE_NAMES:
+        rope = {**rope, "rope_type": "longrope", "original_max_position_embeddings":
+                raw.get("original_max_position_embeddings", _ORIGINAL_CONTEXT)}
+        raw = {**raw, "rope_parameters": rope, "rope_scaling": None}
     return LlamaConfig.from_hf_config(raw)
 
 
@@ -92,10 +103,10 @@ def load_phi3_gguf(
     """Model and tokenizer from the GGUF ``phi3`` file at ``path`` (or already opened), as
     :func:`~deft.model.gguf_loader.load_gguf` loads one; with ``tp``, this rank's shard.
 
-    The context is capped at the sliding window, within which full attention is exact (as
-    for a Hugging Face directory). LongRoPE files (``rope_factors_long``/``_short``: the
-    128k Phi-3 and Phi-3.5 models) and fused tensors whose shape disagrees with the
-    metadata raise ``ValueError`` naming ``path`` and the tensor.
+    The context is capped at the sliding window, within which full attention is exact, and
+    for LongRoPE files (``rope_factors_long``/``_short``: the 128k Phi-3 and Phi-3.5
+    models) at the original context (as for a Hugging Face directory). Fused tensors whose
+    shape disagrees with the metadata raise ``ValueError`` naming ``path`` and the tensor.
     """
     f = path if isinstance(path, GGUFFile) else GGUFFile(path)
     return load_gguf(f, device, dtype, tp, adapt=partial(_gguf_config, f), permuted_qk=False,
@@ -104,11 +115,7 @@ def load_phi3_gguf(
 
 def _gguf_config(f: GGUFFile, config: LlamaConfig) -> LlamaConfig:
     """``config`` (read from ``f``'s metadata) capped at the sliding window, once ``f`` is
-    known to need no LongRoPE and to hold fused tensors of the shapes it implies."""
-    longrope = sorted(n for n in f.tensors if n.startswith("rope_factors_"))
-    if longrope:
-        raise ValueError(f"tensors {', '.join(longrope)}: LongRoPE scaling (the 128k Phi-3 and "
-                         "Phi-3.5 models) is not supported")
+    known to hold fused tensors of the shapes it implies."""
     c = config
     rows = {"attn_qkv": (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, "ffn_up": 2 * c.intermediate_size}
     for name, t in f.tensors.items():
@@ -118,6 +125,8 @@ def _gguf_config(f: GGUFFile, config: LlamaConfig) -> LlamaConfig:
     key = f"{f.metadata.get('general.architecture')}.attention.sliding_window"
     if key in f.metadata:
         window = int_at_least(f.metadata[key], key, 0)  # 0: none
+    elif c.rope_scaling is not None and c.rope_scaling.kind == "longrope":
+        window = 0  # the 128k models' windows lie past their original context
     else:
         window = _UNSTATED_WINDOW.get(c.max_position_embeddings, 0)
     if not window:

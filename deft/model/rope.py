@@ -1,5 +1,5 @@
-"""Rotate-half rotary position embedding with Llama 3 / linear frequency scaling; a config
-with ``local_rope_layers`` has a second table for them (Gemma 3's sliding-window layers)."""
+"""Rotate-half rotary position embedding with Llama 3 / linear / LongRoPE frequency scaling; a
+config with ``local_rope_layers`` has a second table for them (Gemma 3's sliding-window layers)."""
 
 from __future__ import annotations
 
@@ -7,19 +7,27 @@ import math
 
 import torch
 
-from .config import LlamaConfig
+from .config import LlamaConfig, RopeScaling
 
 __all__ = ["rope_inv_freq", "rope_table", "apply_rope"]
+
+
+def _rope(config: LlamaConfig, local: bool) -> tuple[float, RopeScaling | None]:
+    """``(theta, scaling)`` of the config's RoPE, or of its ``local_rope_layers``'."""
+    return ((config.local_rope_theta, config.local_rope_scaling) if local
+            else (config.rope_theta, config.rope_scaling))
 
 
 def rope_inv_freq(config: LlamaConfig, local: bool = False) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` float32 on the CPU, scaled as the config says
     (``local``: those of the ``local_rope_layers``)."""
     d = config.head_dim
-    theta, s = ((config.local_rope_theta, config.local_rope_scaling) if local
-                else (config.rope_theta, config.rope_scaling))
+    theta, s = _rope(config, local)
     arange = torch.arange(0, d, 2, dtype=torch.int64, device="cpu")
-    inv = 1.0 / (theta ** (arange.float() / d))
+    powers = theta ** (arange.float() / d)
+    if s is not None and s.kind == "longrope":  # one division, rounded as transformers rounds it
+        powers = torch.tensor(s.short_factor, dtype=torch.float32, device="cpu") * powers
+    inv = 1.0 / powers
     if s is not None and s.kind == "linear":
         inv = inv / s.factor
     elif s is not None and s.kind == "llama3":
@@ -38,8 +46,8 @@ def rope_inv_freq(config: LlamaConfig, local: bool = False) -> torch.Tensor:
 def rope_table(
     config: LlamaConfig, dtype: torch.dtype, device: str | torch.device = "cpu", local: bool = False
 ) -> torch.Tensor:
-    """``[max_position_embeddings, head_dim]``: cos of every angle, then sin, in ``dtype``
-    (``local``: of the ``local_rope_layers``' RoPE).
+    """``[max_position_embeddings, head_dim]``: cos of every angle, then sin, each times the
+    scaling's ``attention_factor``, in ``dtype`` (``local``: of the ``local_rope_layers``' RoPE).
 
     Angles are computed in float32 (like the reference implementation) and only then
     rounded, so a bf16/fp16 table loses no positional precision.
@@ -47,7 +55,9 @@ def rope_table(
     # Built on the CPU whatever the default device (meta included), then moved.
     pos = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
     angles = pos[:, None] * rope_inv_freq(config, local)[None, :]  # [P, D/2]
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device=device, dtype=dtype)
+    s = _rope(config, local)[1]
+    scale = 1.0 if s is None else s.attention_factor
+    return (torch.cat([angles.cos(), angles.sin()], dim=-1) * scale).to(device=device, dtype=dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
