@@ -157,7 +157,8 @@ def _replayed(w: GpuWorkload, workloads: Path) -> tuple[GpuWorkload, Path]:
 
 
 def _hf_seconds(hf: Any, w: GpuWorkload, prompts: list[list[int]]) -> float | None:
-    """Wall time of ``transformers`` ``generate`` for ``w`` (``None``: it has no such strategy)."""
+    """Wall time of ``transformers`` ``generate`` for ``w`` (``None``: it has no such strategy,
+    or it ran out of GPU memory)."""
     if w.kind not in ("sample", "beam"):
         return None
     ids = torch.tensor(prompts[:1], device="cuda")
@@ -167,9 +168,13 @@ def _hf_seconds(hf: Any, w: GpuWorkload, prompts: list[list[int]]) -> float | No
         kw.update(do_sample=True, num_return_sequences=w.width, top_k=0)
     else:
         kw.update(do_sample=False, num_beams=w.width)
-    with torch.no_grad():
-        hf.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
-        return _timed(lambda: hf.generate(ids, **kw))
+    try:
+        with torch.no_grad():
+            hf.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
+            return _timed(lambda: hf.generate(ids, **kw))[0]
+    except torch.cuda.OutOfMemoryError:  # e.g. 16 copies of a 32k prompt next to our engines
+        torch.cuda.empty_cache()
+        return None
 
 
 def _hf_model(config: Any) -> Any:

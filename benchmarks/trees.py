@@ -162,7 +162,8 @@ WORKLOADS: dict[str, tuple[str, Callable[[Path], TreeLayout]]] = {
     "fan 4000 x256": ("speculative", lambda d: fan_layout(4000, 256)),
 }
 
-GPU_SUITE = [n for n in WORKLOADS if not n.startswith(("forest", "fan 4000", "medusa mc_sim"))]
+GPU_SUITE = [n for n in WORKLOADS
+             if not n.startswith(("forest", "fan 4000", "medusa mc_sim", "long prompt 128k"))]
 CPU_SUITE = ["few-shot b=20", "medusa mc_sim_7b_63", "medusa APPS-64"]
 PLAN_SUITE = ["fan 4000 x256", "forest 1000 nodes 100k", "few-shot b=50", "speculative t=256",
               "medusa APPS-256", "reasoning docmergeToT", "long prompt 20k x64"]

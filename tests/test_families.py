@@ -76,8 +76,8 @@ def build_checkpoint(folder, family: str, seed: int = 0, **changes):
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
+            if "norm" in name:  # a scale near 1: Gemma's norms scale by 1 + w
+                p.copy_((0.0 if family.startswith("gemma") else 1.0) + 0.2 * torch.randn_like(p))
             elif "embed" in name:  # Gemma scales them by sqrt(hidden): the same residual scale
                 p.normal_(0, config.hidden_size ** -0.5 if family == "gemma3_text" else 1.0)
             else:

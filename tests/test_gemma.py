@@ -267,8 +267,6 @@ def test_refusals_name_the_feature(tmp_path, change, message):
 
 
 def test_a_gemma2_gguf_is_refused_by_name(tmp_path):
-    import gguf
-
     path = tmp_path / "g2.gguf"
     w = gguf.GGUFWriter(str(path), "gemma2")
     w.write_header_to_file()
@@ -282,7 +280,7 @@ def test_a_gemma2_gguf_is_refused_by_name(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"local_rope_layers": (1, 0)}, r"local_rope_layers: expected increasing layer indices, got \(1, 0\)"),
-    ({"local_rope_layers": (2,)}, r"local_rope_layers\[i\]: expected an integer in \[0, 1\], got 2"),
+    ({"local_rope_layers": (2,)}, r"local_rope_layers\[0\]: expected an integer in \[0, 1\], got 2"),
     ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar: expected a positive finite number, got 0"),
     ({"embed_scale": float("inf")}, "embed_scale: expected a positive finite number, got inf"),
     ({"norm_plus_one": 1}, "norm_plus_one: expected a bool, got 1"),

@@ -16,8 +16,8 @@ from benchmarks.speculative import spec_table
 from deft.cli import CliError
 from deft.cli.common import choose_device
 from deft.cli.speculate import add_parser
-from deft.engine import (DraftJob, ModelDrafter, NgramDrafter, SamplingParams, TreeEngine, probabilities,
-                         speculative_generate)
+from deft.engine import (DraftJob, ModelDrafter, NgramDrafter, SamplingParams, TreeEngine, generate,
+                         probabilities, speculative_generate)
 from deft.engine.draft_trees import Candidates, DraftTree, TopKShape, TreeGrower, TreeShape, as_shape
 from deft.engine.strategies import accept_greedy, accept_sampled
 from deft.model import LlamaConfig, LlamaModel, Tokenizer
@@ -388,6 +388,24 @@ def test_model_drafter_greedy_equals_plain_greedy(smol, smol_prompts):
     (r,) = speculative_generate(smol, prompts[1], drafter=noise, max_new_tokens=12)
     assert r.token_ids == expected[1][:12]
     assert same.engine.cache.num_free_pages == 256 == noise.engine.cache.num_free_pages
+
+
+def test_a_draft_model_of_a_shorter_context_drafts_within_it(tiny_tok):
+    """The target as its own drafter, the draft's context 16 of the target's 64: drafts are
+    accepted while the sequence fits the draft model, then each step verifies the root alone;
+    the tokens stay the target's greedy ones and no step raises."""
+    target = TreeEngine(tiny_model(0), tiny_tok, num_pages=64, page_size=4)
+    short = LlamaModel(dataclasses.replace(target.model.config, max_position_embeddings=16)).eval()
+    short.load_state_dict(target.model.state_dict())
+    drafter = ModelDrafter(TreeEngine(short, tiny_tok, num_pages=64, page_size=4))
+    params = SamplingParams(max_new_tokens=40, stop_token_ids=frozenset())
+    prompt = [1, 2, 3, 4, 5]
+    (r,) = speculative_generate(target, [prompt], params, drafter, tree=TreeShape.full(2, 3))
+    (want,) = generate(target, [prompt], params)
+    assert r.token_ids == want.token_ids and len(r.token_ids) == 40
+    accepted = r.stats["accepted"]
+    assert sum(accepted[:3]) > 0 and all(a == 0 for a in accepted[-20:]), accepted
+    assert drafter.engine.cache.num_free_pages == 64 == target.cache.num_free_pages
 
 
 def test_errors_name_the_argument(smol, tiny_tok):

@@ -47,17 +47,26 @@ class ThreadRanks:
         return group
 
     def run(self, work: Callable[[int], Any]) -> list[Any]:
-        """``work(rank)`` of every rank, each on its own thread; the results in rank order."""
+        """``work(rank)`` of every rank, each on its own thread; the results in rank order
+        (a rank's exception is raised here, and a rank still running after 60 s fails)."""
         got: list[Any] = [None] * self.world
+        errors: list[BaseException] = []
 
         def one(r: int) -> None:
-            got[r] = work(r)
+            try:
+                got[r] = work(r)
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+                errors.append(exc)
+                self.barrier.abort()  # the other ranks stop waiting for this one
 
         threads = [threading.Thread(target=one, args=(r,)) for r in range(self.world)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads), "a rank is still running after 60 s"
+        if errors:
+            raise errors[0]
         return got
 
     def _sum(self, r: int, t: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,8 @@ class Drafter(ABC):
 
     #: The shape used when the caller gives none.
     default_shape: Shape = TopKShape()
+    #: The longest sequence (context and draft) it can draft for; ``None``: no limit.
+    max_positions: int | None = None
 
     @abstractmethod
     def draft(self, jobs: Sequence[DraftJob], params: SamplingParams,
@@ -177,6 +179,11 @@ class ModelDrafter(Drafter):
     @property
     def vocab_size(self) -> int:
         return self.engine.vocab_size
+
+    @property
+    def max_positions(self) -> int:  # type: ignore[override]
+        """The draft model's context: it may be shorter than the target's."""
+        return self.engine.max_positions
 
     def draft(self, jobs: Sequence[DraftJob], params: SamplingParams,
               generator: torch.Generator) -> None:

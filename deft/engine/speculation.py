@@ -261,21 +261,31 @@ class SpecSearch:
         """Grow the next tree of every search waiting on ``spec`` in one drafter call.
 
         A draft model whose own cache is full drafts nothing this step (the root alone
-        is verified) and forgets the sequences, to start them over at the next step.
+        is verified) and forgets the sequences, to start them over at the next step; a
+        sequence past the draft model's context (shorter than the target's) is verified
+        root alone from then on.
         """
         batch, self.spec.waiting[:] = list(self.spec.waiting), []
-        jobs = []
+        drafter, jobs = self.spec.drafter, []
+        limit = drafter.max_positions
         for s in batch:
             context = s.prompt + s.tokens
             room = min(s.sampling.max_new_tokens - len(s.tokens),
                        s.engine.max_positions - len(context) + 1)
-            jobs.append(DraftJob(id(s), context, TreeGrower(s.spec.shape, context[-1], room - 1)))
+            if limit is not None:
+                room = min(room, limit - len(context) + 1)
+            jobs.append(DraftJob(id(s), context, TreeGrower(s.spec.shape, context[-1], max(room - 1, 0))))
+        drafting = [job for job in jobs if limit is None or len(job.tokens) <= limit]
+        for job in jobs:
+            if limit is not None and len(job.tokens) > limit:
+                drafter.release(job.key)
         t0 = time.perf_counter()
         try:
-            self.spec.drafter.draft(jobs, batch[0].sampling, batch[0].generator)
+            if drafting:
+                drafter.draft(drafting, batch[0].sampling, batch[0].generator)
         except CacheFullError:
-            for job in jobs:
-                self.spec.drafter.release(job.key)
+            for job in drafting:
+                drafter.release(job.key)
                 job.grower = TreeGrower(self.spec.shape, job.tokens[-1], 0)
         except Exception:  # this search fails; the others draft again when they are read
             self.spec.waiting[:] = [s for s in batch if s is not self]

@@ -211,8 +211,8 @@ class LlamaConfig:
                                _pos_float(self.query_pre_attn_scalar, "query_pre_attn_scalar"))
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act: expected one of {', '.join(ACTIVATIONS)}, got {self.hidden_act!r}")
-        local = tuple(int_in_range(i, "local_rope_layers[i]", 0, self.num_layers - 1)
-                      for i in self.local_rope_layers)
+        local = tuple(int_in_range(i, f"local_rope_layers[{j}]", 0, self.num_layers - 1)
+                      for j, i in enumerate(self.local_rope_layers))
         if list(local) != sorted(set(local)):
             raise ValueError(f"local_rope_layers: expected increasing layer indices, got {local}")
         object.__setattr__(self, "local_rope_layers", local)
