@@ -304,7 +304,7 @@ def test_longrope_prompt_past_the_original_context_is_refused(tmp_path, source):
         write_llama_cpp_gguf(path, "phi3", ref)
     engine = TreeEngine(*load_model(path), num_pages=64, page_size=16, backend="torch")
     with pytest.raises(ValueError, match=r"prompts\[0\]: the prompt has 90 tokens, more than the model's "
-                                         r"context of 64"):
+                                         r"context of 64 \(LongRoPE's original context"):
         generate(engine, [TINY_PROMPTS[2]], SamplingParams(max_new_tokens=1))
 
 

@@ -125,8 +125,7 @@ def _run_engine(args: argparse.Namespace, branches: int,
         if not p:
             raise CliError(f"PROMPT {i + 1}: encodes to no tokens")
         if len(p) > model.config.max_position_embeddings:
-            raise CliError(f"PROMPT {i + 1}: {len(p)} tokens, longer than the model's context of "
-                           f"{model.config.max_position_embeddings}")
+            raise CliError(f"PROMPT {i + 1}: {len(p)} tokens, longer than {model.config.context_text}")
     # What the requests could need at most: each prompt, each branch's tokens up to the model's
     # context, a page per branch for copying a partly filled page, doubled as headroom.
     context = model.config.max_position_embeddings

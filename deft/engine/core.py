@@ -93,6 +93,9 @@ class TreeEngine:
         self.prefill_chunk = config.prefill_chunk
         self.vocab_size = model.config.vocab_size
         self.max_positions = model.config.max_position_embeddings
+        # "the model's context of N" and what capped it (LlamaConfig.context_text), for errors
+        self.context_text = getattr(model.config, "context_text",
+                                    f"the model's context of {self.max_positions}")
         self._staged: list[Feed] = []
         self._tree_depths: dict[bytes, tuple[np.ndarray, int]] = {}  # see _depths
 
@@ -166,8 +169,8 @@ class TreeEngine:
         """
         ids = self._check_tokens(token_ids, "token_ids", allow_empty=True)
         if ids.shape[0] > self.max_positions:
-            raise ValueError(f"token_ids: the prompt has {ids.shape[0]} tokens, more than the "
-                             f"model's context of {self.max_positions}")
+            raise ValueError(f"token_ids: the prompt has {ids.shape[0]} tokens, more than "
+                             f"{self.context_text}")
         self._check_pages([ids.shape[0]])
         root = self.cache.add_root(0)
         if ids.shape[0]:
@@ -401,7 +404,7 @@ class TreeEngine:
         base = self.position(node)
         if base + n > self.max_positions:
             raise ValueError(f"{name}: node {node} would reach {base + n} tokens, more than "
-                             f"the model's context of {self.max_positions}")
+                             f"{self.context_text}")
         return base
 
     def _check_pages(self, counts: list[int]) -> None:

@@ -46,7 +46,7 @@ def as_prompts(prompts: Prompt | Sequence[Prompt], engine: TreeEngine) -> list[l
         if not isinstance(ids, Sequence) or not ids or not all(is_int(t) for t in ids):
             raise ValueError(f"prompts[{i}]: expected text or a non-empty list of token ids, got {p!r}")
         if len(ids) > engine.max_positions:
-            raise ValueError(f"prompts[{i}]: the prompt has {len(ids)} tokens, more than the "
-                             f"model's context of {engine.max_positions}")
+            raise ValueError(f"prompts[{i}]: the prompt has {len(ids)} tokens, more than "
+                             f"{engine.context_text}")
         out.append([int(t) for t in ids])
     return out

@@ -11,7 +11,7 @@ metadata (:meth:`LlamaConfig.from_gguf_metadata`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from numbers import Real
 from typing import Any, Mapping, Sequence
 
@@ -144,6 +144,9 @@ class LlamaConfig:
     inverse square root (default: ``head_dim``'s); ``local_rope_layers``: the layers whose
     RoPE is ``local_rope_theta``/``local_rope_scaling`` instead of
     ``rope_theta``/``rope_scaling`` (Gemma 3's sliding-window layers).
+
+    ``context_cap``: what lowered ``max_position_embeddings`` below the checkpoint's own
+    context (e.g. ``"its sliding window"``), said in the errors of a prompt beyond it.
     """
 
     vocab_size: int
@@ -171,6 +174,7 @@ class LlamaConfig:
     local_rope_theta: float = 10000.0
     local_rope_scaling: RopeScaling | None = None
     local_rope_layers: tuple[int, ...] = ()
+    context_cap: str = ""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -234,6 +238,18 @@ class LlamaConfig:
         return 1.0 / math.sqrt(self.head_dim)
 
     @property
+    def context_text(self) -> str:
+        """``the model's context of N`` and, where it was capped, what capped it."""
+        why = f" ({self.context_cap}: attention is exact only within it)" if self.context_cap else ""
+        return f"the model's context of {self.max_position_embeddings}{why}"
+
+    def capped(self, limit: int, cap: str) -> "LlamaConfig":
+        """This config with its context at most ``limit``, ``cap`` naming why where it lowers it."""
+        if limit >= self.max_position_embeddings:
+            return self
+        return replace(self, max_position_embeddings=limit, context_cap=cap)
+
+    @property
     def fusable(self) -> bool:
         """Whether the fused CUDA kernels of :mod:`.fused` compute this decoder: SwiGLU,
         Llama's norms and one RoPE table (Gemma's features take the plain ops everywhere)."""
@@ -256,12 +272,12 @@ class LlamaConfig:
         theta, scaling = rope_from_hf(config.get("rope_parameters") or config.get("rope_scaling") or {},
                                       config.get("rope_theta"), max_pos)
         window = config.get("sliding_window")
-        if window is not None:
-            max_pos = min(max_pos, positive_int(window, "sliding_window"))
-        if scaling is not None and scaling.kind == "longrope":
-            max_pos = min(max_pos, scaling.original_max_position_embeddings)
+        window = None if window is None else positive_int(window, "sliding_window")
+        cap = ""
+        if scaling is not None and scaling.kind == "longrope" and max_pos > scaling.original_max_position_embeddings:
+            max_pos, cap = scaling.original_max_position_embeddings, "LongRoPE's original context"
         heads = config["num_attention_heads"]
-        return cls(
+        built = cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],
@@ -277,7 +293,9 @@ class LlamaConfig:
             attention_bias=config.get("attention_bias", False),
             mlp_bias=config.get("mlp_bias", False),
             hidden_act=config.get("hidden_act", "silu"),
+            context_cap=cap,
         )
+        return built if window is None else built.capped(window, "its sliding window")
 
     @classmethod
     def from_gguf_metadata(
@@ -335,7 +353,9 @@ class LlamaConfig:
                          if f"{arch}.rope.scaling.attn_factor" in metadata else None)
             scaling = RopeScaling("longrope", max_pos / original, original_max_position_embeddings=original,
                                   short_factor=short_factor, attention_factor=attention)
-            max_pos = min(max_pos, original)
+        cap = ""
+        if scaling is not None and scaling.kind == "longrope" and max_pos > original:
+            max_pos, cap = original, "LongRoPE's original context"
         tokens = metadata.get("tokenizer.ggml.tokens", ())
         vocab = num("vocab_size", 0) or (len(tokens) if isinstance(tokens, list) else 0)
         return cls(
@@ -351,4 +371,5 @@ class LlamaConfig:
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=tie_word_embeddings,
+            context_cap=cap,
         )

@@ -96,12 +96,11 @@ def gemma3_config(raw: Mapping[str, Any]) -> LlamaConfig:
                                          "sliding_window": None})
     sliding = tuple(i for i, t in enumerate(_layer_types(raw, config.num_layers))
                     if t == "sliding_attention")
-    max_pos = config.max_position_embeddings
     if sliding:  # within the window, a sliding layer's attention is full attention
-        max_pos = min(max_pos, positive_int(raw["sliding_window"], "sliding_window"))
+        config = config.capped(positive_int(raw["sliding_window"], "sliding_window"), "its sliding window")
     theta, scaling = rope_from_hf(local)
     return dataclasses.replace(
-        config, max_position_embeddings=max_pos, qk_norm=True, norm_plus_one=True,
+        config, qk_norm=True, norm_plus_one=True,
         sandwich_norms=True, embed_scale=config.hidden_size ** 0.5,
         query_pre_attn_scalar=raw["query_pre_attn_scalar"], local_rope_theta=theta,
         local_rope_scaling=scaling, local_rope_layers=sliding)
@@ -152,13 +151,12 @@ def gemma3_gguf_config(metadata: Mapping[str, Any], config: LlamaConfig) -> Llam
                          f"be exact in the tree kernel's softmax), got {softcap!r}")
     window = metadata.get(f"{arch}.attention.sliding_window") or 0
     sliding = tuple(i for i in range(config.num_layers) if (i + 1) % _GGUF_PATTERN) if window else ()
-    max_pos = config.max_position_embeddings
     if sliding:  # within the window, a sliding layer's attention is full attention
-        max_pos = min(max_pos, positive_int(window, f"{arch}.attention.sliding_window"))
+        config = config.capped(positive_int(window, f"{arch}.attention.sliding_window"), "its sliding window")
     scalar = (config.hidden_size // config.num_heads if config.num_layers == _GGUF_27B_LAYERS
               else config.head_dim)
     return dataclasses.replace(
-        config, max_position_embeddings=max_pos, qk_norm=True, norm_plus_one=True,
+        config, qk_norm=True, norm_plus_one=True,
         sandwich_norms=True, hidden_act="gelu_pytorch_tanh", embed_scale=config.hidden_size ** 0.5,
         query_pre_attn_scalar=scalar, local_rope_theta=_GGUF_LOCAL_THETA, local_rope_layers=sliding)
 

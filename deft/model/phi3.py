@@ -7,7 +7,6 @@ exact up to their original context (4k), where the context is capped."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 from functools import partial
@@ -131,7 +130,7 @@ def _gguf_config(f: GGUFFile, config: LlamaConfig) -> LlamaConfig:
         window = _UNSTATED_WINDOW.get(c.max_position_embeddings, 0)
     if not window:
         return c
-    return dataclasses.replace(c, max_position_embeddings=min(c.max_position_embeddings, window))
+    return c.capped(window, "its sliding window")
 
 
 PHI3 = Family("phi3", hf_model_types=("phi3",), gguf_architectures=("phi3",),
