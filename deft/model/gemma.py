@@ -140,6 +140,11 @@ class Gemma3TextTensors(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._names)
 
+    def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows or columns ``[start, stop)`` along ``dim`` of tensor ``name``, read alone (a
+        rank's shard, as :meth:`~deft.model.hf_loader.Checkpoint.read_slice`)."""
+        return self._tensors.read_slice(self._names[name], dim, start, stop)
+
 
 def gemma3_gguf_config(metadata: Mapping[str, Any], config: LlamaConfig) -> LlamaConfig:
     """A Gemma 3 GGUF's :class:`LlamaConfig`: ``config`` (read from the keys llama.cpp's

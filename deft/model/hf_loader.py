@@ -197,6 +197,7 @@ def load_hf(
                           "as transformers does", UserWarning, stacklevel=2)
             config = dataclasses.replace(config, tie_word_embeddings=False)
         read_slice = tensors.read_slice
-        if view is not None:  # its names are not the files': slices are cut after reading
-            tensors, read_slice = view(config, tensors), None
+        if view is not None:  # slices are cut after reading, unless the view reads them itself
+            tensors = view(config, tensors)
+            read_slice = getattr(tensors, "read_slice", None)
         return build_hf(config, tensors, folder, dtype, device, tp, read_slice), tokenizer
