@@ -217,7 +217,9 @@ def test_cli_generates_and_refuses_a_prompt_beyond_the_window(gemma, capsys):
     folder, _ = gemma
     assert main(["generate", "hello", "--model", str(folder), "--max-new-tokens", "3", "--json"]) == 0
     assert main(["generate", "x" * (WINDOW + 1), "--model", str(folder)]) == 2
-    assert f"longer than the model's context of {WINDOW} (its sliding window" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"longer than the model's context of {WINDOW} (its sliding window" in err
+    assert "loaded in" in err and f"s, context {WINDOW} (its sliding window)" in err
 
 
 def test_a_gemma_tokenizer_encodes_as_transformers(tmp_path):

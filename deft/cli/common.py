@@ -205,8 +205,10 @@ def load(args: argparse.Namespace, tp: Any = None) -> tuple[Any, Any]:
     model, tok = load_from(args.model, device, "--model", args.dtype, tp)
     chosen = " (--device auto)" if getattr(args, "auto_device", False) else ""
     rank = "" if tp is None else f" (tensor-parallel rank {tp.rank} of {tp.world_size})"
+    cap = getattr(model.config, "context_cap", "")
+    capped = f", context {model.config.max_position_embeddings} ({cap})" if cap else ""
     progress(f"model on {device}{chosen}{rank}, {str(model.dtype).removeprefix('torch.')}, "
-             f"loaded in {time.perf_counter() - start:.1f} s")
+             f"loaded in {time.perf_counter() - start:.1f} s{capped}")
     return model, tok
 
 
