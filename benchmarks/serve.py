@@ -21,8 +21,9 @@ completion tokens of a level over its wall time; the prefix-cache hit rate and t
 prompt tokens computed are differences of ``/metrics`` across the level. Last, the model is
 loaded in this process (after the server has stopped) and the same requests run one by one
 through the library's strategies (``generate``, ``sample``, ``beam_search``) on a
-``TreeEngine`` built as the server builds it, with no prefix cache; only token counts and
-time are compared, not texts.
+``TreeEngine`` built as the server builds it, with no prefix cache, then all together as one
+batch (the offline rate: a pool that holds them all, a prefix cache warmed as the server's
+was); only token counts and time are compared, not texts.
 
 The model is ``--model``'s, by default SmolLM2-135M-Instruct on CPU and on CUDA
 :data:`GPU_MODEL`, random weights of Llama-3-8B's shapes (:mod:`deft.model.synthetic`), which
@@ -357,8 +358,8 @@ def _library(model_path: str | None, device: str, dtype: str, num_pages: int,
     (``generate``, ``sample``, ``beam_search``), then offline: all of them as one
     :func:`~deft.engine.decoding.decode` (at most ``max_batch`` running: the server's most
     concurrent level, or its ``--max-running`` if lower), each with its own sampling
-    parameters and beams and their prompts shared through a prefix cache, as the server
-    runs them together, in a pool that holds them all at once."""
+    parameters and beams and their prompts shared through a prefix cache that the warm-up
+    request filled, as the server runs them together, in a pool that holds them all at once."""
     from deft.engine import SamplingParams, TreeEngine, beam_search, generate, sample
     from deft.engine.beams import BeamParams
     from deft.engine.decoding import decode
@@ -410,13 +411,16 @@ def _library(model_path: str | None, device: str, dtype: str, num_pages: int,
     one_by_one = (tokens, time.perf_counter() - t0)
     say(f"library: {len(reqs)} requests in one batch")
     batch = [request(req) for req in reqs]
+    warm = request(BenchRequest(WARM_UP, "greedy", reqs[0].max_tokens, system=reqs[0].system))
     # A pool that holds every request at once: the offline rate, not the page pressure.
-    need = sum(-(-(len(r.prompt) + WIDTH * (r.params.max_new_tokens + 16)) // 16) for r in batch)
+    need = sum(-(-(len(r.prompt) + WIDTH * (r.params.max_new_tokens + 16)) // 16) for r in [warm, *batch])
     engine = TreeEngine(model, tok, num_pages=max(num_pages, need), device=device,
                         prefill_chunk=256, kv=kv_dtype)
     calibrate_kv(engine)
+    prefixes = PrefixCache(engine.cache)
+    decode(engine, requests=[warm], prefixes=prefixes)  # the system prompt cached, as the server's is
     t0 = time.perf_counter()
-    decode(engine, requests=batch, max_batch=max_batch, prefixes=PrefixCache(engine.cache))
+    decode(engine, requests=batch, max_batch=max_batch, prefixes=prefixes)
     batched = (sum(made(r) for r in batch), time.perf_counter() - t0)
     return LibraryRun(sum(len(r.prompt) for r in batch),
                       len(tok.encode(reqs[0].system, add_special_tokens=False)), one_by_one, batched)

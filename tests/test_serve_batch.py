@@ -174,6 +174,41 @@ def test_an_inserted_prompt_is_never_evicted_before_its_fork(smol, prompts, alon
     assert [[b.tokens for b in r.branches] for r in reqs] == [[a[:3]] * 2 for a in alone[:2]]
 
 
+def _system_and_questions(count: int) -> tuple[list[int], list[list[int]]]:
+    """A 200-token system prompt of the random tiny model and ``count`` prompts that extend it."""
+    system = list(range(3, 203))
+    return system, [system + [300 + i, 400 + i, 500 + i] for i in range(count)]
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_prompts_sharing_a_prefix_are_admitted_by_their_unshared_pages(cached):
+    """8 prompts of 13 pages each that share 12 of them fit a 40-page pool together; none
+    is kept waiting for room it would not use, and a cached system prompt is forked, not
+    evicted to admit them (only its questions are computed)."""
+    model, tok = load_random("random:tiny")
+    engine = TreeEngine(model, tok, num_pages=40, page_size=16)
+    prefixes = PrefixCache(engine.cache)
+    batch = Batch(engine, prefixes=prefixes)
+    system, prompts = _system_and_questions(8)
+    if cached:
+        batch.add(Request(system + [7], 1, SamplingParams(max_new_tokens=1), pin_prompt=True))
+        run(batch)
+    computed = batch.stats["prefill_tokens"]
+    reqs = [Request(p, 1, SamplingParams(max_new_tokens=4), pin_prompt=True) for p in prompts]
+    for r in reqs:
+        batch.add(r)
+    assert batch.step()
+    assert len(batch.running) == 8 and not batch.waiting
+    run(batch)
+    if cached:
+        assert prefixes.hits == 8 and batch.stats["prefill_tokens"] - computed == 8 * 3
+    else:
+        assert batch.stats["prefill_tokens"] == len(system) + 8 * 3
+    ref = TreeEngine(model, tok, num_pages=64, page_size=16)
+    assert [r.branches[0].tokens for r in reqs] == [
+        g.token_ids for g in generate(ref, prompts, SamplingParams(max_new_tokens=4))]
+
+
 # ------------------------------------------------ the scheduler, its jobs driven without HTTP
 
 

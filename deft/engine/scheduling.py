@@ -9,7 +9,9 @@ prompt chunks) and preemption.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Collection, Protocol
+
+import numpy as np
 
 from .requests import Branch, Request, Search
 
@@ -38,15 +40,22 @@ class PrefixStore(Protocol):
     def insert(self, tokens: list[int], node: int) -> bool:
         """``node``'s path, just computed, holds ``tokens``; whether the store keeps it."""
 
-    def evict(self, pages: int) -> None:
-        """Release unreferenced cached nodes until ``pages`` more pages are free (or none is left)."""
+    def cached(self, tokens: list[int]) -> tuple[int, int] | None:
+        """The entry ``match`` would fork ``tokens`` from and how many of them it holds, or
+        ``None``; nothing counted, split or marked."""
+
+    def evict(self, pages: int, spare: Collection[int] = ()) -> None:
+        """Release unreferenced cached nodes but the entries ``spare`` until ``pages`` more
+        pages are free (or none is left)."""
 
 
 class BatchScheduler:
     """Admission, fitting and preemption of a batch's requests.
 
     Requests are admitted in order while fewer than ``max_running`` run, once their prompt
-    and first tokens fit next to the running branches. When a step's tokens do not fit in
+    and first tokens fit next to the running branches: a prompt counts only the tokens that
+    it does not share with a ``prefixes`` entry (forked, never evicted to admit it) or with a
+    prompt admitted in the same step (prefilled once). When a step's tokens do not fit in
     the free pages, ``prefixes`` is asked to evict, then prompt chunks are deferred (never
     the oldest request's), then the youngest request is preempted: ``cancel`` releases it
     and it waits first in line, to restart from its prompt; nothing is admitted until a
@@ -82,12 +91,19 @@ class BatchScheduler:
         left = len(self.running)
         self.running = [r for r in self.running if r.status == "running"]
         self._hold = self._hold and len(self.running) == left  # until a request leaves
-        admit: list[Request] = []
+        ps, admit, plain, spare = self.engine.config.page_size, [], [], set()
+        want = live + sum(_step_pages(r, ps) for r in self.running if r.search is not None)
         while not self._hold and self.waiting and (
                 self.max_running is None or len(self.running) + len(admit) < self.max_running):
-            if (self.running or admit) and not self._room(self.waiting[0], admit, live):
+            req = self.waiting[0]
+            pages, hit = self._prompt_pages(req, plain, spare)
+            need = pages + _step_pages(req, ps)
+            if (self.running or admit) and not self._room(want + need, spare):
                 break
+            want += need
             admit.append(self.waiting.popleft())
+            if not hit:
+                plain.append(req)
         for req in admit:
             req.status = "running"
         self.running += admit
@@ -120,16 +136,27 @@ class BatchScheduler:
                 break
         return feeding, searches
 
-    def _room(self, req: Request, admit: list[Request], live: int) -> bool:
-        """Whether ``req``'s prompt and first tokens fit next to the running branches."""
-        ps = self.engine.config.page_size
-        want = -(-len(req.prompt) // ps) + 1 + _step_pages(req, ps) + live
-        want += sum(_step_pages(r, ps) for r in self.running if r.search is not None)
-        want += sum(-(-len(r.prompt) // ps) + 1 + _step_pages(r, ps) for r in admit)
+    def _room(self, want: int, spare: Collection[int]) -> bool:
+        """Whether ``want`` pages are free, once ``prefixes`` has evicted what it may but the
+        entries ``spare`` (those the requests being admitted fork from)."""
         free = self.engine.cache.num_free_pages
         if want > free and self.prefixes is not None:
-            self.prefixes.evict(want - free)
+            self.prefixes.evict(want - free, spare)
         return want <= self.engine.cache.num_free_pages
+
+    def _prompt_pages(self, req: Request, plain: list[Request], spare: set[int]) -> tuple[int, bool]:
+        """The fresh pages ``req``'s prompt needs, and whether a ``prefixes`` entry holds
+        part of it: the tokens beyond that entry (added to ``spare``), else beyond the
+        longest prefix it shares with a prompt of ``plain`` (admitted with it, prefilled
+        once), plus one a fork may start mid-page."""
+        ps, prompt = self.engine.config.page_size, req.prompt
+        hit = self.prefixes.cached(prompt) if self.prefixes is not None else None
+        if hit is not None:
+            spare.add(hit[0])
+            shared = hit[1]
+        else:
+            shared = max((_common_prefix(prompt, r.prompt) for r in plain), default=0)
+        return -(-(len(prompt) - shared) // ps) + 1, hit is not None
 
     def _preempt(self, req: Request) -> None:
         """Release ``req`` and queue it first, to restart from its prompt."""
@@ -145,3 +172,12 @@ class BatchScheduler:
 def _step_pages(r: Request, page_size: int) -> int:
     """The fresh pages one step of ``r`` may need: its strategy's, or one per branch."""
     return r.strategy.pages_per_step(page_size) if r.strategy is not None else r.n
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens ``a`` and ``b`` agree on from the start."""
+    n = min(len(a), len(b))
+    if n == 0 or a[0] != b[0]:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n

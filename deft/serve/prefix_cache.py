@@ -26,6 +26,7 @@ or is read again; never a walk over the tokens held.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Collection
 
 import numpy as np
 
@@ -72,14 +73,23 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def match(self, tokens: list[int]) -> tuple[int, int] | None:
-        """The node to fork ``tokens`` from and how many of them its path holds, or ``None``."""
-        self.lookups += 1
+    def cached(self, tokens: list[int]) -> tuple[int, int] | None:
+        """The entry :meth:`match` would fork ``tokens`` from and how many of them its path
+        holds, or ``None``; nothing counted, split or marked."""
         self._drop_dead()
         limit = len(tokens) - 1  # the last prompt token is fed: its logits start decoding
         best, best_len = self._longest(tokens, limit)
         if best is None or best_len < self.min_tokens:
             return None
+        return best, best_len
+
+    def match(self, tokens: list[int]) -> tuple[int, int] | None:
+        """The node to fork ``tokens`` from and how many of them its path holds, or ``None``."""
+        self.lookups += 1
+        found = self.cached(tokens)
+        if found is None:
+            return None
+        best, best_len = found
         self._entries.move_to_end(best)
         self.hits += 1
         self.hit_tokens += best_len
@@ -99,14 +109,15 @@ class PrefixCache:
             self._blocks.setdefault(h, set()).add(node)
         self.pinned.add(node)
         self._keep(node)
-        while len(self._entries) > self.max_entries and self._evict_one(spare=node):
+        while len(self._entries) > self.max_entries and self._evict_one(spare=(node,)):
             pass
         return True
 
-    def evict(self, pages: int) -> None:
-        """Release the least recently used unreferenced entries until ``pages`` more are free."""
+    def evict(self, pages: int, spare: Collection[int] = ()) -> None:
+        """Release the least recently used unreferenced entries but ``spare`` until ``pages``
+        more are free."""
         target = self.cache.num_free_pages + pages
-        while self.cache.num_free_pages < target and self._evict_one():
+        while self.cache.num_free_pages < target and self._evict_one(spare):
             pass
 
     def clear(self) -> None:
@@ -162,12 +173,12 @@ class PrefixCache:
                 del self._blocks[h]
         self.pinned.discard(node)
 
-    def _evict_one(self, spare: int | None = None) -> bool:
-        """Release the oldest unreferenced entry but ``spare`` (one about to be forked)."""
+    def _evict_one(self, spare: Collection[int] = ()) -> bool:
+        """Release the oldest unreferenced entry not in ``spare`` (about to be forked)."""
         self._drop_dead()
         cache = self.cache
         for node in self._entries:
-            if node != spare and not cache.children(node):
+            if node not in spare and not cache.children(node):
                 self._forget(node)
                 # What the prune below releases: the entry and the ancestors it alone used.
                 gone, up = [node], cache.parent(node)
