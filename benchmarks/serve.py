@@ -16,7 +16,10 @@ cycling through
   streamed.
 
 One warm-up request (another question) comes first, so the system prompt is in the prefix
-cache before the first level; the same prompts recur at every level. Throughput is all
+cache before the first level; the same prompts recur at every level. On CUDA the whole mix
+then runs once untimed at the highest level (and the library's batch once before its timed
+one): the levels time the steady state, not the first compilation of the kernels of each step
+shape and the capture of their CUDA graphs. Throughput is all
 completion tokens of a level over its wall time; the prefix-cache hit rate and the share of
 prompt tokens computed are differences of ``/metrics`` across the level. Last, the model is
 loaded in this process (after the server has stopped) and the same requests run one by one
@@ -352,14 +355,15 @@ class LibraryRun:
 
 def _library(model_path: str | None, device: str, dtype: str, num_pages: int,
              reqs: list[BenchRequest], say: Callable[[str], None], kv_dtype: str = "auto",
-             max_batch: int | None = None) -> LibraryRun:
+             max_batch: int | None = None, warm_pass: bool = False) -> LibraryRun:
     """``reqs`` through the library on ``num_pages`` pages (the server's pool, of the
     default page size as the server's), first one by one through the strategies
     (``generate``, ``sample``, ``beam_search``), then offline: all of them as one
     :func:`~deft.engine.decoding.decode` (at most ``max_batch`` running: the server's most
     concurrent level, or its ``--max-running`` if lower), each with its own sampling
     parameters and beams and their prompts shared through a prefix cache that the warm-up
-    request filled, as the server runs them together, in a pool that holds them all at once."""
+    request filled, as the server runs them together, in a pool that holds them all at once;
+    ``warm_pass``: after the same batch once, untimed, on the same engine."""
     from deft.engine import SamplingParams, TreeEngine, beam_search, generate, sample
     from deft.engine.beams import BeamParams
     from deft.engine.decoding import decode
@@ -418,6 +422,10 @@ def _library(model_path: str | None, device: str, dtype: str, num_pages: int,
                         prefill_chunk=256, kv=kv_dtype)
     calibrate_kv(engine)
     prefixes = PrefixCache(engine.cache)
+    if warm_pass:
+        say("library: warm-up pass")
+        decode(engine, requests=[request(req) for req in reqs], max_batch=max_batch, prefixes=prefixes)
+        prefixes.clear()
     decode(engine, requests=[warm], prefixes=prefixes)  # the system prompt cached, as the server's is
     t0 = time.perf_counter()
     decode(engine, requests=batch, max_batch=max_batch, prefixes=prefixes)
@@ -468,6 +476,12 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
         (warm,), _ = _SIGTERM.run(_replay(server.url, name, warm_up, 1, lambda msg: None))
         if warm.error is not None:
             raise ServerError(f"the warm-up request failed: {warm.error}")
+        if device == "cuda":
+            say("warm-up pass")
+            outcomes, _ = _SIGTERM.run(_replay(server.url, name, reqs, max(concurrency), lambda msg: None))
+            failed = next((o.error for o in outcomes if o.error is not None), None)
+            if failed is not None:
+                raise ServerError(f"a request of the warm-up pass failed: {failed}")
         for c in concurrency:
             before = server.idle_metrics()
             outcomes, wall = _SIGTERM.run(_replay(server.url, name, reqs, c, say))
@@ -485,7 +499,7 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
                          100 * _ratio(delta["deft_prompt_tokens_computed_total"],
                                       delta["deft_prompt_tokens_total"])])
     width = min(c for c in (max(concurrency), max_running) if c is not None)
-    lib = _library(model, device, dtype, pool, reqs, say, kv_dtype, width)
+    lib = _library(model, device, dtype, pool, reqs, say, kv_dtype, width, warm_pass=device == "cuda")
     nan = float("nan")
     one_rate, batch_rate = (t / sec for t, sec in (lib.one_by_one, lib.batched))
     for row in rows:
