@@ -344,13 +344,15 @@ def _ratio(num: float, den: float) -> float:
 
 @dataclass(frozen=True)
 class LibraryRun:
-    """The library's side: prompt tokens, the system prompt's tokens, and completion tokens
-    and seconds of the requests one by one and of all of them in one batch."""
+    """The library's side: prompt tokens, the system prompt's tokens, completion tokens
+    and seconds of the requests one by one and of all of them in one batch, and the
+    batch's steps (all, graph-replayed)."""
 
     prompt_tokens: int
     system_tokens: int
     one_by_one: tuple[int, float]
     batched: tuple[int, float]
+    batch_steps: tuple[int, int]  # the batch's steps and those replayed as CUDA graphs
 
 
 def _library(model_path: str | None, device: str, dtype: str, num_pages: int,
@@ -427,11 +429,14 @@ def _library(model_path: str | None, device: str, dtype: str, num_pages: int,
         decode(engine, requests=[request(req) for req in reqs], max_batch=max_batch, prefixes=prefixes)
         prefixes.clear()
     decode(engine, requests=[warm], prefixes=prefixes)  # the system prompt cached, as the server's is
+    before = dict(engine.stats)
     t0 = time.perf_counter()
     decode(engine, requests=batch, max_batch=max_batch, prefixes=prefixes)
     batched = (sum(made(r) for r in batch), time.perf_counter() - t0)
+    steps = tuple(int(engine.stats[k] - before[k]) for k in ("steps", "graph_steps"))
     return LibraryRun(sum(len(r.prompt) for r in batch),
-                      len(tok.encode(reqs[0].system, add_special_tokens=False)), one_by_one, batched)
+                      len(tok.encode(reqs[0].system, add_special_tokens=False)), one_by_one, batched,
+                      steps)
 
 
 # ------------------------------------------------------------------ the table
@@ -516,6 +521,7 @@ def serve_table(concurrency: Sequence[int] = (1, 8, 32), requests: int = 32, max
     if json_path:
         write_record(json_path, record(HEADERS, rows, device, model=name, threads=threads,
                                        requests=requests, max_tokens=max_tokens, mix=mix,
-                                       load_average=round(load, 2)))
+                                       load_average=round(load, 2),
+                                       library_batch_steps=dict(zip(("steps", "graph_steps"), lib.batch_steps))))
     return (f"deft serve with {name} on {device} ({threads} torch threads each), {requests} "
             f"requests per level; {mix}.\n\n" + markdown_table(HEADERS, rows))
