@@ -42,7 +42,7 @@ def planned(backend: str, layout: TreeLayout, kind: str = "flatten", h_q: int = 
         if backend == "torch-tiled":
             mp.setattr(TorchBackend, "dense_limit", 0)
         attn.plan(layout)
-    if backend.startswith("torch") and kind != "per_query" and layout.num_queries * layout.num_tokens:
+    if backend.startswith("torch") and kind != "per_query" and attn.current_plan.num_plan_tokens:
         assert isinstance(attn._prepared, _Dense) == (backend == "torch-dense")
     return attn
 
