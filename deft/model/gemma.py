@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -26,6 +26,7 @@ from .gguf_file import GGUFFile
 from .gguf_loader import BLOCK_NAMES, load_gguf
 from .hf_loader import load_hf
 from .llama import LlamaModel
+from .sharding import LazyTensors
 from .tokenizer import Tokenizer
 
 __all__ = ["GEMMA2_REFUSED", "GEMMA3", "GEMMA3_MULTIMODAL", "Gemma3TextTensors", "LAYER_TYPES",
@@ -115,13 +116,14 @@ def gemma3_multimodal_config(raw: Mapping[str, Any]) -> LlamaConfig:
         "tie_word_embeddings", text.get("tie_word_embeddings", True))})
 
 
-class Gemma3TextTensors(Mapping[str, torch.Tensor]):
+class Gemma3TextTensors(LazyTensors):
     """The language model's tensors of a multimodal Gemma 3 checkpoint under
     ``Gemma3ForCausalLM``'s names; the vision tower and projector are left out."""
 
     def __init__(self, config: LlamaConfig, tensors: Mapping[str, torch.Tensor]) -> None:
         self._tensors = tensors
         self._names: dict[str, str] = {}  # ours -> the checkpoint's
+        super().__init__(self._names)
         for name in tensors:
             for prefix, ours in _TEXT_PREFIXES:
                 if name.startswith(prefix):
@@ -130,15 +132,6 @@ class Gemma3TextTensors(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._tensors[self._names[name]]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
 
     def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Rows or columns ``[start, stop)`` along ``dim`` of tensor ``name``, read alone (a

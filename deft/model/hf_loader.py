@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 import warnings
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -22,7 +22,7 @@ from tqdm import tqdm
 from ..checks import is_int
 from .config import LlamaConfig
 from .llama import LlamaModel
-from .sharding import build_hf
+from .sharding import LazyTensors, build_hf
 from .tokenizer import Tokenizer, end_of_turn_ids
 
 __all__ = ["Checkpoint", "load_hf", "read_json"]
@@ -60,7 +60,7 @@ def _shards(folder: str) -> list[str]:
     raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-class Checkpoint(Mapping[str, torch.Tensor]):
+class Checkpoint(LazyTensors):
     """The tensors of a directory's safetensors shards, memory-mapped: each is read when
     asked for, straight to ``device`` and converted to ``dtype`` there; ``bar`` counts them."""
 
@@ -68,6 +68,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
                  bar: tqdm | None = None) -> None:
         self.device, self.dtype, self.bar = torch.device(device), dtype, bar
         self._files: dict[str, Any] = {}  # tensor name -> its opened shard
+        super().__init__(self._files)
         for shard in _shards(folder):
             if not os.path.isfile(shard):
                 raise FileNotFoundError(f"{shard}: listed in the index but not found")
@@ -82,15 +83,6 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         if self.bar is not None:
             self.bar.update(1)
         return t
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._files
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._files)
-
-    def __len__(self) -> int:
-        return len(self._files)
 
     def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Rows (``dim`` 0) or columns (``dim`` 1) ``[start, stop)`` of ``name``, read alone

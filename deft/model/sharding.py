@@ -22,8 +22,8 @@ from ..checks import int_in_range, positive_int
 from .config import LlamaConfig
 from .llama import LlamaModel, build_model, fuse_hf_weights
 
-__all__ = ["ShardedTensors", "TPShard", "attach", "build_hf", "hf_slice", "shard_config",
-           "shard_model", "shard_state"]
+__all__ = ["LazyTensors", "ShardedTensors", "TPShard", "attach", "build_hf", "hf_slice",
+           "shard_config", "shard_model", "shard_state"]
 
 Span = tuple[int, int]  # [start, stop)
 
@@ -114,7 +114,24 @@ def _take(t: torch.Tensor, how: tuple[str, int, Span] | None, rank: int) -> torc
     return t.narrow(dim, lo, hi - lo).clone()
 
 
-class ShardedTensors(Mapping[str, torch.Tensor]):
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """A mapping of tensor names whose tensors are made or read when asked for: membership,
+    iteration and length come from ``index`` (keyed by the names), never from a read."""
+
+    def __init__(self, index: Mapping[str, Any]) -> None:
+        self._index = index
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
+class ShardedTensors(LazyTensors):
     """Hugging Face-named tensors as one rank holds them (a view of ``tensors``: each
     tensor is sliced when read). ``read_slice(name, dim, start, stop)``, when given, reads
     only a slice from storage (e.g. safetensors' ``get_slice``), so a rank never loads the
@@ -122,6 +139,7 @@ class ShardedTensors(Mapping[str, torch.Tensor]):
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], shard: TPShard,
                  read_slice: Callable[[str, int, int, int], torch.Tensor] | None = None) -> None:
+        super().__init__(tensors)
         self.tensors, self.shard, self.read_slice = tensors, shard, read_slice
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -129,15 +147,6 @@ class ShardedTensors(Mapping[str, torch.Tensor]):
         if how is not None and how[0] == "split" and self.read_slice is not None:
             return self.read_slice(name, how[1], *how[2])
         return _take(self.tensors[name], how, self.shard.rank)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.tensors
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.tensors)
-
-    def __len__(self) -> int:
-        return len(self.tensors)
 
 
 def shard_state(state: Mapping[str, torch.Tensor], shard: TPShard) -> dict[str, torch.Tensor]:
