@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -16,7 +16,7 @@ from .gguf_file import GGUFFile
 from .gguf_tokenizer import tokenizer_from_gguf
 from .hf_loader import TensorView
 from .llama import LlamaModel
-from .sharding import build_hf
+from .sharding import LazyTensors, build_hf
 from .tokenizer import Tokenizer
 
 __all__ = ["BLOCK_NAMES", "load_gguf"]
@@ -121,7 +121,7 @@ def _factors(f: GGUFFile, name: str) -> tuple[float, ...]:
     return tuple(f.dequantize(name).reshape(-1).tolist())
 
 
-class _Tensors(Mapping[str, torch.Tensor]):
+class _Tensors(LazyTensors):
     """A GGUF file's weights under their Hugging Face names, dequantised when read (q and k
     rows back in rotate-half order where the converter permuted them, ``norm_offset`` taken
     off the norm weights)."""
@@ -130,6 +130,7 @@ class _Tensors(Mapping[str, torch.Tensor]):
                  block_names: Mapping[str, str], norm_offset: float) -> None:
         self.f, self.config, self.permuted_qk, self.norm_offset = f, config, permuted_qk, norm_offset
         self.names = {_hf_name(n, block_names): n for n in f.tensors if n not in _ROPE_TENSORS}
+        super().__init__(self.names)
 
     def __getitem__(self, hf: str) -> torch.Tensor:
         name, c = self.names[hf], self.config
@@ -146,11 +147,3 @@ class _Tensors(Mapping[str, torch.Tensor]):
             w = w - np.float32(self.norm_offset)
         return torch.from_numpy(w)
 
-    def __contains__(self, hf: object) -> bool:  # without dequantising (Mapping's would)
-        return hf in self.names
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
