@@ -129,8 +129,9 @@ def _sweep_tree(name: str, layout, variant_list, graph: bool, registers: dict,  
         for layer in range(LAYERS):
             (ks[layer], ks_), (vs[layer], vs_) = fp8_copy(ks[layer]), fp8_copy(vs[layer])
             scales[layer] = {"k_scale": ks_, "v_scale": vs_}
-        ref, _ = reference_attention(q, ks[0].double() * ks_[:, None].double(),
-                                     vs[0].double() * vs_[:, None].double(), layout, D**-0.5)
+        k0, v0 = scales[0]["k_scale"], scales[0]["v_scale"]  # layer 0's, which is checked
+        ref, _ = reference_attention(q, ks[0].double() * k0[:, None].double(),
+                                     vs[0].double() * v0[:, None].double(), layout, D**-0.5)
     else:
         ref, _ = reference_attention(q, ks[0], vs[0], layout, D**-0.5)
     shipped_table, shipped_refine = dict(configs.CONFIGS), plan_step.refine
