@@ -25,8 +25,9 @@ prompt tokens computed are differences of ``/metrics`` across the level. Last, t
 loaded in this process (after the server has stopped) and the same requests run one by one
 through the library's strategies (``generate``, ``sample``, ``beam_search``) on a
 ``TreeEngine`` built as the server builds it, with no prefix cache, then all together as one
-batch (the offline rate: a pool that holds them all, a prefix cache warmed as the server's
-was); only token counts and time are compared, not texts.
+batch (the offline rate: a pool that holds them all, a prefix cache holding the system prompt
+from a warm-up request; the server's also holds the earlier passes' prompts and answers, which
+spares it each question's few tokens); only token counts and time are compared, not texts.
 
 The model is ``--model``'s, by default SmolLM2-135M-Instruct on CPU and on CUDA
 :data:`GPU_MODEL`, random weights of Llama-3-8B's shapes (:mod:`deft.model.synthetic`), which

@@ -209,6 +209,32 @@ def test_prompts_sharing_a_prefix_are_admitted_by_their_unshared_pages(cached):
         g.token_ids for g in generate(ref, prompts, SamplingParams(max_new_tokens=4))]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_admission_counts_at_least_the_pages_a_shared_prefill_takes(seed, monkeypatch):
+    """Prompts admitted together share a common prefix only as far as all the prompts of a
+    first page agree (a late, shorter one shrinks it): the pages admission counts for them
+    are never fewer than their prefill takes."""
+    rng = random.Random(seed)
+    model, tok = load_random("random:tiny")
+    engine = TreeEngine(model, tok, num_pages=256, page_size=16)
+    batch = Batch(engine)
+    system = [rng.randrange(3, 2000) for _ in range(200)]
+    prompts = [system[:rng.choice([20, 100, 200])] + [rng.randrange(3, 2000) for _ in range(rng.randrange(1, 40))]
+               for _ in range(6)] + [[rng.randrange(3, 2000) for _ in range(rng.randrange(2, 30))]]
+    counted = []
+    room = type(batch.scheduler)._room
+    monkeypatch.setattr(type(batch.scheduler), "_room",
+                        lambda self, want, spare: counted.append(want) or room(self, want, spare))
+    reqs = [Request(p, 1, SamplingParams(max_new_tokens=8)) for p in prompts]
+    for r in reqs:
+        batch.add(r)
+    free = engine.cache.num_free_pages
+    while not all(r.branches and (r.branches[0].logits is not None or r.branches[0].tokens) for r in reqs):
+        assert batch.step()
+    assert len(counted) == len(prompts) - 1  # the first one is admitted unchecked
+    assert counted[-1] >= free - engine.cache.num_free_pages
+
+
 # ------------------------------------------------ the scheduler, its jobs driven without HTTP
 
 

@@ -30,6 +30,7 @@ import torch
 from ..cache import CacheFullError
 from .core import TreeEngine
 from .inflight import InFlight, draw
+from .prompts import common_prefix
 from .requests import Branch, Request, Search, SearchSpec
 from .sampling import Sampler
 from .scheduling import BatchScheduler, PrefixStore
@@ -358,7 +359,7 @@ def prompt_branches(engine: TreeEngine, prompts: list[tuple[list[int], Branch]])
         first = members[0][0]
         common = min(len(ids) - 1 for ids, _ in members)  # each fork feeds >= 1 token
         for ids, _ in members:
-            common = next((j for j in range(common) if ids[j] != first[j]), common)
+            common = common_prefix(ids, first, common)
         for ids, leaf in members:
             leaf.feed = list(ids[common:])
         roots.append(Branch(engine.add_prompt([]), feed=list(first[:common]), then=[m[1] for m in members]))

@@ -11,7 +11,7 @@ from ..checks import is_int
 from ..layout import as_index_array
 from .core import TreeEngine
 
-__all__ = ["Prompt", "as_prompts"]
+__all__ = ["Prompt", "as_prompts", "common_prefix"]
 
 Prompt = str | Sequence[int]
 
@@ -50,3 +50,13 @@ def as_prompts(prompts: Prompt | Sequence[Prompt], engine: TreeEngine) -> list[l
                              f"{engine.context_text}")
         out.append([int(t) for t in ids])
     return out
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int | None = None, start: int = 0) -> int:
+    """Where token sequences ``a`` and ``b`` first differ within their first ``limit`` tokens
+    (all by default), given that they agree before ``start``."""
+    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    for i in range(start, n):
+        if a[i] != b[i]:
+            return i
+    return n

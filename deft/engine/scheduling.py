@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Callable, Collection, Protocol
 
-import numpy as np
-
+from .prompts import common_prefix
 from .requests import Branch, Request, Search
 
 if TYPE_CHECKING:
@@ -54,8 +53,9 @@ class BatchScheduler:
 
     Requests are admitted in order while fewer than ``max_running`` run, once their prompt
     and first tokens fit next to the running branches: a prompt counts only the tokens that
-    it does not share with a ``prefixes`` entry (forked, never evicted to admit it) or with a
-    prompt admitted in the same step (prefilled once). When a step's tokens do not fit in
+    it does not share with a ``prefixes`` entry (forked, never evicted to admit it) or, as
+    prompts admitted in the same step are prefilled, with the common prefix of those that
+    start with its first page (fed once). When a step's tokens do not fit in
     the free pages, ``prefixes`` is asked to evict, then prompt chunks are deferred (never
     the oldest request's), then the youngest request is preempted: ``cancel`` releases it
     and it waits first in line, to restart from its prompt; nothing is admitted until a
@@ -91,19 +91,17 @@ class BatchScheduler:
         left = len(self.running)
         self.running = [r for r in self.running if r.status == "running"]
         self._hold = self._hold and len(self.running) == left  # until a request leaves
-        ps, admit, plain, spare = self.engine.config.page_size, [], [], set()
+        ps, admit, spare = self.engine.config.page_size, [], set()
+        groups: dict[tuple[int, ...], list] = {}  # see _prompt_pages
         want = live + sum(_step_pages(r, ps) for r in self.running if r.search is not None)
         while not self._hold and self.waiting and (
                 self.max_running is None or len(self.running) + len(admit) < self.max_running):
             req = self.waiting[0]
-            pages, hit = self._prompt_pages(req, plain, spare)
-            need = pages + _step_pages(req, ps)
+            need = self._prompt_pages(req, groups, spare) + _step_pages(req, ps)
             if (self.running or admit) and not self._room(want + need, spare):
                 break
             want += need
             admit.append(self.waiting.popleft())
-            if not hit:
-                plain.append(req)
         for req in admit:
             req.status = "running"
         self.running += admit
@@ -144,19 +142,30 @@ class BatchScheduler:
             self.prefixes.evict(want - free, spare)
         return want <= self.engine.cache.num_free_pages
 
-    def _prompt_pages(self, req: Request, plain: list[Request], spare: set[int]) -> tuple[int, bool]:
-        """The fresh pages ``req``'s prompt needs, and whether a ``prefixes`` entry holds
-        part of it: the tokens beyond that entry (added to ``spare``), else beyond the
-        longest prefix it shares with a prompt of ``plain`` (admitted with it, prefilled
-        once), plus one a fork may start mid-page."""
+    def _prompt_pages(self, req: Request, groups: dict[tuple[int, ...], list],
+                      spare: set[int]) -> int:
+        """The fresh pages admitting ``req`` adds: its prompt's tokens beyond a ``prefixes``
+        entry (added to ``spare``); else, as :func:`~deft.engine.decoding.prompt_branches`
+        prefills the prompts admitted together, its share of its group's (the prompts of its
+        first page, in ``groups``: ``[first prompt, common prefix, members, their tokens]``),
+        whose common prefix is fed once and may shrink as it joins; plus a page per prompt a
+        fork may start mid-page."""
         ps, prompt = self.engine.config.page_size, req.prompt
         hit = self.prefixes.cached(prompt) if self.prefixes is not None else None
         if hit is not None:
             spare.add(hit[0])
-            shared = hit[1]
-        else:
-            shared = max((_common_prefix(prompt, r.prompt) for r in plain), default=0)
-        return -(-(len(prompt) - shared) // ps) + 1, hit is not None
+            return -(-(len(prompt) - hit[1]) // ps) + 1
+        if len(prompt) <= ps:  # a group of its own
+            return -(-len(prompt) // ps) + 1
+        g = groups.get(key := tuple(prompt[:ps]))
+        if g is None:
+            groups[key] = [prompt, len(prompt) - 1, 1, len(prompt)]
+            return -(-len(prompt) // ps) + 1
+        before = _group_pages(g, ps)
+        g[1] = common_prefix(prompt, g[0], min(g[1], len(prompt) - 1))
+        g[2] += 1
+        g[3] += len(prompt)
+        return _group_pages(g, ps) - before
 
     def _preempt(self, req: Request) -> None:
         """Release ``req`` and queue it first, to restart from its prompt."""
@@ -174,10 +183,12 @@ def _step_pages(r: Request, page_size: int) -> int:
     return r.strategy.pages_per_step(page_size) if r.strategy is not None else r.n
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """How many tokens ``a`` and ``b`` agree on from the start."""
-    n = min(len(a), len(b))
-    if n == 0 or a[0] != b[0]:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if diff.size else n
+
+def _group_pages(group: list, page_size: int) -> int:
+    """The pages a group of prompts prefilled together takes (see
+    :meth:`BatchScheduler._prompt_pages`): its common prefix once, then every member's rest,
+    each on pages of its own."""
+    _, common, members, tokens = group
+    if members == 1:
+        return -(-tokens // page_size) + 1
+    return -(-common // page_size) + -(-(tokens - members * common) // page_size) + 2 * members

@@ -26,11 +26,12 @@ or is read again; never a walk over the tokens held.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Collection
+from typing import Collection, Iterator
 
 import numpy as np
 
 from ..cache import TreeKVCache
+from ..engine.prompts import common_prefix
 
 __all__ = ["PrefixCache"]
 
@@ -134,13 +135,13 @@ class PrefixCache:
 
     # ------------------------------------------------------------ internals
 
-    def _chain(self, tokens: tuple[int, ...] | list[int], limit: int) -> list[int]:
-        """Chained hashes of the full ``min_tokens`` blocks among ``tokens[:limit]``."""
-        b, h, out = max(1, self.min_tokens), 0, []
+    def _chain(self, tokens: tuple[int, ...] | list[int], limit: int) -> Iterator[int]:
+        """Chained hashes of the full ``min_tokens`` blocks among ``tokens[:limit]``, made as
+        they are read (a lookup stops hashing at its first miss)."""
+        b, h = max(1, self.min_tokens), 0
         for end in range(b, min(limit, len(tokens)) + 1, b):
             h = hash((h, tuple(tokens[end - b:end])))
-            out.append(h)
-        return out
+            yield h
 
     def _longest(self, tokens: list[int], limit: int) -> tuple[int | None, int]:
         """The entry sharing the longest prefix of ``tokens[:limit]``, and its length."""
@@ -153,12 +154,12 @@ class PrefixCache:
         if cands is None:
             return None, 0
         start, stop = depth * b, min(limit, (depth + 1) * b)
-        best = max(cands, key=lambda n: _common_prefix(self._entries[n], tokens, stop, start))
-        common = _common_prefix(self._entries[best], tokens, limit)
+        best = max(cands, key=lambda n: common_prefix(self._entries[n], tokens, stop, start))
+        common = common_prefix(self._entries[best], tokens, limit)
         if common < start:  # a hash collision: compare every entry
             best, common = None, 0
             for node, path in self._entries.items():
-                c = _common_prefix(path, tokens, limit)
+                c = common_prefix(path, tokens, limit)
                 if c > common:
                     best, common = node, c
         return best, common
@@ -307,11 +308,3 @@ class PrefixCache:
                 return self._split(node, at - start)
             node, end = cache.parent(node), start
 
-
-def _common_prefix(a: tuple[int, ...], b: list[int], limit: int, start: int = 0) -> int:
-    """Where ``a`` and ``b`` first differ within ``limit`` (they agree before ``start``)."""
-    n = min(len(a), len(b), limit)
-    for i in range(start, n):
-        if a[i] != b[i]:
-            return i
-    return n
