@@ -183,7 +183,6 @@ def _step_pages(r: Request, page_size: int) -> int:
     return r.strategy.pages_per_step(page_size) if r.strategy is not None else r.n
 
 
-
 def _group_pages(group: list, page_size: int) -> int:
     """The pages a group of prompts prefilled together takes (see
     :meth:`BatchScheduler._prompt_pages`): its common prefix once, then every member's rest,
