@@ -19,15 +19,20 @@ config and coarsening (``deft.plan.coarsen.refine``):
 * ``mergecfg``: one merge-kernel shape (partial states per step, warps) for every step,
   instead of the shipped one per row regime of the config table;
 * ``mergeheads``: merge programs of several query heads (states per step, warps, heads),
-  for every step.
+  for every step;
+* ``ring``: the K/V ring's block and depth (tokens per block, stages), with no register cap
+  and under a 168-register one (3 programs per SM), for every K/V width: one-byte K/V bring
+  half the bytes per block.
 
-With ``--kv-dtype fp8_e4m3`` the K/V are FP8 copies with per-head scales (as a calibrated
+With ``--graph-safe`` every variant launches as the engine's captured steps do (fixed
+buffers and grid for any tree of the step's size, ``TreeAttention(capacity=...)``). With
+``--kv-dtype fp8_e4m3`` the K/V are FP8 copies with per-head scales (as a calibrated
 pool holds them), checked against the float64 reference of the dequantised K/V.
 
-Usage: ``python -m benchmarks.sweep [--sweep NAME] [--kv-dtype fp8_e4m3] [--eager]
-[--only LABEL,...] [--json PATH] [TREE ...]``: one line per (tree, variant), then registers and spills of every compiled
-partial-kernel variant, the best variants per tree and each variant's mean slowdown against
-the per-tree best.
+Usage: ``python -m benchmarks.sweep [--sweep NAME] [--kv-dtype fp8_e4m3] [--graph-safe]
+[--eager] [--only LABEL,...] [--json PATH] [TREE ...]``: one line per (tree, variant), then
+registers and spills of every compiled partial-kernel variant, the best variants per tree
+and each variant's mean slowdown against the per-tree best.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from typing import Sequence
 import torch
 
 from deft import TreeAttention
+from deft.ops.base import Capacity
 from deft.ops.reference import reference_attention
 from deft.ops.triton import configs, kernels
 from deft.plan import coarsen_plan, step as plan_step
@@ -56,8 +62,9 @@ SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 
           (128, 64, 8, 2), (64, 16, 4, 4), (16, 32, 2, 3), (16, 64, 4, 3), (32, 32, 2, 3),
           (32, 64, 4, 3)]
 TMA_SHAPES = [(64, 32, 4, 4), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2)]
+RING = [(32, 4), (64, 3), (64, 4), (128, 2), (128, 3)]
 SWEEPS = ("merge", "factors", "shapes", "tma", "occupancy", "pipeline", "mergecfg", "mergeheads",
-          "pdl", "partials")
+          "pdl", "partials", "ring")
 
 
 def variants(sweep: str, factors: str = "2,4,8,16,32") -> list[tuple[str, dict, int | None]]:
@@ -104,6 +111,10 @@ def variants(sweep: str, factors: str = "2,4,8,16,32") -> list[tuple[str, dict, 
         out += [("fp32 partials", v(narrow_partials=False, maxnreg=None), None),
                 ("narrow partials", v(narrow_partials=True, maxnreg=None), None),
                 ("narrow maxnreg 168", v(narrow_partials=True, maxnreg=168), None)]
+    elif sweep == "ring":
+        out += [(f"n{n} s{st}{' maxnreg 168' if cap else ''}",
+                 v(block_n=n, num_stages=st, maxnreg=cap), None)
+                for cap in (None, 168) for n, st in ([(32, 3)] if cap is None else []) + RING]
     else:
         raise ValueError(f"sweep: expected one of {', '.join(SWEEPS)}, got {sweep!r}")
     return out
@@ -116,9 +127,9 @@ def _compiled() -> dict:
 
 
 def _sweep_tree(name: str, layout, variant_list, graph: bool, registers: dict,  # noqa: ANN001
-                fp8: bool = False) -> list[dict]:
-    """Time every variant on one tree (``fp8``: over FP8 K/V); the shipped configs and
-    coarsening are restored."""
+                fp8: bool = False, graph_safe: bool = False) -> list[dict]:
+    """Time every variant on one tree (``fp8``: over FP8 K/V; ``graph_safe``: with buffers
+    reserved for any tree of its size); the shipped configs and coarsening are restored."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     n = layout.num_tokens
     ks = [torch.randn(n, H_KV, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(LAYERS)]
@@ -139,6 +150,8 @@ def _sweep_tree(name: str, layout, variant_list, graph: bool, registers: dict,  
     rows = []
     try:
         for label, changes, u in variant_list:
+            if "maxnreg" in changes:  # a variant's cap holds for one-byte K/V too
+                changes = {"kv8_maxnreg": changes["maxnreg"], **changes}
             for key, cfg in shipped_table.items():
                 if key[1] == D:
                     configs.CONFIGS[key] = dataclasses.replace(cfg, **changes)
@@ -148,7 +161,8 @@ def _sweep_tree(name: str, layout, variant_list, graph: bool, registers: dict,  
                 plan_step.refine = lambda plan, params, u=u: coarsen_plan(plan, u)
             # The compiled planner coarsens as shipped: fixed factors plan with numpy.
             os.environ["DEFT_FASTPLAN"] = "1" if u is None else "0"
-            attn = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda")
+            capacity = Capacity(layout.num_queries, max(n, 1)) if graph_safe else None
+            attn = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda", capacity=capacity)
             plan = attn.plan(layout, FP8 if fp8 else None)
             before = _compiled()
             try:
@@ -188,6 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--factors", default="2,4,8,16,32", help="(--sweep factors) comma-separated factors")
     ap.add_argument("--kv-dtype", choices=("auto", "fp8_e4m3"), default="auto",
                     help="K/V format: auto (bf16, like q) or fp8_e4m3 (FP8 with per-head scales)")
+    ap.add_argument("--graph-safe", action="store_true",
+                    help="launch as the engine's captured steps do (buffers reserved for any tree "
+                    "of the step's size)")
     ap.add_argument("--eager", action="store_true", help="time the step launched from Python, not replayed")
     ap.add_argument("--only", metavar="LABEL,...", help="keep just these variants")
     ap.add_argument("--workloads", metavar="DIR", help="recorded workloads directory "
@@ -203,13 +220,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         workloads: Path | None = workloads_dir(args.workloads)
     except FileNotFoundError:
         workloads = None
-    mode = "eager" if args.eager else "graph"
+    mode = ("eager" if args.eager else "graph") + (" graph-safe" if args.graph_safe else "")
     print(f"tree | variant | tiles | partials | programs | µs/step {mode} | µs/layer | max|diff| vs ref")
     results: list[dict] = []
     registers: dict[str, set] = {}
     for name, layout in available(args.trees or GPU_SUITE, workloads):
         results += _sweep_tree(name, layout, variant_list, not args.eager, registers,
-                               args.kv_dtype == "fp8_e4m3")
+                               args.kv_dtype == "fp8_e4m3", args.graph_safe)
         torch.cuda.empty_cache()
     if args.json:
         rec = record(list(results[0]) if results else [], [list(r.values()) for r in results],

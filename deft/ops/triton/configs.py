@@ -33,6 +33,10 @@ class KernelConfig:
     tma: bool = False  # with contig: such tiles' K/V by TMA (sm_90+, in CUDA-graph capture only)
     fuse_merge: bool = False  # the last program of a row merges it (no merge launch)
     maxnreg: int | None = None  # register cap per thread (more programs per SM, maybe spills)
+    # The cap over one-byte (FP8) K/V, whose conversion to q's dtype goes through shared
+    # memory in the inner loop: a third program per SM hides its latency better than spills
+    # cost (None: ``maxnreg``).
+    kv8_maxnreg: int | None = None
     pdl: bool = False  # programmatic dependent launch (sm_90+): starts before the last launch ends
     merge_block: int = 16  # partial states per step of the merge kernel
     merge_warps: int = 2  # warps per merge program
@@ -48,7 +52,7 @@ class KernelConfig:
     graph_waves: int = 1  # graph-safe launches: a grid of this many waves of programs
 
 
-_SM90 = dict(tma=True, pdl=True, graph_waves=3)
+_SM90 = dict(tma=True, pdl=True, graph_waves=3, kv8_maxnreg=168)
 _NARROW = dict(_SM90, narrow_partials=True, maxnreg=168)
 CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
     ("sm90", 64, 0): KernelConfig(64, 32, 4, 3, 4.0, **_SM90),

@@ -75,6 +75,24 @@ def _softmax_step(s, m_i, l_i, acc, qk_scale):
 
 
 @triton.jit
+def _scores(q, k, IEEE: tl.constexpr):
+    """``q @ k.T`` in fp32 (``IEEE``: fp32 operands multiplied exactly, not as tf32)."""
+    if IEEE:
+        return tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
+def _accumulate(p, v, acc, IEEE: tl.constexpr):
+    """``acc + p @ v`` with ``p`` rounded to V's dtype (``IEEE`` as in :func:`_scores`)."""
+    if IEEE:
+        return tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    else:
+        return tl.dot(p.to(v.dtype), v, acc)
+
+
+@triton.jit
 def _tile_loop(
     q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen, row_ok,
     m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
@@ -102,10 +120,7 @@ def _tile_loop(
             next_slot = tl.load(tok_slot + ahead, mask=ahead < tok1, other=0)
         kv_off = slot[:, None] * stride_kn + kvh * stride_kh + d[None, :]
         k = tl.load(K + kv_off, mask=tok_ok[:, None], other=0.0).to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s = _scores(q, k, IEEE)
         vis = tok_ok[None, :] & row_ok[:, None]
         if MASKED:
             lo = tl.load(tok_lo + offs, mask=tok_ok, other=0)
@@ -118,10 +133,7 @@ def _tile_loop(
         if MASKED:  # padding loads as 0; unmasked blocks need no V check (see the top)
             p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
             v = tl.where(_finite(v), v, 0.0)
-        if IEEE:
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = _accumulate(p, v, acc, IEEE)
     return m_i, l_i, acc
 
 
@@ -136,10 +148,7 @@ def _tma_block(
     node's KV, or unwritten cache) are masked out of the scores, their non-finite V values
     zeroed and their K/V never flag a row."""
     k = desc_k.load([slot, kvh * D]).to(q.dtype)
-    if IEEE:
-        s = tl.dot(q, k.T, input_precision="ieee")
-    else:
-        s = tl.dot(q, k.T)
+    s = _scores(q, k, IEEE)
     if MASKED or TAIL:
         offs = start + tl.arange(0, BLOCK_N)
         tok_ok = offs < tok1
@@ -159,10 +168,7 @@ def _tma_block(
     if MASKED or TAIL:  # unmasked blocks need no V check (see the top)
         p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
         v = tl.where(_finite(v), v, 0.0)
-    if IEEE:
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
+    acc = _accumulate(p, v, acc, IEEE)
     return m_i, l_i, acc
 
 

@@ -188,7 +188,9 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
                   USE_MASK=prepared.needs_mask, CONTIG=prepared.contiguous, TMA=False,
                   SORTED=prepared.sorted_queries, FUSE_MERGE=fused,
                   IEEE=q.dtype == torch.float32, PDL=pdl, HEADER=header, SCALED=scaled,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  maxnreg=(cfg.kv8_maxnreg if k_cache.element_size() == 1 and cfg.kv8_maxnreg
+                           else cfg.maxnreg),
                   launch_pdl=pdl)
         tma = prepared.tma and _tma_ok(k_cache, ks) and _tma_ok(v_cache, ks)
         # TMA only inside CUDA-graph capture: launched eagerly, Triton's per-launch handling
