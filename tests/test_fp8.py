@@ -446,3 +446,35 @@ def test_a_fixed_calibration_leaves_the_scales_to_no_request():
         engine.extend([(root, first[-1:])])
         scales.append(engine.pool.k_scale.clone())
     assert torch.equal(scales[0], scales[1])
+
+
+def test_one_byte_kv_launches_under_its_own_register_cap(monkeypatch):
+    """The config's ``kv8_maxnreg`` caps the partial kernel over FP8 K/V; 16-bit K/V keep
+    ``maxnreg`` (the sm_90 table caps FP8 at 168 registers, 16-bit steps below 2,048 rows not)."""
+    pytest.importorskip("triton")
+    from deft.ops.triton import configs, launch
+
+    assert configs.CONFIGS[("sm90", 128, 0)].kv8_maxnreg == 168
+    assert configs.CONFIGS[("sm90", 128, 0)].maxnreg is None
+    for key, cfg in list(configs.CONFIGS.items()):
+        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, kv8_maxnreg=96))
+    caps = []
+    kernel = launch.tree_partial_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                caps.append(kw["maxnreg"])
+                return kernel[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(launch, "tree_partial_kernel", Recording())
+    layout = few_shot_layout(40, 3, 9)
+    q = random_qkv(layout, H_Q, H_KV, D, torch.float32, 3)[0].half()
+    k8, v8, ks, vs = fp8_kv(layout, 3)
+    for kv_dtype, kv in ((FP8, dict(k_cache=k8, v_cache=v8, k_scale=ks, v_scale=vs)),
+                         (None, dict(k_cache=k8.half(), v_cache=v8.half()))):
+        attn = TreeAttention(H_Q, H_KV, D, backend="triton", block_kv=16)
+        attn.plan(layout, kv_dtype)
+        attn.run(q, **kv)
+    assert caps == [96, configs.CONFIGS[("interpreter", 0, 0)].maxnreg]

@@ -29,7 +29,7 @@ from .kernels import merge_kernel, tree_partial_kernel
 from .native_launch import NativeLaunch, batched, native_launch
 
 __all__ = ["HEADER", "Reserved", "StepBuffers", "Pointer", "launch_step", "launch_merge",
-           "launch_signature", "has_tma", "stream_capturing"]
+           "launch_signature", "register_cap", "has_tma", "stream_capturing"]
 
 # Ints before the segments of a graph-safe plan buffer: the work-item count, then the
 # offsets of segments 1-9 (``SEGMENTS``) from the first.
@@ -189,8 +189,7 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
                   SORTED=prepared.sorted_queries, FUSE_MERGE=fused,
                   IEEE=q.dtype == torch.float32, PDL=pdl, HEADER=header, SCALED=scaled,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                  maxnreg=(cfg.kv8_maxnreg if k_cache.element_size() == 1 and cfg.kv8_maxnreg
-                           else cfg.maxnreg),
+                  maxnreg=register_cap(cfg, k_cache.dtype),
                   launch_pdl=pdl)
         tma = prepared.tma and _tma_ok(k_cache, ks) and _tma_ok(v_cache, ks)
         # TMA only inside CUDA-graph capture: launched eagerly, Triton's per-launch handling
@@ -219,6 +218,13 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
         # Aligned, and nothing copied (a copy's address is not what later calls bind).
         exact = key[-1] and q is given_q and k_cache is given_k and v_cache is given_v
         records[key] = _native(launches) if exact else None
+
+
+def register_cap(cfg: KernelConfig, kv_dtype: torch.dtype) -> int | None:
+    """The partial kernel's register cap per thread over K/V of ``kv_dtype``."""
+    if kv_dtype.itemsize == 1 and cfg.kv8_maxnreg is not None:
+        return cfg.kv8_maxnreg
+    return cfg.maxnreg
 
 
 def launch_signature(prepared: StepBuffers) -> tuple:
