@@ -173,8 +173,10 @@ def _hf_seconds(hf: Any, w: GpuWorkload, prompts: list[list[int]]) -> float | No
             hf.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
             return _timed(lambda: hf.generate(ids, **kw))[0]
     except torch.cuda.OutOfMemoryError:  # e.g. 16 copies of a 32k prompt next to our engines
-        torch.cuda.empty_cache()
-        return None
+        pass
+    # Out of the handler: its traceback's frames hold the failed run's tensors until it ends.
+    torch.cuda.empty_cache()
+    return None
 
 
 def _hf_model(config: Any) -> Any:

@@ -94,6 +94,16 @@ class RopeScaling:
         object.__setattr__(self, "attention_factor", _pos_float(attention, "rope_scaling.attention_factor"))
 
 
+def _longrope_context(scaling: RopeScaling | None, max_pos: int) -> tuple[int, str]:
+    """The context a config may take and what capped it: LongRoPE's original context (see
+    :class:`RopeScaling`), else ``max_pos`` uncapped."""
+    if scaling is not None and scaling.kind == "longrope":
+        original = scaling.original_max_position_embeddings
+        if max_pos > original:
+            return original, "LongRoPE's original context"
+    return max_pos, ""
+
+
 def rope_from_hf(
     rope: Any, theta: Any = None, max_position_embeddings: Any = None
 ) -> tuple[float, RopeScaling | None]:
@@ -273,9 +283,7 @@ class LlamaConfig:
                                       config.get("rope_theta"), max_pos)
         window = config.get("sliding_window")
         window = None if window is None else positive_int(window, "sliding_window")
-        cap = ""
-        if scaling is not None and scaling.kind == "longrope" and max_pos > scaling.original_max_position_embeddings:
-            max_pos, cap = scaling.original_max_position_embeddings, "LongRoPE's original context"
+        max_pos, cap = _longrope_context(scaling, max_pos)
         heads = config["num_attention_heads"]
         built = cls(
             vocab_size=config["vocab_size"],
@@ -353,9 +361,7 @@ class LlamaConfig:
                          if f"{arch}.rope.scaling.attn_factor" in metadata else None)
             scaling = RopeScaling("longrope", max_pos / original, original_max_position_embeddings=original,
                                   short_factor=short_factor, attention_factor=attention)
-        cap = ""
-        if scaling is not None and scaling.kind == "longrope" and max_pos > original:
-            max_pos, cap = original, "LongRoPE's original context"
+        max_pos, cap = _longrope_context(scaling, max_pos)
         tokens = metadata.get("tokenizer.ggml.tokens", ())
         vocab = num("vocab_size", 0) or (len(tokens) if isinstance(tokens, list) else 0)
         return cls(
