@@ -276,3 +276,31 @@ def test_a_drafters_default_tree_counts_against_max_draft_tokens():
                 _strategy(body, 1, 1, None, limits)
         else:
             assert _strategy(body, 1, 1, None, limits) == ("speculative", {"drafter": "ngram", "tree": None})
+
+
+def test_a_prompt_past_a_capped_context_is_a_400_naming_the_cap():
+    """The context errors quote what capped the model's context (here its sliding window),
+    as the engine's own errors do."""
+    import asyncio
+
+    from deft.model.config import LlamaConfig
+    from deft.serve.protocol import CompletionRequest
+    from deft.serve.requests import ApiError, Limits, completion_jobs
+
+    cfg = LlamaConfig.from_hf_config({"vocab_size": 100, "hidden_size": 16, "intermediate_size": 32,
+                                      "num_hidden_layers": 1, "num_attention_heads": 2,
+                                      "max_position_embeddings": 256, "sliding_window": 32})
+    limits = Limits(MODEL, cfg.max_position_embeddings, 64, 16, {}, None, cfg.context_text)
+
+    class Tok:
+        vocab_size = 100
+
+    loop = asyncio.new_event_loop()
+    try:
+        for prompt, max_tokens, param in (([1] * 40, 2, "prompt"), ([1] * 30, 8, "max_tokens")):
+            body = CompletionRequest(model=MODEL, prompt=prompt, max_tokens=max_tokens)
+            with pytest.raises(ApiError, match="context of 32 \\(its sliding window") as err:
+                completion_jobs(body, [prompt], None, limits, Tok(), asyncio.Queue(), loop, False)
+            assert err.value.param == param
+    finally:
+        loop.close()

@@ -40,7 +40,8 @@ def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None
     engine = scheduler.engine
     limits = Limits(model_name, engine.max_positions, engine.cache.num_pages, engine.config.page_size,
                     {name: (getattr(make, "default_shape", None) or make().default_shape).num_drafts
-                     for name, make in scheduler.drafters.items()}, max_draft_tokens)
+                     for name, make in scheduler.drafters.items()}, max_draft_tokens,
+                    engine.context_text)
     card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "deft"}
 
     @app.exception_handler(ApiError)

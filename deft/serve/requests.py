@@ -38,6 +38,13 @@ class Limits:
     page_size: int
     drafters: dict[str, int]  # name -> draft tokens of its default tree
     max_draft_tokens: int | None = None  # None: any
+    # "the model's context of N", and what capped it where something did (an engine's
+    # ``context_text``), for the errors that quote it
+    context_text: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.context_text:
+            object.__setattr__(self, "context_text", f"the model's context of {self.context}")
 
 
 def check_model(model: str, limits: Limits) -> None:
@@ -96,8 +103,8 @@ def completion_jobs(body: Any, prompts: list[list[int]], top: int | None, limits
         if not ids:
             raise ApiError(400, f"{param}: prompt {i} encodes to no tokens", param)
         if len(ids) >= limits.context:
-            raise ApiError(400, f"{param}: {len(ids)} prompt tokens leave no room in the model's context "
-                           f"of {limits.context}", param, "context_length_exceeded")
+            raise ApiError(400, f"{param}: {len(ids)} prompt tokens leave no room in "
+                           f"{limits.context_text}", param, "context_length_exceeded")
         if any(t < 0 or t >= tokenizer.vocab_size for t in ids):
             raise ApiError(400, f"{param}: prompt {i} has a token id outside [0, {tokenizer.vocab_size})", param)
     longest = max(len(p) for p in prompts)
@@ -110,8 +117,8 @@ def completion_jobs(body: Any, prompts: list[list[int]], top: int | None, limits
     if max_tokens is None:
         max_tokens = min(CHAT_MAX_TOKENS, limits.context - longest) if chat else COMPLETION_MAX_TOKENS
     if longest + max_tokens > limits.context:
-        raise ApiError(400, f"max_tokens: {longest} prompt tokens + {max_tokens} exceed the model's "
-                       f"context of {limits.context}", "max_tokens", "context_length_exceeded")
+        raise ApiError(400, f"max_tokens: {longest} prompt tokens + {max_tokens} exceed "
+                       f"{limits.context_text}", "max_tokens", "context_length_exceeded")
     n, best_of = body.n, body.best_of or body.n
     if best_of < n:
         raise ApiError(400, f"best_of: expected at least n={n}, got {best_of}", "best_of")
