@@ -550,3 +550,17 @@ def test_sentencepiece_gguf_tokenizer(tmp_path, arch, two_spaces):
     assert [tokens[i] for i in tok.encode("  hello")] == ["<s>", *two_spaces]
     assert tok.decode(tok.encode("hi"), skip_special_tokens=True) == "hi"  # "i" by byte fallback
     assert tok.eos_token_ids == {2}
+
+
+def test_rope_placeholders_on_the_meta_device_have_the_real_tables_shape():
+    """``build_model`` makes the model on the meta device, then the real tables; the meta
+    placeholders are made from the shape alone, which must be the tables'."""
+    from deft.model.rope import rope_table
+
+    config = LlamaConfig(100, 32, 64, 1, 2, 2, max_position_embeddings=4096,
+                         local_rope_theta=10_000.0, local_rope_layers=(0,))
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    for buf, local in ((model.rope, False), (model.local_rope, True)):
+        real = rope_table(config, torch.float32, local=local)
+        assert buf.is_meta and buf.shape == real.shape == (4096, 16) and buf.dtype == real.dtype

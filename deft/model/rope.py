@@ -52,9 +52,13 @@ def rope_table(
     Angles are computed in float32 (like the reference implementation) and only then
     rounded, so a bf16/fp16 table loses no positional precision.
     """
-    # Built on the CPU whatever the default device (meta included), then moved.
+    inv_freq = rope_inv_freq(config, local)
+    if torch.device(device).type == "meta":  # a model built before its weights: shape only
+        return torch.empty(config.max_position_embeddings, 2 * inv_freq.numel(), dtype=dtype,
+                           device="meta")
+    # Built on the CPU whatever the default device, then moved.
     pos = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
-    angles = pos[:, None] * rope_inv_freq(config, local)[None, :]  # [P, D/2]
+    angles = pos[:, None] * inv_freq[None, :]  # [P, D/2]
     s = _rope(config, local)[1]
     scale = 1.0 if s is None else s.attention_factor
     return (torch.cat([angles.cos(), angles.sin()], dim=-1) * scale).to(device=device, dtype=dtype)
