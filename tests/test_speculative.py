@@ -390,21 +390,29 @@ def test_model_drafter_greedy_equals_plain_greedy(smol, smol_prompts):
     assert same.engine.cache.num_free_pages == 256 == noise.engine.cache.num_free_pages
 
 
-def test_a_draft_model_of_a_shorter_context_drafts_within_it(tiny_tok):
+@pytest.mark.parametrize("shape", [TreeShape.full(2, 3), TreeShape.full(1, 1)])
+def test_a_draft_model_of_a_shorter_context_drafts_within_it(tiny_tok, shape):
     """The target as its own drafter, the draft's context 16 of the target's 64: drafts are
     accepted while the sequence fits the draft model, then each step verifies the root alone;
-    the tokens stay the target's greedy ones and no step raises."""
+    the tokens stay the target's greedy ones and no step raises. The chain of one (one token,
+    then two a step) reaches exactly 16 tokens, where no draft token fits."""
     target = TreeEngine(tiny_model(0), tiny_tok, num_pages=64, page_size=4)
     short = LlamaModel(dataclasses.replace(target.model.config, max_position_embeddings=16)).eval()
     short.load_state_dict(target.model.state_dict())
     drafter = ModelDrafter(TreeEngine(short, tiny_tok, num_pages=64, page_size=4))
+    sent = []  # (context length, draft budget) of every job the drafter was given
+    draft = drafter.draft
+    drafter.draft = lambda jobs, *a: sent.extend(
+        (len(j.tokens), j.grower.max_depth) for j in jobs) or draft(jobs, *a)
     params = SamplingParams(max_new_tokens=40, stop_token_ids=frozenset())
     prompt = [1, 2, 3, 4, 5]
-    (r,) = speculative_generate(target, [prompt], params, drafter, tree=TreeShape.full(2, 3))
+    (r,) = speculative_generate(target, [prompt], params, drafter, tree=shape)
     (want,) = generate(target, [prompt], params)
     assert r.token_ids == want.token_ids and len(r.token_ids) == 40
     accepted = r.stats["accepted"]
     assert sum(accepted[:3]) > 0 and all(a == 0 for a in accepted[-20:]), accepted
+    # The draft model is given only sequences it can draft a token for (no forward at 16).
+    assert sent and all(n < 16 and depth > 0 for n, depth in sent), sent
     assert drafter.engine.cache.num_free_pages == 64 == target.cache.num_free_pages
 
 

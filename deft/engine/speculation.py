@@ -263,10 +263,11 @@ class SpecSearch:
         A draft model whose own cache is full drafts nothing this step (the root alone
         is verified) and forgets the sequences, to start them over at the next step; a
         sequence past the draft model's context (shorter than the target's) is verified
-        root alone from then on.
+        root alone from then on. A sequence with no room for a draft token (its last
+        step, or the draft model's context reached) is not sent to the drafter at all.
         """
         batch, self.spec.waiting[:] = list(self.spec.waiting), []
-        drafter, jobs = self.spec.drafter, []
+        drafter, jobs, drafting = self.spec.drafter, [], []
         limit = drafter.max_positions
         for s in batch:
             context = s.prompt + s.tokens
@@ -274,10 +275,11 @@ class SpecSearch:
                        s.engine.max_positions - len(context) + 1)
             if limit is not None:
                 room = min(room, limit - len(context) + 1)
-            jobs.append(DraftJob(id(s), context, TreeGrower(s.spec.shape, context[-1], max(room - 1, 0))))
-        drafting = [job for job in jobs if limit is None or len(job.tokens) <= limit]
-        for job in jobs:
-            if limit is not None and len(job.tokens) > limit:
+            job = DraftJob(id(s), context, TreeGrower(s.spec.shape, context[-1], max(room - 1, 0)))
+            jobs.append(job)
+            if room > 1:
+                drafting.append(job)
+            elif limit is not None and len(context) > limit:
                 drafter.release(job.key)
         t0 = time.perf_counter()
         try:
