@@ -114,7 +114,7 @@ def variants(sweep: str, factors: str = "2,4,8,16,32") -> list[tuple[str, dict, 
     elif sweep == "ring":
         out += [(f"n{n} s{st}{' maxnreg 168' if cap else ''}",
                  v(block_n=n, num_stages=st, maxnreg=cap), None)
-                for cap in (None, 168) for n, st in ([(32, 3)] if cap is None else []) + RING]
+                for cap in (None, 168) for n, st in [(32, 3), *RING]]
     else:
         raise ValueError(f"sweep: expected one of {', '.join(SWEEPS)}, got {sweep!r}")
     return out

@@ -554,7 +554,8 @@ def test_sentencepiece_gguf_tokenizer(tmp_path, arch, two_spaces):
 
 def test_rope_placeholders_on_the_meta_device_have_the_real_tables_shape():
     """``build_model`` makes the model on the meta device, then the real tables; the meta
-    placeholders are made from the shape alone, which must be the tables'."""
+    placeholders are made from the shape alone, which must be the tables' (a guard of that
+    shape, not of the time the shortcut saves)."""
     from deft.model.rope import rope_table
 
     config = LlamaConfig(100, 32, 64, 1, 2, 2, max_position_embeddings=4096,

@@ -263,8 +263,9 @@ class SpecSearch:
         A draft model whose own cache is full drafts nothing this step (the root alone
         is verified) and forgets the sequences, to start them over at the next step; a
         sequence past the draft model's context (shorter than the target's) is verified
-        root alone from then on. A sequence with no room for a draft token (its last
-        step, or the draft model's context reached) is not sent to the drafter at all.
+        root alone from then on. A sequence with no room for a draft token (its last step,
+        by ``max_new_tokens`` or the target's context, or the draft model's context reached)
+        is not sent to the drafter, which forgets it: it never drafts again.
         """
         batch, self.spec.waiting[:] = list(self.spec.waiting), []
         drafter, jobs, drafting = self.spec.drafter, [], []
@@ -279,7 +280,7 @@ class SpecSearch:
             jobs.append(job)
             if room > 1:
                 drafting.append(job)
-            elif limit is not None and len(context) > limit:
+            else:
                 drafter.release(job.key)
         t0 = time.perf_counter()
         try:
@@ -292,11 +293,13 @@ class SpecSearch:
         except Exception:  # this search fails; the others draft again when they are read
             self.spec.waiting[:] = [s for s in batch if s is not self]
             raise
-        seconds, vocab = (time.perf_counter() - t0) / len(batch), self.engine.vocab_size
+        seconds = (time.perf_counter() - t0) / max(len(drafting), 1)
+        vocab = self.engine.vocab_size
+        drafted = {job.key for job in drafting}
         for s, job in zip(batch, jobs):
             bad = next((t for t in job.grower.tree.tokens if not 0 <= t < vocab), None)
             if bad is None:
-                s.draft_s += seconds
+                s.draft_s += seconds if job.key in drafted else 0.0
                 s.tree = job.grower.tree
                 s._trees = [(s.node, s.tree.parents, s.tree.tokens)]
             elif s is self:  # as a raising drafter, for this search alone
