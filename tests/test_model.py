@@ -25,6 +25,7 @@ from tokenizers import Tokenizer as Backend
 from deft import TreeLayout
 from deft.model import LlamaConfig, LlamaModel, RopeScaling, load_model
 from deft.model.gguf_file import GGUFFile
+from deft.model.gguf_loader import BLOCK_NAMES
 from deft.model.gguf_tokenizer import tokenizer_from_gguf
 from deft.model.loader import DEFAULT_GGUF, default_model_path
 from deft.model.rope import rope_inv_freq
@@ -377,6 +378,35 @@ def test_gguf_matches_hf_dir(tiny):
         assert tok.decode(tok.encode("hello world")) == "hello world"
         assert tok.eos_token_ids == {0, 2}  # <|im_end|> and <|endoftext|>
         assert tok.decode(tok.apply_chat_template("hi")) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_gguf_slices_dequantise_as_the_whole_tensor_sliced(tiny):
+    """Rows, and columns on or off quantisation blocks, of every tensor (F32, F16, Q8_0,
+    Q4_1): equal to the whole tensor sliced; q/k rows of whole heads come back un-permuted
+    like the whole; the loader's ``read_slice`` is what a tensor-parallel rank reads."""
+    from deft.model.gguf_loader import _Tensors
+
+    f = GGUFFile(tiny[1])
+    for name, t in f.tensors.items():
+        whole = f.dequantize(name)
+        if len(t.shape) == 1:
+            np.testing.assert_array_equal(f.dequantize(name, 0, 3, 9), whole[3:9])
+            continue
+        rows, cols = t.shape
+        for dim, start, stop in ((0, 0, rows // 2), (0, rows // 3, rows), (1, 0, 32),
+                                 (1, 32, cols), (1, 8, 40)):
+            got = f.dequantize(name, dim, start, stop)
+            want = whole[start:stop] if dim == 0 else whole[:, start:stop]
+            assert got.flags.c_contiguous, name
+            np.testing.assert_array_equal(got, want, err_msg=f"{name} dim {dim} [{start}, {stop})")
+    tensors = _Tensors(f, TINY_CONFIG, True, BLOCK_NAMES, 0.0)
+    d = TINY_CONFIG.head_dim
+    for hf in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        whole = tensors[hf]
+        for start, stop in ((0, d), (d, 2 * d), (0, 2 * d), (5, 30)):
+            torch.testing.assert_close(tensors.read_slice(hf, 0, start, stop), whole[start:stop],
+                                       atol=0, rtol=0)
+        torch.testing.assert_close(tensors.read_slice(hf, 1, 16, 48), whole[:, 16:48], atol=0, rtol=0)
 
 
 def test_gguf_tokenizer_options(tiny):

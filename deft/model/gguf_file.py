@@ -169,19 +169,43 @@ class GGUFFile:
             tensors[name] = GGUFTensor(name, tuple(reversed(dims)), qtype, start + offset, nbytes)
         return metadata, tensors
 
-    def dequantize(self, name: str) -> np.ndarray:
-        """Tensor ``name`` as float32 ``[*shape]`` (a fresh array, not tied to the file)."""
+    def dequantize(self, name: str, dim: int | None = None, start: int = 0,
+                   stop: int | None = None) -> np.ndarray:
+        """Tensor ``name`` as float32 ``[*shape]`` (a fresh array, not tied to the file); with
+        ``dim`` (0 or 1 of a 2-D tensor), only ``[start, stop)`` along it. Only those rows'
+        bytes are read, or those columns' where they fall on whole quantisation blocks
+        (else whole rows are, then sliced)."""
         t = self.tensors[name]
+        shape = t.shape
         if t.nbytes == 0:
-            return np.zeros(t.shape, np.float32)
-        rows = math.prod(t.shape[:-1])
+            return np.zeros(shape, np.float32)[_span(shape, dim, start, stop)]
+        rows = math.prod(shape[:-1])
         raw = np.frombuffer(self._buf, np.uint8, t.nbytes, t.offset).reshape(rows, t.nbytes // rows)
+        after = _span(shape, dim, start, stop)  # what is left to slice once dequantised
+        if dim is not None and len(shape) == 2:
+            stop = shape[dim] if stop is None else stop
+            block, type_size = GGML_QUANT_SIZES[t.qtype]
+            if dim == 0:
+                raw, shape, after = raw[start:stop], (stop - start, shape[1]), ()
+            elif start % block == 0 and stop % block == 0:
+                raw = raw[:, start // block * type_size:stop // block * type_size]
+                shape, after = (shape[0], stop - start), ()
         try:
-            out = dequantize(raw, t.qtype)
+            out = dequantize(np.ascontiguousarray(raw), t.qtype)
         except NotImplementedError:
             raise ValueError(
                 f"{self.path}: tensor {name!r} has type {t.qtype.name}, which gguf cannot dequantise"
             ) from None
         if t.qtype == GGMLQuantizationType.F32:
             out = out.copy()  # dequantize returns a view of the mapped file
-        return out.astype(np.float32, copy=False).reshape(t.shape)
+        return np.ascontiguousarray(out.astype(np.float32, copy=False).reshape(shape)[after])
+
+
+def _span(shape: tuple[int, ...], dim: int | None, start: int, stop: int | None) -> tuple:
+    """The index of ``[start, stop)`` along ``dim`` of an array of ``shape`` (all of it if
+    ``dim`` is None)."""
+    if dim is None:
+        return ()
+    if not 0 <= dim < len(shape):
+        raise ValueError(f"dim: expected one of the {len(shape)} dimensions, got {dim}")
+    return (slice(None),) * dim + (slice(start, stop),)

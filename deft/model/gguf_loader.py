@@ -73,8 +73,8 @@ def load_gguf(
     view: TensorView | None = None,
 ) -> tuple[LlamaModel, Tokenizer]:
     """Model and tokenizer from the GGUF file at ``path`` (or already opened); with ``tp``
-    (a :class:`~deft.distributed.TPGroup`), this rank's shard (each tensor is dequantised
-    whole, one at a time, and only the rank's slice kept).
+    (a :class:`~deft.distributed.TPGroup`), this rank's shard (of a split tensor, only the
+    rank's rows are dequantised, and its columns where they fall on quantisation blocks).
 
     A family passes ``adapt`` (the config read from the metadata, its flags set and checked),
     ``permuted_qk=False`` where llama.cpp's converter keeps q/k rows in rotate-half order
@@ -113,7 +113,8 @@ def load_gguf(
     tensors: Mapping[str, torch.Tensor] = _Tensors(f, config, permuted_qk, block_names, norm_offset)
     if view is not None:
         tensors = view(config, tensors)
-    return build_hf(config, tensors, path, dtype, device, tp), tokenizer
+    return build_hf(config, tensors, path, dtype, device, tp,
+                    getattr(tensors, "read_slice", None)), tokenizer
 
 
 def _factors(f: GGUFFile, name: str) -> tuple[float, ...]:
@@ -133,16 +134,25 @@ class _Tensors(LazyTensors):
         super().__init__(self.names)
 
     def __getitem__(self, hf: str) -> torch.Tensor:
+        return self.read_slice(hf, None, 0, None)
+
+    def read_slice(self, hf: str, dim: int | None, start: int, stop: int | None) -> torch.Tensor:
+        """Rows or columns ``[start, stop)`` along ``dim`` of tensor ``hf`` (all of it when
+        ``dim`` is None), dequantised alone where the file allows (a rank's shard, as
+        :meth:`~deft.model.hf_loader.Checkpoint.read_slice`)."""
         name, c = self.names[hf], self.config
-        w = self.f.dequantize(name)
+        heads = 0
         if self.permuted_qk and name.startswith("blk.") and (".attn_q." in name or ".attn_k." in name):
             heads = c.num_heads if ".attn_q." in name else c.num_kv_heads
-            if w.shape[0] != heads * c.head_dim:
-                raise ValueError(
-                    f"{self.f.path}: tensor {name!r} has {w.shape[0]} rows, expected "
-                    f"{heads * c.head_dim} ({heads} heads x head_dim {c.head_dim})"
-                )
-            w = _unpermute(w, heads)
+            rows = self.f.tensors[name].shape[0]
+            if rows != heads * c.head_dim:
+                raise ValueError(f"{self.f.path}: tensor {name!r} has {rows} rows, expected "
+                                 f"{heads * c.head_dim} ({heads} heads x head_dim {c.head_dim})")
+        if heads and dim == 0 and (start % c.head_dim or (stop or rows) % c.head_dim):
+            return self.read_slice(hf, None, 0, None)[start:stop]  # not whole heads
+        w = self.f.dequantize(name, dim, start, stop)
+        if heads:  # the heads of the rows read
+            w = _unpermute(w, w.shape[0] // c.head_dim)
         if self.norm_offset and hf.endswith("norm.weight"):
             w = w - np.float32(self.norm_offset)
         return torch.from_numpy(w)
