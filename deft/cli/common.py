@@ -107,7 +107,9 @@ def kv_dtype_flag(parser: argparse.ArgumentParser) -> None:
                         "e4m3, half the bytes of a 16-bit cache, with static per-layer, per-KV-head "
                         "scales calibrated on the first prompt chunk: its largest |K|, |V| times "
                         f"{CALIBRATION_HEADROOM:g} map to the format's largest value; queries "
-                        "and activations keep the model's dtype) (default auto)")
+                        "and activations keep the model's dtype; twice the tokens in the same "
+                        "memory, but a step is slower than with a 16-bit cache today: see "
+                        "docs/benchmarks.md) (default auto)")
 
 
 def prompt_flags() -> argparse.ArgumentParser:
