@@ -140,6 +140,23 @@ def test_fp8_attention_matches_the_reference_of_the_dequantised_kv(backend, dtyp
         assert_lse_close(lse, ref_lse, f"{backend} fp8")
 
 
+def test_bf16_queries_over_fp8_kv_stay_exact_past_the_fp16_range(backend):
+    """The triton backend runs a bf16 q's dots over FP8 K/V in fp16: a query whose elements
+    are past fp16's range (65,504) is scaled by a power of two, not turned into inf."""
+    layout = shuffle_slots(few_shot_layout(33, 3, 5), seed=2, num_slots=70)
+    q = random_qkv(layout, H_Q, H_KV, D, torch.float32, 4)[0]
+    q[int(np.flatnonzero(layout.query_nodes == 2)[0])] *= 3e5
+    q = q.to(torch.bfloat16)
+    k8, v8, ks, vs = fp8_kv(layout, 4)
+    ref_o, ref_lse = dequantised_reference(q, k8, v8, ks, vs, layout)
+    attn = TreeAttention(H_Q, H_KV, D, backend=backend, block_kv=8 if backend == "triton" else None)
+    attn.plan(layout, FP8)
+    o, lse = attn.run(q, k8, v8, return_lse=True, k_scale=ks, v_scale=vs)
+    atol, rtol = TOL[torch.bfloat16]
+    torch.testing.assert_close(o.double(), ref_o, atol=atol * float(ref_o.abs().max()), rtol=rtol)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=0, rtol=1e-5)
+
+
 def test_triton_fp8_tma_path_matches_the_reference(monkeypatch):
     """Consecutive slots by tensor descriptor: FP8 boxes, converted in registers."""
     pytest.importorskip("triton")

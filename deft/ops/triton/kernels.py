@@ -14,7 +14,10 @@ partial state also merges the row (off by default: slower; see docs/decisions.md
 K/V of another dtype than q (FP8: one byte per element read) convert exactly to q's dtype as
 they are loaded; with ``SCALED``, the head's K scale multiplies the score scale and its V
 scale the output, so the result is attention over the dequantised K/V, with no rounding
-added beyond what q's dtype adds to unscaled K/V.
+added beyond what q's dtype adds to unscaled K/V. ``F16_DOTS`` (a bf16 q over one-byte K/V):
+q is converted to fp16 once instead (see ``_fp16_queries``) and K/V to fp16 as loaded, which
+sm_90 does natively for e4m3 where bf16 takes a scalar conversion per element; every e4m3
+value is an fp16 value, and probabilities round to fp16, finer than bf16 on [0, 1].
 
 Non-finite K/V stay with the rows that see them, with checks only on values already in
 registers. A non-finite K row makes the score of every row that sees it non-finite: NaN and
@@ -90,6 +93,17 @@ def _accumulate(p, v, acc, IEEE: tl.constexpr):
         return tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
     else:
         return tl.dot(p.to(v.dtype), v, acc)
+
+
+@triton.jit
+def _fp16_queries(q, qk_scale):
+    """``q`` (bf16) as fp16 for fp16 dots, and the score scale to match. Exact while every
+    finite element's magnitude is below 2^15 (bf16's 8-bit significands fit fp16's 11), but
+    for elements under 2^-14, which round to fp16's subnormal steps of 2^-24; past 2^15 the
+    program's q is scaled down by a power of two that the score scale undoes."""
+    amax = tl.max(tl.max(tl.where(_finite(q), tl.abs(q), 0.0), 1), 0).to(tl.float32)
+    e = tl.where(amax > 32768.0, tl.ceil(tl.log2(amax)) - 15.0, 0.0)
+    return (q * tl.exp2(-e)).to(tl.float16), qk_scale * tl.exp2(e)
 
 
 @triton.jit
@@ -231,7 +245,7 @@ def tree_partial_kernel(
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, HEADER: tl.constexpr,
-    SCALED: tl.constexpr,
+    SCALED: tl.constexpr, F16_DOTS: tl.constexpr,
 ):
     # KV heads vary fastest: programs start in work-item order (largest tiles first) across
     # all heads, so the launch's last programs are its shortest ones.
@@ -262,7 +276,7 @@ def tree_partial_kernel(
                 stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
                 KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
-                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED)
+                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS)
         else:
             if PDL:
                 gdc_launch_dependents()
@@ -275,7 +289,7 @@ def tree_partial_kernel(
                 stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
                 KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
-                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False, SCALED=SCALED)
+                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False, SCALED=SCALED, F16_DOTS=F16_DOTS)
     else:
         _work_item(
             tl.program_id(0) // h_kv, tl.program_id(0) % h_kv, Q, K, V, desc_k, desc_v, PO,
@@ -284,7 +298,7 @@ def tree_partial_kernel(
             stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
             KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK,
             CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL,
-            SCALED=SCALED)
+            SCALED=SCALED, F16_DOTS=F16_DOTS)
 
 
 @triton.jit
@@ -296,11 +310,13 @@ def _work_item(
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, WAIT: tl.constexpr, SCALED: tl.constexpr,
+    F16_DOTS: tl.constexpr,
 ):
     """Work item ``w`` of the plan for KV head ``kvh``: its partial states. ``WAIT``: wait
     for the previous launch (programmatic dependent launch) once the item is described.
     ``SCALED``: K/V (e.g. FP8, converted exactly to q's dtype as loaded) are dequantised
-    by the head's scales: K's folds into the score scale, V's into the epilogue."""
+    by the head's scales: K's folds into the score scale, V's into the epilogue.
+    ``F16_DOTS``: the dots run in fp16 (see the top)."""
     tok_slot = plan
     tok_lo = plan + off_lo
     tok_hi = plan + off_hi
@@ -350,6 +366,8 @@ def _work_item(
     if SCALED:
         qk_scale = qk_scale * tl.load(KS + kvh * stride_s)
         v_s = tl.load(VS + kvh * stride_s)
+    if F16_DOTS:
+        q, qk_scale = _fp16_queries(q, qk_scale)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)

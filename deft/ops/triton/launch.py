@@ -188,6 +188,7 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
                   USE_MASK=prepared.needs_mask, CONTIG=prepared.contiguous, TMA=False,
                   SORTED=prepared.sorted_queries, FUSE_MERGE=fused,
                   IEEE=q.dtype == torch.float32, PDL=pdl, HEADER=header, SCALED=scaled,
+                  F16_DOTS=q.dtype == torch.bfloat16 and k_cache.dtype.itemsize == 1,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   maxnreg=register_cap(cfg, k_cache.dtype),
                   launch_pdl=pdl)
