@@ -150,8 +150,9 @@ def _sweep_tree(name: str, layout, variant_list, graph: bool, registers: dict,  
     rows = []
     try:
         for label, changes, u in variant_list:
-            if "maxnreg" in changes:  # a variant's cap holds for one-byte K/V too
-                changes = {"kv8_maxnreg": changes["maxnreg"], **changes}
+            # A variant's cap and block hold for one-byte K/V too.
+            changes = {**{f"kv8_{f}": changes[f] for f in ("maxnreg", "block_n") if f in changes},
+                       **changes}
             for key, cfg in shipped_table.items():
                 if key[1] == D:
                     configs.CONFIGS[key] = dataclasses.replace(cfg, **changes)

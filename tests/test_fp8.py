@@ -387,8 +387,9 @@ def test_fp8_cache_accuracy_against_a_16_bit_cache_on_smollm2(smol):
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d,gqa", [(64, 1), (128, 4), (128, 8)])
-def test_gpu_fp8_attention_matches_the_dequantised_reference(dtype, d, gqa):
-    layout = shuffle_slots(few_shot_layout(3000, 20, 100), seed=3, num_slots=6000)
+@pytest.mark.parametrize("queries", [20, 64])  # 64 x 32 heads: sm_90's 2,048-row configs
+def test_gpu_fp8_attention_matches_the_dequantised_reference(dtype, d, gqa, queries):
+    layout = shuffle_slots(few_shot_layout(3000, queries, 100), seed=3, num_slots=10000)
     h_kv = 4
     q, k, v = random_qkv(layout, h_kv * gqa, h_kv, d, torch.float32, seed=d, device="cuda")
     ks, vs = torch.rand(h_kv, device="cuda") * 0.02 + 0.005, torch.rand(h_kv, device="cuda") * 0.02 + 0.005
@@ -465,24 +466,28 @@ def test_a_fixed_calibration_leaves_the_scales_to_no_request():
     assert torch.equal(scales[0], scales[1])
 
 
-def test_one_byte_kv_launches_under_its_own_register_cap(monkeypatch):
-    """The config's ``kv8_maxnreg`` caps the partial kernel over FP8 K/V; 16-bit K/V keep
-    ``maxnreg`` (the sm_90 table caps FP8 at 168 registers, 16-bit steps below 2,048 rows not)."""
+def test_one_byte_kv_launches_with_its_own_register_cap_and_block(monkeypatch):
+    """The config's ``kv8_maxnreg`` and ``kv8_block_n`` shape the partial kernel over FP8
+    K/V; 16-bit K/V keep ``maxnreg`` and ``block_n`` (the sm_90 table caps FP8 at 168
+    registers, 16-bit steps below 2,048 rows not; FP8 steps from 2,048 rows take 64-token
+    blocks)."""
     pytest.importorskip("triton")
     from deft.ops.triton import configs, launch
 
     assert configs.CONFIGS[("sm90", 128, 0)].kv8_maxnreg == 168
     assert configs.CONFIGS[("sm90", 128, 0)].maxnreg is None
+    assert configs.kv_config(configs.CONFIGS[("sm90", 128, 2048)], FP8).block_n == 64
+    assert configs.kv_config(configs.CONFIGS[("sm90", 128, 2048)], torch.bfloat16).block_n == 32
     for key, cfg in list(configs.CONFIGS.items()):
-        monkeypatch.setitem(configs.CONFIGS, key,
-                            dataclasses.replace(cfg, kv8_maxnreg=96, maxnreg=128))
-    caps = []
+        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
+            cfg, kv8_maxnreg=96, maxnreg=128, kv8_block_n=2 * cfg.block_n))
+    shapes = []
     kernel = launch.tree_partial_kernel
 
     class Recording:
         def __getitem__(self, grid):
             def run(*args, **kw):
-                caps.append(kw["maxnreg"])
+                shapes.append((kw["maxnreg"], kw["BLOCK_N"]))
                 return kernel[grid](*args, **kw)
             return run
 
@@ -490,9 +495,14 @@ def test_one_byte_kv_launches_under_its_own_register_cap(monkeypatch):
     layout = few_shot_layout(40, 3, 9)
     q = random_qkv(layout, H_Q, H_KV, D, torch.float32, 3)[0].half()
     k8, v8, ks, vs = fp8_kv(layout, 3)
+    ref_o, _ = dequantised_reference(q, k8, v8, ks, vs, layout)
+    outputs = []
     for kv_dtype, kv in ((FP8, dict(k_cache=k8, v_cache=v8, k_scale=ks, v_scale=vs)),
                          (None, dict(k_cache=k8.half(), v_cache=v8.half()))):
         attn = TreeAttention(H_Q, H_KV, D, backend="triton", block_kv=16)
         attn.plan(layout, kv_dtype)
-        attn.run(q, **kv)
-    assert caps == [96, 128]
+        outputs.append(attn.run(q, **kv))
+    block_n = configs.kernel_config(D, layout.num_queries * H_Q, torch.device(DEV)).block_n
+    assert shapes == [(96, 2 * block_n), (128, block_n)]
+    scale = float(ref_o.abs().max())
+    torch.testing.assert_close(outputs[0].double(), ref_o, atol=2e-3 * scale, rtol=2e-3)

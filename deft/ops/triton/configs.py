@@ -10,13 +10,14 @@ without rows in the table uses ``DEFAULT_ARCH``'s, a head_dim without rows uses
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KernelConfig", "CONFIGS", "kernel_config", "interpreting", "arch_of"]
+__all__ = ["KernelConfig", "CONFIGS", "kernel_config", "kv_config", "interpreting", "arch_of"]
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,12 @@ class KernelConfig:
     tma: bool = False  # with contig: such tiles' K/V by TMA (sm_90+, in CUDA-graph capture only)
     fuse_merge: bool = False  # the last program of a row merges it (no merge launch)
     maxnreg: int | None = None  # register cap per thread (more programs per SM, maybe spills)
-    # The cap over one-byte (FP8) K/V, whose conversion to q's dtype goes through shared
-    # memory in the inner loop: a third program per SM hides its latency better than spills
-    # cost (None: ``maxnreg``).
+    # Over one-byte (FP8) K/V, whose conversion goes through shared memory in the inner loop,
+    # the partial kernel launches with these instead of ``maxnreg`` and ``block_n`` (None:
+    # the same): a third program per SM hides the round trip's latency better than spills
+    # cost, and longer blocks make fewer round trips where many rows share each block.
     kv8_maxnreg: int | None = None
+    kv8_block_n: int | None = None
     pdl: bool = False  # programmatic dependent launch (sm_90+): starts before the last launch ends
     merge_block: int = 16  # partial states per step of the merge kernel
     merge_warps: int = 2  # warps per merge program
@@ -53,7 +56,7 @@ class KernelConfig:
 
 
 _SM90 = dict(tma=True, pdl=True, graph_waves=3, kv8_maxnreg=168)
-_NARROW = dict(_SM90, narrow_partials=True, maxnreg=168)
+_NARROW = dict(_SM90, narrow_partials=True, maxnreg=168, kv8_block_n=64)
 CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
     ("sm90", 64, 0): KernelConfig(64, 32, 4, 3, 4.0, **_SM90),
     ("sm90", 128, 0): KernelConfig(64, 32, 4, 3, 4.0, **_SM90),
@@ -117,3 +120,15 @@ def kernel_config(head_dim: int, rows: int = 0, device: torch.device | None = No
     if best is not None:
         return best[1]
     return fallback[1]
+
+
+@functools.lru_cache(maxsize=64)
+def _one_byte(cfg: KernelConfig) -> KernelConfig:
+    return dataclasses.replace(cfg, maxnreg=cfg.kv8_maxnreg or cfg.maxnreg,
+                               block_n=cfg.kv8_block_n or cfg.block_n)
+
+
+def kv_config(cfg: KernelConfig, kv_dtype: torch.dtype) -> KernelConfig:
+    """``cfg`` as the partial kernel launches it over K/V of ``kv_dtype``: one-byte K/V take
+    the ``kv8_`` fields."""
+    return _one_byte(cfg) if kv_dtype.itemsize == 1 else cfg

@@ -24,12 +24,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ...plan import TreePlan
 from ...plan.packing import SEGMENTS
 from ..base import Capacity
-from .configs import KernelConfig, interpreting, kernel_config
+from .configs import KernelConfig, interpreting, kernel_config, kv_config
 from .kernels import merge_kernel, tree_partial_kernel
 from .native_launch import NativeLaunch, batched, native_launch
 
 __all__ = ["HEADER", "Reserved", "StepBuffers", "Pointer", "launch_step", "launch_merge",
-           "launch_signature", "register_cap", "has_tma", "stream_capturing"]
+           "launch_signature", "has_tma", "stream_capturing"]
 
 # Ints before the segments of a graph-safe plan buffer: the work-item count, then the
 # offsets of segments 1-9 (``SEGMENTS``) from the first.
@@ -166,7 +166,7 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
     if v_cache.stride() != ks:  # the kernels address V with K's strides
         k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
         ks = k_cache.stride()
-    cfg, a = prepared.config, prepared.arrays
+    cfg, a = kv_config(prepared.config, k_cache.dtype), prepared.arrays
     po, plse, lse_ws = prepared.workspaces
     if cfg.narrow_partials and q.dtype != torch.float32:  # same memory, read as q's dtype
         po = Pointer(po.address, q.dtype) if isinstance(po, Pointer) else po.view(q.dtype)
@@ -190,7 +190,7 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
                   IEEE=q.dtype == torch.float32, PDL=pdl, HEADER=header, SCALED=scaled,
                   F16_DOTS=q.dtype == torch.bfloat16 and k_cache.dtype.itemsize == 1,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                  maxnreg=register_cap(cfg, k_cache.dtype),
+                  maxnreg=cfg.maxnreg,
                   launch_pdl=pdl)
         tma = prepared.tma and _tma_ok(k_cache, ks) and _tma_ok(v_cache, ks)
         # TMA only inside CUDA-graph capture: launched eagerly, Triton's per-launch handling
@@ -219,13 +219,6 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
         # Aligned, and nothing copied (a copy's address is not what later calls bind).
         exact = key[-1] and q is given_q and k_cache is given_k and v_cache is given_v
         records[key] = _native(launches) if exact else None
-
-
-def register_cap(cfg: KernelConfig, kv_dtype: torch.dtype) -> int | None:
-    """The partial kernel's register cap per thread over K/V of ``kv_dtype``."""
-    if kv_dtype.itemsize == 1 and cfg.kv8_maxnreg is not None:
-        return cfg.kv8_maxnreg
-    return cfg.maxnreg
 
 
 def launch_signature(prepared: StepBuffers) -> tuple:
