@@ -314,7 +314,7 @@ def _work_item(
 ):
     """Work item ``w`` of the plan for KV head ``kvh``: its partial states. ``WAIT``: wait
     for the previous launch (programmatic dependent launch) once the item is described.
-    ``SCALED``: K/V (e.g. FP8, converted exactly to q's dtype as loaded) are dequantised
+    ``SCALED``: K/V (e.g. FP8, converted exactly to the dots' dtype as loaded) are dequantised
     by the head's scales: K's folds into the score scale, V's into the epilogue.
     ``F16_DOTS``: the dots run in fp16 (see the top)."""
     tok_slot = plan
