@@ -70,6 +70,31 @@ def test_prefix_cache_forgets_evicted_entries():
     assert len(cache) == 0 and cache.match(a + [3]) is None and tree.live_nodes == [again]
 
 
+def test_a_waiting_prompt_is_hashed_once_until_the_entries_change(monkeypatch):
+    """A prompt looked up again (as a blocked one is, at every step) is not hashed again;
+    a new entry, or the loss of the entry it matched, makes it look again and find what a
+    first lookup finds."""
+    tree = TreeKVCache(num_pages=256, page_size=4)
+    cache = PrefixCache(tree, min_tokens=4)
+    hashed = []
+    chain = PrefixCache._chain
+    monkeypatch.setattr(PrefixCache, "_chain", lambda self, t, limit: hashed.append(1) or chain(self, t, limit))
+    short, prompt = [1] * 8, [1] * 40 + [5]
+    cache.insert(short, short_node := tree.add_root(len(short)))
+    assert cache.cached(prompt) == (short_node, 8)
+    hashed.clear()
+    for _ in range(3):
+        assert cache.cached(prompt) == (short_node, 8)
+    assert not hashed
+    cache.insert([1] * 24, long_node := tree.add_root(24))  # a longer entry: found now
+    assert cache.cached(prompt) == (long_node, 24)
+    cache.insert([2] * 8, other := tree.add_root(8))
+    tree.prune(long_node)  # the matched entry's node is gone: the next best
+    assert cache.cached(prompt) == (short_node, 8)
+    assert cache.cached(prompt + [6]) == cache.cached(list(prompt) + [6]) == (short_node, 8)
+    assert other in cache.pinned
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_single_answer_stays_cached_for_the_next_turn(smol, overlap):
     """A request's one answer stays in the cache with its prompt: a next turn that repeats

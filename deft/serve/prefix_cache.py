@@ -11,7 +11,10 @@ Lookups cost the prompt's length, not the cache's size: each entry is indexed un
 chained hashes of its first 1, 2, ... blocks of ``min_tokens`` tokens, so a prompt finds the
 entries sharing its most blocks by one dict lookup per block, then compares the next block's
 tokens with those entries only. The chosen path is compared token by token before it is
-used (a hash collision falls back to comparing every entry).
+used (a hash collision falls back to comparing every entry). A prompt waiting for room is
+looked up at every step; its answer is kept until an entry is added or the entry it names
+is gone (losing other entries cannot lengthen a match), so a blocked 32k-token prompt is
+hashed once, not at every step.
 
 The server's gauge of pages on running requests' paths is the pages in use less the pages
 only idle entries hold. The cache tracks which of its nodes (the entries and the nodes above
@@ -70,6 +73,8 @@ class PrefixCache:
         self._kept: dict[int, _Kept] = {}  # every entry and every node above one
         self._anchors: set[int] = set()  # kept nodes with a request's node among their children
         self._dirty: set[int] = set()  # kept nodes whose children may have changed
+        # id(tokens) -> (tokens, their length, the answer of ``cached``), while no entry is added
+        self._answers: dict[int, tuple[list[int], int, tuple[int, int] | None]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -78,11 +83,18 @@ class PrefixCache:
         """The entry :meth:`match` would fork ``tokens`` from and how many of them its path
         holds, or ``None``; nothing counted, split or marked."""
         self._drop_dead()
+        known = self._answers.get(id(tokens))
+        if known is not None and known[0] is tokens and known[1] == len(tokens):
+            found = known[2]
+            if found is None or found[0] in self._entries:
+                return found
         limit = len(tokens) - 1  # the last prompt token is fed: its logits start decoding
         best, best_len = self._longest(tokens, limit)
-        if best is None or best_len < self.min_tokens:
-            return None
-        return best, best_len
+        found = None if best is None or best_len < self.min_tokens else (best, best_len)
+        if len(self._answers) >= 1024:
+            self._answers.clear()
+        self._answers[id(tokens)] = (tokens, len(tokens), found)
+        return found
 
     def match(self, tokens: list[int]) -> tuple[int, int] | None:
         """The node to fork ``tokens`` from and how many of them its path holds, or ``None``."""
@@ -105,6 +117,7 @@ class PrefixCache:
         key = tuple(tokens)
         if key in self._by_tokens:
             return False
+        self._answers.clear()  # a new entry may match any prompt further
         self._entries[node], self._by_tokens[key] = key, node
         for h in self._chain(key, len(key)):
             self._blocks.setdefault(h, set()).add(node)
