@@ -22,6 +22,7 @@ import torch
 from ..cache import CacheFullError, TreeKVCache
 from ..checks import is_int
 from ..layout import as_index_array
+from ..model.config import context_text
 from .config import EngineConfig
 from .runner import STAT_KEYS, ModelRunner
 from .step import Feed, build_step
@@ -93,9 +94,8 @@ class TreeEngine:
         self.prefill_chunk = config.prefill_chunk
         self.vocab_size = model.config.vocab_size
         self.max_positions = model.config.max_position_embeddings
-        # "the model's context of N" and what capped it (LlamaConfig.context_text), for errors
-        self.context_text = getattr(model.config, "context_text",
-                                    f"the model's context of {self.max_positions}")
+        # "the model's context of N" and what capped it, for errors
+        self.context_text = getattr(model.config, "context_text", context_text(self.max_positions))
         self._staged: list[Feed] = []
         self._tree_depths: dict[bytes, tuple[np.ndarray, int]] = {}  # see _depths
 

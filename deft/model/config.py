@@ -38,6 +38,13 @@ def _check_count(factors: tuple[float, ...], name: str, head_dim: int) -> tuple[
     return factors
 
 
+def context_text(positions: int, cap: str | None = None) -> str:
+    """How errors quote a model's context: ``the model's context of N``, and what capped it
+    (``cap``) where something did."""
+    why = f" ({cap}: attention is exact only within it)" if cap else ""
+    return f"the model's context of {positions}{why}"
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling.
@@ -250,8 +257,7 @@ class LlamaConfig:
     @property
     def context_text(self) -> str:
         """``the model's context of N`` and, where it was capped, what capped it."""
-        why = f" ({self.context_cap}: attention is exact only within it)" if self.context_cap else ""
-        return f"the model's context of {self.max_position_embeddings}{why}"
+        return context_text(self.max_position_embeddings, self.context_cap)
 
     def capped(self, limit: int, cap: str) -> "LlamaConfig":
         """This config with its context at most ``limit``, ``cap`` naming why where it lowers it."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine import SamplingParams, TopKShape, TreeShape
+from ..model.config import context_text
 from ..model.tokenizer import Tokenizer
 from .jobs import Job
 
@@ -44,7 +45,7 @@ class Limits:
 
     def __post_init__(self) -> None:
         if not self.context_text:
-            object.__setattr__(self, "context_text", f"the model's context of {self.context}")
+            object.__setattr__(self, "context_text", context_text(self.context))
 
 
 def check_model(model: str, limits: Limits) -> None:
