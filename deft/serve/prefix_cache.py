@@ -91,7 +91,7 @@ class PrefixCache:
         limit = len(tokens) - 1  # the last prompt token is fed: its logits start decoding
         best, best_len = self._longest(tokens, limit)
         found = None if best is None or best_len < self.min_tokens else (best, best_len)
-        if len(self._answers) >= 1024:
+        if len(self._answers) >= 64:  # the prompts waiting at the head of a queue
             self._answers.clear()
         self._answers[id(tokens)] = (tokens, len(tokens), found)
         return found
