@@ -1,5 +1,6 @@
 """Argument checks shared by every layer: each raises a ``ValueError`` or ``TypeError`` that
-names the argument, what was expected and what arrived."""
+names the argument, what was expected and what arrived; and how errors quote a model's
+context."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 from numbers import Integral, Real
 from typing import Any, Callable
 
-__all__ = ["is_int", "positive_int", "int_at_least", "int_in_range", "real_number"]
+__all__ = ["is_int", "positive_int", "int_at_least", "int_in_range", "real_number", "context_text"]
 
 
 def is_int(value: Any) -> bool:
@@ -50,3 +51,10 @@ def real_number(value: Any, name: str, expected: str = "a finite number",
             or not valid(float(value))):
         raise ValueError(f"{name}: expected {expected}, got {value!r}")
     return float(value)
+
+
+def context_text(positions: int, cap: str | None = None) -> str:
+    """How errors quote a model's context: ``the model's context of N``, and what capped it
+    (``cap``) where something did."""
+    why = f" ({cap}: attention is exact only within it)" if cap else ""
+    return f"the model's context of {positions}{why}"

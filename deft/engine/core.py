@@ -20,9 +20,8 @@ import numpy as np
 import torch
 
 from ..cache import CacheFullError, TreeKVCache
-from ..checks import is_int
+from ..checks import context_text, is_int
 from ..layout import as_index_array
-from ..model.config import context_text
 from .config import EngineConfig
 from .runner import STAT_KEYS, ModelRunner
 from .step import Feed, build_step

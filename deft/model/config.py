@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from numbers import Real
 from typing import Any, Mapping, Sequence
 
-from ..checks import int_in_range, is_int, positive_int, real_number
+from ..checks import context_text, int_in_range, is_int, positive_int, real_number
 
 __all__ = ["ACTIVATIONS", "LlamaConfig", "RopeScaling", "ROPE_SCALING_KINDS", "rope_from_hf"]
 
@@ -36,13 +36,6 @@ def _check_count(factors: tuple[float, ...], name: str, head_dim: int) -> tuple[
     if len(factors) != head_dim // 2:
         raise ValueError(f"{name}: expected head_dim // 2 = {head_dim // 2} values, got {len(factors)}")
     return factors
-
-
-def context_text(positions: int, cap: str | None = None) -> str:
-    """How errors quote a model's context: ``the model's context of N``, and what capped it
-    (``cap``) where something did."""
-    why = f" ({cap}: attention is exact only within it)" if cap else ""
-    return f"the model's context of {positions}{why}"
 
 
 @dataclass(frozen=True)

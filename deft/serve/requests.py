@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine import SamplingParams, TopKShape, TreeShape
-from ..model.config import context_text
+from ..checks import context_text
 from ..model.tokenizer import Tokenizer
 from .jobs import Job
 
