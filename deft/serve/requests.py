@@ -8,8 +8,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine import SamplingParams, TopKShape, TreeShape
 from ..checks import context_text
+from ..engine import SamplingParams, TopKShape, TreeShape
 from ..model.tokenizer import Tokenizer
 from .jobs import Job
 
