@@ -14,10 +14,10 @@ partial state also merges the row (off by default: slower; see docs/decisions.md
 K/V of another dtype than q (FP8: one byte per element read) convert exactly to q's dtype as
 they are loaded; with ``SCALED``, the head's K scale multiplies the score scale and its V
 scale the output, so the result is attention over the dequantised K/V, with no rounding
-added beyond what the dots' dtype adds to unscaled K/V. ``F16_DOTS`` (a bf16 q over one-byte K/V):
-q is converted to fp16 once instead (see ``_fp16_queries``) and K/V to fp16 as loaded, which
-sm_90 does natively for e4m3 where bf16 takes a scalar conversion per element; every e4m3
-value is an fp16 value, and probabilities round to fp16, finer than bf16 on [0, 1].
+added beyond what the dots' dtype adds to unscaled K/V. ``F16_DOTS`` (a bf16 q over one-byte
+K/V): q is converted to fp16 once instead (see ``_fp16_queries``) and K/V to fp16 as loaded,
+which sm_90 does natively for e4m3 where bf16 takes a scalar conversion per element; every
+e4m3 value is an fp16 value, and probabilities round to fp16, finer than bf16 on [0, 1].
 
 Non-finite K/V stay with the rows that see them, with checks only on values already in
 registers. A non-finite K row makes the score of every row that sees it non-finite: NaN and
