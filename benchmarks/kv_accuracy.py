@@ -97,3 +97,121 @@ def retrieval(model: Any, tok: Any, context: int = 32768, depth: float = 0.25,
         answer = tok.decode(generate(engine, [prompt], params)[0].token_ids)
         out[f"answer_{name}"], out[f"found_{name}"] = answer, secret in answer
     return out
+
+
+class NeedleTokens:
+    """The token names of :func:`needle_model`: ``a{s}`` answers, ``f{s}`` facts, ``?`` the
+    question, ``x{i}`` fillers (ids in that order); ``encode`` reads the ids back."""
+
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def __init__(self, values: int, vocab_size: int) -> None:
+        self.values, self.vocab_size = values, vocab_size
+
+    def name(self, i: int) -> str:
+        v = self.values
+        return (f"a{i}" if i < v else f"f{i - v}" if i < 2 * v else "?" if i == 2 * v
+                else f"x{i - 2 * v - 1}")
+
+    def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
+        return " ".join(self.name(int(i)) for i in ids)
+
+    def encode(self, text: str) -> list[int]:
+        names = {self.name(i): i for i in range(self.vocab_size)}
+        return [names[w] for w in text.split()]
+
+
+def needle_model(values: int = 100, fillers: int = 900, fact_score: float = 24.0,
+                 seed: int = 0, max_positions: int = 131072) -> tuple[Any, NeedleTokens]:
+    """A one-layer Llama whose weights are set by hand to answer a retrieval question: the
+    question token's query matches the key of the fact token ``f{s}`` (score
+    ``fact_score`` in natural-log units) and the fact's value names the answer ``a{s}``,
+    read off by the LM head. Filler tokens have random keys as large per element as the
+    fact's (their scores against the question: a standard deviation of about
+    ``fact_score / sqrt(32)``), so among 32k fillers the fact holds about 99% of the
+    question's attention. No trained model here has a 32k context; this one checks that a
+    cache (FP8 scales calibrated on the prompt's first chunk, pages, kernels) keeps one
+    sharp attention peak among tens of thousands of tokens, not a trained model's accuracy.
+
+    Keys and queries live in the head dims whose RoPE frequency is below 2e-7 per token
+    (``rope_theta`` 1e9), so positions barely move the scores. Float32 weights, CPU."""
+    from deft.model import LlamaConfig, LlamaModel
+
+    hidden, head_dim, heads = 256, 128, 4
+    vocab = 2 * values + 1 + fillers
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=16,
+                         num_layers=1, num_heads=heads, num_kv_heads=1, head_dim=head_dim,
+                         rope_theta=1e9, max_position_embeddings=max_positions)
+    with torch.device("cpu"):
+        model = LlamaModel(config).eval().requires_grad_(False)
+    gen = torch.Generator().manual_seed(seed)
+    root = hidden**0.5
+    # Residual dims: 0 the fact marker, 1 the question, 2 answers, 64.. the value of each
+    # answer, 192..255 the fillers' noise. Every embedding has norm sqrt(hidden) (the
+    # attention's RMSNorm leaves it as is).
+    value, noise = 64, slice(192, 256)
+    emb = torch.zeros(vocab, hidden)
+    a = root / 2**0.5
+    for s in range(values):
+        emb[s, 2] = root
+        emb[values + s, 0] = emb[values + s, value + s] = a
+    emb[2 * values, 1] = root
+    fill = torch.zeros(fillers, hidden)
+    fill[:, noise] = torch.randn(fillers, 64, generator=gen)
+    fill[:, value:value + 128] = torch.randn(fillers, 128, generator=gen) * 0.5
+    emb[2 * values + 1:] = fill * (root / fill.norm(dim=1, keepdim=True))
+    model.embed.weight.copy_(emb)
+
+    slow = torch.cat([torch.arange(48, 64), torch.arange(112, 128)])  # the slowest RoPE pairs
+    direction = torch.zeros(head_dim)
+    direction[slow] = (torch.randint(0, 2, (slow.numel(),), generator=gen) * 2 - 1) / slow.numel()**0.5
+    k_norm = 8.0
+    wk = torch.zeros(head_dim, hidden)
+    wk[:, 0] = direction * (k_norm / a)
+    # Fillers' keys: random in the slow dims, scaled to the fact key's per-element size.
+    mix = torch.zeros(head_dim, 64)
+    mix[slow] = torch.randn(slow.numel(), 64, generator=gen)
+    keys = fill[:, noise] @ mix.T * (root / fill.norm(dim=1, keepdim=True))
+    wk[:, noise] = mix * (k_norm / slow.numel()**0.5 / keys[:, slow].std())
+    wq = torch.zeros(heads * head_dim, hidden)
+    wq[:, 1] = direction.repeat(heads) * (fact_score * head_dim**0.5 / k_norm / root)
+    wv = torch.zeros(head_dim, hidden)
+    wv[:, value:value + head_dim] = torch.eye(head_dim)
+    layer = model.layers[0]
+    layer.qkv.weight.copy_(torch.cat([wq, wk, wv]))
+    wo = torch.zeros(hidden, heads * head_dim)
+    for h in range(heads):
+        wo[value:value + head_dim, h * head_dim:(h + 1) * head_dim] = torch.eye(head_dim) / heads
+    layer.o.weight.copy_(wo)
+    layer.gate_up.weight.zero_()
+    layer.down.weight.zero_()
+    head = torch.zeros(vocab, hidden)
+    head[torch.arange(values), value + torch.arange(values)] = 4.0
+    model.lm_head.weight.copy_(head)
+    return model, NeedleTokens(values, vocab)
+
+
+def needle_retrieval(context: int = 32768, depth: float = 0.25, kv: Any = "fp8_e4m3",
+                     device: str = "cpu", dtype: torch.dtype = torch.float32,
+                     backend: str = "auto", seed: int = 0,
+                     fact_score: float = 24.0) -> dict[str, Any]:
+    """:func:`needle_model`'s question after ``context`` tokens with the fact at ``depth``:
+    the answer with a 16-bit cache and with ``kv``, and whether each is the fact's."""
+    from deft.engine import SamplingParams, TreeEngine, generate
+
+    model, tok = needle_model(fact_score=fact_score, seed=seed,
+                              max_positions=max(context + 16, 1024))
+    model = model.to(device=device, dtype=dtype)
+    rng = np.random.default_rng(seed)
+    secret = int(rng.integers(1, tok.values))
+    filler = rng.integers(2 * tok.values + 1, tok.vocab_size, context - 2).tolist()
+    at = int(depth * len(filler))
+    prompt = [*filler[:at], tok.values + secret, *filler[at:], 2 * tok.values]
+    out: dict[str, Any] = {"context": len(prompt), "depth": depth, "secret": f"a{secret}"}
+    params = SamplingParams(max_new_tokens=1, stop_token_ids=frozenset())
+    for name, spec in (("base", baseline_spec(model)), ("test", kv)):
+        engine = TreeEngine(model, tok, num_pages=-(-(len(prompt) + 1) // 16) + 4,
+                            page_size=16, backend=backend, kv=spec)
+        answer = tok.decode(generate(engine, [prompt], params)[0].token_ids)
+        out[f"answer_{name}"], out[f"found_{name}"] = answer, answer == f"a{secret}"
+    return out

@@ -451,6 +451,29 @@ def test_gpu_long_context_retrieval_with_and_without_fp8():
     assert r["found_base"] == r["found_test"], r
 
 
+def test_the_needle_model_finds_its_fact_with_either_cache_and_only_through_attention():
+    """The constructed retrieval model answers the fact's value after 4,096 tokens with a
+    bf16 and an FP8 cache; with the question's query zeroed (no score for the fact) it
+    answers something else, so the check measures the attention peak."""
+    from benchmarks.kv_accuracy import needle_retrieval
+
+    r = needle_retrieval(context=4096, depth=0.6, backend="torch", seed=1)
+    assert r["found_base"] and r["found_test"], r
+    r = needle_retrieval(context=4096, depth=0.6, backend="torch", seed=1, fact_score=0.0)
+    assert not r["found_base"] and not r["found_test"], r
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_needle_retrieval_at_32k_with_and_without_fp8():
+    """A fact a quarter of the way into 32,768 tokens, asked at the end, found by the
+    constructed model with a bf16 and an FP8 cache (triton backend)."""
+    from benchmarks.kv_accuracy import needle_retrieval
+
+    r = needle_retrieval(context=32768, device="cuda", dtype=torch.bfloat16)
+    assert r["found_base"] and r["found_test"], r
+
+
 def test_a_fixed_calibration_leaves_the_scales_to_no_request():
     """Calibrated from a fixed prompt first, the scales are the same whichever request comes
     first, and the throwaway prompt holds no pages afterwards."""
