@@ -10,7 +10,8 @@ config and coarsening (``deft.plan.coarsen.refine``):
   the coarsening rule;
 * ``shapes``: other block shapes (rows x tokens, warps, stages), and slot loads forced on;
 * ``tma``: TMA loads of consecutive-slot tiles off (gathered loads), and TMA block shapes;
-* ``occupancy``: 2 stages, a 128-register cap (4 programs per SM instead of 3), other waves;
+* ``occupancy``: 2 stages, a 128-register cap (4 programs per SM instead of 3), other waves,
+  the launch model and graph-safe grid at 2 programs per SM;
 * ``pipeline``: deeper K/V rings (16-token blocks with 5, 6 or 8 stages, 32 with 4), so
   loads are issued further ahead of their use;
 * ``pdl``: programmatic dependent launch off;
@@ -91,7 +92,8 @@ def variants(sweep: str, factors: str = "2,4,8,16,32") -> list[tuple[str, dict, 
         out += [("s2", v(num_stages=2), None),
                 ("s2 maxnreg 128", v(num_stages=2, maxnreg=128), None),
                 ("waves 3", v(waves=3.0), None),
-                ("s2 maxnreg 128 waves 6", v(num_stages=2, maxnreg=128, waves=6.0), None)]
+                ("s2 maxnreg 128 waves 6", v(num_stages=2, maxnreg=128, waves=6.0), None),
+                ("2 programs per SM", v(programs_per_sm=2), None)]
     elif sweep == "pipeline":
         # Triton issues block i + stages - 1's loads at the end of iteration i, so a load has
         # stages - 2 iterations to land; 16-token blocks give 6 stages the shipped ring's

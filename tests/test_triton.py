@@ -587,6 +587,26 @@ def test_coarsening_lengthens_tiles_to_cut_a_last_wave():
     assert coarsen.lpt_factor(plan, 4, 1, 16, 1, 40, 128, 1024) == 4  # one wave either way: shortest tiles
 
 
+def test_coarsening_fits_one_wave_of_the_programs_really_resident():
+    """512 plan tiles of one group, 8 KV heads, rule factor 6: on the model's 396 slots,
+    factor 11 (376 programs) is one wave; a kernel that keeps 2 programs per SM (264 slots)
+    runs them as two (modelled 1,664), so the smallest factor within 4x the rule's that fits
+    264, 16 (256 programs, 1,152), is taken. Out of reach (rule factor 3: at most 12, 344
+    programs) or with as many resident as modelled, the choice stays."""
+    from types import SimpleNamespace
+
+    from deft.plan import coarsen
+
+    plan = SimpleNamespace(num_tiles=512, block_kv=64, tile_q_start=np.zeros(512, np.int64),
+                           tile_q_end=np.full(512, 16, np.int64))
+    assert coarsen.lpt_factor(plan, 6, 4, 64, 8, 396, 128, 1024) == 11
+    assert coarsen.lpt_factor(plan, 6, 4, 64, 8, 396, 128, 1024, 264) == 16
+    assert coarsen.lpt_makespan([(512, 1)], 16, 8, 64, 264, 128) == 1152
+    assert coarsen.lpt_makespan([(512, 1)], 11, 8, 64, 264, 128) == 1664
+    assert coarsen.lpt_factor(plan, 6, 4, 64, 8, 396, 128, 1024, 396) == 11
+    assert coarsen.lpt_factor(plan, 3, 4, 64, 8, 396, 128, 1024, 264) == 6
+
+
 def test_coarsening_model_tries_at_most_17_factors(monkeypatch):
     """A large rule factor (one long sequence, few SMs) samples 17 factors up to twice it,
     so planning stays cheap; none with one wave of programs or more than 8. The C planner

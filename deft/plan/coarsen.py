@@ -19,7 +19,7 @@ from ..checks import positive_int
 from .tree_plan import TreePlan, assemble
 
 __all__ = ["Coarsening", "group_runs", "coarsen_plan", "coarsen_factor", "refine",
-           "lpt_makespan", "lpt_factor"]
+           "lpt_makespan", "lpt_factor", "resident_wave"]
 
 _I = np.int64
 
@@ -36,6 +36,9 @@ class Coarsening(NamedTuple):
     max_factor: int  # the largest coarsening factor
     slots: int  # the launch model's program slots (programs resident per SM times SMs)
     program_cost: int  # the launch model's fixed cost of a program, in tokens
+    # Program slots the kernel really has when fewer than ``slots`` (0: as many), see
+    # :func:`resident_wave`.
+    resident_slots: int = 0
 
 
 def group_runs(plan: TreePlan) -> np.ndarray:
@@ -83,7 +86,8 @@ def coarsen_factor(plan: TreePlan, c: Coarsening) -> int:
     streams about the same number of tokens. The length is at least ``min_tile_tokens``
     unless that would leave fewer programs than SMs (single-sequence decoding), and is
     rounded down to ``2^k`` or ``3 * 2^k`` plan tiles; the factor then grows by up to 2x
-    where the launch model says fewer, longer programs finish sooner (:func:`lpt_factor`)."""
+    where the launch model says fewer, longer programs finish sooner (:func:`lpt_factor`),
+    or up to 4x to fit one wave of the kernel's resident programs (:func:`resident_wave`)."""
     if plan.num_tiles == 0:
         return 1
     chunks = -(-(plan.tile_q_end - plan.tile_q_start) * c.g // c.block_m)
@@ -92,7 +96,7 @@ def coarsen_factor(plan: TreePlan, c: Coarsening) -> int:
     length = max(floor, plan.block_kv, work / (c.waves * c.sms))
     factor = min(_factor(length / plan.block_kv), c.max_factor)
     return lpt_factor(plan, factor, c.g, c.block_m, c.num_kv_heads, c.slots, c.program_cost,
-                      c.max_factor)
+                      c.max_factor, c.resident_slots)
 
 
 def refine(plan: TreePlan, c: Coarsening) -> TreePlan:
@@ -127,26 +131,58 @@ def lpt_makespan(runs: list[tuple[int, int]], u: int, heads: int, block_kv: int,
 
 
 def lpt_factor(plan: TreePlan, factor: int, g: int, block_m: int, heads: int,
-               slots: int, program_cost: int, max_factor: int) -> int:
+               slots: int, program_cost: int, max_factor: int, resident_slots: int = 0) -> int:
     """The coarsening factor of the shortest modelled makespan (:func:`lpt_makespan`; the
     smallest on ties) among ``factor + i * factor // s`` for ``i = 0..s``, ``s = min(factor,
     16)``, up to ``max_factor``: every factor up to twice the rule's when it is at most 16,
     else 17 of them; none when the rule's factor gives one wave of programs (longer tiles
     then only lengthen the longest program) or more than 8 (a last wave then costs little).
     Only longer tiles than the rule's are candidates: shorter ones that the model favours run
-    slower (docs/decisions.md)."""
+    slower (docs/decisions.md). Then :func:`resident_wave` with ``resident_slots``."""
     if slots <= 0:
         return factor
     starts = np.flatnonzero(group_runs(plan))
     lens = np.diff(np.append(starts, plan.num_tiles))
     chunks = -(-(plan.tile_q_end[starts] - plan.tile_q_start[starts]) * g // block_m)
     runs = list(zip(lens.tolist(), chunks.tolist()))
-    programs = sum(-(-r // factor) * c for r, c in runs) * heads
-    if programs <= slots or programs > 8 * slots:
-        return factor
-    steps = min(factor, 16)
-    candidates = [u for u in (factor + i * factor // steps for i in range(steps + 1))
-                  if u <= max_factor]
-    spans = {u: lpt_makespan(runs, u, heads, plan.block_kv, slots, program_cost)
-             for u in candidates}
-    return min(spans, key=lambda u: (spans[u], u))
+    best = factor
+    programs = _programs(runs, factor, heads)
+    if slots < programs <= 8 * slots:
+        steps = min(factor, 16)
+        candidates = [u for u in (factor + i * factor // steps for i in range(steps + 1))
+                      if u <= max_factor]
+        spans = {u: lpt_makespan(runs, u, heads, plan.block_kv, slots, program_cost)
+                 for u in candidates}
+        best = min(spans, key=lambda u: (spans[u], u))
+    if 0 < resident_slots < slots:
+        best = resident_wave(runs, best, min(4 * factor, max_factor), heads, plan.block_kv,
+                             resident_slots, program_cost)
+    return best
+
+
+def _programs(runs: list[tuple[int, int]], u: int, heads: int) -> int:
+    """Programs of the launch at coarsening factor ``u``."""
+    return sum(-(-r // u) * c for r, c in runs) * heads
+
+
+def resident_wave(runs: list[tuple[int, int]], u: int, limit: int, heads: int, block_kv: int,
+                  resident_slots: int, program_cost: int) -> int:
+    """``u``, or the smallest factor up to ``limit`` whose programs fit in one wave of
+    ``resident_slots`` if the launch model on those slots finishes it sooner. The slots are
+    the programs the kernel really keeps per SM times SMs, where its registers allow fewer
+    than the launch model's (the uncapped head_dim-128 build: 2 per SM, not 3): a launch the
+    model sees as one wave then runs as two, the second mostly idle (a 32k-token prompt
+    with 16 queries: 376 programs on 264 slots; docs/decisions.md)."""
+    if _programs(runs, u, heads) <= resident_slots or limit <= u:
+        return u
+    if _programs(runs, limit, heads) > resident_slots:
+        return u
+    lo, hi = u, limit  # programs(lo) > resident_slots >= programs(hi): bisect
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _programs(runs, mid, heads) <= resident_slots:
+            hi = mid
+        else:
+            lo = mid
+    one = lpt_makespan(runs, hi, heads, block_kv, resident_slots, program_cost)
+    return hi if one < lpt_makespan(runs, u, heads, block_kv, resident_slots, program_cost) else u

@@ -170,16 +170,25 @@ static i64 lpt_makespan(const i64 *run_len, const i64 *run_chunks, i64 nruns, i6
     return span;
 }
 
+static i64 launch_programs(const i64 *run_len, const i64 *run_chunks, i64 nruns, i64 u,
+                           i64 heads) {
+    i64 programs = 0;
+    for (i64 r = 0; r < nruns; r++) programs += ceil_div(run_len[r], u) * run_chunks[r] * heads;
+    return programs;
+}
+
 /* The factor of the shortest modelled makespan (the smallest on ties) among factor + i *
  * factor / s for i = 0..s, s = min(factor, 16), up to max_factor: every factor up to twice
  * the rule's when it is at most 16, else 17 of them. Longer tiles pay when fewer programs
  * leave less of a last wave; with one wave or more than 8 at the rule's factor, none is
- * tried. */
+ * tried. Then, with 0 < resident_slots < slots (deft.plan.coarsen.resident_wave): the
+ * smallest factor up to 4x the rule's that fits one wave of resident_slots programs, if the
+ * model on those slots finishes it sooner. */
 static i64 lpt_factor(const i64 *kqs, const i64 *kqe, i64 nk, i64 factor, i64 g, i64 block_m,
                       i64 heads, i64 block_kv, i64 max_factor, i64 slots, i64 program_cost,
-                      i64 *x, const Ws *w) {
+                      i64 resident_slots, i64 *x, const Ws *w) {
     i64 *run_len = x + w->mask_from, *run_chunks = x + w->slot0, nruns = 0, best = factor;
-    i64 best_span = -1, steps = factor < 16 ? factor : 16, programs = 0;
+    i64 best_span = -1, steps = factor < 16 ? factor : 16, programs, limit, lo, hi;
     if (slots <= 0) return factor;
     for (i64 i = 0; i < nk; i++) {
         if (i == 0 || kqs[i] != kqs[i - 1] || kqe[i] != kqe[i - 1]) {
@@ -190,20 +199,38 @@ static i64 lpt_factor(const i64 *kqs, const i64 *kqe, i64 nk, i64 factor, i64 g,
     }
     /* In one wave the rule's factor is best (longer tiles only lengthen the longest program);
      * past 8 waves a last wave costs little. */
-    for (i64 r = 0; r < nruns; r++)
-        programs += ceil_div(run_len[r], factor) * run_chunks[r] * heads;
-    if (programs <= slots || programs > 8 * slots) return factor;
-    for (i64 i = 0; i <= steps; i++) {
-        i64 u = factor + i * factor / steps, span;
-        if (u > max_factor) break;
-        span = lpt_makespan(run_len, run_chunks, nruns, u, heads, block_kv, slots,
+    programs = launch_programs(run_len, run_chunks, nruns, factor, heads);
+    if (programs > slots && programs <= 8 * slots) {
+        for (i64 i = 0; i <= steps; i++) {
+            i64 u = factor + i * factor / steps, span;
+            if (u > max_factor) break;
+            span = lpt_makespan(run_len, run_chunks, nruns, u, heads, block_kv, slots,
                                 program_cost, x + w->bucket, x + w->heap_load,
                                 x + w->heap_count);
-        if (best_span < 0 || span < best_span) {
-            best_span = span;
-            best = u;
+            if (best_span < 0 || span < best_span) {
+                best_span = span;
+                best = u;
+            }
         }
     }
+    if (resident_slots <= 0 || resident_slots >= slots) return best;
+    limit = 4 * factor < max_factor ? 4 * factor : max_factor;
+    if (limit <= best ||
+        launch_programs(run_len, run_chunks, nruns, best, heads) <= resident_slots ||
+        launch_programs(run_len, run_chunks, nruns, limit, heads) > resident_slots)
+        return best;
+    lo = best;
+    hi = limit;
+    while (hi - lo > 1) {
+        i64 mid = (lo + hi) / 2;
+        if (launch_programs(run_len, run_chunks, nruns, mid, heads) <= resident_slots) hi = mid;
+        else lo = mid;
+    }
+    if (lpt_makespan(run_len, run_chunks, nruns, hi, heads, block_kv, resident_slots,
+                     program_cost, x + w->bucket, x + w->heap_load, x + w->heap_count) <
+        lpt_makespan(run_len, run_chunks, nruns, best, heads, block_kv, resident_slots,
+                     program_cost, x + w->bucket, x + w->heap_load, x + w->heap_count))
+        return hi;
     return best;
 }
 
@@ -212,7 +239,8 @@ static i64 lpt_factor(const i64 *kqs, const i64 *kqe, i64 nk, i64 factor, i64 g,
 static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 *query_nodes,
                         const i64 *query_kv_lens, i64 nq, i64 block_kv, i64 g, i64 block_m,
                         i64 num_kv_heads, i64 sms, double waves, i64 min_tile_tokens,
-                        i64 max_factor, i64 slots, i64 program_cost, i64 *x, i64 ws_size) {
+                        i64 max_factor, i64 slots, i64 program_cost, i64 resident_slots,
+                        i64 *x, i64 ws_size) {
     i64 nl, t0, nk = 0, ntok = 0, work = 0, factor = 1, nt = 0, sorted = 1;
     i64 all_merged = 1, nwork = 0, run_start = 0, np_;
     i64 *pre, *hi, *fstart, *cnt_lt, *min_len, *cursor, *q_order, *q_pre, *q_len;
@@ -288,7 +316,7 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
             factor += factor / 2;
         if (factor > max_factor) factor = max_factor;
         factor = lpt_factor(kqs, kqe, nk, factor, g, block_m, num_kv_heads, block_kv, max_factor,
-                            slots, program_cost, x, &w);
+                            slots, program_cost, resident_slots, x, &w);
     }
     for (i64 i = 0; i < nk; i++) {
         int new_run = i == 0 || kqs[i] != kqs[i - 1] || kqe[i] != kqe[i - 1];
@@ -508,7 +536,7 @@ static void release(Py_buffer *views, int n) {
 
 /* plan(parents, node_kv_indptr, query_nodes, query_kv_lens, kv_indices, block_kv, g,
  *      block_m, num_kv_heads, sms, waves, min_tile_tokens, max_factor, slots, program_cost,
- *      ws, packed_address, packed_capacity)
+ *      resident_slots, ws, packed_address, packed_capacity)
  * Plans into the int64 array ws and, when packed_address is not 0 and the buffer holds
  * packed_capacity >= the packed size int32, fills it. Returns the tuple (flags, tokens,
  * tiles, partials, work items, queries, sorted, all merged, plan-array size, 11 segment
@@ -516,24 +544,24 @@ static void release(Py_buffer *views, int n) {
  * malformed forest, -2 for arrays that are not 1-D int64 of consistent lengths. */
 static PyObject *py_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer v[6];
-    long long p[18];
+    long long p[19];
     double waves;
     i64 rc = -2, flags = -3, n, nq;
     i32 *packed;
     int got = 0;
     PyObject *res;
     (void)self;
-    if (nargs != 18) {
-        PyErr_SetString(PyExc_TypeError, "plan() takes 18 arguments");
+    if (nargs != 19) {
+        PyErr_SetString(PyExc_TypeError, "plan() takes 19 arguments");
         return NULL;
     }
-    for (int i = 5; i < 18; i++)
-        if (i != 10 && i != 15) p[i] = PyLong_AsLongLong(args[i]);
+    for (int i = 5; i < 19; i++)
+        if (i != 10 && i != 16) p[i] = PyLong_AsLongLong(args[i]);
     waves = PyFloat_AsDouble(args[10]);
-    packed = (i32 *)PyLong_AsVoidPtr(args[16]);
+    packed = (i32 *)PyLong_AsVoidPtr(args[17]);
     if (PyErr_Occurred()) return NULL;
     for (; got < 6; got++)
-        if (int64_view(args[got == 5 ? 15 : got], &v[got], got == 5) < 0) break;
+        if (int64_view(args[got == 5 ? 16 : got], &v[got], got == 5) < 0) break;
     if (got == 6) {
         const i64 *indptr = v[1].buf;
         n = v[0].len / 8;
@@ -543,8 +571,9 @@ static PyObject *py_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             i64 *x = v[5].buf;
             Py_BEGIN_ALLOW_THREADS
             rc = flatten_plan(v[0].buf, indptr, n, v[2].buf, v[3].buf, nq, p[5], p[6], p[7],
-                              p[8], p[9], waves, p[11], p[12], p[13], p[14], x, v[5].len / 8);
-            if (rc == 0 && packed && x[H_SEG + 10] <= p[17])
+                              p[8], p[9], waves, p[11], p[12], p[13], p[14], p[15], x,
+                              v[5].len / 8);
+            if (rc == 0 && packed && x[H_SEG + 10] <= p[18])
                 flags = flatten_fill(indptr, v[4].buf, x, NULL, packed);
             Py_END_ALLOW_THREADS
         }

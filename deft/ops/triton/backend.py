@@ -22,7 +22,7 @@ from ...layout import TreeLayout
 from ...plan import Coarsening, plan_step
 from ...plan.packing import WORK_FIELDS, PackedPlan, segment_starts
 from ..base import Backend, Capacity, CapacityError, Heads
-from .configs import KernelConfig, interpreting, kernel_config
+from .configs import KernelConfig, interpreting, kernel_config, kv_config
 from .launch import (HEADER, Pointer, Reserved, StepBuffers, has_tma, launch_signature,
                      launch_step)
 from .native_launch import driver_launch
@@ -64,7 +64,8 @@ def coarsening(cfg: KernelConfig, heads: Heads, device: torch.device) -> Coarsen
     sms = _num_sms(device)
     return Coarsening(heads.num_qo_heads // heads.num_kv_heads, cfg.block_m, heads.num_kv_heads,
                       sms, cfg.waves, cfg.min_tile_tokens, cfg.max_coarsen,
-                      cfg.programs_per_sm * sms, cfg.program_cost)
+                      cfg.programs_per_sm * sms, cfg.program_cost,
+                      (cfg.resident_per_sm or 0) * sms)
 
 
 class TritonBackend(Backend):
@@ -90,7 +91,7 @@ class TritonBackend(Backend):
                 reuse = None if reuse is None else reuse[HEADER:]
                 host_buffer = lambda n: host.new(n + HEADER)[HEADER:]  # noqa: E731
             plan, packed, cfg = _pack(layout, plan_kind, block_kv, heads, device, host_buffer,
-                                      reuse)
+                                      reuse, kv_dtype)
             return _upload(plan, packed, cfg, host, 0, heads, device,
                            previous if isinstance(previous, StepBuffers) else None, reserved)
 
@@ -102,7 +103,7 @@ class TritonBackend(Backend):
         own = Staging(device, raw=False)
         own.next()
         plan, packed, cfg = _pack(layout, plan_kind, block_kv, heads, device,
-                                  lambda n: own.new(n + HEADER)[HEADER:], None)
+                                  lambda n: own.new(n + HEADER)[HEADER:], None, kv_dtype)
         return HostStep(plan, packed, cfg, own, heads, layout.num_queries, _num_sms(device))
 
     def upload(self, host: HostStep, device: torch.device, previous: Any = None) -> StepBuffers:
@@ -179,12 +180,14 @@ def _reserved_of(previous: Any, layout: Any) -> Reserved | None:
 
 
 def _pack(layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
-          device: torch.device, host_buffer: Any, reuse: Any) -> tuple[Any, PackedPlan, KernelConfig]:
+          device: torch.device, host_buffer: Any, reuse: Any,
+          kv_dtype: torch.dtype | None) -> tuple[Any, PackedPlan, KernelConfig]:
     """Plan, coarsen and pack ``layout`` into ``host_buffer``/``reuse``, with the kernel
-    configuration of ``device``."""
+    configuration of ``device`` (coarsened for K/V of ``kv_dtype``)."""
     _check_head_dim(heads.head_dim)
     cfg = kernel_config(heads.head_dim, layout.num_queries * heads.num_qo_heads, device)
-    plan, packed = plan_step(layout, plan_kind, block_kv, coarsening(cfg, heads, device),
+    plan, packed = plan_step(layout, plan_kind, block_kv,
+                             coarsening(kv_config(cfg, kv_dtype), heads, device),
                              host_buffer, reuse)
     return plan, packed, cfg
 

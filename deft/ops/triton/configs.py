@@ -51,6 +51,10 @@ class KernelConfig:
     min_tile_tokens: int = 384  # coarsened tiles' floor, unless it leaves fewer programs than SMs
     max_coarsen: int = 1024  # at most this many plan tiles per coarsened tile
     programs_per_sm: int = 3  # partial-kernel programs resident per SM (launch model)
+    # Programs the partial kernel really keeps per SM where its registers allow fewer than
+    # ``programs_per_sm`` (None: as many): coarsening may then lengthen tiles to fit one
+    # such wave (``deft.plan.coarsen.resident_wave``).
+    resident_per_sm: int | None = None
     program_cost: int = 128  # a program's fixed cost in tokens: work item and Q loads, stores
     graph_waves: int = 1  # graph-safe launches: a grid of this many waves of programs
 
@@ -59,7 +63,8 @@ _SM90 = dict(tma=True, pdl=True, graph_waves=3, kv8_maxnreg=168)
 _NARROW = dict(_SM90, narrow_partials=True, maxnreg=168, kv8_block_n=64)
 CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
     ("sm90", 64, 0): KernelConfig(64, 32, 4, 3, 4.0, **_SM90),
-    ("sm90", 128, 0): KernelConfig(64, 32, 4, 3, 4.0, **_SM90),
+    # Uncapped, this build takes 255 registers: two programs per SM.
+    ("sm90", 128, 0): KernelConfig(64, 32, 4, 3, 4.0, resident_per_sm=2, **_SM90),
     ("sm90", 128, 2048): KernelConfig(64, 32, 4, 3, 4.0, merge_block=4, merge_warps=1, **_NARROW),
     ("sm90", 128, 8192): KernelConfig(64, 32, 4, 3, 4.0, merge_block=2, merge_warps=4,
                                       merge_heads=8, **_NARROW),
@@ -124,11 +129,12 @@ def kernel_config(head_dim: int, rows: int = 0, device: torch.device | None = No
 
 @functools.lru_cache(maxsize=64)
 def _one_byte(cfg: KernelConfig) -> KernelConfig:
-    return dataclasses.replace(cfg, maxnreg=cfg.kv8_maxnreg or cfg.maxnreg,
-                               block_n=cfg.kv8_block_n or cfg.block_n)
+    return dataclasses.replace(
+        cfg, maxnreg=cfg.kv8_maxnreg or cfg.maxnreg, block_n=cfg.kv8_block_n or cfg.block_n,
+        resident_per_sm=None if cfg.kv8_maxnreg else cfg.resident_per_sm)
 
 
-def kv_config(cfg: KernelConfig, kv_dtype: torch.dtype) -> KernelConfig:
-    """``cfg`` as the partial kernel launches it over K/V of ``kv_dtype``: one-byte K/V take
-    the ``kv8_`` fields."""
-    return _one_byte(cfg) if kv_dtype.itemsize == 1 else cfg
+def kv_config(cfg: KernelConfig, kv_dtype: torch.dtype | None) -> KernelConfig:
+    """``cfg`` as the partial kernel launches it over K/V of ``kv_dtype`` (None: q's): one-byte
+    K/V take the ``kv8_`` fields (a register cap keeps ``programs_per_sm`` resident)."""
+    return _one_byte(cfg) if kv_dtype is not None and kv_dtype.itemsize == 1 else cfg
