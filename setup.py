@@ -30,7 +30,8 @@ class OptionalBuildExt(build_ext):
 
 setup(
     ext_modules=[Extension("deft.plan._flatten_plan", ["deft/plan/flatten_plan.c"],
-                           depends=["deft/plan/tile_masks.c"],  # included by flatten_plan.c
+                           # included by flatten_plan.c
+                           depends=["deft/plan/tile_masks.c", "deft/plan/launch_model.c"],
                            extra_compile_args=["-O3", "-std=c11"], libraries=["m"]),
                  Extension("deft.ops.triton._driver_launch", ["deft/ops/triton/driver_launch.c"],
                            extra_compile_args=["-O3", "-std=c11"])],

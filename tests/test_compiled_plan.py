@@ -186,6 +186,26 @@ def test_recorded_workloads(setting, workloads):
         assert_same(build(name, workloads))
 
 
+def test_only_flatten_plans_fit_one_wave_of_the_resident_programs(monkeypatch):
+    """H200-like: 16 queries on a 32,768-token prompt (512 rows), where the uncapped
+    head_dim-128 kernel keeps 2 programs per SM, take 33 tiles (one wave of 264 programs)
+    instead of the launch model's 47; per-query plans keep its choice (64 tiles), and so do
+    FP8 K/V (their register cap keeps 3 per SM)."""
+    act_as(monkeypatch, True)
+    layout = fan_layout(32768, 16)
+    backend, heads = tb.TritonBackend(), Heads(32, 8, 128)
+
+    def tiles(kind, kv_dtype=None):
+        return backend.plan(layout, kind, 64, heads, CPU, kv_dtype=kv_dtype).plan.num_tiles
+
+    assert tiles("flatten") == 33
+    assert tiles("per_query") == 64
+    assert tiles("flatten", torch.float8_e4m3fn) == 47
+    monkeypatch.setitem(configs.CONFIGS, ("sm90", 128, 0), dataclasses.replace(
+        configs.CONFIGS[("sm90", 128, 0)], resident_per_sm=None))
+    assert tiles("flatten") == 47
+
+
 @needs_cc
 def test_huge_block_kv(setting):
     """A tile size near 2**63 must not overflow the C planner's tile arithmetic."""

@@ -186,9 +186,11 @@ def _pack(layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
     configuration of ``device`` (coarsened for K/V of ``kv_dtype``)."""
     _check_head_dim(heads.head_dim)
     cfg = kernel_config(heads.head_dim, layout.num_queries * heads.num_qo_heads, device)
-    plan, packed = plan_step(layout, plan_kind, block_kv,
-                             coarsening(kv_config(cfg, kv_dtype), heads, device),
-                             host_buffer, reuse)
+    params = coarsening(kv_config(cfg, kv_dtype), heads, device)
+    if plan_kind != "flatten":
+        # Per-query plans fitted to one resident wave ran 1.3-1.7x slower (docs/decisions.md).
+        params = params._replace(resident_slots=0)
+    plan, packed = plan_step(layout, plan_kind, block_kv, params, host_buffer, reuse)
     return plan, packed, cfg
 
 

@@ -1,0 +1,123 @@
+/* The coarsening rule's launch model (deft.plan.coarsen.lpt_makespan, lpt_factor,
+ * resident_wave); included by flatten_plan.c (one extension module), after its types. */
+
+/* Binary min-heap of (load, count) groups of launch slots, by load. */
+static void heap_push(i64 *load, i64 *count, i64 *n, i64 v, i64 c) {
+    i64 i = (*n)++;
+    while (i > 0 && load[(i - 1) / 2] > v) {
+        load[i] = load[(i - 1) / 2];
+        count[i] = count[(i - 1) / 2];
+        i = (i - 1) / 2;
+    }
+    load[i] = v;
+    count[i] = c;
+}
+
+static void heap_pop(i64 *load, i64 *count, i64 *n) {
+    i64 v = load[--(*n)], c = count[*n], i = 0;
+    for (;;) {
+        i64 k = 2 * i + 1;
+        if (k >= *n) break;
+        if (k + 1 < *n && load[k + 1] < load[k]) k++;
+        if (load[k] >= v) break;
+        load[i] = load[k];
+        count[i] = count[k];
+        i = k;
+    }
+    load[i] = v;
+    count[i] = c;
+}
+
+/* Makespan of the launch for coarsening factor u, modelled as longest-first list scheduling
+ * onto `slots` identical slots (programs start in that order: deft.plan.packing sorts the work
+ * items by length and the kernel's KV heads vary fastest). A run of r plan tiles with c
+ * query-row chunks gives r / u tiles of u plan tiles and one of r % u, each c * heads
+ * programs of (plan tiles * block_kv + program_cost) tokens. `count` has u + 1 entries. */
+static i64 lpt_makespan(const i64 *run_len, const i64 *run_chunks, i64 nruns, i64 u, i64 heads,
+                        i64 block_kv, i64 slots, i64 program_cost, i64 *count, i64 *load,
+                        i64 *group) {
+    i64 n = 0, span = 0;
+    memset(count, 0, (size_t)(u + 1) * sizeof(i64));
+    for (i64 i = 0; i < nruns; i++) {
+        count[u] += run_len[i] / u * run_chunks[i] * heads;
+        count[run_len[i] % u] += run_chunks[i] * heads;
+    }
+    heap_push(load, group, &n, 0, slots);
+    for (i64 len = u; len >= 1; len--) {
+        i64 left = count[len], cost = len * block_kv + program_cost;
+        while (left > 0) {
+            i64 v = load[0], m = group[0], k = m < left ? m : left;
+            heap_pop(load, group, &n);
+            heap_push(load, group, &n, v + cost, k);
+            if (m > k) heap_push(load, group, &n, v, m - k);
+            left -= k;
+        }
+    }
+    for (i64 i = 0; i < n; i++)
+        if (load[i] > span) span = load[i];
+    return span;
+}
+
+static i64 launch_programs(const i64 *run_len, const i64 *run_chunks, i64 nruns, i64 u,
+                           i64 heads) {
+    i64 programs = 0;
+    for (i64 r = 0; r < nruns; r++) programs += ceil_div(run_len[r], u) * run_chunks[r] * heads;
+    return programs;
+}
+
+/* The factor of the shortest modelled makespan (the smallest on ties) among factor + i *
+ * factor / s for i = 0..s, s = min(factor, 16), up to max_factor: every factor up to twice
+ * the rule's when it is at most 16, else 17 of them. Longer tiles pay when fewer programs
+ * leave less of a last wave; with one wave or more than 8 at the rule's factor, none is
+ * tried. Then, with 0 < resident_slots < slots (deft.plan.coarsen.resident_wave): the
+ * smallest factor up to 4x the rule's that fits one wave of resident_slots programs, if the
+ * model on those slots finishes it sooner. */
+static i64 lpt_factor(const i64 *kqs, const i64 *kqe, i64 nk, i64 factor, i64 g, i64 block_m,
+                      i64 heads, i64 block_kv, i64 max_factor, i64 slots, i64 program_cost,
+                      i64 resident_slots, i64 *x, const Ws *w) {
+    i64 *run_len = x + w->mask_from, *run_chunks = x + w->slot0, nruns = 0, best = factor;
+    i64 best_span = -1, steps = factor < 16 ? factor : 16, programs, limit, lo, hi;
+    if (slots <= 0) return factor;
+    for (i64 i = 0; i < nk; i++) {
+        if (i == 0 || kqs[i] != kqs[i - 1] || kqe[i] != kqe[i - 1]) {
+            run_len[nruns] = 0;
+            run_chunks[nruns++] = ceil_div((kqe[i] - kqs[i]) * g, block_m);
+        }
+        run_len[nruns - 1]++;
+    }
+    /* In one wave the rule's factor is best (longer tiles only lengthen the longest program);
+     * past 8 waves a last wave costs little. */
+    programs = launch_programs(run_len, run_chunks, nruns, factor, heads);
+    if (programs > slots && programs <= 8 * slots) {
+        for (i64 i = 0; i <= steps; i++) {
+            i64 u = factor + i * factor / steps, span;
+            if (u > max_factor) break;
+            span = lpt_makespan(run_len, run_chunks, nruns, u, heads, block_kv, slots,
+                                program_cost, x + w->bucket, x + w->heap_load,
+                                x + w->heap_count);
+            if (best_span < 0 || span < best_span) {
+                best_span = span;
+                best = u;
+            }
+        }
+    }
+    if (resident_slots <= 0 || resident_slots >= slots) return best;
+    limit = 4 * factor < max_factor ? 4 * factor : max_factor;
+    if (limit <= best ||
+        launch_programs(run_len, run_chunks, nruns, best, heads) <= resident_slots ||
+        launch_programs(run_len, run_chunks, nruns, limit, heads) > resident_slots)
+        return best;
+    lo = best;
+    hi = limit;
+    while (hi - lo > 1) {
+        i64 mid = (lo + hi) / 2;
+        if (launch_programs(run_len, run_chunks, nruns, mid, heads) <= resident_slots) hi = mid;
+        else lo = mid;
+    }
+    if (lpt_makespan(run_len, run_chunks, nruns, hi, heads, block_kv, resident_slots,
+                     program_cost, x + w->bucket, x + w->heap_load, x + w->heap_count) <
+        lpt_makespan(run_len, run_chunks, nruns, best, heads, block_kv, resident_slots,
+                     program_cost, x + w->bucket, x + w->heap_load, x + w->heap_count))
+        return hi;
+    return best;
+}
