@@ -152,6 +152,24 @@ def test_random_forests(seed, nodes, max_len, roots, block, heads, d, shuffle, g
         assert_same(layout, block, *heads, d)
 
 
+@needs_cc
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**31), nodes=st.integers(1, 60), sms=st.integers(1, 8),
+       waves=st.sampled_from([1.0, 2.0, 4.0]), per_sm=st.integers(1, 4),
+       resident=st.integers(0, 4), cost=st.sampled_from([0, 8, 128]))
+def test_random_coarsening_parameters(seed, nodes, sms, waves, per_sm, resident, cost):
+    """The compiled coarsening (launch model and resident wave) picks the factor that
+    ``refine`` picks, for any parameters."""
+    from deft.plan.coarsen import refine
+
+    rng = np.random.default_rng(seed)
+    layout = random_forest(rng, nodes, 200, max_tokens=3000)
+    params = Coarsening(2, 16, 2, sms, waves, 0, 64, per_sm * sms, cost, resident * sms)
+    got = compiled.flatten_plan(layout, 8, params, lambda n: torch.zeros(n, dtype=torch.int32))
+    want = refine(make_plan(layout, "flatten", 8), params)
+    np.testing.assert_array_equal(got[0].tile_indptr, want.tile_indptr)
+
+
 _FEW_SHOT = few_shot_layout(64, 5, 20)
 SPECIAL = {
     "one node": TreeLayout([-1], [0, 7], np.arange(7)[::-1].copy(), [0], [4]),
@@ -186,23 +204,29 @@ def test_recorded_workloads(setting, workloads):
         assert_same(build(name, workloads))
 
 
-def test_only_flatten_plans_fit_one_wave_of_the_resident_programs(monkeypatch):
+@pytest.mark.parametrize("planner", ["compiled", "python"])
+def test_only_flatten_plans_fit_one_wave_of_the_resident_programs(monkeypatch, planner):
     """H200-like: 16 queries on a 32,768-token prompt (512 rows), where the uncapped
     head_dim-128 kernel keeps 2 programs per SM, take 33 tiles (one wave of 264 programs)
     instead of the launch model's 47; per-query plans keep its choice (64 tiles), and so do
-    FP8 K/V (their register cap keeps 3 per SM)."""
+    FP8 K/V and any launch under a register cap (it sets the programs resident)."""
     act_as(monkeypatch, True)
     layout = fan_layout(32768, 16)
     backend, heads = tb.TritonBackend(), Heads(32, 8, 128)
 
     def tiles(kind, kv_dtype=None):
-        return backend.plan(layout, kind, 64, heads, CPU, kv_dtype=kv_dtype).plan.num_tiles
+        with python_planner() if planner == "python" else contextlib.nullcontext():
+            return backend.plan(layout, kind, 64, heads, CPU, kv_dtype=kv_dtype).plan.num_tiles
 
     assert tiles("flatten") == 33
     assert tiles("per_query") == 64
     assert tiles("flatten", torch.float8_e4m3fn) == 47
-    monkeypatch.setitem(configs.CONFIGS, ("sm90", 128, 0), dataclasses.replace(
-        configs.CONFIGS[("sm90", 128, 0)], resident_per_sm=None))
+    key = ("sm90", 128, 0)
+    monkeypatch.setitem(configs.CONFIGS, key,
+                        dataclasses.replace(configs.CONFIGS[key], maxnreg=168))
+    assert tiles("flatten") == 47
+    monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
+        configs.CONFIGS[key], maxnreg=None, resident_per_sm=None))
     assert tiles("flatten") == 47
 
 

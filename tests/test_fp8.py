@@ -453,12 +453,13 @@ def test_gpu_long_context_retrieval_with_and_without_fp8():
 
 def test_the_needle_model_finds_its_fact_with_either_cache_and_only_through_attention():
     """The constructed retrieval model answers the fact's value after 4,096 tokens with a
-    bf16 and an FP8 cache; with the question's query zeroed (no score for the fact) it
-    answers something else, so the check measures the attention peak."""
+    bf16 and an FP8 cache, FP8 as surely as bf16; with the question's query zeroed (no score
+    for the fact) it answers something else, so the check measures the attention peak."""
     from benchmarks.kv_accuracy import needle_retrieval
 
     r = needle_retrieval(context=4096, depth=0.6, backend="torch", seed=1)
     assert r["found_base"] and r["found_test"], r
+    assert r["fact_share"] > 0.99 and r["p_answer_test"] > 0.95 * r["p_answer_base"], r
     r = needle_retrieval(context=4096, depth=0.6, backend="torch", seed=1, fact_score=0.0)
     assert not r["found_base"] and not r["found_test"], r
 
@@ -472,6 +473,7 @@ def test_gpu_needle_retrieval_at_32k_with_and_without_fp8():
 
     r = needle_retrieval(context=32768, device="cuda", dtype=torch.bfloat16)
     assert r["found_base"] and r["found_test"], r
+    assert r["p_answer_test"] > 0.95 * r["p_answer_base"], r
 
 
 def test_a_fixed_calibration_leaves_the_scales_to_no_request():

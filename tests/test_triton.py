@@ -605,6 +605,12 @@ def test_coarsening_fits_one_wave_of_the_programs_really_resident():
     assert coarsen.lpt_makespan([(512, 1)], 11, 8, 64, 264, 128) == 1664
     assert coarsen.lpt_factor(plan, 6, 4, 64, 8, 396, 128, 1024, 396) == 11
     assert coarsen.lpt_factor(plan, 3, 4, 64, 8, 396, 128, 1024, 264) == 6
+    # 46 tiles, factor 2 (23 programs) on 15 resident slots: two waves of 2-tile programs tie
+    # one wave of 4-tile ones without a program cost (the shorter tiles stay), lose with one.
+    plan = SimpleNamespace(num_tiles=46, block_kv=8, tile_q_start=np.zeros(46, np.int64),
+                           tile_q_end=np.ones(46, np.int64))
+    assert coarsen.lpt_factor(plan, 2, 1, 16, 1, 30, 0, 1024, 15) == 2
+    assert coarsen.lpt_factor(plan, 2, 1, 16, 1, 30, 128, 1024, 15) == 4
 
 
 def test_coarsening_model_tries_at_most_17_factors(monkeypatch):

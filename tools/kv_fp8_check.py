@@ -33,7 +33,8 @@ p.add_argument("--retrieval", action="store_true", help="also the long-context r
 p.add_argument("--context", type=int, default=32768, help="retrieval prompt tokens (default 32768)")
 p.add_argument("--depth", type=float, default=0.25, help="where the fact sits, 0..1 (default 0.25)")
 p.add_argument("--needle", action="store_true",
-               help="only the retrieval check, on a constructed one-layer model (any --context)")
+               help="only the retrieval check, on a constructed one-layer model of any "
+                    "--context (--model and --new-tokens do not apply)")
 args = p.parse_args()
 
 dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))

@@ -108,9 +108,9 @@ def kv_dtype_flag(parser: argparse.ArgumentParser) -> None:
                         "scales calibrated on the first prompt chunk: its largest |K|, |V| times "
                         f"{CALIBRATION_HEADROOM:g} map to the format's largest value; queries "
                         "and activations keep the model's dtype; twice the tokens in the same "
-                        "memory; on the H200 a step is about level with a 16-bit cache for a "
-                        "32k-token prompt with 16 branches, slower with more branches or shorter "
-                        "prompts: see docs/benchmarks.md) (default auto)")
+                        "memory; on the H200 a decode step is 3-5%% slower end to end than with a "
+                        "16-bit cache, its attention 1.2-1.5x slower: it buys room, not speed; "
+                        "see docs/benchmarks.md) (default auto)")
 
 
 def prompt_flags() -> argparse.ArgumentParser:

@@ -58,6 +58,7 @@ static i64 lpt_makespan(const i64 *run_len, const i64 *run_chunks, i64 nruns, i6
     return span;
 }
 
+/* Programs of the launch at coarsening factor u: each run's tiles times its chunks and heads. */
 static i64 launch_programs(const i64 *run_len, const i64 *run_chunks, i64 nruns, i64 u,
                            i64 heads) {
     i64 programs = 0;

@@ -60,12 +60,13 @@ def _buffer(previous: torch.Tensor | None, n: int, dtype: torch.dtype,
 
 
 def coarsening(cfg: KernelConfig, heads: Heads, device: torch.device) -> Coarsening:
-    """The coarsening parameters of ``cfg`` on ``device``."""
+    """The coarsening parameters of ``cfg`` on ``device`` (``resident_per_sm`` holds for
+    uncapped launches only: a register cap sets how many programs stay resident)."""
     sms = _num_sms(device)
+    resident = cfg.resident_per_sm if cfg.maxnreg is None else None
     return Coarsening(heads.num_qo_heads // heads.num_kv_heads, cfg.block_m, heads.num_kv_heads,
                       sms, cfg.waves, cfg.min_tile_tokens, cfg.max_coarsen,
-                      cfg.programs_per_sm * sms, cfg.program_cost,
-                      (cfg.resident_per_sm or 0) * sms)
+                      cfg.programs_per_sm * sms, cfg.program_cost, (resident or 0) * sms)
 
 
 class TritonBackend(Backend):
@@ -188,7 +189,7 @@ def _pack(layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
     cfg = kernel_config(heads.head_dim, layout.num_queries * heads.num_qo_heads, device)
     params = coarsening(kv_config(cfg, kv_dtype), heads, device)
     if plan_kind != "flatten":
-        # Per-query plans fitted to one resident wave ran 1.3-1.7x slower (docs/decisions.md).
+        # Per-query plans fitted to one resident wave ran 1.3-1.8x slower (docs/decisions.md).
         params = params._replace(resident_slots=0)
     plan, packed = plan_step(layout, plan_kind, block_kv, params, host_buffer, reuse)
     return plan, packed, cfg

@@ -50,10 +50,11 @@ class KernelConfig:
     narrow_partials: bool = False
     min_tile_tokens: int = 384  # coarsened tiles' floor, unless it leaves fewer programs than SMs
     max_coarsen: int = 1024  # at most this many plan tiles per coarsened tile
-    programs_per_sm: int = 3  # partial-kernel programs resident per SM (launch model)
-    # Programs the partial kernel really keeps per SM where its registers allow fewer than
-    # ``programs_per_sm`` (None: as many): coarsening may then lengthen tiles to fit one
-    # such wave (``deft.plan.coarsen.resident_wave``).
+    programs_per_sm: int = 3  # partial-kernel programs per SM in the launch model
+    # Programs the partial kernel really keeps per SM when it launches without a register cap
+    # (``maxnreg`` None) and its registers allow fewer than ``programs_per_sm`` (None: as
+    # many): coarsening may then lengthen tiles to fit one such wave
+    # (``deft.plan.coarsen.resident_wave``).
     resident_per_sm: int | None = None
     program_cost: int = 128  # a program's fixed cost in tokens: work item and Q loads, stores
     graph_waves: int = 1  # graph-safe launches: a grid of this many waves of programs
@@ -129,12 +130,11 @@ def kernel_config(head_dim: int, rows: int = 0, device: torch.device | None = No
 
 @functools.lru_cache(maxsize=64)
 def _one_byte(cfg: KernelConfig) -> KernelConfig:
-    return dataclasses.replace(
-        cfg, maxnreg=cfg.kv8_maxnreg or cfg.maxnreg, block_n=cfg.kv8_block_n or cfg.block_n,
-        resident_per_sm=None if cfg.kv8_maxnreg else cfg.resident_per_sm)
+    return dataclasses.replace(cfg, maxnreg=cfg.kv8_maxnreg or cfg.maxnreg,
+                               block_n=cfg.kv8_block_n or cfg.block_n)
 
 
 def kv_config(cfg: KernelConfig, kv_dtype: torch.dtype | None) -> KernelConfig:
     """``cfg`` as the partial kernel launches it over K/V of ``kv_dtype`` (None: q's): one-byte
-    K/V take the ``kv8_`` fields (a register cap keeps ``programs_per_sm`` resident)."""
+    K/V take the ``kv8_`` fields."""
     return _one_byte(cfg) if kv_dtype is not None and kv_dtype.itemsize == 1 else cfg
