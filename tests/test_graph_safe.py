@@ -3,6 +3,8 @@ into the reserved buffers and every run launches with the same arguments, so one
 replays every later plan that fits. Interpreted on CPU (launch arguments compared plan to
 plan, outputs against the reference), captured and replayed on a GPU under ``-m gpu``."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,7 @@ from deft import Capacity, TreeAttention, TreeLayout
 from deft.ops.reference import reference_attention
 
 pytest.importorskip("triton")
-from deft.ops.triton import launch  # noqa: E402
+from deft.ops.triton import configs, launch  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -71,7 +73,22 @@ def launches(monkeypatch):
     return seen
 
 
-def test_plans_change_no_launch_argument_and_stay_exact(launches):
+def one_program_per_sm(monkeypatch) -> None:
+    """Graph-safe grids of one program per SM: fewer than most plans' (work item, KV head)
+    pairs, so programs loop over several work items."""
+    for key, cfg in list(configs.CONFIGS.items()):
+        monkeypatch.setitem(configs.CONFIGS, key,
+                            dataclasses.replace(cfg, graph_waves=1, programs_per_sm=1))
+
+
+@pytest.mark.parametrize("single_copy", [False, True], ids=["shipped-loops", "single-copy"])
+def test_plans_change_no_launch_argument_and_stay_exact(launches, monkeypatch, single_copy):
+    """Eight random trees through one reservation whose programs loop over work items, with
+    the shipped loops and with one copy of each loop's code (``single_copy``)."""
+    one_program_per_sm(monkeypatch)
+    for key, cfg in list(configs.CONFIGS.items()):
+        monkeypatch.setitem(configs.CONFIGS, key,
+                            dataclasses.replace(cfg, single_copy=single_copy))
     rng = np.random.default_rng(0)
     nq, cache = 5, 160
     attn = TreeAttention(H_Q, H_KV, D, backend="triton", device=DEV, block_kv=None if CUDA else 8,
@@ -81,11 +98,12 @@ def test_plans_change_no_launch_argument_and_stay_exact(launches):
     k, v = (torch.randn(cache, H_KV, D, generator=g).half().to(DEV) for _ in range(2))
     out, lse_out = torch.empty_like(q), torch.empty(nq, H_Q, device=DEV)
     first = None
-    shapes = set()
+    shapes, pairs = set(), 0
     for i in range(8):
         layout = random_tree(rng, nq, cache)
         plan = attn.plan(layout)
         shapes.add((plan.num_tiles, plan.num_partials))
+        pairs = max(pairs, attn._prepared.num_work * H_KV)
         launches.clear()
         attn.run(q, k, v, return_lse=True, out=out, lse_out=lse_out)
         if first is None:
@@ -95,6 +113,8 @@ def test_plans_change_no_launch_argument_and_stay_exact(launches):
         assert_close(out.cpu(), ref_o.cpu(), torch.float16, f"graph-safe plan {i}")
         assert_lse_close(lse_out.cpu(), ref_lse.cpu(), f"graph-safe plan {i}")
     assert len(shapes) > 4  # the trees really differed
+    if not CUDA:  # a GPU has more SMs than these trees have pairs
+        assert pairs > attn._reserved.programs
     assert [name for name, *_ in first] == ["tree_partial_kernel", "merge_kernel"]
 
 
@@ -129,8 +149,21 @@ def test_capacity_needs_a_graph_safe_backend():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_one_capture_replays_100_random_trees(dtype):
-    """Capture two layers once; then plan and replay 100 random trees of different shapes."""
+@pytest.mark.parametrize("grid", ["shipped", "one per SM"])
+@pytest.mark.parametrize("kv", ["16-bit", "fp8"])
+@pytest.mark.parametrize("single_copy", [False, True], ids=["shipped-loops", "single-copy"])
+def test_one_capture_replays_100_random_trees(dtype, grid, kv, single_copy, monkeypatch):
+    """Capture two layers once; then plan and replay 100 random trees of different shapes,
+    with the shipped grid and with one program per SM (programs loop over work items), over
+    16-bit K/V and FP8 K/V with per-head scales (against the dequantised K/V's reference),
+    with the shipped loops and with one copy of each loop's code (``single_copy``)."""
+    from deft.cache.pool import FP8, quantize
+
+    for key, cfg in list(configs.CONFIGS.items()):
+        monkeypatch.setitem(configs.CONFIGS, key,
+                            dataclasses.replace(cfg, single_copy=single_copy))
+    if grid == "one per SM":
+        one_program_per_sm(monkeypatch)
     rng = np.random.default_rng(7)
     nq, cache, h_q, h_kv, d = 24, 3000, 32, 8, 128
     attn = TreeAttention(h_q, h_kv, d, backend="triton", device="cuda",
@@ -139,19 +172,32 @@ def test_one_capture_replays_100_random_trees(dtype):
     q = torch.randn(nq, h_q, d, device="cuda", dtype=dtype, generator=g)
     ks = [torch.randn(cache, h_kv, d, device="cuda", dtype=dtype, generator=g) for _ in range(2)]
     vs = [torch.randn(cache, h_kv, d, device="cuda", dtype=dtype, generator=g) for _ in range(2)]
+    scales: list[dict] = [{}, {}]
+    kv_dtype = FP8 if kv == "fp8" else None
+    if kv_dtype is not None:
+        for i in range(2):
+            k_s, v_s = (torch.rand(h_kv, device="cuda", generator=g) * 0.02 + 0.01 for _ in range(2))
+            ks[i], vs[i] = quantize(ks[i].float(), k_s, FP8), quantize(vs[i].float(), v_s, FP8)
+            scales[i] = dict(k_scale=k_s, v_scale=v_s)
     outs = [torch.empty_like(q) for _ in range(2)]
-    attn.plan(random_tree(rng, nq, cache))
+    attn.plan(random_tree(rng, nq, cache), kv_dtype)
     for i in range(2):  # compile (the TMA variant too) before capture
-        attn.run(q, ks[i], vs[i], out=outs[i])
+        attn.run(q, ks[i], vs[i], out=outs[i], **scales[i])
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(2):
-            attn.run(q, ks[i], vs[i], out=outs[i])
+            attn.run(q, ks[i], vs[i], out=outs[i], **scales[i])
+    pairs = 0
     for t in range(100):
         layout = random_tree(rng, nq, cache)
-        attn.plan(layout)
+        attn.plan(layout, kv_dtype)
+        pairs = max(pairs, attn._prepared.num_work * h_kv)
         graph.replay()
         for i in range(2):
-            ref_o, _ = reference_attention(q, ks[i], vs[i], layout, d**-0.5)
+            k, v = ks[i], vs[i]
+            if kv_dtype is not None:
+                k, v = (x.float() * scales[i][s][:, None] for x, s in ((k, "k_scale"), (v, "v_scale")))
+            ref_o, _ = reference_attention(q, k, v, layout, d**-0.5)
             assert_close(outs[i].cpu(), ref_o.cpu(), dtype, f"replayed tree {t}, layer {i}")
+    assert grid == "shipped" or pairs > attn._reserved.programs

@@ -23,11 +23,12 @@ Non-finite K/V stay with the rows that see them, with checks only on values alre
 registers. A non-finite K row makes the score of every row that sees it non-finite: NaN and
 +inf scores make the row's state NaN by themselves, a -inf score (which would silently drop
 the token) becomes NaN first; masked scores are selected to -inf, so none of it reaches a
-row that cannot see it. In a block some of whose rows do not see some token (masked blocks,
-a TMA box's tail), non-finite V values are zeroed before ``p @ V`` (a probability of 0 times
-NaN is NaN) and the probabilities of the rows that see them made NaN; in the other blocks
-every row sees every token, so a non-finite V row reaches exactly the rows that see it. The
-epilogue makes a row with a non-finite output NaN (o and lse).
+row that cannot see it. In a masked block, where some rows may not see some token,
+non-finite V values are zeroed before ``p @ V`` (a probability of 0 times NaN is NaN) and
+the probabilities of the rows that see them made NaN; in the other blocks every row sees
+every token, so a non-finite V row reaches exactly the rows that see it (a TMA box's rows
+past its tile, seen by none, are zeroed). The epilogue makes a row with a non-finite output
+NaN (o and lse).
 
 ``merge_kernel``: one program per (query, block of heads); merges the query's partial states
 through the reduction map (CSR), a block of them per step, into ``o`` (output dtype) and
@@ -159,8 +160,8 @@ def _tma_block(
 ):
     """One online-softmax step over the ``BLOCK_N`` consecutive slots from ``slot``, loaded
     by TMA. ``TAIL``: only tokens before ``tok1`` count; the box's rows past it (another
-    node's KV, or unwritten cache) are masked out of the scores, their non-finite V values
-    zeroed and their K/V never flag a row."""
+    node's KV, or unwritten cache) are masked out of the scores and their V rows zeroed, so
+    their K/V never flag a row."""
     k = desc_k.load([slot, kvh * D]).to(q.dtype)
     s = _scores(q, k, IEEE)
     if MASKED or TAIL:
@@ -179,9 +180,11 @@ def _tma_block(
         s = _no_neg_inf(s)
     p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
     v = desc_v.load([slot, kvh * D]).to(q.dtype)
-    if MASKED or TAIL:  # unmasked blocks need no V check (see the top)
+    if MASKED:  # unmasked blocks need no V check (see the top)
         p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
         v = tl.where(_finite(v), v, 0.0)
+    elif TAIL:  # every row sees the tokens before tok1 (see the top), none those past it
+        v = tl.where(tok_ok[:, None], v, 0.0)
     acc = _accumulate(p, v, acc, IEEE)
     return m_i, l_i, acc
 
@@ -190,10 +193,20 @@ def _tma_block(
 def _tma_tile(
     q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
     m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, SINGLE_COPY: tl.constexpr,
 ):
     """``_tile_loop`` for a tile of consecutive slots from ``slot0``, every block by TMA: no
-    per-element addresses, masks or slot loads, which frees registers and issue slots."""
+    per-element addresses, masks or slot loads, which frees registers and issue slots.
+    The whole blocks run in a loop with no tail mask, a last partial block after it; with
+    ``SINGLE_COPY``, every block in one loop, each masked as a tail (one copy of the block's
+    code: fewer registers held across it)."""
+    if SINGLE_COPY:
+        for start in range(tok0, tok1, BLOCK_N):
+            m_i, l_i, acc = _tma_block(
+                q, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, slot0 + (start - tok0),
+                kvh, pre, qlen, m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED,
+                TAIL=True, IEEE=IEEE)
+        return m_i, l_i, acc
     whole = tok0 + (tok1 - tok0) // BLOCK_N * BLOCK_N
     for start in range(tok0, whole, BLOCK_N):
         m_i, l_i, acc = _tma_block(
@@ -213,14 +226,15 @@ def _tile(
     q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre,
     qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
     D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
-    TMA: tl.constexpr, IEEE: tl.constexpr,
+    TMA: tl.constexpr, IEEE: tl.constexpr, SINGLE_COPY: tl.constexpr,
 ):
     """The tile's online softmax. ``TMA``: a tile of consecutive slots (``slot0 >= 0``; all
     tiles when ``CONTIG``) loads by TMA, any other by gathered loads."""
     if TMA and (CONTIG or slot0 >= 0):
         m_i, l_i, acc = _tma_tile(
             q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
-            m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, IEEE=IEEE)
+            m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, IEEE=IEEE,
+            SINGLE_COPY=SINGLE_COPY)
     else:
         m_i, l_i, acc = _tile_loop(
             q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
@@ -245,7 +259,7 @@ def tree_partial_kernel(
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, HEADER: tl.constexpr,
-    SCALED: tl.constexpr, F16_DOTS: tl.constexpr,
+    SCALED: tl.constexpr, F16_DOTS: tl.constexpr, SINGLE_COPY: tl.constexpr,
 ):
     # KV heads vary fastest: programs start in work-item order (largest tiles first) across
     # all heads, so the launch's last programs are its shortest ones.
@@ -266,22 +280,26 @@ def tree_partial_kernel(
         off_len = tl.load(plan - 9)
         total = num_work * h_kv
         pid = tl.program_id(0)
-        # The first pair waits for the previous launch once described, as below; a program
-        # without one still waits (so the launch ends after the previous one).
-        if pid < total:
-            _work_item(
-                pid // h_kv, pid % h_kv, Q, K, V, desc_k, desc_v, PO, PLSE, plan, off_lo,
-                off_hi, off_off, off_work, off_order, off_pre, off_len, O, LSE, counts,
-                merge_indptr, merge_partials, qk_scale, stride_qn, stride_qh, stride_kn,
-                stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
-                KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
-                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS)
-        else:
-            if PDL:
+        # The first pair waits for the previous launch once described, inside the work item;
+        # a program without one still waits (so the launch ends after the previous one).
+        # SINGLE_COPY: the first pair is the loop's first (one copy of the work item's code).
+        if not SINGLE_COPY:
+            if pid < total:
+                _work_item(
+                    pid // h_kv, pid % h_kv, Q, K, V, desc_k, desc_v, PO, PLSE, plan, off_lo,
+                    off_hi, off_off, off_work, off_order, off_pre, off_len, O, LSE, counts,
+                    merge_indptr, merge_partials, qk_scale, stride_qn, stride_qh, stride_kn,
+                    stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
+                    KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                    USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
+                    FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED,
+                    F16_DOTS=F16_DOTS, SINGLE_COPY=SINGLE_COPY)
+        if PDL:
+            if pid >= total:
                 gdc_launch_dependents()
                 gdc_wait()
-        for item in range(pid + tl.num_programs(0), total, tl.num_programs(0)):
+        start = pid if SINGLE_COPY else pid + tl.num_programs(0)
+        for item in range(start, total, tl.num_programs(0)):
             _work_item(
                 item // h_kv, item % h_kv, Q, K, V, desc_k, desc_v, PO, PLSE, plan, off_lo,
                 off_hi, off_off, off_work, off_order, off_pre, off_len, O, LSE, counts,
@@ -289,7 +307,8 @@ def tree_partial_kernel(
                 stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
                 KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
-                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False, SCALED=SCALED, F16_DOTS=F16_DOTS)
+                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL and SINGLE_COPY, SCALED=SCALED,
+                F16_DOTS=F16_DOTS, SINGLE_COPY=SINGLE_COPY, first=item == pid)
     else:
         _work_item(
             tl.program_id(0) // h_kv, tl.program_id(0) % h_kv, Q, K, V, desc_k, desc_v, PO,
@@ -298,7 +317,7 @@ def tree_partial_kernel(
             stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
             KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK,
             CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL,
-            SCALED=SCALED, F16_DOTS=F16_DOTS)
+            SCALED=SCALED, F16_DOTS=F16_DOTS, SINGLE_COPY=SINGLE_COPY)
 
 
 @triton.jit
@@ -310,10 +329,11 @@ def _work_item(
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, WAIT: tl.constexpr, SCALED: tl.constexpr,
-    F16_DOTS: tl.constexpr,
+    F16_DOTS: tl.constexpr, SINGLE_COPY: tl.constexpr, first=True,
 ):
     """Work item ``w`` of the plan for KV head ``kvh``: its partial states. ``WAIT``: wait
-    for the previous launch (programmatic dependent launch) once the item is described.
+    for the previous launch (programmatic dependent launch) once the item is described, if
+    ``first`` (a program's first item).
     ``SCALED``: K/V (e.g. FP8, converted exactly to the dots' dtype as loaded) are dequantised
     by the head's scales: K's folds into the score scale, V's into the epilogue.
     ``F16_DOTS``: the dots run in fp16 (see the top)."""
@@ -338,7 +358,7 @@ def _work_item(
     # slot loads at all).
     slot0 = tl.load(desc + 6) if CONTIG or TMA else 0
     row0 = tl.load(desc + 7)
-    if WAIT:
+    if WAIT and first:
         # The plan arrays above come from a stream-ordered upload (PDL does not overlap a
         # copy); Q and the partial workspace (read by the previous launch's merge) wait for
         # the previous launch. Every program waits, with no return before: so this launch
@@ -376,14 +396,16 @@ def _work_item(
         m_i, l_i, acc = _tile(
             q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, mask_from, slot0,
             kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-            D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE)
+            D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE,
+            SINGLE_COPY=SINGLE_COPY)
     if USE_MASK:
         if mask_from < tok1:
             slot_m = tl.where(slot0 >= 0, slot0 + (mask_from - tok0), -1)
             m_i, l_i, acc = _tile(
                 q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, mask_from, tok1,
                 slot_m, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-                D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE)
+                D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE,
+                SINGLE_COPY=SINGLE_COPY)
 
     has = l_i > 0
     o = acc * (v_s / tl.where(has, l_i, 1.0))[:, None]

@@ -189,13 +189,15 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
                   SORTED=prepared.sorted_queries, FUSE_MERGE=fused,
                   IEEE=q.dtype == torch.float32, PDL=pdl, HEADER=header, SCALED=scaled,
                   F16_DOTS=q.dtype == torch.bfloat16 and k_cache.dtype.itemsize == 1,
+                  SINGLE_COPY=cfg.single_copy,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   maxnreg=cfg.maxnreg,
                   launch_pdl=pdl)
         tma = prepared.tma and _tma_ok(k_cache, ks) and _tma_ok(v_cache, ks)
         # TMA only inside CUDA-graph capture: launched eagerly, Triton's per-launch handling
-        # of the tensor descriptors costs more host time than TMA saves on the GPU. Eager launches compile the TMA variant once
-        # (``warmup``), so that a capture does not run the compiler.
+        # of the tensor descriptors costs more host time than TMA saves on the GPU. Eager
+        # launches compile the TMA variant once (``warmup``), so that a capture does not run
+        # the compiler.
         capturing = q.device.type != "cuda" or in_capture
         tma_key = ((tuple(kw.values()), q.device, q.dtype, qs, ks, os_)
                    if tma and not capturing else None)

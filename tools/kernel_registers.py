@@ -1,0 +1,155 @@
+"""Registers and spills of the partial kernel's sm_90 builds, compiled on this machine (no GPU).
+
+Triton compiles for a target it is given; ``ptxas`` (shipped with Triton) then reports each
+build's registers per thread, stack frame and spill bytes, which decide how many programs an
+SM keeps and how much local-memory traffic the inner loop adds, and whether ptxas had to
+serialise the ``wgmma`` instructions (each one waited for before the next is issued: its
+C751x performance warnings, e.g. for want of registers). Each row is one build of
+``tree_partial_kernel`` as :func:`deft.ops.triton.launch.launch_step` launches it for a
+masked step of gathered and consecutive tiles (bf16 q): eager (gathered loads, no plan
+header) or graph-safe (TMA, plan header, a loop over work items), over 16-bit or FP8 K/V;
+with the shipped loops or one copy of each loop's code (``KernelConfig.single_copy``).
+
+Usage: ``python tools/kernel_registers.py [--head-dim 128] [--rows 0,2048] [--kv bf16,fp8]
+[--launch eager,graph-safe] [--maxnreg shipped,none,168] [--loops shipped,single]``; ``--rows`` picks the config
+table's row regimes (``deft.ops.triton.configs.CONFIGS``), ``--maxnreg`` the register cap
+(``shipped``: the config's for that K/V). About 10 s a build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile, even when run under the CPU test suite
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+from deft.ops.triton import configs, kernels  # noqa: E402
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+KV = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+H_KV, G = 8, 4  # Llama-3-8B's heads
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """``ptxas -v``'s figures for one build."""
+
+    registers: int
+    stack: int  # bytes, summed over the kernel and the functions it calls, like the spills
+    spill_stores: int
+    spill_loads: int
+    serialized: str  # why ptxas serialised the wgmma instructions ("" if it did not)
+
+
+class _Sm90:
+    """A stand-in for Triton's active driver: it only names the target, so Triton compiles
+    for sm_90 without a GPU (the kernels are never launched)."""
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+def ptxas_usage(ptx: str, maxnreg: int | None) -> Usage:
+    """Assemble ``ptx`` for sm_90a and read ``ptxas -v``'s register and spill report."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        cmd = [str(PTXAS), "-v", "--gpu-name", "sm_90a", str(src), "-o", str(Path(tmp) / "k.o")]
+        if maxnreg:
+            cmd += ["--maxrregcount", str(maxnreg)]
+        report = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", report)
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                        report)
+    if regs is None or not frames:
+        raise RuntimeError(f"ptxas printed no register report:\n{report}")
+    serialized = re.search(r"wgmma\.mma_async instructions are serialized due to (.+?) (?:for|in) the function",
+                           report)
+    # One line per function (the kernel, then any called function): their sums.
+    return Usage(int(regs.group(1)), *(sum(int(f[i]) for f in frames) for i in range(3)),
+                 serialized.group(1) if serialized else "")
+
+
+def build_usage(cfg: configs.KernelConfig, head_dim: int, kv: torch.dtype,
+                graph_safe: bool) -> Usage:
+    """Compile one build of the partial kernel for sm_90 under ``cfg`` (as launched over
+    ``kv``: ``configs.kv_config``) and report its usage (bf16 q). Triton must target sm_90:
+    :func:`main` makes it, for the whole process."""
+    h_q, d = H_KV * G, head_dim
+    q = torch.empty(16, h_q, d, dtype=torch.bfloat16)
+    cache = torch.empty(256, H_KV, d, dtype=kv)
+    plan = torch.empty(1024, dtype=torch.int32)
+    lse = torch.empty(16, h_q, dtype=torch.float32)
+    scale = torch.ones(H_KV, dtype=torch.float32)
+    scaled = kv.itemsize == 1
+    desc = (TensorDescriptor(cache, [256, H_KV * d], [H_KV * d, 1], [cfg.block_n, d])
+            if graph_safe else cache)
+    offsets = (0,) * 7 if graph_safe else (256, 512, 768, 768, 896, 912, 928)
+    args = [q, cache, cache, desc, desc, q, lse, plan, *offsets, q, lse, plan, plan, plan,
+            d**-0.5 * math.log2(math.e), h_q * d, d, H_KV * d, d, h_q * d, d, h_q, h_q * d, d,
+            h_q, scale if scaled else q, scale if scaled else q, int(scaled)]
+    compiled = kernels.tree_partial_kernel.warmup(
+        *args, grid=(1,), G=G, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_MASK=True,
+        CONTIG=False, TMA=graph_safe, SORTED=False, FUSE_MERGE=cfg.fuse_merge, IEEE=False,
+        PDL=cfg.pdl, HEADER=graph_safe, SCALED=scaled, F16_DOTS=scaled,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+        SINGLE_COPY=cfg.single_copy, launch_pdl=cfg.pdl)
+    return ptxas_usage(compiled.asm["ptx"], cfg.maxnreg)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--rows", default="0,2048", help="row regimes of the config table")
+    ap.add_argument("--kv", default="bf16,fp8", help="K/V dtypes: bf16, fp8")
+    ap.add_argument("--launch", default="eager,graph-safe", help="eager, graph-safe")
+    ap.add_argument("--maxnreg", default="shipped",
+                    help="register caps: shipped (the config's), none, or a number")
+    ap.add_argument("--loops", default="shipped,single",
+                    help="shipped, single (one copy of each loop's code: single_copy)")
+    args = ap.parse_args(argv)
+    driver.set_active(_Sm90())
+    print("| rows | K/V | launch | loops | cap | registers | stack B | spill stores B "
+          "| spill loads B | wgmma serialised |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for rows in (int(r) for r in args.rows.split(",")):
+        shipped = configs.CONFIGS["sm90", args.head_dim, rows]
+        for kv in args.kv.split(","):
+            for cap in args.maxnreg.split(","):
+                cfg = configs.kv_config(shipped, KV[kv])
+                if cap != "shipped":
+                    cfg = dataclasses.replace(cfg, maxnreg=None if cap == "none" else int(cap))
+                for launch in args.launch.split(","):
+                    for loops in args.loops.split(","):
+                        built = dataclasses.replace(cfg, single_copy=loops == "single")
+                        u = build_usage(built, args.head_dim, KV[kv], launch == "graph-safe")
+                        print(f"| {rows} | {kv} | {launch} | {loops} | {cfg.maxnreg or 'none'} "
+                              f"| {u.registers} | {u.stack} | {u.spill_stores} | {u.spill_loads} "
+                              f"| {u.serialized or 'no'} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
