@@ -176,7 +176,8 @@ def test_one_capture_replays_100_random_trees(dtype, grid, kv, single_copy, monk
     kv_dtype = FP8 if kv == "fp8" else None
     if kv_dtype is not None:
         for i in range(2):
-            k_s, v_s = (torch.rand(h_kv, device="cuda", generator=g) * 0.02 + 0.01 for _ in range(2))
+            k_s, v_s = (torch.rand(h_kv, device="cuda", generator=g) * 0.02 + 0.01
+                        for _ in range(2))
             ks[i], vs[i] = quantize(ks[i].float(), k_s, FP8), quantize(vs[i].float(), v_s, FP8)
             scales[i] = dict(k_scale=k_s, v_scale=v_s)
     outs = [torch.empty_like(q) for _ in range(2)]
@@ -197,7 +198,8 @@ def test_one_capture_replays_100_random_trees(dtype, grid, kv, single_copy, monk
         for i in range(2):
             k, v = ks[i], vs[i]
             if kv_dtype is not None:
-                k, v = (x.float() * scales[i][s][:, None] for x, s in ((k, "k_scale"), (v, "v_scale")))
+                k, v = (x.float() * scales[i][name][:, None]
+                        for x, name in ((k, "k_scale"), (v, "v_scale")))
             ref_o, _ = reference_attention(q, k, v, layout, d**-0.5)
             assert_close(outs[i].cpu(), ref_o.cpu(), dtype, f"replayed tree {t}, layer {i}")
     assert grid == "shipped" or pairs > attn._reserved.programs

@@ -11,9 +11,9 @@ header) or graph-safe (TMA, plan header, a loop over work items), over 16-bit or
 with the shipped loops or one copy of each loop's code (``KernelConfig.single_copy``).
 
 Usage: ``python tools/kernel_registers.py [--head-dim 128] [--rows 0,2048] [--kv bf16,fp8]
-[--launch eager,graph-safe] [--maxnreg shipped,none,168] [--loops shipped,single]``; ``--rows`` picks the config
-table's row regimes (``deft.ops.triton.configs.CONFIGS``), ``--maxnreg`` the register cap
-(``shipped``: the config's for that K/V). About 10 s a build.
+[--launch eager,graph-safe] [--maxnreg shipped,none,168] [--loops shipped,single]``;
+``--rows`` picks the config table's row regimes (``deft.ops.triton.configs.CONFIGS``),
+``--maxnreg`` the register cap (``shipped``: the config's for that K/V). About 10 s a build.
 """
 
 from __future__ import annotations
@@ -82,13 +82,14 @@ def ptxas_usage(ptx: str, maxnreg: int | None) -> Usage:
             cmd += ["--maxrregcount", str(maxnreg)]
         report = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
     regs = re.search(r"Used (\d+) registers", report)
-    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
-                        report)
+    frames = re.findall(
+        r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     if regs is None or not frames:
         raise RuntimeError(f"ptxas printed no register report:\n{report}")
-    serialized = re.search(r"wgmma\.mma_async instructions are serialized due to (.+?) (?:for|in) the function",
-                           report)
-    # One line per function (the kernel, then any called function): their sums.
+    serialized = re.search(
+        r"wgmma\.mma_async instructions are serialized due to (.+?) (?:for|in) the function",
+        report)
+    # A line per function ptxas compiled (the kernel, and any it calls): their sums.
     return Usage(int(regs.group(1)), *(sum(int(f[i]) for f in frames) for i in range(3)),
                  serialized.group(1) if serialized else "")
 
