@@ -8,7 +8,8 @@ EXTRA ?= triton==3.6.0 numpy<2.4
 
 .PHONY: run test bench-plan bench-cpu clean
 
-$(VENV)/.installed: pyproject.toml setup.py Makefile deft/plan/flatten_plan.c deft/plan/tile_masks.c deft/ops/triton/driver_launch.c
+$(VENV)/.installed: pyproject.toml setup.py Makefile deft/plan/flatten_plan.c deft/plan/tile_masks.c \
+                   deft/plan/launch_model.c deft/ops/triton/driver_launch.c
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[model,serve,test]" $(foreach p,$(EXTRA),"$(p)")

@@ -77,8 +77,6 @@ def retrieval(model: Any, tok: Any, context: int = 32768, depth: float = 0.25,
     """A secret number stated at ``depth`` of a ``context``-token prompt (random tokens
     around it; at most the model's context), asked at the end: the greedy answers of a
     16-bit cache and of ``kv``, and whether each holds the number."""
-    from deft.engine import SamplingParams, TreeEngine, generate
-
     context = min(context, model.config.max_position_embeddings - new_tokens)
     rng = np.random.default_rng(seed)
     secret = str(int(rng.integers(10000, 100000)))
@@ -90,12 +88,24 @@ def retrieval(model: Any, tok: Any, context: int = 32768, depth: float = 0.25,
     at = int(depth * filler.shape[0])
     prompt = [*filler[:at].tolist(), *fact, *filler[at:].tolist(), *question]
     out: dict[str, Any] = {"context": len(prompt), "depth": depth, "secret": secret}
+    for name, result in _answers(model, tok, prompt, kv, backend, new_tokens).items():
+        answer = tok.decode(result.token_ids)
+        out[f"answer_{name}"], out[f"found_{name}"] = answer, secret in answer
+    return out
+
+
+def _answers(model: Any, tok: Any, prompt: list[int], kv: Any, backend: str,
+             new_tokens: int) -> dict[str, Any]:
+    """The greedy continuations of ``prompt``, ``new_tokens`` long, with a 16-bit cache
+    ("base") and with ``kv`` ("test"), each in an engine of its own."""
+    from deft.engine import SamplingParams, TreeEngine, generate
+
     params = SamplingParams(max_new_tokens=new_tokens, stop_token_ids=frozenset())
+    out = {}
     for name, spec in (("base", baseline_spec(model)), ("test", kv)):
         engine = TreeEngine(model, tok, num_pages=-(-(len(prompt) + new_tokens) // 16) + 4,
                             page_size=16, backend=backend, kv=spec)
-        answer = tok.decode(generate(engine, [prompt], params)[0].token_ids)
-        out[f"answer_{name}"], out[f"found_{name}"] = answer, secret in answer
+        out[name] = generate(engine, [prompt], params)[0]
     return out
 
 
@@ -220,8 +230,6 @@ def needle_retrieval(context: int = 32768, depth: float = 0.25, kv: Any = "fp8_e
     """:func:`needle_model`'s question after ``context`` tokens with the fact at ``depth``:
     the answer with a 16-bit cache and with ``kv``, whether each is the fact's and its
     probability, and the fact's share of the question's attention (float64, no cache)."""
-    from deft.engine import SamplingParams, TreeEngine, generate
-
     model, tok = needle_model(fact_score=fact_score, seed=seed,
                               max_positions=max(context + 16, 1024))
     model = model.to(device=device, dtype=dtype)
@@ -232,11 +240,7 @@ def needle_retrieval(context: int = 32768, depth: float = 0.25, kv: Any = "fp8_e
     prompt = [*filler[:at], tok.values + secret, *filler[at:], 2 * tok.values]
     out: dict[str, Any] = {"context": len(prompt), "depth": depth, "secret": f"a{secret}",
                            "fact_share": _fact_share(model, prompt, at)}
-    params = SamplingParams(max_new_tokens=1, stop_token_ids=frozenset())
-    for name, spec in (("base", baseline_spec(model)), ("test", kv)):
-        engine = TreeEngine(model, tok, num_pages=-(-(len(prompt) + 1) // 16) + 4,
-                            page_size=16, backend=backend, kv=spec)
-        result = generate(engine, [prompt], params)[0]
+    for name, result in _answers(model, tok, prompt, kv, backend, 1).items():
         answer = tok.decode(result.token_ids)
         out[f"answer_{name}"], out[f"found_{name}"] = answer, answer == f"a{secret}"
         out[f"p_answer_{name}"] = math.exp(result.score)
