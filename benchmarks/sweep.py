@@ -183,8 +183,10 @@ def _sweep_tree(name: str, layout, variant_list, graph: bool, registers: dict,  
                 print(f"{name} | {label} | ERROR {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                 continue
             programs = attn._prepared.num_work * H_KV
-            registers.setdefault(label, set()).update(
-                (k.n_regs, k.n_spills) for key, k in _compiled().items() if key not in before)
+            for key, k in _compiled().items():
+                if key not in before:
+                    k._init_handles()  # eager steps launch natively: maybe never loaded by Triton
+                    registers.setdefault(label, set()).add((k.n_regs, k.n_spills))
             rows.append({"tree": name, "variant": label, "tiles": plan.num_tiles,
                          "partials": plan.num_partials, "programs": programs,
                          "µs/step": us, "µs/layer": us / LAYERS, "max |diff| vs ref": diff})

@@ -13,6 +13,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -595,3 +597,25 @@ def test_rope_placeholders_on_the_meta_device_have_the_real_tables_shape():
     for buf, local in ((model.rope, False), (model.local_rope, True)):
         real = rope_table(config, torch.float32, local=local)
         assert buf.is_meta and buf.shape == real.shape == (4096, 16) and buf.dtype == real.dtype
+
+
+def test_without_gguf_hf_dirs_load_and_gguf_files_name_the_package(tiny):
+    """The ``gguf`` package (the ``model`` extra) is needed for GGUF files only."""
+    hf_dir, gguf_path = tiny[0], tiny[1]
+    script = f"""
+import re, sys
+sys.modules["gguf"] = None  # import gguf raises ImportError
+import torch
+from deft.model import load_model
+model, tok = load_model({str(hf_dir)!r})
+assert model.config.num_layers > 0 and tok.encode("hi")
+try:
+    load_model({str(gguf_path)!r})
+except ImportError as exc:
+    assert {str(gguf_path)!r} in str(exc) and "gguf package" in str(exc), exc
+else:
+    raise AssertionError("a GGUF file loaded without the gguf package")
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

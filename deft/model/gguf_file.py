@@ -13,22 +13,26 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
-from gguf.quants import dequantize
 
 from ..checks import is_int
 
+try:
+    import gguf
+    import gguf.quants
+except ImportError:  # only GGUF files need it (the ``model`` extra), not other checkpoints
+    gguf = None
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
+
 __all__ = ["GGUFFile", "GGUFTensor"]
 
-_SCALAR = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
-}
+# The format's value type ids: its scalars' struct formats, then string and array.
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+           11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
 _NUMPY = {t: np.dtype(f) for t, f in _SCALAR.items()}
 _U64 = struct.Struct("<Q")
 
@@ -69,11 +73,11 @@ class _Cursor:
         return s
 
     def value(self, vtype: int) -> Any:
-        if vtype == GGUFValueType.STRING:
+        if vtype == _STRING:
             return self.string()
         if vtype in _SCALAR:
             return self.take(_SCALAR[vtype])
-        if vtype != GGUFValueType.ARRAY:
+        if vtype != _ARRAY:
             raise _Corrupt(f"unknown value type {vtype} at byte {self.pos}")
         etype, count = self.take("<I"), self.take("<Q")
         if etype in _NUMPY:
@@ -83,7 +87,7 @@ class _Cursor:
             arr = np.frombuffer(self.buf, _NUMPY[etype], count, self.pos).copy()
             self.pos += size
             return arr
-        if etype == GGUFValueType.STRING:
+        if etype == _STRING:
             return self._strings(count)
         return [self.value(etype) for _ in range(count)]
 
@@ -106,12 +110,16 @@ class _Cursor:
 class GGUFFile:
     """A parsed GGUF file (version 2 or 3, little-endian).
 
-    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming ``path`` for
-    anything that is not a well-formed GGUF file.
+    Raises ``FileNotFoundError`` for a missing file, ``ValueError`` naming ``path`` for
+    anything that is not a well-formed GGUF file and ``ImportError`` without the ``gguf``
+    package (its quantisation tables and dequantisers).
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
+        if gguf is None:
+            raise ImportError(f"{self.path}: reading GGUF files needs the gguf package "
+                              "(pip install 'deft-llm[model]')")
         if not os.path.isfile(self.path):
             raise FileNotFoundError(f"{self.path}: no such GGUF file")
         size = os.path.getsize(self.path)
@@ -149,7 +157,7 @@ class GGUFFile:
             dims = [cur.take("<Q") for _ in range(n_dims)]
             raw_type, offset = cur.take("<I"), cur.take("<Q")
             try:
-                qtype = GGMLQuantizationType(raw_type)
+                qtype = gguf.GGMLQuantizationType(raw_type)
             except ValueError:
                 raise _Corrupt(f"tensor {name!r} has unknown type id {raw_type}") from None
             infos.append((name, dims, qtype, offset))
@@ -159,7 +167,7 @@ class GGUFFile:
         start = cur.pos + (-cur.pos) % align
         tensors = {}
         for name, dims, qtype, offset in infos:
-            block, type_size = GGML_QUANT_SIZES[qtype]
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
             elems = math.prod(dims)  # exact: a damaged dim must not wrap around
             if dims and dims[0] % block:
                 raise _Corrupt(f"tensor {name!r}: row length {dims[0]} is not a multiple of {block}")
@@ -184,19 +192,19 @@ class GGUFFile:
         after = _span(shape, dim, start, stop)  # what is left to slice once dequantised
         if dim is not None and len(shape) == 2:
             stop = shape[dim] if stop is None else stop
-            block, type_size = GGML_QUANT_SIZES[t.qtype]
+            block, type_size = gguf.GGML_QUANT_SIZES[t.qtype]
             if dim == 0:
                 raw, shape, after = raw[start:stop], (stop - start, shape[1]), ()
             elif start % block == 0 and stop % block == 0:
                 raw = raw[:, start // block * type_size:stop // block * type_size]
                 shape, after = (shape[0], stop - start), ()
         try:
-            out = dequantize(np.ascontiguousarray(raw), t.qtype)
+            out = gguf.quants.dequantize(np.ascontiguousarray(raw), t.qtype)
         except NotImplementedError:
             raise ValueError(
                 f"{self.path}: tensor {name!r} has type {t.qtype.name}, which gguf cannot dequantise"
             ) from None
-        if t.qtype == GGMLQuantizationType.F32:
+        if t.qtype == gguf.GGMLQuantizationType.F32:
             out = out.copy()  # dequantize returns a view of the mapped file
         return np.ascontiguousarray(out.astype(np.float32, copy=False).reshape(shape)[after])
 
