@@ -9,9 +9,7 @@ config and coarsening (``deft.plan.coarsen.refine``):
 * ``factors``: fixed coarsening factors (``--factors``, default 2,4,8,16,32) instead of
   the coarsening rule;
 * ``shapes``: other block shapes (rows x tokens, warps, stages), and slot loads forced on;
-* ``tma``: TMA loads of consecutive-slot tiles off (gathered loads), one copy of each loop's
-  code (``single_copy``: a TMA tile's blocks, a graph-safe program's work items), also under
-  a 168-register cap (3 programs per SM), and TMA block shapes;
+* ``tma``: TMA loads of consecutive-slot tiles off (gathered loads), and TMA block shapes;
 * ``occupancy``: 2 stages, a 128-register cap (4 programs per SM instead of 3), other waves,
   the launch model and graph-safe grid at 2 programs per SM;
 * ``pipeline``: deeper K/V rings (16-token blocks with 5, 6 or 8 stages, 32 with 4), so
@@ -87,8 +85,7 @@ def variants(sweep: str, factors: str = "2,4,8,16,32") -> list[tuple[str, dict, 
                 for m, n, w, st in SHAPES]
         out.append(("slot loads", v(contig=False), None))
     elif sweep == "tma":
-        out += [("gather", v(tma=False), None), ("single copy", v(single_copy=True), None),
-                ("single copy maxnreg 168", v(single_copy=True, maxnreg=168), None)]
+        out.append(("gather", v(tma=False), None))
         out += [(f"tma m{m}n{n}w{w}s{st}", v(block_m=m, block_n=n, num_warps=w, num_stages=st), None)
                 for m, n, w, st in TMA_SHAPES]
     elif sweep == "occupancy":

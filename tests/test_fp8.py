@@ -157,16 +157,14 @@ def test_bf16_queries_over_fp8_kv_past_the_fp16_range_match_the_reference(backen
     torch.testing.assert_close(lse.double(), ref_lse, atol=0, rtol=1e-5)
 
 
-@pytest.mark.parametrize("single_copy", [False, True], ids=["shipped-loops", "single-copy"])
-def test_triton_fp8_tma_path_matches_the_reference(monkeypatch, single_copy):
-    """Consecutive slots by tensor descriptor: FP8 boxes, converted in registers; a tile's
-    last partial block after its loop, or every block in one loop (``single_copy``)."""
+def test_triton_fp8_tma_path_matches_the_reference(monkeypatch):
+    """Consecutive slots by tensor descriptor: FP8 boxes, converted in registers."""
     pytest.importorskip("triton")
     from deft.ops.triton import configs, launch
 
     for key, cfg in list(configs.CONFIGS.items()):  # FP8 boxes twice the 16-bit block
-        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
-            cfg, tma=True, kv8_block_n=2 * cfg.block_n, single_copy=single_copy))
+        monkeypatch.setitem(configs.CONFIGS, key,
+                            dataclasses.replace(cfg, tma=True, kv8_block_n=2 * cfg.block_n))
     layout = few_shot_layout(40, 3, 9)
     q = random_qkv(layout, H_Q, H_KV, D, torch.float32, 3)[0].half()
     k8, v8, ks, vs = fp8_kv(layout, 3)

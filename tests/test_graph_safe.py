@@ -85,14 +85,9 @@ def small_grid(monkeypatch) -> None:
     monkeypatch.setattr(backend, "_num_sms", lambda device: 4)
 
 
-@pytest.mark.parametrize("single_copy", [False, True], ids=["shipped-loops", "single-copy"])
-def test_plans_change_no_launch_argument_and_stay_exact(launches, monkeypatch, single_copy):
-    """Eight random trees through one reservation of 4 programs, which loop over work items,
-    with the shipped loops and with one copy of each loop's code (``single_copy``)."""
+def test_plans_change_no_launch_argument_and_stay_exact(launches, monkeypatch):
+    """Eight random trees through one reservation of 4 programs, which loop over work items."""
     small_grid(monkeypatch)
-    for key, cfg in list(configs.CONFIGS.items()):
-        monkeypatch.setitem(configs.CONFIGS, key,
-                            dataclasses.replace(cfg, single_copy=single_copy))
     rng = np.random.default_rng(0)
     nq, cache = 5, 160
     attn = TreeAttention(H_Q, H_KV, D, backend="triton", device=DEV, block_kv=None if CUDA else 8,
@@ -154,17 +149,12 @@ def test_capacity_needs_a_graph_safe_backend():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("grid", ["shipped", "4 programs"])
 @pytest.mark.parametrize("kv", ["16-bit", "fp8"])
-@pytest.mark.parametrize("single_copy", [False, True], ids=["shipped-loops", "single-copy"])
-def test_one_capture_replays_100_random_trees(dtype, grid, kv, single_copy, monkeypatch):
+def test_one_capture_replays_100_random_trees(dtype, grid, kv, monkeypatch):
     """Capture two layers once; then plan and replay 100 random trees of different shapes,
     with the shipped grid and with 4 programs (which loop over work items), over
-    16-bit K/V and FP8 K/V with per-head scales (against the dequantised K/V's reference),
-    with the shipped loops and with one copy of each loop's code (``single_copy``)."""
+    16-bit K/V and FP8 K/V with per-head scales (against the dequantised K/V's reference)."""
     from deft.cache.pool import FP8, quantize
 
-    for key, cfg in list(configs.CONFIGS.items()):
-        monkeypatch.setitem(configs.CONFIGS, key,
-                            dataclasses.replace(cfg, single_copy=single_copy))
     if grid == "4 programs":
         small_grid(monkeypatch)
     rng = np.random.default_rng(7)

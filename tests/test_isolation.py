@@ -241,12 +241,10 @@ def test_triton_merge_modes(monkeypatch, fused):
 
 @pytest.mark.skipif(CUDA, reason="on a GPU, TMA runs inside graph capture: the gpu test")
 @pytest.mark.parametrize("value", list(VALUES))
-@pytest.mark.parametrize("single_copy", [False, True], ids=["shipped-loops", "single-copy"])
-def test_triton_tma_blocks(monkeypatch, value, single_copy):
+def test_triton_tma_blocks(monkeypatch, value):
     """Tiles of consecutive slots loaded by TMA (interpreted on CPU): whole blocks, blocks
     cut at a tile's ``mask_from`` (their box reads on into the tile's masked tokens), masked
-    blocks, and the last tile's tail box, which reads the spare slots past the layout; a
-    tile's last partial block after its loop, or every block in one loop (``single_copy``)."""
+    blocks, and the last tile's tail box, which reads the spare slots past the layout."""
     pytest.importorskip("triton")
     import dataclasses
 
@@ -254,7 +252,7 @@ def test_triton_tma_blocks(monkeypatch, value, single_copy):
 
     for key, cfg in list(configs.CONFIGS.items()):
         monkeypatch.setitem(configs.CONFIGS, key,
-                            dataclasses.replace(cfg, tma=True, single_copy=single_copy))
+                            dataclasses.replace(cfg, tma=True))
     layout = fan_and_tree(40, 3, 11, 20, 9)
     q, k, v = clean_inputs(layout, torch.float32, device=DEV)
     attn = planned("triton", layout, device=DEV, block=32)
@@ -363,8 +361,7 @@ def test_gpu_torch_backend(path, scenario):
 @pytest.mark.parametrize("fused", [False, True], ids=["merge-launch", "fused-merge"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
-@pytest.mark.parametrize("single_copy", [False, True], ids=["shipped-loops", "single-copy"])
-def test_gpu_triton_isolation(monkeypatch, dtype, graph, fused, single_copy):
+def test_gpu_triton_isolation(monkeypatch, dtype, graph, fused):
     """The shipped kernel configs (with TMA allowed) on the Llama-3-8B attention shape: a
     prompt with branches in one tree and a second tree, poison in a branch, in the second
     tree and in a spare slot. Eagerly K/V are gathered; inside a CUDA graph consecutive-slot
@@ -376,7 +373,7 @@ def test_gpu_triton_isolation(monkeypatch, dtype, graph, fused, single_copy):
 
     for key, cfg in list(configs.CONFIGS.items()):
         monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
-            cfg, fuse_merge=fused, tma=True, single_copy=single_copy))
+            cfg, fuse_merge=fused, tma=True))
     layout = fan_and_tree(1500, 7, 77, 300, 50)
     n = 1500 + 7 * 77
     h_q, h_kv, d = 32, 8, 128

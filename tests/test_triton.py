@@ -334,17 +334,14 @@ def _mixed_slots_layout() -> TreeLayout:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("name", ["fan", "partial lens", "prompt and branches", "mixed slots"])
-@pytest.mark.parametrize("single_copy", [False, True], ids=["shipped-loops", "single-copy"])
-def test_tma_path_matches_reference(monkeypatch, name, dtype, single_copy):
+def test_tma_path_matches_reference(monkeypatch, name, dtype):
     """Consecutive slots with ``tma``: every block by tensor descriptor, the last one masked
     (NaN past it, or past the cache end), masked (branch) and unmasked (prompt) tiles, tiles
-    of consecutive and scattered slots in one launch; a cache ``_tma_ok`` rejects gathers.
-    With the shipped loops and with one copy of each loop's code (``single_copy``)."""
+    of consecutive and scattered slots in one launch; a cache ``_tma_ok`` rejects gathers."""
     import dataclasses
 
     for key, cfg in list(configs.CONFIGS.items()):
-        monkeypatch.setitem(configs.CONFIGS, key,
-                            dataclasses.replace(cfg, tma=True, single_copy=single_copy))
+        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, tma=True))
     layout = {**TINY, "prompt and branches": few_shot_layout(70, 3, 21),
               "mixed slots": _mixed_slots_layout()}[name]
     q, k, v = random_qkv(layout, 4, 2, 32, dtype, 5, device=DEV)

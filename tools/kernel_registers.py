@@ -7,11 +7,10 @@ serialise the ``wgmma`` instructions (each one waited for before the next is iss
 C751x performance warnings, e.g. for want of registers). Each row is one build of
 ``tree_partial_kernel`` as :func:`deft.ops.triton.launch.launch_step` launches it for a
 masked step of gathered and consecutive tiles (bf16 q): eager (gathered loads, no plan
-header) or graph-safe (TMA, plan header, a loop over work items), over 16-bit or FP8 K/V;
-with the shipped loops or one copy of each loop's code (``KernelConfig.single_copy``).
+header) or graph-safe (TMA, plan header, a loop over work items), over 16-bit or FP8 K/V.
 
 Usage: ``python tools/kernel_registers.py [--head-dim 128] [--rows 0,2048] [--kv bf16,fp8]
-[--launch eager,graph-safe] [--maxnreg shipped,none,168] [--loops shipped,single]``;
+[--launch eager,graph-safe] [--maxnreg shipped,none,168]``;
 ``--rows`` picks the config table's row regimes (``deft.ops.triton.configs.CONFIGS``),
 ``--maxnreg`` the register cap (``shipped``: the config's for that K/V). About 10 s a build.
 """
@@ -117,7 +116,7 @@ def build_usage(cfg: configs.KernelConfig, head_dim: int, kv: torch.dtype,
         CONTIG=False, TMA=graph_safe, SORTED=False, FUSE_MERGE=cfg.fuse_merge, IEEE=False,
         PDL=cfg.pdl, HEADER=graph_safe, SCALED=scaled, F16_DOTS=scaled,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
-        SINGLE_COPY=cfg.single_copy, launch_pdl=cfg.pdl)
+        launch_pdl=cfg.pdl)
     return ptxas_usage(compiled.asm["ptx"], cfg.maxnreg)
 
 
@@ -129,13 +128,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--launch", default="eager,graph-safe", help="eager, graph-safe")
     ap.add_argument("--maxnreg", default="shipped",
                     help="register caps: shipped (the config's), none, or a number")
-    ap.add_argument("--loops", default="shipped,single",
-                    help="shipped, single (one copy of each loop's code: single_copy)")
     args = ap.parse_args(argv)
     driver.set_active(_Sm90())
-    print("| rows | K/V | launch | loops | cap | registers | stack B | spill stores B "
-          "| spill loads B | wgmma serialised |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| rows | K/V | launch | cap | registers | stack B | spill stores B | spill loads B "
+          "| wgmma serialised |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for rows in (int(r) for r in args.rows.split(",")):
         shipped = configs.CONFIGS["sm90", args.head_dim, rows]
         for kv in args.kv.split(","):
@@ -144,12 +141,10 @@ def main(argv: list[str] | None = None) -> None:
                 if cap != "shipped":
                     cfg = dataclasses.replace(cfg, maxnreg=None if cap == "none" else int(cap))
                 for launch in args.launch.split(","):
-                    for loops in args.loops.split(","):
-                        built = dataclasses.replace(cfg, single_copy=loops == "single")
-                        u = build_usage(built, args.head_dim, KV[kv], launch == "graph-safe")
-                        print(f"| {rows} | {kv} | {launch} | {loops} | {cfg.maxnreg or 'none'} "
-                              f"| {u.registers} | {u.stack} | {u.spill_stores} | {u.spill_loads} "
-                              f"| {u.serialized or 'no'} |", flush=True)
+                    u = build_usage(cfg, args.head_dim, KV[kv], launch == "graph-safe")
+                    print(f"| {rows} | {kv} | {launch} | {cfg.maxnreg or 'none'} | {u.registers} "
+                          f"| {u.stack} | {u.spill_stores} | {u.spill_loads} "
+                          f"| {u.serialized or 'no'} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -32,10 +32,6 @@ class KernelConfig:
     waves: float  # programs per SM the coarsened launch aims for
     contig: bool = True  # when every tile's slots are consecutive, skip the slot loads
     tma: bool = False  # with contig: such tiles' K/V by TMA (sm_90+, in CUDA-graph capture only)
-    # One copy of the code that loops: a TMA tile's blocks in one loop, each masked as a tail
-    # (not its whole blocks, then the last partial one), and a graph-safe program's work items
-    # in one loop (not its first, then the rest): fewer registers held across the loops.
-    single_copy: bool = False
     fuse_merge: bool = False  # the last program of a row merges it (no merge launch)
     maxnreg: int | None = None  # register cap per thread (more programs per SM, maybe spills)
     # Over one-byte (FP8) K/V, whose conversion goes through shared memory in the inner loop,

@@ -193,20 +193,10 @@ def _tma_block(
 def _tma_tile(
     q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
     m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    IEEE: tl.constexpr, SINGLE_COPY: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """``_tile_loop`` for a tile of consecutive slots from ``slot0``, every block by TMA: no
-    per-element addresses, masks or slot loads, which frees registers and issue slots.
-    The whole blocks run in a loop with no tail mask, a last partial block after it; with
-    ``SINGLE_COPY``, every block in one loop, each masked as a tail (one copy of the block's
-    code: fewer registers held across it)."""
-    if SINGLE_COPY:
-        for start in range(tok0, tok1, BLOCK_N):
-            m_i, l_i, acc = _tma_block(
-                q, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, slot0 + (start - tok0),
-                kvh, pre, qlen, m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED,
-                TAIL=True, IEEE=IEEE)
-        return m_i, l_i, acc
+    per-element addresses, masks or slot loads, which frees registers and issue slots."""
     whole = tok0 + (tok1 - tok0) // BLOCK_N * BLOCK_N
     for start in range(tok0, whole, BLOCK_N):
         m_i, l_i, acc = _tma_block(
@@ -226,15 +216,14 @@ def _tile(
     q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre,
     qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
     D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
-    TMA: tl.constexpr, IEEE: tl.constexpr, SINGLE_COPY: tl.constexpr,
+    TMA: tl.constexpr, IEEE: tl.constexpr,
 ):
     """The tile's online softmax. ``TMA``: a tile of consecutive slots (``slot0 >= 0``; all
     tiles when ``CONTIG``) loads by TMA, any other by gathered loads."""
     if TMA and (CONTIG or slot0 >= 0):
         m_i, l_i, acc = _tma_tile(
             q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
-            m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, IEEE=IEEE,
-            SINGLE_COPY=SINGLE_COPY)
+            m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, IEEE=IEEE)
     else:
         m_i, l_i, acc = _tile_loop(
             q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
@@ -259,7 +248,7 @@ def tree_partial_kernel(
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, HEADER: tl.constexpr,
-    SCALED: tl.constexpr, F16_DOTS: tl.constexpr, SINGLE_COPY: tl.constexpr,
+    SCALED: tl.constexpr, F16_DOTS: tl.constexpr,
 ):
     # KV heads vary fastest: programs start in work-item order (largest tiles first) across
     # all heads, so the launch's last programs are its shortest ones.
@@ -280,26 +269,22 @@ def tree_partial_kernel(
         off_len = tl.load(plan - 9)
         total = num_work * h_kv
         pid = tl.program_id(0)
-        # The first pair waits for the previous launch once described, inside the work item;
-        # a program without one still waits (so the launch ends after the previous one).
-        # SINGLE_COPY: the first pair is the loop's first (one copy of the work item's code).
-        if not SINGLE_COPY:
-            if pid < total:
-                _work_item(
-                    pid // h_kv, pid % h_kv, Q, K, V, desc_k, desc_v, PO, PLSE, plan, off_lo,
-                    off_hi, off_off, off_work, off_order, off_pre, off_len, O, LSE, counts,
-                    merge_indptr, merge_partials, qk_scale, stride_qn, stride_qh, stride_kn,
-                    stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
-                    KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                    USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
-                    FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED,
-                    F16_DOTS=F16_DOTS, SINGLE_COPY=SINGLE_COPY)
-        if PDL:
-            if pid >= total:
+        # The first pair waits for the previous launch once described, as below; a program
+        # without one still waits (so the launch ends after the previous one).
+        if pid < total:
+            _work_item(
+                pid // h_kv, pid % h_kv, Q, K, V, desc_k, desc_v, PO, PLSE, plan, off_lo,
+                off_hi, off_off, off_work, off_order, off_pre, off_len, O, LSE, counts,
+                merge_indptr, merge_partials, qk_scale, stride_qn, stride_qh, stride_kn,
+                stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
+                KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
+                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS)
+        else:
+            if PDL:
                 gdc_launch_dependents()
                 gdc_wait()
-        start = pid if SINGLE_COPY else pid + tl.num_programs(0)
-        for item in range(start, total, tl.num_programs(0)):
+        for item in range(pid + tl.num_programs(0), total, tl.num_programs(0)):
             _work_item(
                 item // h_kv, item % h_kv, Q, K, V, desc_k, desc_v, PO, PLSE, plan, off_lo,
                 off_hi, off_off, off_work, off_order, off_pre, off_len, O, LSE, counts,
@@ -307,8 +292,7 @@ def tree_partial_kernel(
                 stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
                 KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
-                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL and SINGLE_COPY, SCALED=SCALED,
-                F16_DOTS=F16_DOTS, SINGLE_COPY=SINGLE_COPY, first=item == pid)
+                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False, SCALED=SCALED, F16_DOTS=F16_DOTS)
     else:
         _work_item(
             tl.program_id(0) // h_kv, tl.program_id(0) % h_kv, Q, K, V, desc_k, desc_v, PO,
@@ -317,7 +301,7 @@ def tree_partial_kernel(
             stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
             KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK,
             CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL,
-            SCALED=SCALED, F16_DOTS=F16_DOTS, SINGLE_COPY=SINGLE_COPY)
+            SCALED=SCALED, F16_DOTS=F16_DOTS)
 
 
 @triton.jit
@@ -329,11 +313,10 @@ def _work_item(
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, WAIT: tl.constexpr, SCALED: tl.constexpr,
-    F16_DOTS: tl.constexpr, SINGLE_COPY: tl.constexpr, first=True,
+    F16_DOTS: tl.constexpr,
 ):
     """Work item ``w`` of the plan for KV head ``kvh``: its partial states. ``WAIT``: wait
-    for the previous launch (programmatic dependent launch) once the item is described, if
-    ``first`` (a program's first item).
+    for the previous launch (programmatic dependent launch) once the item is described.
     ``SCALED``: K/V (e.g. FP8, converted exactly to the dots' dtype as loaded) are dequantised
     by the head's scales: K's folds into the score scale, V's into the epilogue.
     ``F16_DOTS``: the dots run in fp16 (see the top)."""
@@ -358,7 +341,7 @@ def _work_item(
     # slot loads at all).
     slot0 = tl.load(desc + 6) if CONTIG or TMA else 0
     row0 = tl.load(desc + 7)
-    if WAIT and first:
+    if WAIT:
         # The plan arrays above come from a stream-ordered upload (PDL does not overlap a
         # copy); Q and the partial workspace (read by the previous launch's merge) wait for
         # the previous launch. Every program waits, with no return before: so this launch
@@ -396,16 +379,14 @@ def _work_item(
         m_i, l_i, acc = _tile(
             q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, mask_from, slot0,
             kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-            D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE,
-            SINGLE_COPY=SINGLE_COPY)
+            D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE)
     if USE_MASK:
         if mask_from < tok1:
             slot_m = tl.where(slot0 >= 0, slot0 + (mask_from - tok0), -1)
             m_i, l_i, acc = _tile(
                 q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, mask_from, tok1,
                 slot_m, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-                D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE,
-                SINGLE_COPY=SINGLE_COPY)
+                D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE)
 
     has = l_i > 0
     o = acc * (v_s / tl.where(has, l_i, 1.0))[:, None]
