@@ -1,0 +1,74 @@
+"""Rows per work item in the triton backend's plans of the GPU benchmark trees, on the CPU.
+
+A work item is ``block_m`` query rows (group query, GQA head) of one tile; an item of fewer
+rows pads its dots to ``block_m``. Per tree: work items, those of at most ``--small`` rows,
+the share of the plan's token work (tokens x items) in them, and the share of dot rows that
+are padding. It tells which trees smaller dots would serve (docs/decisions.md, "16-row dots
+for FP8"). Plans are made as on an H200 (the sm90 configs, ``--sms`` SMs), for one-byte K/V
+with ``--kv-dtype fp8_e4m3``.
+
+Usage: ``python tools/work_rows.py [--small 16] [--sms 132] [--kv-dtype auto|fp8_e4m3]
+[TREE ...]`` (recorded trees from ``$DEFT_WORKLOADS``, default ``../shared/workloads``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # the sm90 configs, even under the CPU test suite
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks.attention_gpu import D, H_KV, H_Q  # noqa: E402
+from benchmarks.trees import GPU_SUITE, build  # noqa: E402
+from deft.cache.pool import FP8  # noqa: E402
+from deft.ops.base import Heads  # noqa: E402
+from deft.ops.triton import backend  # noqa: E402
+from deft.plan.packing import SEGMENTS, WORK_FIELDS  # noqa: E402
+from deft.recorded import workloads_dir  # noqa: E402
+
+
+def work_rows(layout, sms: int, kv_dtype: torch.dtype | None) -> tuple[np.ndarray, np.ndarray, int]:  # noqa: ANN001
+    """Each work item's tokens and rows in the plan of ``layout`` on ``sms`` SMs, and
+    ``block_m``."""
+    shipped = backend._num_sms
+    backend._num_sms = lambda device: sms
+    try:
+        _, packed, cfg = backend._pack(layout, "flatten", 16, Heads(H_Q, H_KV, D),
+                                       torch.device("cpu"),
+                                       lambda n: torch.empty(n, dtype=torch.int32), None, kv_dtype)
+    finally:
+        backend._num_sms = shipped
+    start = packed.starts[SEGMENTS.index("work")]
+    work = packed.buffer[start:start + WORK_FIELDS * packed.num_work].numpy().reshape(-1, WORK_FIELDS)
+    tokens = (work[:, 1] - work[:, 0]).astype(np.int64)
+    rows = np.minimum(cfg.block_m, (work[:, 3] - work[:, 2]) * (H_Q // H_KV) - work[:, 7])
+    return tokens, rows, cfg.block_m
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trees", nargs="*", metavar="TREE", help="benchmark trees (default: the GPU suite)")
+    ap.add_argument("--small", type=int, default=16, help="rows of a small item (default 16)")
+    ap.add_argument("--sms", type=int, default=132, help="SMs of the planned-for GPU (H200: 132)")
+    ap.add_argument("--kv-dtype", choices=("auto", "fp8_e4m3"), default="auto")
+    args = ap.parse_args(argv)
+    kv = FP8 if args.kv_dtype == "fp8_e4m3" else None
+    print(f"| tree | items | items of <= {args.small} rows | their share of token work "
+          "| padded dot rows |")
+    print("| --- | --- | --- | --- | --- |")
+    for name in args.trees or GPU_SUITE:
+        tokens, rows, block_m = work_rows(build(name, workloads_dir()), args.sms, kv)
+        small = rows <= args.small
+        padded = 1 - float((tokens * rows).sum()) / float(tokens.sum() * block_m)
+        print(f"| {name} | {len(rows)} | {int(small.sum())} "
+              f"| {tokens[small].sum() / tokens.sum():.2f} | {padded:.0%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
