@@ -655,3 +655,48 @@ def test_config_table_by_arch_head_dim_and_rows(monkeypatch):
     assert configs.kernel_config(32, 100).merge_heads == 8  # head_dim 128's table
     monkeypatch.setattr(configs, "arch_of", lambda device: "sm100")
     assert configs.kernel_config(128, 10).merge_heads == 4  # sm90's table
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("tma", [False, True], ids=["gathered", "tma"])
+def test_small_items_run_in_a_launch_of_their_own_and_match_reference(monkeypatch, dtype, tma):
+    """``small_m``: with 32-row programs, the work items of at most 16 rows (each branch's
+    own tokens: one query's 2 rows) move after the others (the prompt's 20 rows) and run in a
+    second partial launch of 16-row programs."""
+    import dataclasses
+
+    for key, cfg in list(configs.CONFIGS.items()):
+        monkeypatch.setitem(configs.CONFIGS, key,
+                            dataclasses.replace(cfg, block_m=32, small_m=16, tma=tma))
+    layout = few_shot_layout(70, 10, 21)
+    q, k, v = random_qkv(layout, 4, 2, 32, dtype, 6, device=DEV)
+    ref_o, ref_lse = reference_attention(q, k, v, layout, 32**-0.5)
+    attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=None if CUDA else 32)
+    attn.plan(layout)
+    prepared = attn._prepared
+    assert 0 < prepared.num_small < prepared.num_work
+    rows = [(w[3] - w[2]) * 2 - w[7] for w in prepared.segment("work").view(-1, 8).tolist()]
+    assert [r <= 16 for r in rows[:prepared.num_work]] == (
+        [False] * (prepared.num_work - prepared.num_small) + [True] * prepared.num_small)
+    blocks = []
+    monkeypatch.setattr(launch, "tree_partial_kernel", _Blocks(launch.tree_partial_kernel, blocks))
+    o, lse = attn.run(q, k, v, return_lse=True)
+    assert blocks == [32, 16]
+    assert_close(o.cpu(), ref_o.cpu(), dtype, "small items")
+    assert_lse_close(lse.cpu(), ref_lse.cpu(), "small items")
+
+
+class _Blocks:
+    """The partial kernel, noting each launch's rows per program."""
+
+    def __init__(self, kernel, blocks: list) -> None:
+        self.kernel, self.blocks = kernel, blocks
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.blocks.append(kw["BLOCK_M"])
+            return self.kernel[grid](*args, **kw)
+        return run
+
+    def warmup(self, *args, **kw):
+        return self.kernel.warmup(*args, **kw)

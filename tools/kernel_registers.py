@@ -116,7 +116,7 @@ def build_usage(cfg: configs.KernelConfig, head_dim: int, kv: torch.dtype,
         CONTIG=False, TMA=graph_safe, SORTED=False, FUSE_MERGE=cfg.fuse_merge, IEEE=False,
         PDL=cfg.pdl, HEADER=graph_safe, SCALED=scaled, F16_DOTS=scaled,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
-        launch_pdl=cfg.pdl)
+        ITEMS=0, launch_pdl=cfg.pdl)
     return ptxas_usage(compiled.asm["ptx"], cfg.maxnreg)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from .tree_plan import TreePlan
 
 __all__ = ["SEGMENTS", "HostBuffer", "PackedPlan", "mask_from", "tile_slot0", "work_items",
-           "segment_starts", "pack"]
+           "segment_starts", "pack", "split_small_items"]
 
 SEGMENTS = ("tok_slot", "tok_lo", "tok_hi", "tok_off", "work", "q_order", "q_pre", "q_len",
             "merge_indptr", "merge_partials")
@@ -46,6 +46,7 @@ class PackedPlan(NamedTuple):
     any_contiguous: bool  # some tile's are
     sorted_queries: bool  # query_order is the identity
     every_query_merged: bool  # every query owns at least one partial state
+    num_small: int = 0  # the last work items, of few rows (``split_small_items``)
 
 
 def mask_from(plan: TreePlan) -> np.ndarray:
@@ -101,6 +102,21 @@ def work_items(plan: TreePlan, g: int, block_m: int) -> np.ndarray:
                          plan.tile_q_end, plan.partial_indptr[:-1], mask_from(plan),
                          tile_slot0(plan)], axis=1)
     return np.concatenate([per_tile[tiles], row0[:, None]], axis=1)
+
+
+def split_small_items(packed: PackedPlan, g: int, block_m: int, small_m: int) -> PackedPlan:
+    """``packed`` with its work items of at most ``small_m`` rows moved, in order, after the
+    others (in place, in its buffer), and their count in ``num_small``: a launch of
+    ``small_m``-row programs runs them, one of ``block_m`` rows the rest."""
+    start = packed.starts[SEGMENTS.index("work")]
+    work = packed.buffer.numpy()[start:start + WORK_FIELDS * packed.num_work]
+    work = work.reshape(-1, WORK_FIELDS)
+    rows = np.minimum(block_m, (work[:, 3] - work[:, 2]) * g - work[:, 7])
+    small = rows <= small_m
+    num_small = int(small.sum())
+    if 0 < num_small < packed.num_work:
+        work[:] = work[np.argsort(small, kind="stable")]
+    return packed._replace(num_small=num_small)
 
 
 def segment_starts(sizes: list[int]) -> list[int]:
