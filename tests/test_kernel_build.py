@@ -24,7 +24,7 @@ def test_graph_safe_builds_compile_for_sm90_within_their_register_caps():
     rows = {}
     for line in out.splitlines()[2:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        rows[cells[1]] = cells[3:]
+        rows[cells[1]] = cells[4:]
     assert set(rows) == {"bf16", "fp8"}, out
     cap, registers, *_ = rows["fp8"]
     assert cap == "168" and 0 < int(registers) <= 168, out

@@ -10,15 +10,17 @@ masked step of gathered and consecutive tiles (bf16 q): eager (gathered loads, n
 header) or graph-safe (TMA, plan header, a loop over work items), over 16-bit or FP8 K/V.
 
 Usage: ``python tools/kernel_registers.py [--head-dim 128] [--rows 0,2048] [--kv bf16,fp8]
-[--launch eager,graph-safe] [--maxnreg shipped,none,168]``;
+[--launch eager,graph-safe] [--maxnreg shipped,none,168] [--block-m shipped,16]``;
 ``--rows`` picks the config table's row regimes (``deft.ops.triton.configs.CONFIGS``),
-``--maxnreg`` the register cap (``shipped``: the config's for that K/V). About 10 s a build.
+``--maxnreg`` the register cap (``shipped``: the config's for that K/V), ``--block-m`` the
+rows per program (16: the second launch of ``KernelConfig.small_m``). About 10 s a build.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import math
 import os
 import re
@@ -128,11 +130,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--launch", default="eager,graph-safe", help="eager, graph-safe")
     ap.add_argument("--maxnreg", default="shipped",
                     help="register caps: shipped (the config's), none, or a number")
+    ap.add_argument("--block-m", default="shipped",
+                    help="rows per program: shipped (the config's) or a number")
     args = ap.parse_args(argv)
     driver.set_active(_Sm90())
-    print("| rows | K/V | launch | cap | registers | stack B | spill stores B | spill loads B "
-          "| wgmma serialised |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| rows | K/V | launch | block m | cap | registers | stack B | spill stores B "
+          "| spill loads B | wgmma serialised |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for rows in (int(r) for r in args.rows.split(",")):
         shipped = configs.CONFIGS["sm90", args.head_dim, rows]
         for kv in args.kv.split(","):
@@ -140,11 +144,15 @@ def main(argv: list[str] | None = None) -> None:
                 cfg = configs.kv_config(shipped, KV[kv])
                 if cap != "shipped":
                     cfg = dataclasses.replace(cfg, maxnreg=None if cap == "none" else int(cap))
-                for launch in args.launch.split(","):
-                    u = build_usage(cfg, args.head_dim, KV[kv], launch == "graph-safe")
-                    print(f"| {rows} | {kv} | {launch} | {cfg.maxnreg or 'none'} | {u.registers} "
-                          f"| {u.stack} | {u.spill_stores} | {u.spill_loads} "
-                          f"| {u.serialized or 'no'} |", flush=True)
+                for launch, block_m in itertools.product(args.launch.split(","),
+                                                         args.block_m.split(",")):
+                    built = cfg if block_m == "shipped" else dataclasses.replace(
+                        cfg, block_m=int(block_m))
+                    u = build_usage(built, args.head_dim, KV[kv], launch == "graph-safe")
+                    print(f"| {rows} | {kv} | {launch} | {built.block_m} "
+                          f"| {cfg.maxnreg or 'none'} | {u.registers} | {u.stack} "
+                          f"| {u.spill_stores} | {u.spill_loads} | {u.serialized or 'no'} |",
+                          flush=True)
 
 
 if __name__ == "__main__":
