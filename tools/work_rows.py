@@ -8,7 +8,7 @@ for FP8"). Plans are made as on an H200 (the sm90 configs, ``--sms`` SMs), for o
 with ``--kv-dtype fp8_e4m3``.
 
 Usage: ``python tools/work_rows.py [--small 16] [--sms 132] [--kv-dtype auto|fp8_e4m3]
-[TREE ...]`` (recorded trees from ``$DEFT_WORKLOADS``, default ``../shared/workloads``).
+[--workloads DIR] [TREE ...]`` (recorded trees skipped without their directory).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.attention_gpu import D, H_KV, H_Q  # noqa: E402
-from benchmarks.trees import GPU_SUITE, build  # noqa: E402
+from benchmarks.trees import GPU_SUITE, available  # noqa: E402
 from deft.cache.pool import FP8  # noqa: E402
 from deft.ops.base import Heads  # noqa: E402
 from deft.ops.triton import backend  # noqa: E402
@@ -57,13 +57,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--small", type=int, default=16, help="rows of a small item (default 16)")
     ap.add_argument("--sms", type=int, default=132, help="SMs of the planned-for GPU (H200: 132)")
     ap.add_argument("--kv-dtype", choices=("auto", "fp8_e4m3"), default="auto")
+    ap.add_argument("--workloads", metavar="DIR", help="recorded workloads directory "
+                    "(default: $DEFT_WORKLOADS or ../shared/workloads; recorded trees skipped without)")
     args = ap.parse_args(argv)
+    try:
+        workloads: Path | None = workloads_dir(args.workloads)
+    except FileNotFoundError:
+        workloads = None
     kv = FP8 if args.kv_dtype == "fp8_e4m3" else None
     print(f"| tree | items | items of <= {args.small} rows | their share of token work "
           "| padded dot rows |")
     print("| --- | --- | --- | --- | --- |")
-    for name in args.trees or GPU_SUITE:
-        tokens, rows, block_m = work_rows(build(name, workloads_dir()), args.sms, kv)
+    for name, layout in available(args.trees or GPU_SUITE, workloads):
+        tokens, rows, block_m = work_rows(layout, args.sms, kv)
         small = rows <= args.small
         padded = 1 - float((tokens * rows).sum()) / float(tokens.sum() * block_m)
         print(f"| {name} | {len(rows)} | {int(small.sum())} "
