@@ -4,7 +4,8 @@ The buffer holds ``SEGMENTS`` one after the other, each starting at a multiple o
 elements (64 bytes, so every segment's pointer has the 16-byte alignment the kernels are
 specialised on), gaps zeroed. The work items are the programs of the partial-attention
 launch: query-row chunks of each tile, largest tiles first, the chunks of one tile adjacent
-so they share its K/V through L2. Per tile, ``mask_from`` says where its tokens stop being
+so they share its K/V through L2 (``split_small_items`` moves those of few rows last, for a
+launch of their own). Per tile, ``mask_from`` says where its tokens stop being
 seen by its whole group (no mask before it) and ``slot0`` whether its slots are consecutive
 (no slot loads). The compiled planner (``flatten_plan.c``) writes exactly this layout.
 """
