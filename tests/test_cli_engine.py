@@ -261,3 +261,15 @@ def test_serve_model_id_is_the_file_stem_or_the_directory_name(tmp_path):
     assert model_id(f"{hf}/") == model_id(str(hf)) == "SmolLM2-1.7B-Instruct"
     assert model_id(str(tmp_path / "tiny.gguf")) == "tiny"
     assert model_id(None) == "SmolLM2-135M-Instruct"
+
+
+def test_a_gguf_model_without_the_gguf_package_is_a_user_error():
+    """Without the ``model`` extra's ``gguf``, the default GGUF model is one line naming the
+    file and the package, exit code 2."""
+    script = ("import sys; sys.modules['gguf'] = None; from deft.cli import main; "
+              "sys.exit(main(['generate', 'hi', '--max-new-tokens', '1', '--device', 'cpu']))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("deft: error: --model: "), done.stderr
+    assert ".gguf: reading GGUF files needs the gguf package" in done.stderr, done.stderr

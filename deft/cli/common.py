@@ -229,7 +229,7 @@ def load_from(path: str | None, device: str, flag: str, dtype: str = "auto",
             model, tok = load_random(path, device, dtype)
             return (model if tp is None else shard_model(model, tp)), tok
         return load_model(path, device=device, dtype=dtype, tp=tp)
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ImportError, ValueError) as exc:  # ImportError: a missing extra
         raise CliError(f"{flag}: {exc}") from exc
 
 
