@@ -23,9 +23,7 @@ config and coarsening (``deft.plan.coarsen.refine``):
   for every step;
 * ``ring``: the K/V ring's block and depth (tokens per block, stages), with no register cap
   and under a 168-register one (3 programs per SM), for every K/V width: one-byte K/V bring
-  half the bytes per block;
-* ``small``: work items of at most 16 or 32 rows in a second partial launch of programs of
-  that many rows (``small_m``; shipped: one launch).
+  half the bytes per block.
 
 With ``--graph-safe`` every variant launches as the engine's captured steps do (fixed
 buffers and grid for any tree of the step's size, ``TreeAttention(capacity=...)``). With
@@ -67,7 +65,7 @@ SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 
 TMA_SHAPES = [(64, 32, 4, 4), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2)]
 RING = [(32, 4), (64, 3), (64, 4), (128, 2), (128, 3)]
 SWEEPS = ("merge", "factors", "shapes", "tma", "occupancy", "pipeline", "mergecfg", "mergeheads",
-          "pdl", "partials", "ring", "small")
+          "pdl", "partials", "ring")
 
 
 def variants(sweep: str, factors: str = "2,4,8,16,32") -> list[tuple[str, dict, int | None]]:
@@ -119,8 +117,6 @@ def variants(sweep: str, factors: str = "2,4,8,16,32") -> list[tuple[str, dict, 
         out += [(f"n{n} s{st}{' maxnreg 168' if cap else ''}",
                  v(block_n=n, num_stages=st, maxnreg=cap), None)
                 for cap in (None, 168) for n, st in [(32, 3), *RING]]
-    elif sweep == "small":
-        out += [(f"small {m}", v(small_m=m, kv8_small_m=None), None) for m in (16, 32)]
     else:
         raise ValueError(f"sweep: expected one of {', '.join(SWEEPS)}, got {sweep!r}")
     return out

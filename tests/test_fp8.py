@@ -181,31 +181,6 @@ def test_triton_fp8_tma_path_matches_the_reference(monkeypatch):
     torch.testing.assert_close(o.double(), ref_o, atol=2e-3 * scale, rtol=2e-3)
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["gathered", "tma"])
-def test_triton_fp8_small_items_match_the_reference(monkeypatch, tma):
-    """``kv8_small_m``: over FP8 K/V, with 32-row programs, the work items of at most 16 rows
-    (each branch's own tokens) run in a second launch of 16-row programs; none over 16-bit."""
-    pytest.importorskip("triton")
-    from deft.ops.triton import configs
-
-    for key, cfg in list(configs.CONFIGS.items()):
-        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
-            cfg, block_m=32, kv8_small_m=16, tma=tma))
-    layout = few_shot_layout(40, 10, 9)
-    q = random_qkv(layout, H_Q, H_KV, D, torch.float32, 4)[0].half().to(DEV)
-    k8, v8, ks, vs = fp8_kv(layout, 4, device=DEV)
-    ref_o, ref_lse = dequantised_reference(q.cpu(), k8.cpu(), v8.cpu(), ks.cpu(), vs.cpu(), layout)
-    attn = TreeAttention(H_Q, H_KV, D, backend="triton", device=DEV, block_kv=16)
-    attn.plan(layout)
-    assert attn._prepared.num_small == 0
-    attn.plan(layout, FP8)
-    assert 0 < attn._prepared.num_small < attn._prepared.num_work
-    o, lse = attn.run(q, k8, v8, return_lse=True, k_scale=ks, v_scale=vs)
-    scale = float(ref_o.abs().max())
-    torch.testing.assert_close(o.cpu().double(), ref_o, atol=2e-3 * scale, rtol=2e-3)
-    torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=0, rtol=1e-5)
-
-
 def test_fp8_isolation_a_non_finite_value_reaches_only_the_rows_that_see_it(backend):
     if backend == "triton" and not CUDA:
         pytest.skip("the Triton interpreter reads the float8 NaN as 480; checked under -m gpu")

@@ -116,39 +116,6 @@ def test_plans_change_no_launch_argument_and_stay_exact(launches, monkeypatch):
     assert [name for name, *_ in first] == ["tree_partial_kernel", "merge_kernel"]
 
 
-def test_small_items_run_in_a_second_graph_safe_launch(launches, monkeypatch):
-    """``small_m``: every plan launches the same two partial kernels, 32-row programs over
-    the items of more than 16 rows and 16-row programs over the others (the plan header says
-    where they split), both looping on a grid of 4 programs; results exact."""
-    small_grid(monkeypatch)
-    for key, cfg in list(configs.CONFIGS.items()):
-        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, block_m=32, small_m=16))
-    rng = np.random.default_rng(3)
-    nq, cache = 12, 160
-    attn = TreeAttention(H_Q, H_KV, D, backend="triton", device=DEV, block_kv=None if CUDA else 8,
-                         capacity=Capacity(queries=nq, tokens=cache))
-    g = torch.Generator().manual_seed(2)
-    q = torch.randn(nq, H_Q, D, generator=g).half().to(DEV)
-    k, v = (torch.randn(cache, H_KV, D, generator=g).half().to(DEV) for _ in range(2))
-    out = torch.empty_like(q)
-    first, split = None, 0
-    for i in range(8):
-        layout = random_tree(rng, nq, cache)
-        attn.plan(layout)
-        p = attn._prepared
-        split += 0 < p.num_small < p.num_work
-        launches.clear()
-        attn.run(q, k, v, out=out)
-        first = first or list(launches)
-        assert launches == first, f"plan {i} changed a launch"
-        assert_close(out.cpu(), reference_attention(q, k, v, layout, D**-0.5)[0].cpu(),
-                     torch.float16, f"graph-safe plan {i}")
-    assert split > 2  # plans with items on both sides
-    assert [(name, dict(kw)["BLOCK_M"], dict(kw)["ITEMS"]) for name, _, _, kw in first[:2]] == [
-        ("tree_partial_kernel", 32, 1), ("tree_partial_kernel", 16, 2)]
-    assert [name for name, *_ in first] == ["tree_partial_kernel"] * 2 + ["merge_kernel"]
-
-
 def test_a_plan_beyond_the_capacity_is_refused_and_the_buffers_keep_the_last_plan():
     attn = TreeAttention(H_Q, H_KV, D, backend="triton", device=DEV, block_kv=None if CUDA else 8,
                          capacity=Capacity(queries=2, tokens=64))
@@ -182,17 +149,12 @@ def test_capacity_needs_a_graph_safe_backend():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("grid", ["shipped", "4 programs"])
 @pytest.mark.parametrize("kv", ["16-bit", "fp8"])
-@pytest.mark.parametrize("small_m", [0, 16])
-def test_one_capture_replays_100_random_trees(dtype, grid, kv, small_m, monkeypatch):
+def test_one_capture_replays_100_random_trees(dtype, grid, kv, monkeypatch):
     """Capture two layers once; then plan and replay 100 random trees of different shapes,
     with the shipped grid and with 4 programs (which loop over work items), over
-    16-bit K/V and FP8 K/V with per-head scales (against the dequantised K/V's reference),
-    with one partial launch and with items of at most 16 rows in a second (``small_m``)."""
+    16-bit K/V and FP8 K/V with per-head scales (against the dequantised K/V's reference)."""
     from deft.cache.pool import FP8, quantize
 
-    for key, cfg in list(configs.CONFIGS.items()):
-        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
-            cfg, small_m=small_m, kv8_small_m=None))
     if grid == "4 programs":
         small_grid(monkeypatch)
     rng = np.random.default_rng(7)

@@ -219,31 +219,6 @@ def test_random_layouts_with_poisoned_rows_triton():
                         expected_nan(layout, [p[:2] for p in poison]), f"triton {kind}")
 
 
-def test_random_layouts_with_poisoned_rows_triton_small_items(monkeypatch):
-    """The property above with the items of at most 16 rows in a second launch of 16-row
-    programs (``small_m``, 32-row programs for the others)."""
-    pytest.importorskip("triton")
-    import dataclasses
-
-    from deft.ops.triton import configs
-
-    for key, cfg in list(configs.CONFIGS.items()):
-        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, block_m=32, small_m=16))
-    rng = np.random.default_rng(8)
-    split = 0
-    for _ in range(3):
-        layout = random_forest(rng, 12, 16, max_tokens=80, num_roots=2)
-        q, k, v = clean_inputs(layout, torch.float32, device=DEV)
-        poison = [(int(rng.integers(k.shape[0])), int(rng.integers(H_KV)), int(rng.integers(D)),
-                   list(VALUES.values())[rng.integers(3)], "kv"[rng.integers(2)])
-                  for _ in range(4)]
-        attn = planned("triton", layout, device=DEV)
-        split += 0 < attn._prepared.num_small < attn._prepared.num_work
-        assert_isolated(run_poisoned(attn, q, k, v, poison), attn.run(q, k, v, return_lse=True),
-                        expected_nan(layout, [p[:2] for p in poison]), "triton small items")
-    assert split  # a forest with items on both sides
-
-
 @pytest.mark.parametrize("fused", [False, True], ids=["merge-launch", "fused-merge"])
 def test_triton_merge_modes(monkeypatch, fused):
     """Both merge modes carry a poisoned partial state into its own (query, head) only."""
@@ -386,21 +361,19 @@ def test_gpu_torch_backend(path, scenario):
 @pytest.mark.parametrize("fused", [False, True], ids=["merge-launch", "fused-merge"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
-@pytest.mark.parametrize("small_m", [0, 16], ids=["one-launch", "small-items"])
-def test_gpu_triton_isolation(monkeypatch, dtype, graph, fused, small_m):
+def test_gpu_triton_isolation(monkeypatch, dtype, graph, fused):
     """The shipped kernel configs (with TMA allowed) on the Llama-3-8B attention shape: a
     prompt with branches in one tree and a second tree, poison in a branch, in the second
     tree and in a spare slot. Eagerly K/V are gathered; inside a CUDA graph consecutive-slot
     tiles load by TMA on sm_90+ (the same graph replays the clean and the poisoned cache, so
-    their results compare bitwise). With one partial launch, and with the items of at most 16
-    rows in a second (``small_m``)."""
+    their results compare bitwise)."""
     import dataclasses
 
     from deft.ops.triton import configs, launch
 
     for key, cfg in list(configs.CONFIGS.items()):
         monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
-            cfg, fuse_merge=fused, tma=True, small_m=small_m))
+            cfg, fuse_merge=fused, tma=True))
     layout = fan_and_tree(1500, 7, 77, 300, 50)
     n = 1500 + 7 * 77
     h_q, h_kv, d = 32, 8, 128

@@ -13,7 +13,7 @@ Usage: ``python tools/kernel_registers.py [--head-dim 128] [--rows 0,2048] [--kv
 [--launch eager,graph-safe] [--maxnreg shipped,none,168] [--block-m shipped,16]``;
 ``--rows`` picks the config table's row regimes (``deft.ops.triton.configs.CONFIGS``),
 ``--maxnreg`` the register cap (``shipped``: the config's for that K/V), ``--block-m`` the
-rows per program (16: the second launch of ``KernelConfig.small_m``). About 10 s a build.
+rows per program (16: ``mma.sync`` dots, converted K/V in registers). About 10 s a build.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def build_usage(cfg: configs.KernelConfig, head_dim: int, kv: torch.dtype,
         CONTIG=False, TMA=graph_safe, SORTED=False, FUSE_MERGE=cfg.fuse_merge, IEEE=False,
         PDL=cfg.pdl, HEADER=graph_safe, SCALED=scaled, F16_DOTS=scaled,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
-        ITEMS=0, launch_pdl=cfg.pdl)
+        launch_pdl=cfg.pdl)
     return ptxas_usage(compiled.asm["ptx"], cfg.maxnreg)
 
 

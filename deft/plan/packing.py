@@ -4,8 +4,7 @@ The buffer holds ``SEGMENTS`` one after the other, each starting at a multiple o
 elements (64 bytes, so every segment's pointer has the 16-byte alignment the kernels are
 specialised on), gaps zeroed. The work items are the programs of the partial-attention
 launch: query-row chunks of each tile, largest tiles first, the chunks of one tile adjacent
-so they share its K/V through L2 (``split_small_items`` moves those of few rows last, for a
-launch of their own). Per tile, ``mask_from`` says where its tokens stop being
+so they share its K/V through L2. Per tile, ``mask_from`` says where its tokens stop being
 seen by its whole group (no mask before it) and ``slot0`` whether its slots are consecutive
 (no slot loads). The compiled planner (``flatten_plan.c``) writes exactly this layout.
 """
@@ -19,7 +18,7 @@ import numpy as np
 from .tree_plan import TreePlan
 
 __all__ = ["SEGMENTS", "HostBuffer", "PackedPlan", "mask_from", "tile_slot0", "work_items",
-           "segment_starts", "pack", "split_small_items"]
+           "segment_starts", "pack"]
 
 SEGMENTS = ("tok_slot", "tok_lo", "tok_hi", "tok_off", "work", "q_order", "q_pre", "q_len",
             "merge_indptr", "merge_partials")
@@ -47,7 +46,6 @@ class PackedPlan(NamedTuple):
     any_contiguous: bool  # some tile's are
     sorted_queries: bool  # query_order is the identity
     every_query_merged: bool  # every query owns at least one partial state
-    num_small: int = 0  # the last work items, of few rows (``split_small_items``)
 
 
 def mask_from(plan: TreePlan) -> np.ndarray:
@@ -103,21 +101,6 @@ def work_items(plan: TreePlan, g: int, block_m: int) -> np.ndarray:
                          plan.tile_q_end, plan.partial_indptr[:-1], mask_from(plan),
                          tile_slot0(plan)], axis=1)
     return np.concatenate([per_tile[tiles], row0[:, None]], axis=1)
-
-
-def split_small_items(packed: PackedPlan, g: int, block_m: int, small_m: int) -> PackedPlan:
-    """``packed`` with its work items of at most ``small_m`` rows moved, in order, after the
-    others (in place, in its buffer), and their count in ``num_small``: a launch of
-    ``small_m``-row programs runs them, one of ``block_m`` rows the rest."""
-    start = packed.starts[SEGMENTS.index("work")]
-    work = packed.buffer.numpy()[start:start + WORK_FIELDS * packed.num_work]
-    work = work.reshape(-1, WORK_FIELDS)
-    rows = np.minimum(block_m, (work[:, 3] - work[:, 2]) * g - work[:, 7])
-    small = rows <= small_m
-    num_small = int(small.sum())
-    if 0 < num_small < packed.num_work:
-        work[:] = work[np.argsort(small, kind="stable")]
-    return packed._replace(num_small=num_small)
 
 
 def segment_starts(sizes: list[int]) -> list[int]:

@@ -20,7 +20,7 @@ import torch
 from ...cache.pool import FP8
 from ...layout import TreeLayout
 from ...plan import Coarsening, plan_step
-from ...plan.packing import WORK_FIELDS, PackedPlan, segment_starts, split_small_items
+from ...plan.packing import WORK_FIELDS, PackedPlan, segment_starts
 from ..base import Backend, Capacity, CapacityError, Heads
 from .configs import KernelConfig, interpreting, kernel_config, kv_config
 from .launch import (HEADER, Pointer, Reserved, StepBuffers, has_tma, launch_signature,
@@ -192,9 +192,6 @@ def _pack(layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
         # Per-query plans fitted to one resident wave ran 1.3-1.8x slower (docs/decisions.md).
         params = params._replace(resident_slots=0)
     plan, packed = plan_step(layout, plan_kind, block_kv, params, host_buffer, reuse)
-    small_m = kv_config(cfg, kv_dtype).small_m
-    if 0 < small_m < cfg.block_m:
-        packed = split_small_items(packed, params.g, cfg.block_m, small_m)
     return plan, packed, cfg
 
 
@@ -230,7 +227,7 @@ def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, host: Staging, sta
         _check_fits(plan, packed, reserved)
         p, plse_off, lse_off = reserved.capacity.partials, reserved.plse_off, reserved.lse_off
         scratch, plan_buffer, counts = reserved.scratch, reserved.plan_buffer, None
-        host.header()[:11] = (packed.num_work, *starts[1:10], packed.num_work - packed.num_small)
+        host.header()[:10] = (packed.num_work, *starts[1:10])
         host.upload(plan_buffer, HEADER + n)
     else:
         p = max(plan.num_partials, 1)
@@ -252,7 +249,6 @@ def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, host: Staging, sta
         plan=plan, config=cfg, plan_buffer=plan_buffer, offsets=tuple(starts), scratch=scratch,
         plse_off=plse_off, lse_off=lse_off, num_work=packed.num_work, num_queries=num_queries,
         num_partials=p, num_qo_heads=h, head_dim=head_dim, reserved=reserved,
-        num_small=packed.num_small,
         programs=reserved.programs if graph else packed.num_work * heads.num_kv_heads,
         # Graph-safe launches are specialised on nothing a plan decides.
         needs_mask=graph or plan.needs_mask,

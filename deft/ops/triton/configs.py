@@ -32,11 +32,6 @@ class KernelConfig:
     waves: float  # programs per SM the coarsened launch aims for
     contig: bool = True  # when every tile's slots are consecutive, skip the slot loads
     tma: bool = False  # with contig: such tiles' K/V by TMA (sm_90+, in CUDA-graph capture only)
-    # Work items of at most ``small_m`` rows (0: none; a power of two from 16, under
-    # ``block_m``) run in a second partial launch of ``small_m``-row programs, after the
-    # others; ``kv8_small_m`` over one-byte K/V (None: the same), where dots of fewer than 64
-    # rows run on ``mma.sync`` with the converted K/V in registers (docs/decisions.md).
-    small_m: int = 0
     fuse_merge: bool = False  # the last program of a row merges it (no merge launch)
     maxnreg: int | None = None  # register cap per thread (more programs per SM, maybe spills)
     # Over one-byte (FP8) K/V, whose conversion goes through shared memory in the inner loop,
@@ -45,7 +40,6 @@ class KernelConfig:
     # cost, and longer blocks make fewer round trips where many rows share each block.
     kv8_maxnreg: int | None = None
     kv8_block_n: int | None = None
-    kv8_small_m: int | None = None
     pdl: bool = False  # programmatic dependent launch (sm_90+): starts before the last launch ends
     merge_block: int = 16  # partial states per step of the merge kernel
     merge_warps: int = 2  # warps per merge program
@@ -136,9 +130,8 @@ def kernel_config(head_dim: int, rows: int = 0, device: torch.device | None = No
 
 @functools.lru_cache(maxsize=64)
 def _one_byte(cfg: KernelConfig) -> KernelConfig:
-    small_m = cfg.small_m if cfg.kv8_small_m is None else cfg.kv8_small_m
     return dataclasses.replace(cfg, maxnreg=cfg.kv8_maxnreg or cfg.maxnreg,
-                               block_n=cfg.kv8_block_n or cfg.block_n, small_m=small_m)
+                               block_n=cfg.kv8_block_n or cfg.block_n)
 
 
 def kv_config(cfg: KernelConfig, kv_dtype: torch.dtype | None) -> KernelConfig:

@@ -248,7 +248,7 @@ def tree_partial_kernel(
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, HEADER: tl.constexpr,
-    SCALED: tl.constexpr, F16_DOTS: tl.constexpr, ITEMS: tl.constexpr,
+    SCALED: tl.constexpr, F16_DOTS: tl.constexpr,
 ):
     # KV heads vary fastest: programs start in work-item order (largest tiles first) across
     # all heads, so the launch's last programs are its shortest ones.
@@ -259,8 +259,6 @@ def tree_partial_kernel(
         # current plan, whose count and segment offsets come from the 16 ints before its
         # first segment, so no launch argument changes between plans. A grid of more than
         # one wave leaves the hardware to hand most pairs to the SMs that finish first.
-        # ``ITEMS``: all work items (0), the first ``plan[-6]`` (1) or the others (2), for
-        # plans split between two launches (``KernelConfig.small_m``).
         num_work = tl.load(plan - 16)
         off_lo = tl.load(plan - 15)
         off_hi = tl.load(plan - 14)
@@ -269,12 +267,6 @@ def tree_partial_kernel(
         off_order = tl.load(plan - 11)
         off_pre = tl.load(plan - 10)
         off_len = tl.load(plan - 9)
-        if ITEMS == 1:
-            num_work = tl.load(plan - 6)
-        if ITEMS == 2:
-            num_big = tl.load(plan - 6)
-            num_work -= num_big
-            off_work += 8 * num_big
         total = num_work * h_kv
         pid = tl.program_id(0)
         # The first pair waits for the previous launch once described, as below; a program

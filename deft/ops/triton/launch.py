@@ -22,7 +22,7 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...plan import TreePlan
-from ...plan.packing import SEGMENTS, WORK_FIELDS
+from ...plan.packing import SEGMENTS
 from ..base import Capacity
 from .configs import KernelConfig, interpreting, kernel_config, kv_config
 from .kernels import merge_kernel, tree_partial_kernel
@@ -85,7 +85,6 @@ class StepBuffers:
     lse_off: int  # lse [Q, H_q] for steps whose caller wants no lse starts here
     workspaces: tuple[_Ptr, _Ptr, _Ptr]  # partial o, partial lse, lse, for the kernels
     num_work: int
-    num_small: int  # the last work items, of few rows: a launch of their own (config.small_m)
     num_queries: int
     num_partials: int  # at least 1, for the workspace shapes
     num_qo_heads: int
@@ -127,8 +126,7 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, sm_scale: float, o: torch.Tensor,
                 lse: torch.Tensor | None, captured: bool = False,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
-    """The step's partial launch (two with ``small_m``: :func:`_partial_launches`) and merge
-    launch (none when the merge is fused), writing ``o`` and ``lse``
+    """The step's two launches (one when the merge is fused), writing ``o`` and ``lse``
     (``None``: the plan's lse workspace). ``k_scale``, ``v_scale``: float32 ``[1]`` or
     ``[H_kv]`` dequantisation scales of K/V (both or neither). ``captured``: launch as into
     a CUDA graph (a capture's warm-up passes it; a capture itself is detected). Outside
@@ -178,21 +176,20 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
     pdl = cfg.pdl and _has_pdl(q.device)
     header = prepared.reserved is not None
     launches = []  # (compiled kernel, grid, arguments) of each Triton launch, for the driver
-    for grid, items, block_m, skip in () if done else _partial_launches(prepared, cfg, h_kv):
+    if prepared.programs and not done:
+        grid = (prepared.programs,)
         offsets = (0,) * 7 if header else prepared.offsets[1:8]  # graph-safe: in the header
-        if skip:  # the work items this launch skips come first in the work segment
-            offsets = (*offsets[:3], offsets[3] + WORK_FIELDS * skip, *offsets[4:])
         args = [q, k_cache, v_cache, k_cache, v_cache, po, plse, a[0],
                 *offsets, o, lse, prepared.counts if fused else a[1], a[1], a[2],
                 sm_scale * math.log2(math.e),
                 qs[0], qs[1], ks[0], ks[1], h * d_, d_, h, os_[0], os_[1], h_q, k_s, v_s,
                 s_stride]
-        kw = dict(G=h_q // h_kv, D=d, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        kw = dict(G=h_q // h_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   USE_MASK=prepared.needs_mask, CONTIG=prepared.contiguous, TMA=False,
                   SORTED=prepared.sorted_queries, FUSE_MERGE=fused,
                   IEEE=q.dtype == torch.float32, PDL=pdl, HEADER=header, SCALED=scaled,
                   F16_DOTS=q.dtype == torch.bfloat16 and k_cache.dtype.itemsize == 1,
-                  ITEMS=items, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   maxnreg=cfg.maxnreg,
                   launch_pdl=pdl)
         tma = prepared.tma and _tma_ok(k_cache, ks) and _tma_ok(v_cache, ks)
@@ -225,24 +222,6 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
         records[key] = _native(launches) if exact else None
 
 
-def _partial_launches(prepared: StepBuffers, cfg: KernelConfig,
-                      h_kv: int) -> list[tuple[tuple[int], int, int, int]]:
-    """The step's partial launches: grid, ``ITEMS`` (graph-safe: which work items, from the
-    plan header), rows per program, and work items skipped (eager: before the launch's
-    first). With ``cfg.small_m``, the plan's last ``num_small`` items (of few rows) run in a
-    launch of ``small_m``-row programs after the others; graph-safe steps always launch both."""
-    split = 0 < cfg.small_m < cfg.block_m
-    if prepared.reserved is not None:
-        if split:
-            return [((prepared.programs,), 1, cfg.block_m, 0),
-                    ((prepared.programs,), 2, cfg.small_m, 0)]
-        return [((prepared.programs,), 0, cfg.block_m, 0)]
-    small = prepared.num_small if split else 0
-    big = prepared.num_work - small
-    return ([((big * h_kv,), 0, cfg.block_m, 0)] if big else []) + (
-        [((small * h_kv,), 0, cfg.small_m, big)] if small else [])
-
-
 def launch_signature(prepared: StepBuffers) -> tuple:
     """Everything of ``prepared`` that :func:`launch_step` passes to the kernels: plans of
     equal signatures launch alike, so they can share their driver records (graph-safe plans
@@ -250,7 +229,6 @@ def launch_signature(prepared: StepBuffers) -> tuple:
     header = prepared.reserved is not None
     counts = prepared.counts
     return (prepared.config, prepared.programs, None if header else prepared.offsets[1:8],
-            None if header else prepared.num_small,
             header, tuple((x.data_ptr(), x.dtype) for x in prepared.arrays + prepared.workspaces),
             None if counts is None else counts.data_ptr(), prepared.needs_mask,
             prepared.contiguous, prepared.tma, prepared.sorted_queries, prepared.num_qo_heads,
