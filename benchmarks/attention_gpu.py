@@ -39,7 +39,7 @@ from .timing import median_plan_seconds
 from .trees import GPU_SUITE, available
 
 __all__ = ["D", "DTYPE", "FP8", "H_KV", "H_Q", "LAYERS", "fp8_copy", "gpu_attention_report",
-           "measure_ceilings", "time_us"]
+           "measure_ceilings", "planned_as_engine", "time_us"]
 
 H_Q, H_KV, D, LAYERS = 32, 8, 128, 32
 DTYPE = torch.bfloat16
@@ -83,6 +83,20 @@ def fp8_copy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [N, H_kv, D]`` in FP8 with per-head scales, as a calibrated pool stores it."""
     scale = x.float().abs().amax(dim=(0, 2)) * CALIBRATION_HEADROOM / torch.finfo(FP8).max
     return quantize(x, scale, FP8), scale
+
+
+def planned_as_engine(layout: TreeLayout, capacity: Capacity | None,
+                      kv_dtype: torch.dtype | None) -> TreeAttention:
+    """A triton attention planned for ``layout`` as the engine plans it: unreserved, or
+    reserved with ``capacity`` for the kernels' build its tree asks for (the engine's graph
+    buckets keep one attention of each, ``TreeAttention.few_rows``)."""
+    attn = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda", capacity=capacity)
+    attn.plan(layout, kv_dtype)
+    if capacity is not None and attn.few_rows != capacity.few_rows:
+        attn = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda",
+                             capacity=capacity._replace(few_rows=attn.few_rows))
+        attn.plan(layout, kv_dtype)
+    return attn
 
 
 def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
@@ -129,9 +143,9 @@ def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
                                "tiles": plan.num_tiles, "partials": plan.num_partials}
         impls[label] = lambda l, a=attn: a.run(q, ks[l], vs[l])
         if fp8 and kind == "flatten":
-            a8 = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda", capacity=capacity)
-            a8.plan(layout, FP8)
-            row["impls"][label + " fp8"] = {"floor_us": row["fp8_floor_us"]}
+            a8 = planned_as_engine(layout, capacity, FP8)
+            row["impls"][label + " fp8"] = {"floor_us": row["fp8_floor_us"],
+                                            "few_rows": a8.few_rows}
             impls[label + " fp8"] = lambda l, a=a8: a.run(q, k8s[l], v8s[l], k_scale=k_scales[l],
                                                           v_scale=v_scales[l])
     sm_scale = D**-0.5

@@ -23,7 +23,10 @@ config and coarsening (``deft.plan.coarsen.refine``):
   for every step;
 * ``ring``: the K/V ring's block and depth (tokens per block, stages), with no register cap
   and under a 168-register one (3 programs per SM), for every K/V width: one-byte K/V bring
-  half the bytes per block.
+  half the bytes per block;
+* ``few``: the few-row build of FP8 trees of few rows per K/V token (``kv8_few_rows``,
+  shipped 16 x 64): none, 32 x 64, 16 x 32, or taken from a share of 0.3 of the token work
+  in tiles of few rows (``kv8_few_share``; shipped 0.1).
 
 With ``--graph-safe`` every variant launches as the engine's captured steps do (fixed
 buffers and grid for any tree of the step's size, ``TreeAttention(capacity=...)``). With
@@ -46,14 +49,14 @@ from typing import Sequence
 
 import torch
 
-from deft import TreeAttention
 from deft.ops.base import Capacity
 from deft.ops.reference import reference_attention
 from deft.ops.triton import configs, kernels
 from deft.plan import coarsen_plan, step as plan_step
 from deft.recorded import workloads_dir
 
-from .attention_gpu import D, DTYPE, FP8, H_KV, H_Q, LAYERS, fp8_copy, time_us
+from .attention_gpu import (D, DTYPE, FP8, H_KV, H_Q, LAYERS, fp8_copy, planned_as_engine,
+                            time_us)
 from .report import record, write_record
 from .trees import GPU_SUITE, available
 
@@ -65,7 +68,7 @@ SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 
 TMA_SHAPES = [(64, 32, 4, 4), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2)]
 RING = [(32, 4), (64, 3), (64, 4), (128, 2), (128, 3)]
 SWEEPS = ("merge", "factors", "shapes", "tma", "occupancy", "pipeline", "mergecfg", "mergeheads",
-          "pdl", "partials", "ring")
+          "pdl", "partials", "ring", "few")
 
 
 def variants(sweep: str, factors: str = "2,4,8,16,32") -> list[tuple[str, dict, int | None]]:
@@ -117,6 +120,11 @@ def variants(sweep: str, factors: str = "2,4,8,16,32") -> list[tuple[str, dict, 
         out += [(f"n{n} s{st}{' maxnreg 168' if cap else ''}",
                  v(block_n=n, num_stages=st, maxnreg=cap), None)
                 for cap in (None, 168) for n, st in [(32, 3), *RING]]
+    elif sweep == "few":
+        out += [("one build", v(kv8_few_rows=None), None),
+                ("few m32n64", v(kv8_few_rows=(32, 64)), None),
+                ("few m16n32", v(kv8_few_rows=(16, 32)), None),
+                ("few share 0.3", v(kv8_few_share=0.3), None)]
     else:
         raise ValueError(f"sweep: expected one of {', '.join(SWEEPS)}, got {sweep!r}")
     return out
@@ -165,8 +173,8 @@ def _sweep_tree(name: str, layout, variant_list, graph: bool, registers: dict,  
             # The compiled planner coarsens as shipped: fixed factors plan with numpy.
             os.environ["DEFT_FASTPLAN"] = "1" if u is None else "0"
             capacity = Capacity(layout.num_queries, max(n, 1)) if graph_safe else None
-            attn = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda", capacity=capacity)
-            plan = attn.plan(layout, FP8 if fp8 else None)
+            attn = planned_as_engine(layout, capacity, FP8 if fp8 else None)
+            plan = attn.current_plan
             before = _compiled()
             try:
                 diff = float((attn.run(q, ks[0], vs[0], **scales[0]).double() - ref.double()).abs().max())

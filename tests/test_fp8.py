@@ -537,3 +537,125 @@ def test_one_byte_kv_launches_with_its_own_register_cap_and_block(monkeypatch):
     ref16, _ = reference_attention(q, k8.half(), v8.half(), layout, D**-0.5)
     torch.testing.assert_close(outputs[1].double(), ref16.double(),
                                atol=2e-3 * float(ref16.abs().max()), rtol=2e-3)
+
+
+# ------------------------------------------------------------------ few-row builds
+
+
+def test_few_rows_share_is_the_token_work_of_tiles_of_few_rows():
+    """A 32-token prompt (two 16-token tiles seen by 4 queries) and four 8-token branches
+    (two tiles of two branches): with 2 rows per query, the prompt's tiles have 8 rows and
+    the branches' 4, each one work item of 16 rows."""
+    from deft.plan import make_plan
+    from deft.plan.packing import few_rows_share
+
+    plan = make_plan(few_shot_layout(32, 4, 8), "flatten", 16)
+    assert plan.tile_q_end.tolist() == [4, 4, 2, 4]
+    assert few_rows_share(plan, 2, 16, 4) == 0.5
+    assert few_rows_share(plan, 2, 16, 8) == 1.0
+    assert few_rows_share(plan, 8, 16, 16) == 32 / (2 * 16 * 2 + 32)  # prompt: 2 items a tile
+
+
+@pytest.fixture
+def few_row_configs(monkeypatch):
+    """The interpreter's config with 32-row programs and a 16-row build for FP8 trees of few
+    rows (the sm_90 table's shape, scaled down)."""
+    pytest.importorskip("triton")
+    from deft.ops.triton import configs, launch
+
+    for key, cfg in list(configs.CONFIGS.items()):
+        monkeypatch.setitem(configs.CONFIGS, key,
+                            dataclasses.replace(cfg, block_m=32, kv8_few_rows=(16, 16)))
+    blocks = []
+    kernel = launch.tree_partial_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                blocks.append(kw["BLOCK_M"])
+                return kernel[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(launch, "tree_partial_kernel", Recording())
+    return configs, blocks
+
+
+FEW_ROWS = few_shot_layout(20, 3, 40)  # 3 queries (6 rows) on every tile
+MANY_ROWS = few_shot_layout(200, 12, 1)  # the prompt's 24 rows hold nearly all the work
+
+
+@pytest.mark.parametrize("capacity", [None, False, True])
+def test_fp8_trees_of_few_rows_run_the_few_row_build(few_row_configs, capacity):
+    """Unreserved, each FP8 plan takes the build its tree asks for (``few_rows``); a capacity
+    keeps its own build for every plan; 16-bit K/V never take it. Every output matches the
+    reference of the dequantised K/V."""
+    from deft import Capacity
+
+    configs, blocks = few_row_configs
+    for layout, few in ((FEW_ROWS, True), (MANY_ROWS, False)):
+        q = random_qkv(layout, H_Q, H_KV, D, torch.float32, 5)[0].half()
+        k8, v8, ks, vs = fp8_kv(layout, 5)
+        ref_o, ref_lse = dequantised_reference(q, k8, v8, ks, vs, layout)
+        cap = None if capacity is None else Capacity(layout.num_queries, 4096, few_rows=capacity)
+        attn = TreeAttention(H_Q, H_KV, D, backend="triton", block_kv=16, capacity=cap)
+        for kv_dtype in (FP8, None):
+            blocks.clear()
+            attn.plan(layout, kv_dtype)
+            assert attn.few_rows == (few and kv_dtype is FP8)
+            if kv_dtype is None:
+                o, lse = attn.run(q, k8.half(), v8.half(), return_lse=True)
+                assert blocks == [32]
+                continue
+            o, lse = attn.run(q, k8, v8, return_lse=True, k_scale=ks, v_scale=vs)
+            assert blocks == [16 if (few if capacity is None else capacity) else 32]
+            scale = float(ref_o.abs().max())
+            torch.testing.assert_close(o.double(), ref_o, atol=2e-3 * scale, rtol=2e-3)
+            assert_lse_close(lse, ref_lse, "fp8 few rows")
+
+
+def test_a_host_plan_goes_to_attentions_reserved_for_its_build(few_row_configs):
+    from deft import Capacity
+
+    attns = [TreeAttention(H_Q, H_KV, D, backend="triton", block_kv=16,
+                           capacity=Capacity(FEW_ROWS.num_queries, 4096, few_rows=few))
+             for few in (False, True)]
+    host = attns[1].plan_host(FEW_ROWS, FP8)
+    attns[1].plan(host)
+    assert attns[1]._prepared.config.block_m == 16
+    with pytest.raises(ValueError, match="few_rows"):
+        attns[0].plan(host)
+    with pytest.raises(TypeError, match="capacity.few_rows: expected a bool"):
+        TreeAttention(H_Q, H_KV, D, backend="triton", capacity=Capacity(4, 64, few_rows=1))
+
+
+def test_graph_buckets_switch_to_the_few_row_build_and_back_as_eagerly(few_row_configs):
+    """The engine's padded graph-bucket steps (run eagerly on CPU) plan into the bucket's
+    few-row attention while the tree asks for it, and back: logits as the eager engine's."""
+    from deft.engine import TreeEngine
+    from deft.engine.graphs import StepGraphs
+
+    configs, _ = few_row_configs
+    key = ("interpreter", 0, 0)
+    shipped = configs.CONFIGS[key]
+    model, tok = tiny_llama(), Letters()
+    out, used = [], []
+    for graphs in (False, True):
+        engine = TreeEngine(model, tok, num_pages=32, page_size=4, backend="triton", kv="fp8_e4m3")
+        runner = engine.runner
+        if graphs:
+            runner.graphs = StepGraphs(model, runner.pool, 31 * 4, (4,), "triton", "flatten",
+                                       runner.device)
+        root = engine.add_prompt(list(range(3, 30)))
+        leaves = engine.cache.fork(root, 3)
+        out.append(engine.extend([(leaf, [1]) for leaf in leaves]))  # calibrates (eager)
+        for t in range(4):
+            if t == 2:  # no tree is of few rows from here
+                configs.CONFIGS[key] = dataclasses.replace(shipped, kv8_few_share=2.0)
+            out[-1] += engine.extend([(leaf, [2 + t]) for leaf in leaves])
+            if graphs:
+                used.append(runner.graphs._buckets[4].use_few)
+        configs.CONFIGS[key] = shipped
+        assert engine.stats["graph_steps"] == (4 if graphs else 0)
+    assert used == [True, True, False, False]
+    for got, want in zip(*out):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -148,11 +148,12 @@ def test_capacity_needs_a_graph_safe_backend():
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("grid", ["shipped", "4 programs"])
-@pytest.mark.parametrize("kv", ["16-bit", "fp8"])
+@pytest.mark.parametrize("kv", ["16-bit", "fp8", "fp8 few rows"])
 def test_one_capture_replays_100_random_trees(dtype, grid, kv, monkeypatch):
     """Capture two layers once; then plan and replay 100 random trees of different shapes,
     with the shipped grid and with 4 programs (which loop over work items), over
-    16-bit K/V and FP8 K/V with per-head scales (against the dequantised K/V's reference)."""
+    16-bit K/V and FP8 K/V with per-head scales (against the dequantised K/V's reference),
+    the latter also reserved for the few-row build (``Capacity.few_rows``)."""
     from deft.cache.pool import FP8, quantize
 
     if grid == "4 programs":
@@ -160,13 +161,14 @@ def test_one_capture_replays_100_random_trees(dtype, grid, kv, monkeypatch):
     rng = np.random.default_rng(7)
     nq, cache, h_q, h_kv, d = 24, 3000, 32, 8, 128
     attn = TreeAttention(h_q, h_kv, d, backend="triton", device="cuda",
-                         capacity=Capacity(queries=nq, tokens=cache))
+                         capacity=Capacity(queries=nq, tokens=cache,
+                                           few_rows=kv == "fp8 few rows"))
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(nq, h_q, d, device="cuda", dtype=dtype, generator=g)
     ks = [torch.randn(cache, h_kv, d, device="cuda", dtype=dtype, generator=g) for _ in range(2)]
     vs = [torch.randn(cache, h_kv, d, device="cuda", dtype=dtype, generator=g) for _ in range(2)]
     scales: list[dict] = [{}, {}]
-    kv_dtype = FP8 if kv == "fp8" else None
+    kv_dtype = FP8 if kv.startswith("fp8") else None
     if kv_dtype is not None:
         for i in range(2):
             k_s, v_s = (torch.rand(h_kv, device="cuda", generator=g) * 0.02 + 0.01
@@ -175,6 +177,7 @@ def test_one_capture_replays_100_random_trees(dtype, grid, kv, monkeypatch):
             scales[i] = dict(k_scale=k_s, v_scale=v_s)
     outs = [torch.empty_like(q) for _ in range(2)]
     attn.plan(random_tree(rng, nq, cache), kv_dtype)
+    assert attn._prepared.config.block_m == (16 if kv == "fp8 few rows" else 64)
     for i in range(2):  # compile (the TMA variant too) before capture
         attn.run(q, ks[i], vs[i], out=outs[i], **scales[i])
     torch.cuda.synchronize()

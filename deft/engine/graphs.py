@@ -50,8 +50,17 @@ class _Bucket:
     queries: int
     attn: TreeAttention
     inputs: torch.Tensor  # [4, Q] int64: token ids, positions, slots, logits rows
-    graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = field(
-        default_factory=dict)  # keyed by the logits rows computed: (graph, its output)
+    # The same capacity reserved for trees of few rows per K/V token (``Capacity.few_rows``),
+    # made when a step first asks for it, and whether the last step runs in it.
+    few: TreeAttention | None = None
+    use_few: bool = False
+    graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = (
+        field(default_factory=dict))  # by (logits rows computed, use_few): (graph, its output)
+
+    @property
+    def step_attn(self) -> TreeAttention:
+        """The attention the last step planned into."""
+        return self.few if self.use_few else self.attn
 
 
 class StepGraphs:
@@ -97,10 +106,29 @@ class StepGraphs:
         if b is not None:
             try:
                 b.attn.plan(padded, self.pool.dtype)
-                return b
+                return self._pick_build(b, padded)
             except CapacityError:
                 self.rebuilds += 1
         b = self._buckets[q] = self._new_bucket(q, padded, b.attn.capacity if b else None)
+        return self._pick_build(b, padded)
+
+    def _pick_build(self, b: _Bucket, padded: TreeLayout) -> _Bucket:
+        """``b`` with ``padded`` (planned into ``b.attn``) also planned into the bucket's
+        few-row attention when its tree asks for that build (``TreeAttention.few_rows``, read
+        from the default build's plan, so a step's kernels never depend on the steps before
+        it; the eager engine picks alike)."""
+        b.use_few = False
+        if not b.attn.few_rows:
+            return b
+        if b.few is None:
+            b.few = self.model.attention(device=self.device, backend=self.backend,
+                                         plan_kind=self.plan_kind,
+                                         capacity=b.attn.capacity._replace(few_rows=True))
+        try:
+            b.few.plan(padded, self.pool.dtype)
+            b.use_few = True
+        except CapacityError:  # the step runs in the default build, planned already
+            pass
         return b
 
     def replay(self, b: _Bucket, step: Step) -> torch.Tensor:
@@ -144,7 +172,8 @@ class StepGraphs:
     def _forward(self, b: _Bucket, logits: int) -> torch.Tensor:
         """Replay (capturing first if needed) the bucket's forward with ``logits`` rows of
         logits; its output buffer."""
-        graph, out = b.graphs.get(logits, (None, None))
+        key = (logits, b.use_few)
+        graph, out = b.graphs.get(key, (None, None))
         if not self.capture:
             return self._model_step(b, logits, captured=False)
         if graph is None:
@@ -158,7 +187,7 @@ class StepGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):  # a private pool: a rebuilt bucket frees its graphs
                 out = self._model_step(b, logits, captured=True)
-            b.graphs[logits] = (graph, out)
+            b.graphs[key] = (graph, out)
             self.captures += 1
         graph.replay()
         self.last_graph = graph
@@ -166,7 +195,8 @@ class StepGraphs:
 
     def _model_step(self, b: _Bucket, logits: int, captured: bool) -> torch.Tensor:
         ids, pos, slots, rows = b.inputs
-        return self.model(ids, pos, slots, b.attn, self.pool, rows[:logits], captured=captured)
+        return self.model(ids, pos, slots, b.step_attn, self.pool, rows[:logits],
+                          captured=captured)
 
 
 def put_device_ids(ids: torch.Tensor, values: torch.Tensor, moved: np.ndarray) -> None:

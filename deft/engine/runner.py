@@ -157,7 +157,7 @@ class ModelRunner:
         if bucket is None:
             st["plan_tokens"] += plan.num_plan_tokens
         else:  # without the padding's scratch token
-            st["plan_tokens"] += (bucket.attn.current_plan.num_plan_tokens
+            st["plan_tokens"] += (bucket.step_attn.current_plan.num_plan_tokens
                                   - (bucket.queries > step.num_queries))
         if self.count_io:
             self._count_io(step, plan)

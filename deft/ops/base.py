@@ -52,11 +52,16 @@ class Capacity(NamedTuple):
     """What a graph-safe backend's fixed buffers hold: every plan of this many queries, at
     most ``tokens`` plan tokens (KV tokens loaded per KV head; a ``flatten`` plan loads each
     visible token once) and at most ``partials`` partial states (``None``: enough for any
-    ``flatten`` plan of ``tokens`` tokens, ``queries`` times the number of tiles)."""
+    ``flatten`` plan of ``tokens`` tokens, ``queries`` times the number of tiles).
+    ``few_rows``: launch the kernels built for trees of few rows per K/V token (the
+    ``triton`` backend's ``KernelConfig.kv8_few_rows``, FP8 K/V on sm_90) for every plan,
+    instead of the default build; an unreserved attention picks per plan
+    (``TreeAttention.few_rows``)."""
 
     queries: int
     tokens: int
     partials: int | None = None
+    few_rows: bool = False
 
 
 class CapacityError(ValueError):
@@ -122,9 +127,10 @@ class Backend(ABC):
         into a CUDA graph, or are its warm-up (a backend may launch differently there)."""
 
     def plan_host(self, layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
-                  device: torch.device, kv_dtype: torch.dtype | None = None) -> Any:
+                  device: torch.device, kv_dtype: torch.dtype | None = None,
+                  previous: Any = None) -> Any:
         """The host part of :meth:`plan`, to :meth:`upload` to one or more devices of
-        ``device``'s kind."""
+        ``device``'s kind whose ``previous`` values are alike (``previous``: one of them)."""
         return Deferred(layout, plan_kind, block_kv, heads, kv_dtype)
 
     def upload(self, host: Any, device: torch.device, previous: Any = None) -> Prepared:

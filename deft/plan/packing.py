@@ -18,7 +18,7 @@ import numpy as np
 from .tree_plan import TreePlan
 
 __all__ = ["SEGMENTS", "HostBuffer", "PackedPlan", "mask_from", "tile_slot0", "work_items",
-           "segment_starts", "pack"]
+           "few_rows_share", "segment_starts", "pack"]
 
 SEGMENTS = ("tok_slot", "tok_lo", "tok_hi", "tok_off", "work", "q_order", "q_pre", "q_len",
             "merge_indptr", "merge_partials")
@@ -101,6 +101,16 @@ def work_items(plan: TreePlan, g: int, block_m: int) -> np.ndarray:
                          plan.tile_q_end, plan.partial_indptr[:-1], mask_from(plan),
                          tile_slot0(plan)], axis=1)
     return np.concatenate([per_tile[tiles], row0[:, None]], axis=1)
+
+
+def few_rows_share(plan: TreePlan, g: int, block_m: int, few: int) -> float:
+    """The share of ``plan``'s token work (each tile's tokens times its work items of
+    ``block_m`` rows) in tiles of at most ``few`` rows: how much of a step programs of
+    ``few`` rows would serve without re-reading a block (0 for an empty plan)."""
+    rows = (plan.tile_q_end - plan.tile_q_start) * g
+    tokens = np.diff(plan.tile_indptr).astype(np.int64)
+    work = int((tokens * -(-rows // block_m)).sum())
+    return float(tokens[rows <= few].sum()) / work if work else 0.0
 
 
 def segment_starts(sizes: list[int]) -> list[int]:

@@ -20,9 +20,9 @@ import torch
 from ...cache.pool import FP8
 from ...layout import TreeLayout
 from ...plan import Coarsening, plan_step
-from ...plan.packing import WORK_FIELDS, PackedPlan, segment_starts
+from ...plan.packing import WORK_FIELDS, PackedPlan, few_rows_share, segment_starts
 from ..base import Backend, Capacity, CapacityError, Heads
-from .configs import KernelConfig, interpreting, kernel_config, kv_config
+from .configs import KernelConfig, few_rows_config, interpreting, kernel_config, kv_config
 from .launch import (HEADER, Pointer, Reserved, StepBuffers, has_tma, launch_signature,
                      launch_step)
 from .native_launch import driver_launch
@@ -91,21 +91,24 @@ class TritonBackend(Backend):
             if reserved is not None:  # room for the header before the segments
                 reuse = None if reuse is None else reuse[HEADER:]
                 host_buffer = lambda n: host.new(n + HEADER)[HEADER:]  # noqa: E731
-            plan, packed, cfg = _pack(layout, plan_kind, block_kv, heads, device, host_buffer,
-                                      reuse, kv_dtype)
-            return _upload(plan, packed, cfg, host, 0, heads, device,
+            plan, packed, cfg, few = _pack(layout, plan_kind, block_kv, heads, device,
+                                           host_buffer, reuse, kv_dtype, _small(reserved))
+            return _upload(plan, packed, cfg, few, host, 0, heads, device,
                            previous if isinstance(previous, StepBuffers) else None, reserved)
 
     def plan_host(self, layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
-                  device: torch.device, kv_dtype: torch.dtype | None = None) -> HostStep:
+                  device: torch.device, kv_dtype: torch.dtype | None = None,
+                  previous: Any = None) -> HostStep:
         """The packed plan in a pinned buffer of its own (a header's room first), to
-        :meth:`upload` to any device like ``device`` (same SM count)."""
+        :meth:`upload` to any device like ``device`` (same SM count) whose ``previous`` is
+        reserved alike (``previous``: this one's, whose build the plan takes)."""
         device = _cuda_index(device)
         own = Staging(device, raw=False)
         own.next()
-        plan, packed, cfg = _pack(layout, plan_kind, block_kv, heads, device,
-                                  lambda n: own.new(n + HEADER)[HEADER:], None, kv_dtype)
-        return HostStep(plan, packed, cfg, own, heads, layout.num_queries, _num_sms(device))
+        plan, packed, cfg, few = _pack(layout, plan_kind, block_kv, heads, device,
+                                       lambda n: own.new(n + HEADER)[HEADER:], None, kv_dtype,
+                                       _small(_reserved_of(previous, layout)))
+        return HostStep(plan, packed, cfg, few, own, heads, layout.num_queries, _num_sms(device))
 
     def upload(self, host: HostStep, device: torch.device, previous: Any = None) -> StepBuffers:
         device = _cuda_index(device)
@@ -114,7 +117,7 @@ class TritonBackend(Backend):
                              f"{_num_sms(device)}")
         reserved = _reserved_of(previous, host)
         with host.source.lock:  # uploads to several devices may come from several threads
-            return _upload(host.plan, host.packed, host.config, host.source,
+            return _upload(host.plan, host.packed, host.config, host.few_rows, host.source,
                            0 if reserved is not None else HEADER, host.heads, device,
                            previous if isinstance(previous, StepBuffers) else None, reserved)
 
@@ -128,8 +131,10 @@ class TritonBackend(Backend):
         cfg = kernel_config(heads.head_dim, q * heads.num_qo_heads, device)
         g = heads.num_qo_heads // heads.num_kv_heads
         # Every kept tile has a query, so tiles <= partials; a tile of G group queries has
-        # ceil(G * g / block_m) work items.
-        work = p + -(-p * g // cfg.block_m)
+        # ceil(G * g / block_m) work items (one-byte K/V plans of a ``few_rows`` capacity:
+        # programs of the few-row build).
+        few = few_rows_config(cfg, FP8) if capacity.few_rows else None
+        work = p + -(-p * g // (few or cfg).block_m)
         starts = segment_starts([n, n, n, n, WORK_FIELDS * work, q, q, q, q + 1, p])
         h, d = heads.num_qo_heads, heads.head_dim
         plse_off = p * h * d
@@ -138,7 +143,8 @@ class TritonBackend(Backend):
         # head) pairs.
         programs = min(work * heads.num_kv_heads,
                        cfg.graph_waves * cfg.programs_per_sm * _num_sms(device))
-        return Reserved(Capacity(q, n, p), work, programs, HEADER + starts[-1],
+        return Reserved(Capacity(q, n, p, capacity.few_rows), work, programs,
+                        HEADER + starts[-1],
                         torch.empty(HEADER + starts[-1], dtype=torch.int32, device=device),
                         torch.empty(lse_off + q * h, dtype=torch.float32, device=device),
                         plse_off, lse_off)
@@ -165,6 +171,7 @@ class HostStep(NamedTuple):
     plan: Any
     packed: PackedPlan
     config: KernelConfig
+    few_rows: bool  # the tree is of few rows per K/V token (``TreeAttention.few_rows``)
     source: Staging  # its pinned buffer: a header's room, then the segments
     heads: Heads
     num_queries: int
@@ -180,19 +187,44 @@ def _reserved_of(previous: Any, layout: Any) -> Reserved | None:
     return reserved
 
 
+def _small(reserved: Reserved | None) -> bool | None:
+    """Whether a plan into ``reserved`` takes the few-row build (None: unreserved, chosen per
+    plan)."""
+    return None if reserved is None else reserved.capacity.few_rows
+
+
 def _pack(layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
-          device: torch.device, host_buffer: Any, reuse: Any,
-          kv_dtype: torch.dtype | None) -> tuple[Any, PackedPlan, KernelConfig]:
+          device: torch.device, host_buffer: Any, reuse: Any, kv_dtype: torch.dtype | None,
+          small: bool | None = None) -> tuple[Any, PackedPlan, KernelConfig, bool]:
     """Plan, coarsen and pack ``layout`` into ``host_buffer``/``reuse``, with the kernel
-    configuration of ``device`` (coarsened for K/V of ``kv_dtype``)."""
+    configuration of ``device`` (coarsened for K/V of ``kv_dtype``); with its few-row build
+    (``KernelConfig.kv8_few_rows``) if ``small``, or, for ``small`` None, if the tree is of few
+    rows per K/V token. Also returns whether it is."""
     _check_head_dim(heads.head_dim)
     cfg = kernel_config(heads.head_dim, layout.num_queries * heads.num_qo_heads, device)
-    params = coarsening(kv_config(cfg, kv_dtype), heads, device)
+    few = few_rows_config(cfg, kv_dtype)
+    build = few if small and few is not None else cfg
+    plan, packed = _plan_for(layout, plan_kind, block_kv, heads, device, host_buffer, reuse,
+                             kv_config(build, kv_dtype))
+    if few is None:
+        return plan, packed, build, False
+    g = heads.num_qo_heads // heads.num_kv_heads
+    few_rows = few_rows_share(plan, g, cfg.block_m, few.block_m) >= cfg.kv8_few_share
+    if small is None and few_rows:
+        build = few
+        plan, packed = _plan_for(layout, plan_kind, block_kv, heads, device, host_buffer,
+                                 reuse, kv_config(build, kv_dtype))
+    return plan, packed, build, few_rows
+
+
+def _plan_for(layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
+              device: torch.device, host_buffer: Any, reuse: Any, cfg: KernelConfig) -> tuple:
+    """:func:`deft.plan.plan_step` for programs of ``cfg`` (its K/V's)."""
+    params = coarsening(cfg, heads, device)
     if plan_kind != "flatten":
         # Per-query plans fitted to one resident wave ran 1.3-1.8x slower (docs/decisions.md).
         params = params._replace(resident_slots=0)
-    plan, packed = plan_step(layout, plan_kind, block_kv, params, host_buffer, reuse)
-    return plan, packed, cfg
+    return plan_step(layout, plan_kind, block_kv, params, host_buffer, reuse)
 
 
 def _check_head_dim(d: int) -> None:
@@ -211,8 +243,8 @@ def _check_fits(plan: Any, packed: PackedPlan, r: Reserved) -> None:
             raise CapacityError(what, need, room)
 
 
-def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, host: Staging, start: int,
-            heads: Heads, device: torch.device, previous: StepBuffers | None,
+def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, few_rows: bool, host: Staging,
+            start: int, heads: Heads, device: torch.device, previous: StepBuffers | None,
             reserved: Reserved | None) -> StepBuffers:
     """Upload the packed plan (``host``'s current buffer from ``start``, one copy) and size the fp32
     workspace. Both device buffers are ``previous``'s when they fit: the upload and the
@@ -246,7 +278,7 @@ def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, host: Staging, sta
     prepared = object.__new__(StepBuffers)
     graph = reserved is not None
     prepared.__dict__.update(
-        plan=plan, config=cfg, plan_buffer=plan_buffer, offsets=tuple(starts), scratch=scratch,
+        plan=plan, config=cfg, few_rows=few_rows, plan_buffer=plan_buffer, offsets=tuple(starts), scratch=scratch,
         plse_off=plse_off, lse_off=lse_off, num_work=packed.num_work, num_queries=num_queries,
         num_partials=p, num_qo_heads=h, head_dim=head_dim, reserved=reserved,
         programs=reserved.programs if graph else packed.num_work * heads.num_kv_heads,

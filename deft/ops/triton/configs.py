@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KernelConfig", "CONFIGS", "kernel_config", "kv_config", "interpreting", "arch_of"]
+__all__ = ["KernelConfig", "CONFIGS", "kernel_config", "kv_config", "few_rows_config",
+           "interpreting", "arch_of"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,13 @@ class KernelConfig:
     # cost, and longer blocks make fewer round trips where many rows share each block.
     kv8_maxnreg: int | None = None
     kv8_block_n: int | None = None
+    # Over one-byte K/V, plans whose tiles of at most ``kv8_few_rows[0]`` rows hold at least
+    # ``kv8_few_share`` of the token work (``deft.plan.packing.few_rows_share``) run programs
+    # of ``kv8_few_rows`` (rows, tokens per block) instead: below 64 rows the dots run on
+    # ``mma.sync`` with the converted K/V in registers, skipping the shared-memory round
+    # trip, but re-read a block once per ``kv8_few_rows[0]`` rows of a tile.
+    kv8_few_rows: tuple[int, int] | None = None
+    kv8_few_share: float = 0.1
     pdl: bool = False  # programmatic dependent launch (sm_90+): starts before the last launch ends
     merge_block: int = 16  # partial states per step of the merge kernel
     merge_warps: int = 2  # warps per merge program
@@ -65,7 +73,8 @@ _NARROW = dict(_SM90, narrow_partials=True, maxnreg=168, kv8_block_n=64)
 CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
     ("sm90", 64, 0): KernelConfig(64, 32, 4, 3, 4.0, **_SM90),
     # Uncapped, this build takes 255 registers: two programs per SM.
-    ("sm90", 128, 0): KernelConfig(64, 32, 4, 3, 4.0, resident_per_sm=2, **_SM90),
+    ("sm90", 128, 0): KernelConfig(64, 32, 4, 3, 4.0, resident_per_sm=2, kv8_few_rows=(16, 64),
+                                   **_SM90),
     ("sm90", 128, 2048): KernelConfig(64, 32, 4, 3, 4.0, merge_block=4, merge_warps=1, **_NARROW),
     ("sm90", 128, 8192): KernelConfig(64, 32, 4, 3, 4.0, merge_block=2, merge_warps=4,
                                       merge_heads=8, **_NARROW),
@@ -132,6 +141,16 @@ def kernel_config(head_dim: int, rows: int = 0, device: torch.device | None = No
 def _one_byte(cfg: KernelConfig) -> KernelConfig:
     return dataclasses.replace(cfg, maxnreg=cfg.kv8_maxnreg or cfg.maxnreg,
                                block_n=cfg.kv8_block_n or cfg.block_n)
+
+
+def few_rows_config(cfg: KernelConfig, kv_dtype: torch.dtype | None) -> KernelConfig | None:
+    """``cfg`` with programs of ``kv8_few_rows`` rows and tokens, for plans over K/V of
+    ``kv_dtype`` whose K/V tokens are mostly seen by few rows; None where ``cfg`` has none
+    for that K/V (16-bit K/V: always)."""
+    if cfg.kv8_few_rows is None or kv_dtype is None or kv_dtype.itemsize != 1:
+        return None
+    m, n = cfg.kv8_few_rows
+    return dataclasses.replace(cfg, block_m=m, block_n=n, kv8_block_n=None, kv8_few_rows=None)
 
 
 def kv_config(cfg: KernelConfig, kv_dtype: torch.dtype | None) -> KernelConfig:
