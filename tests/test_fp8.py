@@ -659,3 +659,28 @@ def test_graph_buckets_switch_to_the_few_row_build_and_back_as_eagerly(few_row_c
     assert used == [True, True, False, False]
     for got, want in zip(*out):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_step_that_outgrows_the_few_row_build_rebuilds_its_bucket(few_row_configs):
+    """A tree that asks for the few-row build runs in it even when the bucket's few-row
+    attention is too small for it: the bucket is rebuilt, as when the default build is."""
+    from deft import Capacity
+    from deft.engine import TreeEngine
+    from deft.engine.graphs import StepGraphs
+
+    model, tok = tiny_llama(), Letters()
+    engine = TreeEngine(model, tok, num_pages=32, page_size=4, backend="triton", kv="fp8_e4m3")
+    runner = engine.runner
+    graphs = runner.graphs = StepGraphs(model, runner.pool, 31 * 4, (4,), "triton", "flatten",
+                                        runner.device)
+    leaves = engine.cache.fork(engine.add_prompt(list(range(3, 30))), 3)
+    engine.extend([(leaf, [1]) for leaf in leaves])  # calibrates (eager)
+    engine.extend([(leaf, [2]) for leaf in leaves])
+    old = graphs._buckets[4]
+    assert old.use_few and graphs.rebuilds == 0
+    old.few = model.attention(device=runner.device, backend="triton",
+                              capacity=Capacity(4, 4, 4, few_rows=True))
+    engine.extend([(leaf, [3]) for leaf in leaves])
+    new = graphs._buckets[4]
+    assert graphs.rebuilds == 1 and new is not old and new.use_few
+    assert new.few.capacity.tokens >= old.attn.capacity.tokens

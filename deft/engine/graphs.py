@@ -105,31 +105,28 @@ class StepGraphs:
         b = self._buckets.get(q)
         if b is not None:
             try:
-                b.attn.plan(padded, self.pool.dtype)
-                return self._pick_build(b, padded)
+                self._plan_into(b, padded)
+                return b
             except CapacityError:
                 self.rebuilds += 1
         b = self._buckets[q] = self._new_bucket(q, padded, b.attn.capacity if b else None)
-        return self._pick_build(b, padded)
+        return b
 
-    def _pick_build(self, b: _Bucket, padded: TreeLayout) -> _Bucket:
-        """``b`` with ``padded`` (planned into ``b.attn``) also planned into the bucket's
-        few-row attention when its tree asks for that build (``TreeAttention.few_rows``, read
-        from the default build's plan, so a step's kernels never depend on the steps before
-        it; the eager engine picks alike)."""
+    def _plan_into(self, b: _Bucket, padded: TreeLayout) -> None:
+        """Plan ``padded`` into ``b.attn``, then into the bucket's few-row attention when its
+        tree asks for that build (``TreeAttention.few_rows``, read from the default build's
+        plan: which kernels a step runs depends on its tree alone; the eager engine picks
+        alike). :class:`CapacityError` if either plan outgrows the bucket."""
         b.use_few = False
+        b.attn.plan(padded, self.pool.dtype)
         if not b.attn.few_rows:
-            return b
+            return
         if b.few is None:
             b.few = self.model.attention(device=self.device, backend=self.backend,
                                          plan_kind=self.plan_kind,
                                          capacity=b.attn.capacity._replace(few_rows=True))
-        try:
-            b.few.plan(padded, self.pool.dtype)
-            b.use_few = True
-        except CapacityError:  # the step runs in the default build, planned already
-            pass
-        return b
+        b.few.plan(padded, self.pool.dtype)
+        b.use_few = True
 
     def replay(self, b: _Bucket, step: Step) -> torch.Tensor:
         """Logits ``[len(step.logits_rows), vocab]`` of ``step``, planned into ``b`` by
@@ -155,19 +152,18 @@ class StepGraphs:
         tokens, partials = bound.num_plan_tokens, bound.num_partials
         if old is not None:
             tokens, partials = max(tokens, old.tokens), max(partials, old.partials)
+        inputs = torch.zeros((4, q), dtype=torch.int64, device=self.device)
         while True:
-            attn = m.attention(device=self.device, backend=self.backend,
-                               plan_kind=self.plan_kind, capacity=Capacity(
-                q, _room(tokens, _MIN_TOKENS), _room(partials, 4 * q)))
+            b = _Bucket(q, m.attention(device=self.device, backend=self.backend,
+                                       plan_kind=self.plan_kind, capacity=Capacity(
+                q, _room(tokens, _MIN_TOKENS), _room(partials, 4 * q))), inputs)
             try:
-                attn.plan(layout, self.pool.dtype)
-                break
+                self._plan_into(b, layout)
+                return b
             except CapacityError as exc:  # a count derived from both: grow both
                 tokens, partials = 2 * tokens, 2 * partials
                 if exc.what == "plan tokens":
-                    tokens = exc.needed
-        inputs = torch.zeros((4, q), dtype=torch.int64, device=self.device)
-        return _Bucket(q, attn, inputs)
+                    tokens = max(tokens, exc.needed)
 
     def _forward(self, b: _Bucket, logits: int) -> torch.Tensor:
         """Replay (capturing first if needed) the bucket's forward with ``logits`` rows of
