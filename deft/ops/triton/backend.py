@@ -278,9 +278,10 @@ def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, few_rows: bool, ho
     prepared = object.__new__(StepBuffers)
     graph = reserved is not None
     prepared.__dict__.update(
-        plan=plan, config=cfg, few_rows=few_rows, plan_buffer=plan_buffer, offsets=tuple(starts), scratch=scratch,
-        plse_off=plse_off, lse_off=lse_off, num_work=packed.num_work, num_queries=num_queries,
-        num_partials=p, num_qo_heads=h, head_dim=head_dim, reserved=reserved,
+        plan=plan, config=cfg, few_rows=few_rows, plan_buffer=plan_buffer, offsets=tuple(starts),
+        scratch=scratch, plse_off=plse_off, lse_off=lse_off, num_work=packed.num_work,
+        num_queries=num_queries, num_partials=p, num_qo_heads=h, head_dim=head_dim,
+        reserved=reserved,
         programs=reserved.programs if graph else packed.num_work * heads.num_kv_heads,
         # Graph-safe launches are specialised on nothing a plan decides.
         needs_mask=graph or plan.needs_mask,
