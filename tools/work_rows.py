@@ -2,10 +2,12 @@
 
 A work item is ``block_m`` query rows (group query, GQA head) of one tile; an item of fewer
 rows pads its dots to ``block_m``. Per tree: work items, those of at most ``--small`` rows,
-the share of the plan's token work (tokens x items) in them, and the share of dot rows that
-are padding. It tells which trees smaller dots would serve (docs/decisions.md, "16-row dots
-for FP8"). Plans are made as on an H200 (the sm90 configs, ``--sms`` SMs), for one-byte K/V
-with ``--kv-dtype fp8_e4m3``.
+the share of the plan's token work (tokens x items) in them, the share of dot rows that are
+padding, and the share by tiles that picks the few-row build for FP8 K/V
+(``deft.plan.packing.few_rows_share``, against ``KernelConfig.kv8_few_share``). It tells
+which trees smaller dots serve (docs/decisions.md, "16-row dots for FP8" and "A few-row build
+per tree"). Plans are made as on an H200 (the sm90 configs and their default build, ``--sms``
+SMs), for one-byte K/V with ``--kv-dtype fp8_e4m3``.
 
 Usage: ``python tools/work_rows.py [--small 16] [--sms 132] [--kv-dtype auto|fp8_e4m3]
 [--workloads DIR] [TREE ...]`` (recorded trees skipped without their directory).
@@ -29,26 +31,32 @@ from benchmarks.trees import GPU_SUITE, available  # noqa: E402
 from deft.cache.pool import FP8  # noqa: E402
 from deft.ops.base import Heads  # noqa: E402
 from deft.ops.triton import backend  # noqa: E402
-from deft.plan.packing import SEGMENTS, WORK_FIELDS  # noqa: E402
+from deft.ops.triton.configs import few_rows_config  # noqa: E402
+from deft.plan.packing import SEGMENTS, WORK_FIELDS, few_rows_share  # noqa: E402
 from deft.recorded import workloads_dir  # noqa: E402
 
 
-def work_rows(layout, sms: int, kv_dtype: torch.dtype | None) -> tuple[np.ndarray, np.ndarray, int]:  # noqa: ANN001
-    """Each work item's tokens and rows in the plan of ``layout`` on ``sms`` SMs, and
-    ``block_m``."""
+def work_rows(layout, sms: int, kv_dtype: torch.dtype | None) -> tuple[np.ndarray, np.ndarray, int, str]:  # noqa: ANN001
+    """Each work item's tokens and rows in the default build's plan of ``layout`` on ``sms``
+    SMs, ``block_m``, and the tiles' few-row share ("-" without a few-row build for this K/V),
+    marked with "*" where the tree takes that build."""
     shipped = backend._num_sms
     backend._num_sms = lambda device: sms
     try:
-        _, packed, cfg = backend._pack(layout, "flatten", 16, Heads(H_Q, H_KV, D),
-                                       torch.device("cpu"),
-                                       lambda n: torch.empty(n, dtype=torch.int32), None, kv_dtype)
+        plan, packed, cfg, few_rows = backend._pack(
+            layout, "flatten", 16, Heads(H_Q, H_KV, D), torch.device("cpu"),
+            lambda n: torch.empty(n, dtype=torch.int32), None, kv_dtype, small=False)
     finally:
         backend._num_sms = shipped
     start = packed.starts[SEGMENTS.index("work")]
     work = packed.buffer[start:start + WORK_FIELDS * packed.num_work].numpy().reshape(-1, WORK_FIELDS)
     tokens = (work[:, 1] - work[:, 0]).astype(np.int64)
     rows = np.minimum(cfg.block_m, (work[:, 3] - work[:, 2]) * (H_Q // H_KV) - work[:, 7])
-    return tokens, rows, cfg.block_m
+    few = few_rows_config(cfg, kv_dtype)
+    share = ("-" if few is None else
+             f"{few_rows_share(plan, H_Q // H_KV, cfg.block_m, few.block_m):.2f}"
+             + ("*" if few_rows else ""))
+    return tokens, rows, cfg.block_m, share
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,14 +74,14 @@ def main(argv: list[str] | None = None) -> None:
         workloads = None
     kv = FP8 if args.kv_dtype == "fp8_e4m3" else None
     print(f"| tree | items | items of <= {args.small} rows | their share of token work "
-          "| padded dot rows |")
-    print("| --- | --- | --- | --- | --- |")
+          "| padded dot rows | few-row share of tiles (* takes the build) |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, layout in available(args.trees or GPU_SUITE, workloads):
-        tokens, rows, block_m = work_rows(layout, args.sms, kv)
+        tokens, rows, block_m, share = work_rows(layout, args.sms, kv)
         small = rows <= args.small
         padded = 1 - float((tokens * rows).sum()) / float(tokens.sum() * block_m)
         print(f"| {name} | {len(rows)} | {int(small.sum())} "
-              f"| {tokens[small].sum() / tokens.sum():.2f} | {padded:.0%} |", flush=True)
+              f"| {tokens[small].sum() / tokens.sum():.2f} | {padded:.0%} | {share} |", flush=True)
 
 
 if __name__ == "__main__":
