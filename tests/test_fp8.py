@@ -614,6 +614,8 @@ def test_fp8_trees_of_few_rows_run_the_few_row_build(few_row_configs, capacity):
 
 
 def test_a_host_plan_goes_to_attentions_reserved_for_its_build(few_row_configs):
+    """A host plan made for a few-row reservation uploads to attentions reserved alike and is
+    refused, naming ``few_rows``, by one reserved for the default build."""
     from deft import Capacity
 
     attns = [TreeAttention(H_Q, H_KV, D, backend="triton", block_kv=16,
