@@ -316,6 +316,22 @@ class Letters:
         return "".join(chr(97 + i % 26) for i in ids)
 
 
+def fp8_triton_engine(model, num_pages: int, graphs: bool):  # noqa: ANN001, ANN201
+    """A triton engine over an FP8 pool of ``num_pages`` 4-token pages; with ``graphs``, its
+    steps of up to 4 queries run padded in a graph bucket (eagerly on CPU), the last page's
+    first slot the padding's scratch."""
+    from deft.engine import TreeEngine
+    from deft.engine.graphs import StepGraphs
+
+    engine = TreeEngine(model, Letters(), num_pages=num_pages, page_size=4, backend="triton",
+                        kv="fp8_e4m3")
+    runner = engine.runner
+    if graphs:
+        runner.graphs = StepGraphs(model, runner.pool, (num_pages - 1) * 4, (4,), "triton",
+                                   "flatten", runner.device)
+    return engine
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_an_fp8_engine_calibrates_on_its_first_step_and_tracks_the_exact_one(backend):
     from deft.engine import TreeEngine
@@ -348,17 +364,10 @@ def test_fp8_steps_through_the_graph_buckets_as_eagerly():
     """The padded graph-bucket steps (run eagerly on CPU) read the static scales; buckets are
     only used once the pool is calibrated."""
     pytest.importorskip("triton")
-    from deft.engine import TreeEngine
-    from deft.engine.graphs import StepGraphs
-
-    model, tok = tiny_llama(), Letters()
+    model = tiny_llama()
     out = []
     for graphs in (False, True):
-        engine = TreeEngine(model, tok, num_pages=16, page_size=4, backend="triton", kv="fp8_e4m3")
-        runner = engine.runner
-        if graphs:
-            runner.graphs = StepGraphs(model, runner.pool, 15 * 4, (4,), "triton", "flatten",
-                                       runner.device)
+        engine = fp8_triton_engine(model, 16, graphs)
         root = engine.add_prompt([5, 6, 7, 8, 9])
         (leaf,) = engine.cache.fork(root, 1)
         out.append(engine.extend([(leaf, [1])]))  # 6 queries: eager, calibrates
@@ -633,20 +642,14 @@ def test_a_host_plan_goes_to_attentions_reserved_for_its_build(few_row_configs):
 def test_graph_buckets_switch_to_the_few_row_build_and_back_as_eagerly(few_row_configs):
     """The engine's padded graph-bucket steps (run eagerly on CPU) plan into the bucket's
     few-row attention while the tree asks for it, and back: logits as the eager engine's."""
-    from deft.engine import TreeEngine
-    from deft.engine.graphs import StepGraphs
-
     configs, _ = few_row_configs
     key = ("interpreter", 0, 0)
     shipped = configs.CONFIGS[key]
-    model, tok = tiny_llama(), Letters()
+    model = tiny_llama()
     out, used = [], []
     for graphs in (False, True):
-        engine = TreeEngine(model, tok, num_pages=32, page_size=4, backend="triton", kv="fp8_e4m3")
+        engine = fp8_triton_engine(model, 32, graphs)
         runner = engine.runner
-        if graphs:
-            runner.graphs = StepGraphs(model, runner.pool, 31 * 4, (4,), "triton", "flatten",
-                                       runner.device)
         root = engine.add_prompt(list(range(3, 30)))
         leaves = engine.cache.fork(root, 3)
         out.append(engine.extend([(leaf, [1]) for leaf in leaves]))  # calibrates (eager)
@@ -667,14 +670,11 @@ def test_a_step_that_outgrows_the_few_row_build_rebuilds_its_bucket(few_row_conf
     """A tree that asks for the few-row build runs in it even when the bucket's few-row
     attention is too small for it: the bucket is rebuilt, as when the default build is."""
     from deft import Capacity
-    from deft.engine import TreeEngine
-    from deft.engine.graphs import StepGraphs
 
-    model, tok = tiny_llama(), Letters()
-    engine = TreeEngine(model, tok, num_pages=32, page_size=4, backend="triton", kv="fp8_e4m3")
+    model = tiny_llama()
+    engine = fp8_triton_engine(model, 32, graphs=True)
     runner = engine.runner
-    graphs = runner.graphs = StepGraphs(model, runner.pool, 31 * 4, (4,), "triton", "flatten",
-                                        runner.device)
+    graphs = runner.graphs
     leaves = engine.cache.fork(engine.add_prompt(list(range(3, 30))), 3)
     engine.extend([(leaf, [1]) for leaf in leaves])  # calibrates (eager)
     engine.extend([(leaf, [2]) for leaf in leaves])
