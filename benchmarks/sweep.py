@@ -68,7 +68,7 @@ SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 
 TMA_SHAPES = [(64, 32, 4, 4), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2)]
 RING = [(32, 4), (64, 3), (64, 4), (128, 2), (128, 3)]
 SWEEPS = ("merge", "factors", "shapes", "tma", "occupancy", "pipeline", "mergecfg", "mergeheads",
-          "pdl", "partials", "ring", "few", "split")
+          "pdl", "partials", "ring", "few")
 
 
 def variants(sweep: str, factors: str = "2,4,8,16,32") -> list[tuple[str, dict, int | None]]:
@@ -125,14 +125,6 @@ def variants(sweep: str, factors: str = "2,4,8,16,32") -> list[tuple[str, dict, 
                 ("few m32n64", v(kv8_few_rows=(32, 64)), None),
                 ("few m16n32", v(kv8_few_rows=(16, 32)), None),
                 ("few share 0.3", v(kv8_few_share=0.3), None)]
-    elif sweep == "split":
-        out += [("convert no cap", v(kv8_maxnreg=None), None),
-                ("convert n64 no cap", v(kv8_block_n=64, kv8_maxnreg=None), None),
-                ("split", v(kv8_split_q=128), None),
-                ("split no cap", v(kv8_split_q=128, kv8_maxnreg=None), None),
-                ("split n64 no cap", v(kv8_split_q=128, kv8_block_n=64, kv8_maxnreg=None), None),
-                ("split32 no cap", v(kv8_split_q=32, kv8_maxnreg=None), None),
-                ("split32 n64 no cap", v(kv8_split_q=32, kv8_block_n=64, kv8_maxnreg=None), None)]
     else:
         raise ValueError(f"sweep: expected one of {', '.join(SWEEPS)}, got {sweep!r}")
     return out

@@ -39,7 +39,6 @@ from triton.runtime import driver  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from deft.ops.triton import configs, kernels  # noqa: E402
-from deft.ops.triton.launch import q_pieces  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 KV = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -118,7 +117,6 @@ def build_usage(cfg: configs.KernelConfig, head_dim: int, kv: torch.dtype,
         *args, grid=(1,), G=G, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_MASK=True,
         CONTIG=False, TMA=graph_safe, SORTED=False, FUSE_MERGE=cfg.fuse_merge, IEEE=False,
         PDL=cfg.pdl, HEADER=graph_safe, SCALED=scaled, F16_DOTS=scaled,
-        Q8=q_pieces(cfg, torch.bfloat16, kv), Q8_ACC=cfg.kv8_split_q,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
         launch_pdl=cfg.pdl)
     return ptxas_usage(compiled.asm["ptx"], cfg.maxnreg)
@@ -134,13 +132,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="register caps: shipped (the config's), none, or a number")
     ap.add_argument("--block-m", default="shipped",
                     help="rows per program: shipped (the config's) or a number")
-    ap.add_argument("--split-q", default="shipped",
-                    help="FP8 scores from e4m3 pieces of q: shipped (the config's), on, off")
     args = ap.parse_args(argv)
     driver.set_active(_Sm90())
-    print("| rows | K/V | launch | block m | split q | cap | registers | stack B | spill stores B "
+    print("| rows | K/V | launch | block m | cap | registers | stack B | spill stores B "
           "| spill loads B | wgmma serialised |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for rows in (int(r) for r in args.rows.split(",")):
         shipped = configs.CONFIGS["sm90", args.head_dim, rows]
         for kv in args.kv.split(","):
@@ -148,14 +144,12 @@ def main(argv: list[str] | None = None) -> None:
                 cfg = configs.kv_config(shipped, KV[kv])
                 if cap != "shipped":
                     cfg = dataclasses.replace(cfg, maxnreg=None if cap == "none" else int(cap))
-                for launch, block_m, split in itertools.product(
-                        args.launch.split(","), args.block_m.split(","), args.split_q.split(",")):
+                for launch, block_m in itertools.product(args.launch.split(","),
+                                                         args.block_m.split(",")):
                     built = cfg if block_m == "shipped" else dataclasses.replace(
                         cfg, block_m=int(block_m))
-                    if split != "shipped":
-                        built = dataclasses.replace(built, kv8_split_q=128 if split == "on" else 0)
                     u = build_usage(built, args.head_dim, KV[kv], launch == "graph-safe")
-                    print(f"| {rows} | {kv} | {launch} | {built.block_m} | {built.kv8_split_q} "
+                    print(f"| {rows} | {kv} | {launch} | {built.block_m} "
                           f"| {cfg.maxnreg or 'none'} | {u.registers} | {u.stack} "
                           f"| {u.spill_stores} | {u.spill_loads} | {u.serialized or 'no'} |",
                           flush=True)

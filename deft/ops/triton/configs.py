@@ -46,10 +46,6 @@ class KernelConfig:
     # of ``kv8_few_rows`` (rows, tokens per block) instead: below 64 rows the dots run on
     # ``mma.sync`` with the converted K/V in registers, skipping the shared-memory round
     # trip, but re-read a block once per ``kv8_few_rows[0]`` rows of a tile.
-    # Over e4m3 K, the scores come from e4m3 dots of a 16-bit q split into e4m3 pieces, with
-    # K straight from shared memory (no conversion); V still converts to fp16. The value is
-    # how many products the e4m3 tensor cores sum before each sum is added in fp32 (0: off).
-    kv8_split_q: int = 0
     kv8_few_rows: tuple[int, int] | None = None
     kv8_few_share: float = 0.1
     pdl: bool = False  # programmatic dependent launch (sm_90+): starts before the last launch ends

@@ -69,32 +69,22 @@ def _no_neg_inf(s):
 def _softmax_step(s, m_i, l_i, acc, qk_scale):
     """Online-softmax step of one block of raw scores ``s`` (``-inf`` where not seen): the
     block's probabilities in base 2 and the updated running max, sum and accumulator. The
-    scale (``[M]``, one per row) folds into one FMA per score (the max commutes with a
-    positive scale)."""
+    scale folds into one FMA per score (the max commutes with a positive scale)."""
     # m_i starts finite (-1e30), so no -inf - -inf: masked scores give p = 0.
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(tl.fma(s, qk_scale[:, None], -m_new[:, None]))
+    p = tl.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
     l_i = l_i * alpha + tl.sum(p, 1)
     return p, m_new, l_i, acc * alpha[:, None]
 
 
 @triton.jit
-def _scores(q, q8, k, IEEE: tl.constexpr, Q8: tl.constexpr, Q8_ACC: tl.constexpr):
-    """``q @ k.T`` in fp32 (``IEEE``: fp32 operands multiplied exactly, not as tf32). ``Q8``:
-    ``k`` is e4m3 and the scores are those of ``q8``'s ``Q8`` e4m3 pieces (see
-    :func:`_e4m3_pieces`), row-scaled, each piece's dot on the e4m3 tensor cores."""
-    if Q8 == 0:
-        if IEEE:
-            return tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            return tl.dot(q, tl.trans(k))
+def _scores(q, k, IEEE: tl.constexpr):
+    """``q @ k.T`` in fp32 (``IEEE``: fp32 operands multiplied exactly, not as tf32)."""
+    if IEEE:
+        return tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
-        kt = tl.trans(k)
-        s = tl.dot(q8[Q8 - 1], kt, max_num_imprecise_acc=Q8_ACC)
-        for i in tl.static_range(Q8 - 2, -1, -1):
-            s = tl.dot(q8[i], kt, s * 0.0625, max_num_imprecise_acc=Q8_ACC)
-        return s
+        return tl.dot(q, tl.trans(k))
 
 
 @triton.jit
@@ -118,39 +108,11 @@ def _fp16_queries(q, qk_scale):
 
 
 @triton.jit
-def _e4m3_pieces(q, PIECES: tl.constexpr):
-    """A 16-bit ``q [M, D]`` as ``PIECES`` e4m3 tensors and a per-row power of two ``r``:
-    ``q = r * (a + b / 16 + c / 256)``, so the scores of e4m3 K come from e4m3 dots, K straight
-    from shared memory with no conversion. Each row is scaled so that its largest finite
-    magnitude lies in [128, 256); each piece keeps the leading 4 significant bits (truncated)
-    of what the pieces before it left, scaled by 16 to stay in e4m3's normal range. Two pieces
-    hold a bf16 element exactly, three an fp16 one, if it is at least 2^-13 of its row's
-    largest (e4m3's subnormal step bounds the last piece); smaller ones are off by less than
-    2^-21 of it. A non-finite element becomes NaN in every piece (e4m3 has no inf)."""
-    x = q.to(tl.float32)
-    ok = _finite(x)
-    amax = tl.max(tl.where(ok, tl.abs(x), 0.0), 1)
-    # floor(log2(amax)) from the exponent bits; e in [-126, 126] keeps 2^±e normal.
-    e = 134 - ((amax.to(tl.int32, bitcast=True) >> 23) & 255)
-    e = tl.minimum(tl.maximum(e, -126), 126)
-    x = tl.where(ok, x * ((e + 127) << 23).to(tl.float32, bitcast=True)[:, None], float("nan"))
-    a = (x.to(tl.int32, bitcast=True) & -1048576).to(tl.float32, bitcast=True).to(tl.float8e4nv)
-    x = (x - a.to(tl.float32)) * 16.0
-    b = (x.to(tl.int32, bitcast=True) & -1048576).to(tl.float32, bitcast=True).to(tl.float8e4nv)
-    if PIECES == 2:
-        pieces = (a, b)
-    else:
-        x = (x - b.to(tl.float32)) * 16.0
-        pieces = (a, b, x.to(tl.float8e4nv))
-    return pieces, ((127 - e) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _tile_loop(
-    q, q8, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen, row_ok,
+    q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen, row_ok,
     m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
     D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
-    IEEE: tl.constexpr, Q8: tl.constexpr, Q8_ACC: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """Online softmax of the query rows over plan tokens ``[tok0, tok1)``, ``BLOCK_N`` at a time.
 
@@ -172,8 +134,8 @@ def _tile_loop(
             ahead = offs + BLOCK_N
             next_slot = tl.load(tok_slot + ahead, mask=ahead < tok1, other=0)
         kv_off = slot[:, None] * stride_kn + kvh * stride_kh + d[None, :]
-        k = tl.load(K + kv_off, mask=tok_ok[:, None], other=0.0)
-        s = _scores(q, q8, k if Q8 else k.to(q.dtype), IEEE, Q8, Q8_ACC)
+        k = tl.load(K + kv_off, mask=tok_ok[:, None], other=0.0).to(q.dtype)
+        s = _scores(q, k, IEEE)
         vis = tok_ok[None, :] & row_ok[:, None]
         if MASKED:
             lo = tl.load(tok_lo + offs, mask=tok_ok, other=0)
@@ -192,16 +154,16 @@ def _tile_loop(
 
 @triton.jit
 def _tma_block(
-    q, q8, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, slot, kvh, pre, qlen,
+    q, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, slot, kvh, pre, qlen,
     m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    TAIL: tl.constexpr, IEEE: tl.constexpr, Q8: tl.constexpr, Q8_ACC: tl.constexpr,
+    TAIL: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One online-softmax step over the ``BLOCK_N`` consecutive slots from ``slot``, loaded
     by TMA. ``TAIL``: only tokens before ``tok1`` count; the box's rows past it (another
     node's KV, or unwritten cache) are masked out of the scores and their V rows zeroed, so
     their K/V never flag a row."""
-    k = desc_k.load([slot, kvh * D])
-    s = _scores(q, q8, k if Q8 else k.to(q.dtype), IEEE, Q8, Q8_ACC)
+    k = desc_k.load([slot, kvh * D]).to(q.dtype)
+    s = _scores(q, k, IEEE)
     if MASKED or TAIL:
         offs = start + tl.arange(0, BLOCK_N)
         tok_ok = offs < tok1
@@ -229,44 +191,44 @@ def _tma_block(
 
 @triton.jit
 def _tma_tile(
-    q, q8, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
+    q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
     m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    IEEE: tl.constexpr, Q8: tl.constexpr, Q8_ACC: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """``_tile_loop`` for a tile of consecutive slots from ``slot0``, every block by TMA: no
     per-element addresses, masks or slot loads, which frees registers and issue slots."""
     whole = tok0 + (tok1 - tok0) // BLOCK_N * BLOCK_N
     for start in range(tok0, whole, BLOCK_N):
         m_i, l_i, acc = _tma_block(
-            q, q8, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, slot0 + (start - tok0), kvh,
+            q, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, slot0 + (start - tok0), kvh,
             pre, qlen, m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, TAIL=False,
-            IEEE=IEEE, Q8=Q8, Q8_ACC=Q8_ACC)
+            IEEE=IEEE)
     if whole < tok1:
         m_i, l_i, acc = _tma_block(
-            q, q8, desc_k, desc_v, tok_lo, tok_hi, tok_off, whole, tok1, slot0 + (whole - tok0), kvh,
+            q, desc_k, desc_v, tok_lo, tok_hi, tok_off, whole, tok1, slot0 + (whole - tok0), kvh,
             pre, qlen, m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, TAIL=True,
-            IEEE=IEEE, Q8=Q8, Q8_ACC=Q8_ACC)
+            IEEE=IEEE)
     return m_i, l_i, acc
 
 
 @triton.jit
 def _tile(
-    q, q8, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre,
+    q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre,
     qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
     D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
-    TMA: tl.constexpr, IEEE: tl.constexpr, Q8: tl.constexpr, Q8_ACC: tl.constexpr,
+    TMA: tl.constexpr, IEEE: tl.constexpr,
 ):
     """The tile's online softmax. ``TMA``: a tile of consecutive slots (``slot0 >= 0``; all
     tiles when ``CONTIG``) loads by TMA, any other by gathered loads."""
     if TMA and (CONTIG or slot0 >= 0):
         m_i, l_i, acc = _tma_tile(
-            q, q8, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
-            m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, IEEE=IEEE, Q8=Q8, Q8_ACC=Q8_ACC)
+            q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
+            m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, IEEE=IEEE)
     else:
         m_i, l_i, acc = _tile_loop(
-            q, q8, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
+            q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
             row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-            D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, CONTIG=CONTIG, IEEE=IEEE, Q8=Q8, Q8_ACC=Q8_ACC)
+            D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, CONTIG=CONTIG, IEEE=IEEE)
     return m_i, l_i, acc
 
 
@@ -286,7 +248,7 @@ def tree_partial_kernel(
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, HEADER: tl.constexpr,
-    SCALED: tl.constexpr, F16_DOTS: tl.constexpr, Q8: tl.constexpr, Q8_ACC: tl.constexpr,
+    SCALED: tl.constexpr, F16_DOTS: tl.constexpr,
 ):
     # KV heads vary fastest: programs start in work-item order (largest tiles first) across
     # all heads, so the launch's last programs are its shortest ones.
@@ -317,7 +279,7 @@ def tree_partial_kernel(
                 stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
                 KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
-                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS, Q8=Q8, Q8_ACC=Q8_ACC)
+                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS)
         else:
             if PDL:
                 gdc_launch_dependents()
@@ -330,7 +292,7 @@ def tree_partial_kernel(
                 stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
                 KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
-                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False, SCALED=SCALED, F16_DOTS=F16_DOTS, Q8=Q8, Q8_ACC=Q8_ACC)
+                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False, SCALED=SCALED, F16_DOTS=F16_DOTS)
     else:
         _work_item(
             tl.program_id(0) // h_kv, tl.program_id(0) % h_kv, Q, K, V, desc_k, desc_v, PO,
@@ -339,7 +301,7 @@ def tree_partial_kernel(
             stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
             KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK,
             CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL,
-            SCALED=SCALED, F16_DOTS=F16_DOTS, Q8=Q8, Q8_ACC=Q8_ACC)
+            SCALED=SCALED, F16_DOTS=F16_DOTS)
 
 
 @triton.jit
@@ -351,14 +313,13 @@ def _work_item(
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, WAIT: tl.constexpr, SCALED: tl.constexpr,
-    F16_DOTS: tl.constexpr, Q8: tl.constexpr, Q8_ACC: tl.constexpr,
+    F16_DOTS: tl.constexpr,
 ):
     """Work item ``w`` of the plan for KV head ``kvh``: its partial states. ``WAIT``: wait
     for the previous launch (programmatic dependent launch) once the item is described.
     ``SCALED``: K/V (e.g. FP8, converted exactly to the dots' dtype as loaded) are dequantised
     by the head's scales: K's folds into the score scale, V's into the epilogue.
-    ``F16_DOTS``: the dots run in fp16 (see the top). ``Q8``: the scores of e4m3 K are e4m3
-    dots of that many pieces of q (:func:`_e4m3_pieces`), ``p @ V`` runs in fp16."""
+    ``F16_DOTS``: the dots run in fp16 (see the top)."""
     tok_slot = plan
     tok_lo = plan + off_lo
     tok_hi = plan + off_hi
@@ -408,31 +369,24 @@ def _work_item(
     if SCALED:
         qk_scale = qk_scale * tl.load(KS + kvh * stride_s)
         v_s = tl.load(VS + kvh * stride_s)
-    if Q8:
-        q8, row_scale = _e4m3_pieces(q, Q8)
-        qk_scale = qk_scale * row_scale
-        q = q.to(tl.float16)  # only its dtype is used: V and p convert to fp16
-    else:
-        q8 = q
-        if F16_DOTS:
-            q, qk_scale = _fp16_queries(q, qk_scale)
-        qk_scale = qk_scale + tl.zeros([BLOCK_M], tl.float32)
+    if F16_DOTS:
+        q, qk_scale = _fp16_queries(q, qk_scale)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     # Two loops, each branch-free and pipelined: unmasked tokens, then masked ones.
     if tok0 < mask_from:
         m_i, l_i, acc = _tile(
-            q, q8, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, mask_from,
-            slot0, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-            D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE, Q8=Q8, Q8_ACC=Q8_ACC)
+            q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, mask_from, slot0,
+            kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+            D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE)
     if USE_MASK:
         if mask_from < tok1:
             slot_m = tl.where(slot0 >= 0, slot0 + (mask_from - tok0), -1)
             m_i, l_i, acc = _tile(
-                q, q8, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, mask_from, tok1,
+                q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, mask_from, tok1,
                 slot_m, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-                D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE, Q8=Q8, Q8_ACC=Q8_ACC)
+                D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE)
 
     has = l_i > 0
     o = acc * (v_s / tl.where(has, l_i, 1.0))[:, None]

@@ -28,7 +28,7 @@ from .configs import KernelConfig, interpreting, kernel_config, kv_config
 from .kernels import merge_kernel, tree_partial_kernel
 from .native_launch import NativeLaunch, batched, native_launch
 
-__all__ = ["HEADER", "Reserved", "StepBuffers", "Pointer", "launch_step", "launch_merge", "q_pieces",
+__all__ = ["HEADER", "Reserved", "StepBuffers", "Pointer", "launch_step", "launch_merge",
            "launch_signature", "has_tma", "stream_capturing"]
 
 # Ints before the segments of a graph-safe plan buffer: the work-item count, then the
@@ -123,15 +123,6 @@ class StepBuffers:
         return self.scratch[self.lse_off:self.lse_off + q * h].view(q, h)
 
 
-def q_pieces(cfg: KernelConfig, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
-    """How many e4m3 pieces of q the scores of e4m3 K take (0: K converts to q's dtype).
-    Programs of fewer than 64 rows keep converting: their ``mma.sync`` dots take converted K
-    from registers, with no shared-memory round trip to save."""
-    if not cfg.kv8_split_q or kv_dtype != torch.float8_e4m3fn or cfg.block_m < 64:
-        return 0
-    return {torch.bfloat16: 2, torch.float16: 3}.get(q_dtype, 0)
-
-
 def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, sm_scale: float, o: torch.Tensor,
                 lse: torch.Tensor | None, captured: bool = False,
@@ -199,7 +190,6 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
                   SORTED=prepared.sorted_queries, FUSE_MERGE=fused,
                   IEEE=q.dtype == torch.float32, PDL=pdl, HEADER=header, SCALED=scaled,
                   F16_DOTS=q.dtype == torch.bfloat16 and k_cache.dtype.itemsize == 1,
-                  Q8=q_pieces(cfg, q.dtype, k_cache.dtype), Q8_ACC=cfg.kv8_split_q,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   maxnreg=cfg.maxnreg,
                   launch_pdl=pdl)
