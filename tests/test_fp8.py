@@ -505,14 +505,15 @@ def test_a_fixed_calibration_leaves_the_scales_to_no_request():
 
 def test_one_byte_kv_launches_with_its_own_register_cap_and_block(monkeypatch):
     """The config's ``kv8_maxnreg`` and ``kv8_block_n`` shape the partial kernel over FP8
-    K/V; 16-bit K/V keep ``maxnreg`` and ``block_n`` (the sm_90 table caps FP8 at 168
-    registers, 16-bit steps below 2,048 rows not; FP8 steps from 2,048 rows take 64-token
-    blocks)."""
+    K/V; 16-bit K/V keep ``maxnreg`` and ``block_n`` (on sm_90, steps under 2,048 rows are
+    uncapped over either K/V but FP8's few-row build, capped at 168 registers; FP8 steps from
+    2,048 rows take 64-token blocks)."""
     pytest.importorskip("triton")
     from deft.ops.triton import configs, launch
 
-    assert configs.CONFIGS[("sm90", 128, 0)].kv8_maxnreg == 168
-    assert configs.CONFIGS[("sm90", 128, 0)].maxnreg is None
+    small = configs.CONFIGS[("sm90", 128, 0)]
+    assert configs.kv_config(small, FP8).maxnreg is None and small.maxnreg is None
+    assert configs.kv_config(configs.few_rows_config(small, FP8), FP8).maxnreg == 168
     assert configs.kv_config(configs.CONFIGS[("sm90", 128, 2048)], FP8).block_n == 64
     assert configs.kv_config(configs.CONFIGS[("sm90", 128, 2048)], torch.bfloat16).block_n == 32
     for key, cfg in list(configs.CONFIGS.items()):

@@ -15,21 +15,23 @@ PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this Triton ships no ptxas")
 def test_graph_safe_builds_compile_for_sm90_within_their_register_caps():
-    """The graph-safe builds (TMA, plan header) compile for sm_90: the FP8 one within its
-    168-register cap, the uncapped bf16 one with its wgmma instructions asynchronous."""
+    """The graph-safe builds (TMA, plan header) of steps under 2,048 rows compile for sm_90:
+    the 64-row ones uncapped with their wgmma instructions asynchronous, over bf16 and FP8 K/V,
+    and FP8's few-row build within its 168-register cap."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "kernel_registers.py"), "--rows", "0", "--launch",
-         "graph-safe"],
+         "graph-safe", "--block-m", "shipped,few"],
         capture_output=True, text=True, timeout=300, check=True, cwd=ROOT).stdout
     rows = {}
     for line in out.splitlines()[2:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        rows[cells[1]] = cells[4:]
-    assert set(rows) == {"bf16", "fp8"}, out
-    cap, registers, *_ = rows["fp8"]
+        rows[cells[1], cells[3]] = cells[4:]
+    assert set(rows) == {("bf16", "64"), ("fp8", "64"), ("fp8", "16")}, out
+    for kv in ("bf16", "fp8"):
+        cap, registers, *_, serialised = rows[kv, "64"]
+        assert cap == "none" and 0 < int(registers) <= 255 and serialised == "no", out
+    cap, registers, *_ = rows["fp8", "16"]
     assert cap == "168" and 0 < int(registers) <= 168, out
-    cap, registers, *_, serialised = rows["bf16"]
-    assert cap == "none" and 0 < int(registers) <= 255 and serialised == "no", out
 
 
 def test_work_rows_finds_the_small_items_of_a_few_shot_tree_and_none_of_a_long_prompt():

@@ -10,10 +10,12 @@ masked step of gathered and consecutive tiles (bf16 q): eager (gathered loads, n
 header) or graph-safe (TMA, plan header, a loop over work items), over 16-bit or FP8 K/V.
 
 Usage: ``python tools/kernel_registers.py [--head-dim 128] [--rows 0,2048] [--kv bf16,fp8]
-[--launch eager,graph-safe] [--maxnreg shipped,none,168] [--block-m shipped,16]``;
+[--launch eager,graph-safe] [--maxnreg shipped,none,168] [--block-m shipped,few,16]``;
 ``--rows`` picks the config table's row regimes (``deft.ops.triton.configs.CONFIGS``),
-``--maxnreg`` the register cap (``shipped``: the config's for that K/V), ``--block-m`` the
-rows per program (16: ``mma.sync`` dots, converted K/V in registers). About 10 s a build.
+``--maxnreg`` the register cap (``shipped``: the config's build's for that K/V), ``--block-m``
+the build: ``shipped``, ``few`` (FP8's few-row build, ``configs.few_rows_config``; skipped where
+there is none) or that many rows per program (16: ``mma.sync`` dots, converted K/V in
+registers). About 10 s a build.
 """
 
 from __future__ import annotations
@@ -131,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--maxnreg", default="shipped",
                     help="register caps: shipped (the config's), none, or a number")
     ap.add_argument("--block-m", default="shipped",
-                    help="rows per program: shipped (the config's) or a number")
+                    help="builds: shipped (the config's), few (FP8's few-row build) or a number "
+                         "of rows per program")
     args = ap.parse_args(argv)
     driver.set_active(_Sm90())
     print("| rows | K/V | launch | block m | cap | registers | stack B | spill stores B "
@@ -139,20 +142,23 @@ def main(argv: list[str] | None = None) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for rows in (int(r) for r in args.rows.split(",")):
         shipped = configs.CONFIGS["sm90", args.head_dim, rows]
-        for kv in args.kv.split(","):
-            for cap in args.maxnreg.split(","):
-                cfg = configs.kv_config(shipped, KV[kv])
-                if cap != "shipped":
-                    cfg = dataclasses.replace(cfg, maxnreg=None if cap == "none" else int(cap))
-                for launch, block_m in itertools.product(args.launch.split(","),
-                                                         args.block_m.split(",")):
-                    built = cfg if block_m == "shipped" else dataclasses.replace(
-                        cfg, block_m=int(block_m))
-                    u = build_usage(built, args.head_dim, KV[kv], launch == "graph-safe")
-                    print(f"| {rows} | {kv} | {launch} | {built.block_m} "
-                          f"| {cfg.maxnreg or 'none'} | {u.registers} | {u.stack} "
-                          f"| {u.spill_stores} | {u.spill_loads} | {u.serialized or 'no'} |",
-                          flush=True)
+        for kv, cap, launch, block_m in itertools.product(
+                args.kv.split(","), args.maxnreg.split(","), args.launch.split(","),
+                args.block_m.split(",")):
+            if block_m == "few":
+                build = configs.few_rows_config(shipped, KV[kv])
+                if build is None:
+                    continue
+            else:
+                build = shipped if block_m == "shipped" else dataclasses.replace(
+                    shipped, block_m=int(block_m))
+            built = configs.kv_config(build, KV[kv])
+            if cap != "shipped":
+                built = dataclasses.replace(built, maxnreg=None if cap == "none" else int(cap))
+            u = build_usage(built, args.head_dim, KV[kv], launch == "graph-safe")
+            print(f"| {rows} | {kv} | {launch} | {built.block_m} "
+                  f"| {built.maxnreg or 'none'} | {u.registers} | {u.stack} "
+                  f"| {u.spill_stores} | {u.spill_loads} | {u.serialized or 'no'} |", flush=True)
 
 
 if __name__ == "__main__":

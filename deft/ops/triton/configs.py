@@ -37,8 +37,9 @@ class KernelConfig:
     maxnreg: int | None = None  # register cap per thread (more programs per SM, maybe spills)
     # Over one-byte (FP8) K/V, whose conversion goes through shared memory in the inner loop,
     # the partial kernel launches with these instead of ``maxnreg`` and ``block_n`` (None:
-    # the same): a third program per SM hides the round trip's latency better than spills
-    # cost, and longer blocks make fewer round trips where many rows share each block.
+    # the same): where a third program per SM hides the round trip's latency better than
+    # spills cost, a cap keeps it; longer blocks make fewer round trips where many rows
+    # share each block.
     kv8_maxnreg: int | None = None
     kv8_block_n: int | None = None
     # Over one-byte K/V, plans whose tiles of at most ``kv8_few_rows[0]`` rows hold at least
@@ -47,6 +48,7 @@ class KernelConfig:
     # ``mma.sync`` with the converted K/V in registers, skipping the shared-memory round
     # trip, but re-read a block once per ``kv8_few_rows[0]`` rows of a tile.
     kv8_few_rows: tuple[int, int] | None = None
+    kv8_few_maxnreg: int | None = None  # the few-row build's register cap (None: none)
     kv8_few_share: float = 0.1
     pdl: bool = False  # programmatic dependent launch (sm_90+): starts before the last launch ends
     merge_block: int = 16  # partial states per step of the merge kernel
@@ -72,9 +74,10 @@ _SM90 = dict(tma=True, pdl=True, graph_waves=3, kv8_maxnreg=168)
 _NARROW = dict(_SM90, narrow_partials=True, maxnreg=168, kv8_block_n=64)
 CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
     ("sm90", 64, 0): KernelConfig(64, 32, 4, 3, 4.0, **_SM90),
-    # Uncapped, this build takes 255 registers: two programs per SM.
+    # Uncapped, this build takes 255 registers: two programs per SM (over FP8 K/V too; its
+    # few-row build keeps the cap).
     ("sm90", 128, 0): KernelConfig(64, 32, 4, 3, 4.0, resident_per_sm=2, kv8_few_rows=(16, 64),
-                                   **_SM90),
+                                   **dict(_SM90, kv8_maxnreg=None, kv8_few_maxnreg=168)),
     ("sm90", 128, 2048): KernelConfig(64, 32, 4, 3, 4.0, merge_block=4, merge_warps=1, **_NARROW),
     ("sm90", 128, 8192): KernelConfig(64, 32, 4, 3, 4.0, merge_block=2, merge_warps=4,
                                       merge_heads=8, **_NARROW),
@@ -150,7 +153,8 @@ def few_rows_config(cfg: KernelConfig, kv_dtype: torch.dtype | None) -> KernelCo
     if cfg.kv8_few_rows is None or kv_dtype is None or kv_dtype.itemsize != 1:
         return None
     m, n = cfg.kv8_few_rows
-    return dataclasses.replace(cfg, block_m=m, block_n=n, kv8_block_n=None, kv8_few_rows=None)
+    return dataclasses.replace(cfg, block_m=m, block_n=n, kv8_block_n=None, kv8_few_rows=None,
+                               kv8_maxnreg=cfg.kv8_few_maxnreg)
 
 
 def kv_config(cfg: KernelConfig, kv_dtype: torch.dtype | None) -> KernelConfig:
