@@ -48,7 +48,7 @@ class KernelConfig:
     # ``mma.sync`` with the converted K/V in registers, skipping the shared-memory round
     # trip, but re-read a block once per ``kv8_few_rows[0]`` rows of a tile.
     kv8_few_rows: tuple[int, int] | None = None
-    kv8_few_maxnreg: int | None = None  # the few-row build's register cap (None: none)
+    kv8_few_maxnreg: int | None = None  # the few-row build's ``kv8_maxnreg``
     kv8_few_share: float = 0.1
     pdl: bool = False  # programmatic dependent launch (sm_90+): starts before the last launch ends
     merge_block: int = 16  # partial states per step of the merge kernel
