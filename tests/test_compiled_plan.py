@@ -208,8 +208,8 @@ def test_recorded_workloads(setting, workloads):
 def test_only_flatten_plans_fit_one_wave_of_the_resident_programs(monkeypatch, planner):
     """H200-like: 16 queries on a 32,768-token prompt (512 rows), where the uncapped
     head_dim-128 kernel keeps 2 programs per SM, take 33 tiles (one wave of 264 programs)
-    instead of the launch model's 47; per-query plans keep its choice (64 tiles), and so do
-    FP8 K/V and any launch under a register cap (it sets the programs resident)."""
+    instead of the launch model's 47, over 16-bit or FP8 K/V; per-query plans keep its choice
+    (64 tiles), and so does any launch under a register cap (it sets the programs resident)."""
     act_as(monkeypatch, True)
     layout = fan_layout(32768, 16)
     backend, heads = tb.TritonBackend(), Heads(32, 8, 128)
@@ -219,12 +219,13 @@ def test_only_flatten_plans_fit_one_wave_of_the_resident_programs(monkeypatch, p
             return backend.plan(layout, kind, 64, heads, CPU, kv_dtype=kv_dtype).plan.num_tiles
 
     assert tiles("flatten") == 33
+    assert tiles("flatten", torch.float8_e4m3fn) == 33
     assert tiles("per_query") == 64
-    assert tiles("flatten", torch.float8_e4m3fn) == 47
     key = ("sm90", 128, 0)
     monkeypatch.setitem(configs.CONFIGS, key,
-                        dataclasses.replace(configs.CONFIGS[key], maxnreg=168))
+                        dataclasses.replace(configs.CONFIGS[key], maxnreg=168, kv8_maxnreg=168))
     assert tiles("flatten") == 47
+    assert tiles("flatten", torch.float8_e4m3fn) == 47
     monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
         configs.CONFIGS[key], maxnreg=None, resident_per_sm=None))
     assert tiles("flatten") == 47
