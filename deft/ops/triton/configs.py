@@ -146,6 +146,7 @@ def _one_byte(cfg: KernelConfig) -> KernelConfig:
                                block_n=cfg.kv8_block_n or cfg.block_n)
 
 
+@functools.lru_cache(maxsize=64)
 def few_rows_config(cfg: KernelConfig, kv_dtype: torch.dtype | None) -> KernelConfig | None:
     """``cfg`` with programs of ``kv8_few_rows`` rows and tokens, for plans over K/V of
     ``kv_dtype`` whose K/V tokens are mostly seen by few rows; None where ``cfg`` has none
