@@ -23,10 +23,11 @@ same run; a workload's floor is its steps' mean.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import triton
@@ -52,7 +53,7 @@ class GpuWorkload:
     trace: str = ""
 
 
-_WARM_ROUNDS = 3  # warm-up rounds at most; the timed runs must then capture nothing
+_WARM_ROUNDS = 3  # warm-up rounds at most; the timed runs must then capture and compile nothing
 REPLAY_ITERATIONS = 500  # of a trace's 564-3,708: the steps of all three take about a minute
 
 GPU_WORKLOADS = [
@@ -116,30 +117,60 @@ def _timed(run: Callable[[], int]) -> tuple[float, int]:
     return time.perf_counter() - t0, out
 
 
+@contextlib.contextmanager
+def _compiles() -> Iterator[list[str]]:
+    """The Triton kernels compiled (or loaded from Triton's cache) in the block, as their
+    specialisations (name, then each argument's type and what it was specialised on)."""
+    seen: list[str] = []
+    before = triton.knobs.runtime.jit_post_compile_hook
+
+    def hook(*, repr: str, **kw: Any) -> Any:
+        seen.append(repr)
+        return before(repr=repr, **kw) if before else None
+
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield seen
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = before
+
+
 def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
-             parents: list[int] | None, trace: Path | None) -> dict[str, float]:
+             parents: list[int] | None, trace: Path | None,
+             say: Callable[[str], None] = lambda msg: None) -> dict[str, float]:
     """Warm run, prefill-only run, full run: ms per decode step and what the steps held."""
     full = run_workload(engine, w, prompts, w.new_tokens, parents, trace)
     first = run_workload(engine, w, prompts, 1, parents, trace)
     # Warm-up: compiles and captures every graph both timed runs replay. A run grows the
     # graph buckets' capacities, and a step whose tree did not fit a bucket's few-row build
-    # (``Capacity.few_rows``) before may fit it then: repeat until a round captures nothing.
+    # (``Capacity.few_rows``) before may fit it then: repeat until a round captures and
+    # compiles nothing. A kernel compiled in a timed run would count its seconds as steps'.
     def captures() -> int:
         return engine.graphs.captures if engine.graphs is not None else 0
-    for _ in range(_WARM_ROUNDS):
-        before = captures()
-        full(), first()
-        if engine.graphs is None or captures() == before:
-            break
-    engine.reset_stats()
-    before = captures()
-    t_prefill, _ = _timed(first)
-    steps0, tok0 = engine.stats["steps"], engine.stats["plan_tokens"]
-    engine.reset_stats()
-    t_full, new = _timed(full)
+    with _compiles() as compiled:
+        for round_ in range(_WARM_ROUNDS):
+            before = captures(), len(compiled)
+            full(), first()
+            if round_ and len(compiled) > before[1]:
+                say(f"{w.name}: warm-up round {round_ + 1} compiled {compiled[before[1]:]}")
+            if (captures(), len(compiled)) == before:
+                break
+        for _ in range(2):
+            engine.reset_stats()
+            before = captures(), len(compiled)
+            t_prefill, _ = _timed(first)
+            steps0, tok0 = engine.stats["steps"], engine.stats["plan_tokens"]
+            engine.reset_stats()
+            t_full, new = _timed(full)
+            if (captures(), len(compiled)) == before and t_full > t_prefill:
+                break
+            say(f"{w.name}: timed runs of {t_prefill:.3f} s (prefill) and {t_full:.3f} s "
+                f"captured {captures() - before[0]} graphs and compiled "
+                f"{compiled[before[1]:]}; timing again")
+        else:
+            raise RuntimeError(f"{w.name}: timed runs kept capturing graphs, compiling kernels "
+                               "or ending before their prefill-only run")
     st = engine.stats
-    if captures() != before:
-        raise RuntimeError(f"{w.name}: a timed run captured a graph; the warm-up missed it")
     steps, plan_tokens = st["steps"] - steps0, st["plan_tokens"] - tok0
     # The GPU time of the run's last step alone: its graph replayed again (same inputs).
     last = engine.graphs.last_graph if engine.graphs is not None else None
@@ -269,7 +300,7 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
         for mode, engine in engines.items():
             say(f"{w.name}: {mode}")
             model.fused_ops = False if mode == "graph, unfused" else None  # graphs keep theirs
-            got[mode] = _measure(engine, w, prompts, parents, trace)
+            got[mode] = _measure(engine, w, prompts, parents, trace, say)
         model.fused_ops = None
         g = got["graph"]
         floor_ms = 1e3 * max((weight_bytes + g["plan_tokens"] * kv_token_bytes) / bw,

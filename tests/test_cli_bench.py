@@ -70,3 +70,65 @@ def test_markdown_table():
 def test_few_shot_layout_shape():
     layout = few_shot_layout(40, 3, 5)
     assert layout.node_lens.tolist() == [40, 5, 5, 5] and layout.query_nodes.tolist() == [1, 2, 3]
+
+
+class _FakeEngine:
+    """What the e2e harness reads of an engine: eager (no graphs) and its step counters."""
+
+    graphs = None
+
+    def __init__(self):
+        self.reset_stats()
+
+    def reset_stats(self):
+        self.stats = dict(steps=0, plan_tokens=0, tokens=0, plan_s=0.0, graph_steps=0)
+
+
+def _e2e_runs(monkeypatch, engine, compiles_at):
+    """``run_workload`` stand-ins: the ``full`` runs whose (0-based) numbers are in
+    ``compiles_at`` compile a kernel, as Triton reports one to its post-compile hook."""
+    import time
+
+    import triton
+
+    import benchmarks.e2e_gpu as e2e
+
+    calls = {"full": 0}
+
+    def run_workload(engine_, w, prompts, new_tokens, parents, trace):
+        def run():
+            if new_tokens > 1:
+                if calls["full"] in compiles_at:
+                    triton.knobs.runtime.jit_post_compile_hook(repr=f"k{calls['full']}")
+                calls["full"] += 1
+                time.sleep(0.02)
+            engine_.stats["steps"] += new_tokens
+            engine_.stats["tokens"] += new_tokens
+            return new_tokens
+        return run
+
+    monkeypatch.setattr(e2e, "run_workload", run_workload)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    return e2e, calls
+
+
+def test_e2e_warm_up_repeats_until_nothing_compiles_and_times_again_after_a_compile(monkeypatch):
+    import triton
+
+    engine = _FakeEngine()
+    e2e, calls = _e2e_runs(monkeypatch, engine, compiles_at={0, 2})
+    said = []
+    w = e2e.GpuWorkload("fake", "sample", 0, 1, 8)
+    got = e2e._measure(engine, w, [[1]], None, None, said.append)
+    # Warm rounds 1 (compiles) and 2 (quiet); timed full run 3 compiles, so a second pair.
+    assert calls["full"] == 4
+    assert len(said) == 1 and "compiled ['k2']" in said[0] and "timing again" in said[0]
+    assert got["steps"] == 7 and got["ms_step"] > 0
+    assert triton.knobs.runtime.jit_post_compile_hook is None  # the hook is given back
+
+
+def test_e2e_refuses_timings_that_keep_compiling(monkeypatch):
+    engine = _FakeEngine()
+    e2e, _ = _e2e_runs(monkeypatch, engine, compiles_at=set(range(10)))
+    with pytest.raises(RuntimeError, match="kept capturing graphs, compiling kernels"):
+        e2e._measure(engine, e2e.GpuWorkload("fake", "sample", 0, 1, 8), [[1]], None, None)
