@@ -98,6 +98,7 @@ def workloads():
 @pytest.fixture(scope="session")
 def smol():
     """``(model, tokenizer)`` of the default model (SmolLM2-135M-Instruct GGUF, float32)."""
+    pytest.importorskip("gguf")  # the ``model`` extra's, which reads the file
     from deft.model import load_model
 
     return load_model()
@@ -107,6 +108,7 @@ def smol():
 def smol_ref():
     """``transformers``' LlamaForCausalLM from the same GGUF: the reference."""
     transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")  # transformers reads the GGUF file with it
     from deft.model.loader import DEFAULT_GGUF, default_model_path
 
     return transformers.AutoModelForCausalLM.from_pretrained(

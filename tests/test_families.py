@@ -13,7 +13,6 @@ import json
 import math
 import re
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -23,7 +22,7 @@ from deft.model import LlamaConfig, RopeScaling, load_model
 from deft.model.loader import resolve_dtype
 from deft.model.phi3 import phi3_config
 from deft.model.rope import rope_table
-from test_model import (TINY_PROMPTS, add_tiny_tokenizer, assert_logits, forest_logits,
+from test_model import (TINY_PROMPTS, add_tiny_tokenizer, assert_logits, forest_logits, gguf, needs_gguf,
                         reference_logits, tiny_vocab, write_tokenizer)
 from test_tensor_parallel import ThreadRanks
 
@@ -144,6 +143,7 @@ def write_llama_cpp_gguf(path, arch: str, ref, names: dict[str, str] = GGUF_NAME
     the original context and attention factor as metadata), block tensors named by
     ``names``, ``norm_offset`` added to the norm weights. ``metadata`` replaces the
     ``add_<key>`` values (None: left out); ``extra_tensors`` are (name, array) pairs."""
+    needs_gguf()
     c = ref.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     values = dict(block_count=c.num_hidden_layers, context_length=c.max_position_embeddings,

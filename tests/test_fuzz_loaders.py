@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-import gguf
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -27,6 +26,8 @@ from deft.model import LlamaConfig, load_model
 from deft.model.gguf_file import GGUFFile
 from deft.model.gguf_tokenizer import tokenizer_from_gguf
 from test_model import TINY, TINY_CONFIG, tiny_weights, write_gguf, write_hf_dir
+
+gguf = pytest.importorskip("gguf")  # the ``model`` extra's
 
 CASE_SECONDS = 20  # a case that takes longer is a hang
 FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

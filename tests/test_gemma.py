@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import gguf
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -21,6 +20,8 @@ from deft.model.gemma import gemma3_config, gemma3_gguf_config, gemma3_multimoda
 from deft.model.llama import RMSNorm
 from test_families import ATOL, FAMILIES, GGUF_NAMES, build_checkpoint, write_llama_cpp_gguf
 from test_model import TINY_PROMPTS, assert_logits, forest_logits, reference_logits, write_tokenizer
+
+gguf = pytest.importorskip("gguf")  # the ``model`` extra's
 
 transformers = pytest.importorskip("transformers")
 

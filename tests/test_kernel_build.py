@@ -2,6 +2,7 @@
 (``tools/kernel_registers.py``: Triton for sm_90, then ``ptxas -v``), and the rows of the work
 items its H200 plans hand it (``tools/work_rows.py``)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,19 @@ def test_work_rows_finds_the_small_items_of_a_few_shot_tree_and_none_of_a_long_p
         assert int(few[1]) > int(few[0]) // 2 and 0.3 < float(few[2]) < 1, out
         assert few[4] == few_col, out
         assert long[1:] == ["0", "0.00", "0%", "-" if kv == "auto" else "0.00"], out
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this Triton ships no ptxas")
+def test_the_warp_specialised_gluon_experiment_compiles_for_sm90_without_spills():
+    """``tools/ws_partial_gluon.py --compile-only``: each build of the experiment whose H200
+    figures docs/decisions.md records (16-bit: five, FP8: seven) compiles for sm_90a within
+    its register cap, spilling nothing."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "ws_partial_gluon.py"), "--compile-only"],
+        capture_output=True, text=True, timeout=300, check=True, cwd=ROOT).stdout
+    builds = re.findall(r"^torch\.(\w+) (\{.*\}) Usage\(registers=(\d+), stack=(\d+), "
+                        r"spill_stores=(\d+), spill_loads=(\d+)", out, re.M)
+    assert [b[0] for b in builds] == ["float16"] * 5 + ["float8_e4m3fn"] * 7, out
+    for _, cfg, registers, *spills in builds:
+        cap = 128 if "'maxnreg': 128" in cfg else 255
+        assert 0 < int(registers) <= cap and spills == ["0", "0", "0"], out

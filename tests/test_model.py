@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -33,6 +32,16 @@ from deft.model.loader import DEFAULT_GGUF, default_model_path
 from deft.model.rope import rope_inv_freq
 
 transformers = pytest.importorskip("transformers")
+try:
+    import gguf
+except ImportError:  # the ``model`` extra's; GPU test modules import this one's helpers
+    gguf = None
+
+
+def needs_gguf() -> None:
+    """Skip the calling test where the ``gguf`` package (the ``model`` extra) is missing."""
+    if gguf is None:
+        pytest.skip("needs the gguf package: pip install -e '.[model]'")
 
 LOGIT_ATOL = 1e-3  # float32, SmolLM2-135M against transformers
 SYNTH_ATOL = 1e-4  # float32, tiny synthetic model (measured ~2e-6); GGUF vs HF directory
@@ -220,6 +229,7 @@ def tiny_weights(config: LlamaConfig, seed: int = 0):
     the gate projections are the dequantised values of Q8_0 / Q4_1 blocks, so both files
     hold exactly the same numbers.
     """
+    needs_gguf()
     g = torch.Generator().manual_seed(seed)
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     blocks = {}
@@ -297,6 +307,7 @@ def add_tiny_tokenizer(w: gguf.GGUFWriter, pre: str) -> None:
 
 def write_gguf(path, config: LlamaConfig, weights, blocks, arch: str = "llama") -> None:
     """The same model as a GGUF: Llama 3 scaling as a rope_freqs tensor, mixed F32/F16/Q8_0/Q4_1."""
+    needs_gguf()
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(config.num_layers)
     w.add_context_length(config.max_position_embeddings)
@@ -563,6 +574,7 @@ def test_sentencepiece_gguf_tokenizer(tmp_path, arch, two_spaces):
     pieces = ["▁h", "el", "lo", "▁w", "or", "ld", "▁hel", "▁hello", "▁wor", "▁world", "▁", "h", "e", "l",
               "o", "w", "r", "d"]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + pieces
+    needs_gguf()
     path = tmp_path / "spm.gguf"
     w = gguf.GGUFWriter(str(path), arch)
     w.add_tokenizer_model("llama")
