@@ -22,8 +22,8 @@ from deft.model import LlamaConfig, RopeScaling, load_model
 from deft.model.loader import resolve_dtype
 from deft.model.phi3 import phi3_config
 from deft.model.rope import rope_table
-from test_model import (TINY_PROMPTS, add_tiny_tokenizer, assert_logits, forest_logits, gguf, needs_gguf,
-                        reference_logits, tiny_vocab, write_tokenizer)
+from test_model import (TINY_PROMPTS, add_tiny_tokenizer, assert_logits, forest_logits, gguf,
+                        needs_gguf, reference_logits, tiny_vocab, write_tokenizer)
 from test_tensor_parallel import ThreadRanks
 
 transformers = pytest.importorskip("transformers")
