@@ -5,8 +5,9 @@ apply to DeFT's partial loop) take the partial pass of a long shared prompt to H
 FP8 K/V to twice that? Partial states of ``--tile``-token tiles of one ``--tokens`` prompt,
 64 rows (16 queries x 4 GQA heads) per KV head, no mask, Llama-3-8B's 8 KV heads of 128, 32
 layers replayed from a CUDA graph (no merge). Partitions: a loader warp (TMA of K/V blocks
-into a ring), for FP8 a converter warpgroup (e4m3 -> fp16 into a second ring: ``wgmma`` takes
-its B operand from shared memory), and one or two consumer warpgroups (q.kT and p.v on
+into a ring), for FP8 converter warps (e4m3 -> fp16 into a second ring: ``wgmma`` takes its B
+operand from shared memory; one warpgroup, two, or one each for K and V), and one or two
+consumer warpgroups (q.kT and p.v on
 ``wgmma``, online softmax; two take alternate blocks into two partial states, merged in the
 check). Each build's output is checked against float64. Result and what it decided:
 docs/decisions.md ("Where the rest of the long-prompt step goes").
@@ -36,13 +37,21 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
 H_KV, M, D, LAYERS = 8, 64, 128, 32
-# Builds: converter registers, register cap, ring stages, block tokens, consumers. Two
-# consumers over 16-bit K/V failed on the H200 with an unspecified launch failure (not
-# debugged), so they run over FP8 only.
+# Builds over 16-bit and FP8 K/V: converter registers, register cap, ring stages, block tokens.
 CONFIGS = [dict(conv_regs=64), dict(conv_regs=88, maxnreg=128), dict(conv_regs=64, stages=2),
-           dict(conv_regs=64, stages=4), dict(conv_regs=64, block_n=32, stages=4),
-           dict(conv_regs=64, maxnreg=128, consumers=2, cons_regs=168),
-           dict(conv_regs=64, maxnreg=128, consumers=2, cons_regs=168, stages=4)]
+           dict(conv_regs=64, stages=4), dict(conv_regs=64, block_n=32, stages=4)]
+# Over FP8 only: two consumers (over 16-bit K/V they failed on the H200 with an unspecified
+# launch failure, not debugged), a converter of 8 warps, one converter warpgroup each for K
+# and V (the last two not yet run on a GPU). The cap keeps 416 threads within the register file.
+FP8_CONFIGS = [dict(conv_regs=64, maxnreg=128, consumers=2, cons_regs=168),
+               dict(conv_regs=64, maxnreg=128, consumers=2, cons_regs=168, stages=4),
+               dict(conv_regs=64, maxnreg=128, conv_warps=8),
+               dict(conv_regs=64, maxnreg=128, split_conv=True)]
+
+
+def builds(fp8: bool) -> list[dict]:
+    """The builds the tool runs over 16-bit (``fp8=False``) or FP8 K/V."""
+    return CONFIGS + (FP8_CONFIGS if fp8 else [])
 
 
 @gluon.jit
@@ -74,29 +83,50 @@ def _loader(k_desc, v_desc, q_smem, k8, v8, k16, v16, bars, tok0, col, qk_scale,
 
 
 @gluon.jit
-def _converter(k_desc, v_desc, q_smem, k8, v8, k16, v16, bars, tok0, col, qk_scale, PO, PLSE,
-               out_row, nblk):
-    CONVERT: gl.constexpr = k8.dtype != k16.dtype
+def _convert(k8, v8, k16, v16, bars, nblk, DO_K: gl.constexpr, DO_V: gl.constexpr):
+    """e4m3 -> fp16 of K, V or both of each block, from the one-byte ring into the 16-bit one."""
     f8_empty, f8_ready, k16_empty, k16_ready, v16_empty, v16_ready = bars
     S: gl.constexpr = k8.type.shape[0]
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-    if CONVERT:
-        for i in range(nblk):
-            idx = i % S
-            ph = (i // S) & 1
-            mbarrier.wait(f8_ready.index(idx), ph)
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1], [1, 0])
+    for i in range(nblk):
+        idx = i % S
+        ph = (i // S) & 1
+        mbarrier.wait(f8_ready.index(idx), ph)
+        if DO_K:
             k = k8.index(idx).load(layout).to(gl.float16)
+        if DO_V:
             v = v8.index(idx).load(layout).to(gl.float16)
-            fence_async_shared()  # our generic loads before the next TMA write
-            mbarrier.arrive(f8_empty.index(idx), count=1)
+        fence_async_shared()  # our generic loads before the next TMA write
+        mbarrier.arrive(f8_empty.index(idx), count=1)
+        if DO_K:
             mbarrier.wait(k16_empty.index(idx), ph ^ 1)
             k16.index(idx).store(k)
             fence_async_shared()  # our generic stores before the consumer's wgmma
             mbarrier.arrive(k16_ready.index(idx), count=1)
+        if DO_V:
             mbarrier.wait(v16_empty.index(idx), ph ^ 1)
             v16.index(idx).store(v)
             fence_async_shared()
             mbarrier.arrive(v16_ready.index(idx), count=1)
+
+
+@gluon.jit
+def _converter(k_desc, v_desc, q_smem, k8, v8, k16, v16, bars, tok0, col, qk_scale, PO, PLSE,
+               out_row, nblk):
+    if k8.dtype != k16.dtype:
+        _convert(k8, v8, k16, v16, bars, nblk, True, True)
+
+
+@gluon.jit
+def _k_converter(k_desc, v_desc, q_smem, k8, v8, k16, v16, bars, tok0, col, qk_scale, PO,
+                 PLSE, out_row, nblk):
+    _convert(k8, v8, k16, v16, bars, nblk, True, False)
+
+
+@gluon.jit
+def _v_converter(k_desc, v_desc, q_smem, k8, v8, k16, v16, bars, tok0, col, qk_scale, PO,
+                 PLSE, out_row, nblk):
+    _convert(k8, v8, k16, v16, bars, nblk, False, True)
 
 
 @gluon.jit
@@ -159,8 +189,8 @@ def _consumer(q_smem, k16, v16, bars, qk_scale, PO, PLSE, out_row, first, step, 
 def ws_partial_kernel(Q, k_desc, v_desc, PO, PLSE, qk_scale, H_KV,
                       M: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                       TILE: gl.constexpr, STAGES: gl.constexpr, CONVERT: gl.constexpr,
-                      CONV_REGS: gl.constexpr, CONSUMERS: gl.constexpr, CONS_REGS: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      CONV_REGS: gl.constexpr, CONV_WARPS: gl.constexpr, SPLIT_CONV: gl.constexpr,
+                      CONSUMERS: gl.constexpr, CONS_REGS: gl.constexpr, num_warps: gl.constexpr):
     pid = gl.program_id(0)
     tile = pid // H_KV
     kvh = pid % H_KV
@@ -191,7 +221,7 @@ def ws_partial_kernel(Q, k_desc, v_desc, PO, PLSE, qk_scale, H_KV,
     v16_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bl)
     v16_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bl)
     for i in gl.static_range(STAGES):
-        mbarrier.init(f8_empty.index(i), count=1)
+        mbarrier.init(f8_empty.index(i), count=2 if SPLIT_CONV else 1)
         mbarrier.init(f8_ready.index(i), count=1)
         mbarrier.init(k16_empty.index(i), count=1)
         mbarrier.init(k16_ready.index(i), count=1)
@@ -202,11 +232,16 @@ def ws_partial_kernel(Q, k_desc, v_desc, PO, PLSE, qk_scale, H_KV,
     out_row = pid * CONSUMERS * M
     common = (k_desc, v_desc, q_smem, k8, v8, k16, v16, bars, tok0, col, qk_scale, PO, PLSE,
               out_row, NBLK)
-    if CONSUMERS == 1:
+    if SPLIT_CONV:
+        gl.warp_specialize([
+            (_consumer, (q_smem, k16, v16, bars, qk_scale, PO, PLSE, out_row, 0, 1, NBLK)),
+            (_loader, common), (_k_converter, common), (_v_converter, common),
+        ], [1, CONV_WARPS, CONV_WARPS], [24, CONV_REGS, CONV_REGS])
+    elif CONSUMERS == 1:
         gl.warp_specialize([
             (_consumer, (q_smem, k16, v16, bars, qk_scale, PO, PLSE, out_row, 0, 1, NBLK)),
             (_loader, common), (_converter, common),
-        ], [1, 4], [24, CONV_REGS])
+        ], [1, CONV_WARPS], [24, CONV_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (q_smem, k16, v16, bars, qk_scale, PO, PLSE, out_row, 0, 2, NBLK)),
@@ -217,13 +252,14 @@ def ws_partial_kernel(Q, k_desc, v_desc, PO, PLSE, qk_scale, H_KV,
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po: torch.Tensor,
            plse: torch.Tensor, tile: int, block_n: int = 64, stages: int = 3,
            conv_regs: int = 64, maxnreg: int | None = None, consumers: int = 1,
-           cons_regs: int = 168, compile_only: bool = False) -> object:
+           cons_regs: int = 168, conv_warps: int = 4, split_conv: bool = False,
+           compile_only: bool = False) -> object:
     """Partial states of ``q [H_kv, M, D]`` (fp16) over ``k, v [N, H_kv * D]`` (fp16 or
     e4m3, raw values) into ``po [tiles * H_kv * consumers * M, D]`` and ``plse``."""
     h_kv, m, d = q.shape
     fp8 = k.dtype == torch.float8_e4m3fn
-    if consumers == 2 and not fp8:
-        raise ValueError("two consumers run over FP8 K/V only (see CONFIGS)")
+    if not fp8 and (consumers != 1 or conv_warps != 4 or split_conv):
+        raise ValueError("two consumers and converter variants run over FP8 K/V only")
     layout = gl.NVMMASharedLayout.get_default_for([block_n, d],
                                                   gl.float8e4nv if fp8 else gl.float16)
     kd = TensorDescriptor(k, list(k.shape), list(k.stride()), [block_n, d], layout)
@@ -231,7 +267,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po: torch.Tensor,
     grid = (k.shape[0] // tile * h_kv,)
     args = (q, kd, vd, po, plse, d**-0.5 * math.log2(math.e), h_kv)
     kw = dict(M=m, D=d, BLOCK_N=block_n, TILE=tile, STAGES=stages, CONVERT=fp8,
-              CONV_REGS=conv_regs, CONSUMERS=consumers, CONS_REGS=cons_regs, num_warps=4)
+              CONV_REGS=conv_regs, CONV_WARPS=conv_warps, SPLIT_CONV=split_conv,
+              CONSUMERS=consumers, CONS_REGS=cons_regs, num_warps=4)
     if maxnreg:
         kw["maxnreg"] = maxnreg
     if compile_only:
@@ -267,9 +304,7 @@ def _compile_all() -> None:
 
     driver.set_active(_Sm90())
     for kv_dtype in (torch.float16, torch.float8_e4m3fn):
-        for cfg in CONFIGS:
-            if cfg.get("consumers", 1) == 2 and kv_dtype == torch.float16:
-                continue
+        for cfg in builds(kv_dtype != torch.float16):
             q = torch.empty(H_KV, M, D, dtype=torch.float16)
             k = torch.empty(1024, H_KV * D, dtype=kv_dtype)
             po = torch.empty(2 * H_KV * M, D)
@@ -307,9 +342,9 @@ def main() -> None:
             ks.append(k.view(n, H_KV * D))
             vs.append(v.view(n, H_KV * D))
         ref_o, ref_lse = reference(q, ks[0].view(n, H_KV, D), vs[0].view(n, H_KV, D), tile)
-        for cfg in CONFIGS:
+        for cfg in builds(kv == "fp8"):
             c = cfg.get("consumers", 1)
-            if (args.consumers and c != args.consumers) or (c == 2 and kv != "fp8"):
+            if args.consumers and c != args.consumers:
                 continue
             po = torch.empty(c * n // tile * H_KV * M, D, device="cuda")
             plse = torch.empty(c * n // tile * H_KV * M, device="cuda")
