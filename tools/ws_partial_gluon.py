@@ -7,10 +7,9 @@ FP8 K/V to twice that? Partial states of ``--tile``-token tiles of one ``--token
 layers replayed from a CUDA graph (no merge). Partitions: a loader warp (TMA of K/V blocks
 into a ring), for FP8 converter warps (e4m3 -> fp16 into a second ring: ``wgmma`` takes its B
 operand from shared memory; one warpgroup, two, or one each for K and V), and one or two
-consumer warpgroups (q.kT and p.v on
-``wgmma``, online softmax; two take alternate blocks into two partial states, merged in the
-check). Each build's output is checked against float64. Result and what it decided:
-docs/decisions.md ("Where the rest of the long-prompt step goes").
+consumer warpgroups (q.kT and p.v on ``wgmma``, online softmax; two take alternate blocks into
+two partial states, merged in the check). Each build's output is checked against float64.
+Result and what it decided: docs/decisions.md ("Warp specialisation in Gluon, measured").
 
 Usage: ``python tools/ws_partial_gluon.py [--tokens 32768] [--tile 1024] [--kv fp16,fp8]
 [--consumers 1|2]`` (H200); ``--compile-only`` compiles every build for sm_90a on any machine
