@@ -36,17 +36,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
 H_KV, M, D, LAYERS = 8, 64, 128, 32
-# Builds over 16-bit and FP8 K/V: converter registers, register cap, ring stages, block tokens.
+# Builds over 16-bit and FP8 K/V: converter registers, register cap, ring stages, block tokens,
+# consumers (two take alternate blocks: with an even ring each has slots of its own).
 CONFIGS = [dict(conv_regs=64), dict(conv_regs=88, maxnreg=128), dict(conv_regs=64, stages=2),
-           dict(conv_regs=64, stages=4), dict(conv_regs=64, block_n=32, stages=4)]
-# Over FP8 only: two consumers (over 16-bit K/V they failed on the H200 with an unspecified
-# launch failure; likely, not checked: sharing a ring of 3 slots, a consumer can wait on a slot
-# whose earlier TMA has not landed, and a parity wait cannot tell the two phases apart, while
-# FP8's converter hands blocks over in order), a converter of 8 warps, one converter warpgroup
-# each for K and V (the last two not yet run on a GPU). The cap keeps 416 threads within the
-# register file.
+           dict(conv_regs=64, stages=4), dict(conv_regs=64, block_n=32, stages=4),
+           dict(conv_regs=64, maxnreg=128, consumers=2, cons_regs=168, stages=4)]
+# Over FP8 only: two consumers sharing a ring of 3 slots, where a consumer may wait by parity
+# on a slot whose earlier load has not landed, a phase parity cannot tell from its own (over
+# 16-bit K/V, whose TMA loads land in any order, the build failed on the H200 with an
+# unspecified launch failure, likely so; FP8's converter hands blocks over in order); a
+# converter of 8 warps; one converter warpgroup each for K and V. The cap keeps 416 threads
+# within the register file. Not yet run on a GPU: two consumers over 16-bit K/V with 4 slots,
+# and the two converter variants.
 FP8_CONFIGS = [dict(conv_regs=64, maxnreg=128, consumers=2, cons_regs=168),
-               dict(conv_regs=64, maxnreg=128, consumers=2, cons_regs=168, stages=4),
                dict(conv_regs=64, maxnreg=128, conv_warps=8),
                dict(conv_regs=64, maxnreg=128, split_conv=True)]
 
@@ -260,8 +262,9 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po: torch.Tensor,
     e4m3, raw values) into ``po [tiles * H_kv * consumers * M, D]`` and ``plse``."""
     h_kv, m, d = q.shape
     fp8 = k.dtype == torch.float8_e4m3fn
-    if not fp8 and (consumers != 1 or conv_warps != 4 or split_conv):
-        raise ValueError("two consumers and converter variants run over FP8 K/V only")
+    if not fp8 and (stages % consumers or conv_warps != 4 or split_conv):
+        raise ValueError("over 16-bit K/V: no converter variants, and the consumers must "
+                         "divide the stages")
     layout = gl.NVMMASharedLayout.get_default_for([block_n, d],
                                                   gl.float8e4nv if fp8 else gl.float16)
     kd = TensorDescriptor(k, list(k.shape), list(k.stride()), [block_n, d], layout)
