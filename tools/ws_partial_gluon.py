@@ -35,6 +35,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
+from deft.merge import merge_states  # noqa: E402
+
 H_KV, M, D, LAYERS = 8, 64, 128, 32
 # Builds over 16-bit and FP8 K/V: converter registers, register cap, ring stages, block tokens,
 # consumers (two take alternate blocks: with an even ring each has slots of its own).
@@ -296,11 +298,9 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def merged(po: torch.Tensor, plse: torch.Tensor, consumers: int) -> tuple[torch.Tensor,
                                                                            torch.Tensor]:
     """The consumers' partial states of each (tile, KV head) merged into one, in float64."""
-    o = po.double().view(-1, consumers, M, D)
-    lse = plse.double().view(-1, consumers, M)
-    total = torch.logsumexp(lse, 1)
-    w = torch.exp(lse - total[:, None])
-    return (o * w[..., None]).sum(1).reshape(-1, D), total.reshape(-1)
+    o, lse = merge_states(po.double().view(-1, consumers, M, D),
+                          plse.double().view(-1, consumers, M))
+    return o.reshape(-1, D), lse.reshape(-1)
 
 
 def _compile_all() -> None:
