@@ -48,8 +48,7 @@ CONFIGS = [dict(conv_regs=64), dict(conv_regs=88, maxnreg=128), dict(conv_regs=6
 # 16-bit K/V, whose TMA loads land in any order, the build failed on the H200 with an
 # unspecified launch failure, likely so; FP8's converter hands blocks over in order); a
 # converter of 8 warps; one converter warpgroup each for K and V. The cap keeps 416 threads
-# within the register file. Not yet run on a GPU: two consumers over 16-bit K/V with 4 slots,
-# and the two converter variants.
+# within the register file.
 FP8_CONFIGS = [dict(conv_regs=64, maxnreg=128, consumers=2, cons_regs=168),
                dict(conv_regs=64, maxnreg=128, conv_warps=8),
                dict(conv_regs=64, maxnreg=128, split_conv=True)]
