@@ -13,8 +13,9 @@ programs longest first onto the least-loaded one. Then the shipped merge launch.
 Builds (``BUILDS``) vary the block, the ring, the next block's scores computed while the
 softmax runs (``overlap``), and the isolation of non-finite K/V the kernel contract asks for
 (``check``: 0 none, 1 a checker in the q warpgroup, 2 in the consumer as the shipped kernel
-does it, 3 as 2 with zero padding rows as the K check); and, for timing only, no softmax or
-no products at all (what streaming alone takes).
+does it, 3 as 2 with zero padding rows as the K check), pairs of at most 16 rows on 16-row
+``mma.sync`` products (``small``); and, for timing only, no softmax or no products at all
+(what streaming alone takes).
 
 The plan is the shipped backend's for the tree (``backend._pack``), so the tiles, row chunks
 and partial states are DeFT's; only trees whose slots are all consecutive and queries sorted
@@ -44,6 +45,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
@@ -51,15 +53,18 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E4
 H_Q, H_KV, D, LAYERS = 32, 8, 128, 32
 G, M = H_Q // H_KV, 64
 GROUP = gl.constexpr(G)  # query heads per KV head, inside the kernels
+SMALL_ROWS = gl.constexpr(16)  # the most rows a pair may have for the ``small`` consumer
 # Builds (see the top). One program per SM: the partitions take 384 threads (the loader
 # warp's padded to 4), so two would need at most 85 registers each, and ptxas needs 94 for
-# the wgmma instructions.
+# the wgmma instructions. The ``small`` builds spill under the 168-register cap.
 BUILDS = [dict(block_n=64, stages=4), dict(block_n=64, stages=3), dict(block_n=32, stages=6),
           dict(block_n=64, stages=5), dict(block_n=64, stages=3, overlap=True),
           dict(block_n=64, stages=4, overlap=True), dict(block_n=32, stages=6, overlap=True),
           dict(block_n=64, stages=3, check=1), dict(block_n=64, stages=4, overlap=True, check=1),
           dict(block_n=64, stages=3, check=2), dict(block_n=64, stages=4, overlap=True, check=2),
           dict(block_n=64, stages=4, overlap=True, check=3),
+          dict(block_n=64, stages=4, overlap=True, small=True),
+          dict(block_n=64, stages=4, overlap=True, check=2, small=True),
           dict(block_n=64, stages=3, softmax=False),
           dict(block_n=64, stages=3, compute=False),
           dict(block_n=64, stages=5, compute=False)]
@@ -99,9 +104,10 @@ def _kv_loader(k_desc, v_desc, work, sched, lo, hi, kbuf, vbuf, kv_empty, kv_rea
 
 @gluon.jit
 def _load_q(t, Q, work, sched, lo, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty, q_ready,
-            stride_qn, h_kv):
+            stride_qn, h_kv, SMALL: gl.constexpr):
     """Pair ``t``'s q rows (zeros past its rows), work item and rows' node and length, into
-    q slot ``t % 2``."""
+    q slot ``t % 2``; with ``SMALL``, a pair of at most ``SMALL_ROWS`` rows has them repeated
+    down the slot (``_small_pair`` gives each warp a copy)."""
     MR: gl.constexpr = qbuf.type.shape[1]
     DH: gl.constexpr = qbuf.type.shape[2]
     GQ: gl.constexpr = GROUP
@@ -117,7 +123,10 @@ def _load_q(t, Q, work, sched, lo, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty
     qs = gl.load(work + w * 8 + 2)
     qe = gl.load(work + w * 8 + 3)
     row0 = gl.load(work + w * 8 + 7)
-    rows = row0 + r
+    if SMALL:
+        rows = row0 + gl.where((qe - qs) * GQ - row0 <= SMALL_ROWS, r % SMALL_ROWS, r)
+    else:
+        rows = row0 + r
     ok = rows < (qe - qs) * GQ
     qpos = qs + rows // GQ
     head = kvh * GQ + rows % GQ
@@ -139,7 +148,8 @@ def _load_q(t, Q, work, sched, lo, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty
 
 @gluon.jit
 def _q_loader(Q, work, sched, lo, hi, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty, q_ready,
-              kbuf, vbuf, kv_ready, chk_ready, fbuf, stride_qn, h_kv, CHECK: gl.constexpr):
+              kbuf, vbuf, kv_ready, chk_ready, fbuf, stride_qn, h_kv, CHECK: gl.constexpr,
+              SMALL: gl.constexpr):
     """Each pair's q (see ``_load_q``). ``CHECK`` 1: also, as each K/V block lands, which of its
     tokens' K (bit 0) or V (bit 1) rows hold a NaN or inf, for the consumer (the next pair's
     q loads first)."""
@@ -148,12 +158,12 @@ def _q_loader(Q, work, sched, lo, hi, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_em
         S: gl.constexpr = kbuf.type.shape[0]
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         _load_q(0, Q, work, sched, lo, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty, q_ready,
-                stride_qn, h_kv)
+                stride_qn, h_kv, SMALL)
         c = 0
         for t in range(hi - lo):
             if t + 1 < hi - lo:
                 _load_q(t + 1, Q, work, sched, lo, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty,
-                        q_ready, stride_qn, h_kv)
+                        q_ready, stride_qn, h_kv, SMALL)
             w = gl.load(sched + lo + t) // h_kv
             for start in range(gl.load(work + w * 8), gl.load(work + w * 8 + 1), BLOCK_N):
                 idx = c % S
@@ -166,7 +176,7 @@ def _q_loader(Q, work, sched, lo, hi, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_em
     else:
         for t in range(hi - lo):
             _load_q(t, Q, work, sched, lo, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty,
-                    q_ready, stride_qn, h_kv)
+                    q_ready, stride_qn, h_kv, SMALL)
 
 
 @gluon.jit
@@ -273,10 +283,115 @@ def _flags(fbuf, idx, ncol, CHECK: gl.constexpr):
 
 
 @gluon.jit
+def _small_pair(c, qi, kvh, tok0, tok1, nq, p0, mask_from, row0, qbuf, pbuf, kbuf, vbuf, lbuf,
+                ready, kv_empty, tok_lo, tok_hi, tok_off, PO, PLSE, qk_scale, stride_pn,
+                CHECK: gl.constexpr):
+    """A pair of at most ``SMALL_ROWS`` rows: each warp takes a quarter of every K/V block's
+    tokens with 16-row ``mma.sync`` products and keeps its own online softmax, so the softmax
+    and the products cover 16 rows rather than 64; the four warps' states merge at the end.
+    Isolation as ``CHECK`` 2 (0: none). Returns the ring position after the pair's blocks."""
+    BLOCK_N: gl.constexpr = kbuf.type.shape[1]
+    DH: gl.constexpr = kbuf.type.shape[2]
+    S: gl.constexpr = kbuf.type.shape[0]
+    GQ: gl.constexpr = GROUP
+    R: gl.constexpr = SMALL_ROWS
+    W: gl.constexpr = 4
+    T: gl.constexpr = BLOCK_N // W  # tokens per warp and block
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1],
+                                                  instr_shape=[1, 16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    st: gl.constexpr = gl.SliceLayout(2, mma)  # [W, R]: a warp's per-row state
+    bl3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [W, 1, 1], [2, 1, 0])
+    pre = gl.expand_dims(pbuf.index(qi).slice(0, R).load(gl.SliceLayout(0, st)), 0)
+    qlen = gl.expand_dims(lbuf.index(qi).slice(0, R).load(gl.SliceLayout(0, st)), 0)
+    pre = gl.expand_dims(pre, 2)
+    qlen = gl.expand_dims(qlen, 2)
+    # Token j of warp w in a block: start + w * T + j, as [W, 1, T].
+    wi = gl.arange(0, W, gl.SliceLayout(1, st))
+    ji = gl.arange(0, T, gl.SliceLayout(0, gl.SliceLayout(1, mma)))
+    tok_w = gl.expand_dims(gl.expand_dims(wi * T, 1), 2) + gl.expand_dims(gl.expand_dims(ji, 0), 1)
+    zero_s = gl.zeros([W, R, T], gl.float32, mma)
+    m_i = gl.full([W, R], -1.0e30, gl.float32, st)
+    l_i = gl.zeros([W, R], gl.float32, st)
+    acc = gl.zeros([W, R, DH], gl.float32, mma)
+    for start in range(tok0, tok1, BLOCK_N):
+        idx = c % S
+        mbarrier.wait(ready.index(idx), (c // S) & 1)
+        # The slot holds the pair's rows once per warp (``_load_q``): loaded each block, so
+        # they hold no registers across the loop.
+        q3 = qbuf.index(qi).reshape([W, R, DH]).load(a_l)
+        k3 = kbuf.index(idx).reshape([W, T, DH]).permute((0, 2, 1)).load(b_l)
+        s = mma_v2(q3, k3, zero_s)
+        cols = start + tok_w
+        if CHECK != 0:
+            s = gl.where(s == float("-inf"), float("nan"), s)
+        slow = start + BLOCK_N > mask_from
+        if slow:
+            need = (cols < tok1) & (cols >= mask_from)
+            lo_t = gl.load(tok_lo + cols, mask=need, other=0)
+            hi_t = gl.load(tok_hi + cols, mask=need, other=0)
+            off_t = gl.load(tok_off + cols, mask=need, other=0)
+            seen = (lo_t <= pre) & (pre < hi_t) & ((pre != lo_t) | (off_t < qlen))
+            vis = (cols + gl.zeros([W, R, T], gl.int32, mma) < tok1) & (seen | (cols < mask_from))
+            s = gl.where(vis, s, float("-inf"))
+        else:
+            vis = gl.full([W, R, T], 1, gl.int1, mma)
+        m_new = gl.maximum(m_i, gl.max(s, 2) * qk_scale)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 2))
+        l_i = l_i * alpha + gl.sum(p, 2)
+        m_i = m_new
+        if CHECK != 0:
+            if slow:
+                vchk = vbuf.index(idx).reshape([W, T, DH]).load(bl3)
+                v_bad = gl.max(gl.where(gl.abs(vchk) < float("inf"), 0, 1), 2)  # [W, T]
+                if gl.max(gl.max(v_bad, 1), 0) > 0:
+                    vbuf.index(idx).reshape([W, T, DH]).store(
+                        gl.where(gl.expand_dims(v_bad, 2) > 0, 0.0, vchk))
+                    fence_async_shared()
+                v_bad = gl.convert_layout(v_bad, gl.SliceLayout(1, mma))
+                bad_v = vis & (gl.expand_dims(v_bad, 1) > 0)
+                l_i = gl.where(gl.max(bad_v.to(gl.int32), 2) > 0, float("nan"), l_i)
+                p = gl.where(bad_v, float("nan"), p)
+        v3 = vbuf.index(idx).reshape([W, T, DH]).load(b_l)
+        mbarrier.arrive(kv_empty.index(idx), count=1)
+        acc = mma_v2(gl.convert_layout(p.to(v3.dtype), a_l), v3,
+                     acc * gl.expand_dims(alpha, 2))
+        c += 1
+    # The warps' states merged into the rows'.
+    m_row = gl.max(m_i, 0)
+    scale = gl.exp2(m_i - gl.expand_dims(m_row, 0))
+    l_row = gl.sum(l_i * scale, 0)
+    o_un = gl.sum(acc * gl.expand_dims(scale, 2), 0)  # [R, DH]
+    out_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    o_un = gl.convert_layout(o_un, out_l)
+    r_o = gl.arange(0, R, gl.SliceLayout(1, out_l))
+    l_o = gl.convert_layout(l_row, gl.SliceLayout(1, out_l))
+    has_o = l_o > 0
+    o = o_un / gl.expand_dims(gl.where(has_o, l_o, 1.0), 1)
+    m_o = gl.convert_layout(m_row, gl.SliceLayout(1, out_l))
+    lse = gl.where(has_o, (m_o + gl.log2(gl.where(has_o, l_o, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    if CHECK != 0:
+        row_bad = (gl.max(gl.where(gl.abs(o) < float("inf"), 0, 1), 1) > 0) | (l_o != l_o)
+        o = gl.where(gl.expand_dims(row_bad, 1), float("nan"), o)
+        lse = gl.where(row_bad, float("nan"), lse)
+    rows = row0 + r_o
+    ok = rows < nq * GQ
+    head = kvh * GQ + rows % GQ
+    dcol = gl.arange(0, DH, gl.SliceLayout(0, out_l))
+    offs = gl.expand_dims((p0 + rows // GQ).to(gl.int64) * stride_pn + head * DH, 1)
+    gl.store(PO + offs + gl.expand_dims(dcol, 0), o, mask=gl.expand_dims(ok, 1))
+    gl.store(PLSE + (p0 + rows // GQ) * (stride_pn // DH) + head, lse, mask=ok)
+    return c
+
+
+@gluon.jit
 def _consumer(sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kbuf, vbuf,
               q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE, qk_scale,
               stride_pn, h_kv, SOFTMAX: gl.constexpr, OVERLAP: gl.constexpr,
-              CHECK: gl.constexpr):
+              CHECK: gl.constexpr, SMALL: gl.constexpr):
     """Each pair's partial state. ``OVERLAP``: the next block's ``q @ K.T`` and this one's
     ``p @ V`` are in flight while the softmax runs (each block's scores are waited for before
     its softmax, its product before the rescale that follows). ``CHECK``: blocks are taken
@@ -295,8 +410,6 @@ def _consumer(sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kb
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     l8: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    zero_s = gl.zeros([MR, BLOCK_N], gl.float32, s_layout)
-    zero_i = gl.zeros([MR, BLOCK_N], gl.int32, s_layout)
     ncol = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
     if CHECK == 1:
         ready = chk_ready
@@ -315,95 +428,108 @@ def _consumer(sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kb
         p0 = _pick(desc, 4)
         mask_from = _pick(desc, 5)
         row0 = _pick(desc, 7)
-        full = nq * GQ - row0 >= MR  # no padding rows
-        pre = gl.expand_dims(pbuf.index(qi).load(row_s), 1)
-        qlen = gl.expand_dims(lbuf.index(qi).load(row_s), 1)
-        m_i = gl.full([MR], -1.0e30, gl.float32, row_s)
-        l_i = gl.zeros([MR], gl.float32, row_s)
-        acc = gl.zeros([MR, DH], gl.float32, o_layout)
-        if OVERLAP:
-            mbarrier.wait(ready.index(c % S), (c // S) & 1)
-            s = warpgroup_mma(qbuf.index(qi), kbuf.index(c % S).permute((1, 0)), zero_s,
-                              use_acc=False, is_async=True)
-            flags, bad = _flags(fbuf, c % S, ncol, CHECK)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            p, m_i, l_i, alpha = _softmax(s, tok0, tok0 + ncol, zero_i, tok1, mask_from, pre,
-                                          qlen, tok_lo, tok_hi, tok_off, m_i, l_i, qk_scale,
-                                          flags, bad, vbuf, c % S, full, SOFTMAX, CHECK)
-            if CHECK == 1:
-                _zero_bad_v(vbuf, fbuf, c % S, bad)
-            for start in range(tok0 + BLOCK_N, tok1, BLOCK_N):
-                nxt = c + 1
-                mbarrier.wait(ready.index(nxt % S), (nxt // S) & 1)
-                s = warpgroup_mma(qbuf.index(qi), kbuf.index(nxt % S).permute((1, 0)), zero_s,
+        if SMALL:
+            few = nq * GQ - row0 <= SMALL_ROWS
+        else:
+            few = nq < 0
+        if few:
+            if SMALL:  # (few is false otherwise: the call is compiled only where it may run)
+                c = _small_pair(c, qi, kvh, tok0, tok1, nq, p0, mask_from, row0, qbuf, pbuf,
+                                kbuf, vbuf, lbuf, ready, kv_empty, tok_lo, tok_hi, tok_off, PO,
+                                PLSE, qk_scale, stride_pn, CHECK)
+            mbarrier.arrive(q_empty.index(qi), count=1)
+        else:
+            full = nq * GQ - row0 >= MR  # no padding rows
+            zero_s = gl.zeros([MR, BLOCK_N], gl.float32, s_layout)
+            zero_i = gl.zeros([MR, BLOCK_N], gl.int32, s_layout)
+            pre = gl.expand_dims(pbuf.index(qi).load(row_s), 1)
+            qlen = gl.expand_dims(lbuf.index(qi).load(row_s), 1)
+            m_i = gl.full([MR], -1.0e30, gl.float32, row_s)
+            l_i = gl.zeros([MR], gl.float32, row_s)
+            acc = gl.zeros([MR, DH], gl.float32, o_layout)
+            if OVERLAP:
+                mbarrier.wait(ready.index(c % S), (c // S) & 1)
+                s = warpgroup_mma(qbuf.index(qi), kbuf.index(c % S).permute((1, 0)), zero_s,
                                   use_acc=False, is_async=True)
+                flags, bad = _flags(fbuf, c % S, ncol, CHECK)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+                p, m_i, l_i, alpha = _softmax(s, tok0, tok0 + ncol, zero_i, tok1, mask_from, pre,
+                                              qlen, tok_lo, tok_hi, tok_off, m_i, l_i, qk_scale,
+                                              flags, bad, vbuf, c % S, full, SOFTMAX, CHECK)
+                if CHECK == 1:
+                    _zero_bad_v(vbuf, fbuf, c % S, bad)
+                for start in range(tok0 + BLOCK_N, tok1, BLOCK_N):
+                    nxt = c + 1
+                    mbarrier.wait(ready.index(nxt % S), (nxt // S) & 1)
+                    s = warpgroup_mma(qbuf.index(qi), kbuf.index(nxt % S).permute((1, 0)), zero_s,
+                                      use_acc=False, is_async=True)
+                    pv = gl.convert_layout(p.to(vbuf.dtype), p_layout)
+                    acc = warpgroup_mma(pv, vbuf.index(c % S), acc, is_async=True)
+                    flags, bad = _flags(fbuf, nxt % S, ncol, CHECK)
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, pv))[0]
+                    p, m_i, l_i, alpha = _softmax(s, start, start + ncol, zero_i, tok1, mask_from,
+                                                  pre, qlen, tok_lo, tok_hi, tok_off, m_i, l_i,
+                                                  qk_scale, flags, bad, vbuf, nxt % S, full,
+                                                  SOFTMAX, CHECK)
+                    if CHECK == 1:
+                        _zero_bad_v(vbuf, fbuf, nxt % S, bad)
+                    # p @ V reads pv from registers: kept alive until it is done.
+                    acc, pv = warpgroup_mma_wait(num_outstanding=0, deps=(acc, pv))
+                    mbarrier.arrive(kv_empty.index(c % S), count=1)
+                    if SOFTMAX:
+                        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                    c = nxt
                 pv = gl.convert_layout(p.to(vbuf.dtype), p_layout)
                 acc = warpgroup_mma(pv, vbuf.index(c % S), acc, is_async=True)
-                flags, bad = _flags(fbuf, nxt % S, ncol, CHECK)
-                s = warpgroup_mma_wait(num_outstanding=1, deps=(s, pv))[0]
-                p, m_i, l_i, alpha = _softmax(s, start, start + ncol, zero_i, tok1, mask_from,
-                                              pre, qlen, tok_lo, tok_hi, tok_off, m_i, l_i,
-                                              qk_scale, flags, bad, vbuf, nxt % S, full,
-                                              SOFTMAX, CHECK)
-                if CHECK == 1:
-                    _zero_bad_v(vbuf, fbuf, nxt % S, bad)
-                # p @ V reads pv from registers: kept alive until it is done.
-                acc, pv = warpgroup_mma_wait(num_outstanding=0, deps=(acc, pv))
-                mbarrier.arrive(kv_empty.index(c % S), count=1)
-                if SOFTMAX:
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                c = nxt
-            pv = gl.convert_layout(p.to(vbuf.dtype), p_layout)
-            acc = warpgroup_mma(pv, vbuf.index(c % S), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(kv_empty.index(c % S), count=1)
-            c += 1
-        else:
-            for start in range(tok0, tok1, BLOCK_N):
-                idx = c % S
-                mbarrier.wait(ready.index(idx), (c // S) & 1)
-                s = warpgroup_mma(qbuf.index(qi), kbuf.index(idx).permute((1, 0)), zero_s,
-                                  use_acc=False, is_async=True)
-                flags, bad = _flags(fbuf, idx, ncol, CHECK)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-                p, m_i, l_i, alpha = _softmax(s, start, start + ncol, zero_i, tok1, mask_from,
-                                              pre, qlen, tok_lo, tok_hi, tok_off, m_i, l_i,
-                                              qk_scale, flags, bad, vbuf, idx, full, SOFTMAX,
-                                              CHECK)
-                if CHECK == 1:
-                    _zero_bad_v(vbuf, fbuf, idx, bad)
-                if SOFTMAX:
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                pv = gl.convert_layout(p.to(vbuf.dtype), p_layout)
-                acc = warpgroup_mma(pv, vbuf.index(idx), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                mbarrier.arrive(kv_empty.index(idx), count=1)
+                mbarrier.arrive(kv_empty.index(c % S), count=1)
                 c += 1
-        mbarrier.arrive(q_empty.index(qi), count=1)
-        has = l_i > 0
-        l_o = gl.convert_layout(gl.where(has, l_i, 1.0), row_o)
-        o = acc / gl.expand_dims(l_o, 1)
-        if CHECK:
-            row_bad = gl.max(gl.where(gl.abs(o) < float("inf"), 0, 1), 1) > 0
-            if CHECK == 3:
-                # A padding row's NaN sum: a non-finite K row that every row sees.
-                pad = gl.arange(0, MR, row_s) >= nq * GQ - row0
-                seen_bad = gl.max(gl.where(pad & (l_i != l_i), 1, 0), 0)
-                row_bad = row_bad | (seen_bad > 0)
-            o = gl.where(gl.expand_dims(row_bad, 1), float("nan"), o)
-        rows = row0 + gl.arange(0, MR, row_o)
-        ok = rows < nq * GQ
-        head = kvh * GQ + rows % GQ
-        dcol = gl.arange(0, DH, gl.SliceLayout(0, o_layout))
-        offs = gl.expand_dims((p0 + rows // GQ).to(gl.int64) * stride_pn + head * DH, 1)
-        gl.store(PO + offs + gl.expand_dims(dcol, 0), o, mask=gl.expand_dims(ok, 1))
-        rows_s = row0 + gl.arange(0, MR, row_s)
-        lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453,
-                       float("-inf"))
-        if CHECK:
-            lse = gl.where(gl.convert_layout(row_bad, row_s) | (l_i != l_i), float("nan"), lse)
-        gl.store(PLSE + (p0 + rows_s // GQ) * (stride_pn // DH) + kvh * GQ + rows_s % GQ, lse,
-                 mask=rows_s < nq * GQ)
+            else:
+                for start in range(tok0, tok1, BLOCK_N):
+                    idx = c % S
+                    mbarrier.wait(ready.index(idx), (c // S) & 1)
+                    s = warpgroup_mma(qbuf.index(qi), kbuf.index(idx).permute((1, 0)), zero_s,
+                                      use_acc=False, is_async=True)
+                    flags, bad = _flags(fbuf, idx, ncol, CHECK)
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+                    p, m_i, l_i, alpha = _softmax(s, start, start + ncol, zero_i, tok1, mask_from,
+                                                  pre, qlen, tok_lo, tok_hi, tok_off, m_i, l_i,
+                                                  qk_scale, flags, bad, vbuf, idx, full, SOFTMAX,
+                                                  CHECK)
+                    if CHECK == 1:
+                        _zero_bad_v(vbuf, fbuf, idx, bad)
+                    if SOFTMAX:
+                        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                    pv = gl.convert_layout(p.to(vbuf.dtype), p_layout)
+                    acc = warpgroup_mma(pv, vbuf.index(idx), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                    mbarrier.arrive(kv_empty.index(idx), count=1)
+                    c += 1
+            mbarrier.arrive(q_empty.index(qi), count=1)
+            has = l_i > 0
+            l_o = gl.convert_layout(gl.where(has, l_i, 1.0), row_o)
+            o = acc / gl.expand_dims(l_o, 1)
+            if CHECK:
+                row_bad = gl.max(gl.where(gl.abs(o) < float("inf"), 0, 1), 1) > 0
+                if CHECK == 3:
+                    # A padding row's NaN sum: a non-finite K row that every row sees.
+                    pad = gl.arange(0, MR, row_s) >= nq * GQ - row0
+                    seen_bad = gl.max(gl.where(pad & (l_i != l_i), 1, 0), 0)
+                    row_bad = row_bad | (seen_bad > 0)
+                o = gl.where(gl.expand_dims(row_bad, 1), float("nan"), o)
+            rows = row0 + gl.arange(0, MR, row_o)
+            ok = rows < nq * GQ
+            head = kvh * GQ + rows % GQ
+            dcol = gl.arange(0, DH, gl.SliceLayout(0, o_layout))
+            offs = gl.expand_dims((p0 + rows // GQ).to(gl.int64) * stride_pn + head * DH, 1)
+            gl.store(PO + offs + gl.expand_dims(dcol, 0), o, mask=gl.expand_dims(ok, 1))
+            rows_s = row0 + gl.arange(0, MR, row_s)
+            lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453,
+                           float("-inf"))
+            if CHECK:
+                lse = gl.where(gl.convert_layout(row_bad, row_s) | (l_i != l_i), float("nan"), lse)
+            gl.store(PLSE + (p0 + rows_s // GQ) * (stride_pn // DH) + kvh * GQ + rows_s % GQ, lse,
+                     mask=rows_s < nq * GQ)
 
 
 @gluon.jit
@@ -431,7 +557,7 @@ def persistent_partial_kernel(Q, k_desc, v_desc, PO, PLSE, work, sched, cta_ptr,
                               MR: gl.constexpr, DH: gl.constexpr, BLOCK_N: gl.constexpr,
                               STAGES: gl.constexpr, COMPUTE: gl.constexpr,
                               SOFTMAX: gl.constexpr, OVERLAP: gl.constexpr, CHECK: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              SMALL: gl.constexpr, num_warps: gl.constexpr):
     pid = gl.program_id(0)
     lo = gl.load(cta_ptr + pid)
     hi = gl.load(cta_ptr + pid + 1)
@@ -463,12 +589,12 @@ def persistent_partial_kernel(Q, k_desc, v_desc, PO, PLSE, work, sched, cta_ptr,
         gl.warp_specialize([
             (_consumer, (sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kbuf,
                          vbuf, q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE,
-                         qk_scale, stride_pn, h_kv, SOFTMAX, OVERLAP, CHECK)),
+                         qk_scale, stride_pn, h_kv, SOFTMAX, OVERLAP, CHECK, SMALL)),
             (_kv_loader, (k_desc, v_desc, work, sched, lo, hi, kbuf, vbuf, kv_empty, kv_ready,
                           h_kv)),
             (_q_loader, (Q, work, sched, lo, hi, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty,
                          q_ready, kbuf, vbuf, kv_ready, chk_ready, fbuf, stride_qn, h_kv,
-                         CHECK)),
+                         CHECK, SMALL)),
         ], [1, 4], [24, 80])
     else:
         gl.warp_specialize([
@@ -477,7 +603,7 @@ def persistent_partial_kernel(Q, k_desc, v_desc, PO, PLSE, work, sched, cta_ptr,
                           h_kv)),
             (_q_loader, (Q, work, sched, lo, hi, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty,
                          q_ready, kbuf, vbuf, kv_ready, chk_ready, fbuf, stride_qn, h_kv,
-                         0)),
+                         0, False)),
         ], [1, 4], [24, 80])
 
 
@@ -502,7 +628,8 @@ def schedule(work: np.ndarray, h_kv: int, programs: int, block_n: int) -> tuple[
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po: torch.Tensor,
            plse: torch.Tensor, arrays: dict, programs: int, block_n: int = 64,
            stages: int = 4, compute: bool = True, softmax: bool = True,
-           overlap: bool = False, check: int = 0, compile_only: bool = False) -> object:
+           overlap: bool = False, check: int = 0, small: bool = False,
+           compile_only: bool = False) -> object:
     """Partial states of ``q [N, H_q, D]`` over ``k, v [slots, H_kv, D]`` (bf16) into ``po
     [P, H_q, D]`` (fp32) and ``plse [P, H_q]``, for the plan ``arrays`` (device int32:
     work, sched, cta_ptr, tok_lo, tok_hi, tok_off, q_pre, q_len); the other arguments are
@@ -517,7 +644,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po: torch.Tensor,
             a["tok_off"], a["q_pre"], a["q_len"], d**-0.5 * math.log2(math.e), q.stride(0),
             po.stride(0), h_kv)
     kw = dict(MR=M, DH=d, BLOCK_N=block_n, STAGES=stages, COMPUTE=compute,
-              SOFTMAX=softmax, OVERLAP=overlap, CHECK=check, num_warps=4)
+              SOFTMAX=softmax, OVERLAP=overlap, CHECK=check, SMALL=small, num_warps=4)
     if compile_only:
         return persistent_partial_kernel.warmup(*args, grid=(programs,), **kw)
     return persistent_partial_kernel[(programs,)](*args, **kw)
