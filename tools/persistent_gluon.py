@@ -14,8 +14,9 @@ Builds (``BUILDS``) vary the block, the ring, the next block's scores computed w
 softmax runs (``overlap``), and the isolation of non-finite K/V the kernel contract asks for
 (``check``: 0 none, 1 a checker in the q warpgroup, 2 in the consumer as the shipped kernel
 does it, 3 as 2 with zero padding rows as the K check), pairs of at most 16 rows on 16-row
-``mma.sync`` products (``small``); and, for timing only, no softmax or no products at all
-(what streaming alone takes).
+``mma.sync`` products (``small``), two consumer warpgroups taking alternate pairs
+(``consumers``: each with a loader warp and its rings, q loaded by TMA from one warp); and,
+for timing only, no softmax or no products at all (what streaming alone takes).
 
 The plan is the shipped backend's for the tree (``backend._pack``), so the tiles, row chunks
 and partial states are DeFT's; only trees whose slots are all consecutive and queries sorted
@@ -25,8 +26,8 @@ isolating builds; the shipped plan-specialised and graph-safe steps timed in the
 process, 32 layers replayed from a CUDA graph. Result: docs/decisions.md ("A persistent
 partial pass in Gluon, measured").
 
-Usage: ``python tools/persistent_gluon.py [TREE ...]`` (H200); ``--compile-only`` compiles each
-build for sm_90a on any machine and prints ptxas's registers and spills.
+Usage: ``python tools/persistent_gluon.py [--builds 0,5] [TREE ...]`` (H200); ``--compile-only``
+compiles each build for sm_90a on any machine and prints ptxas's registers and spills.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ GROUP = gl.constexpr(G)  # query heads per KV head, inside the kernels
 SMALL_ROWS = gl.constexpr(16)  # the most rows a pair may have for the ``small`` consumer
 # Builds (see the top). One program per SM: the partitions take 384 threads (the loader
 # warp's padded to 4), so two would need at most 85 registers each, and ptxas needs 94 for
-# the wgmma instructions. The ``small`` builds spill under the 168-register cap.
+# the wgmma instructions. The ``small`` builds and the two-consumer build with isolation spill
+# under the 168-register cap.
 BUILDS = [dict(block_n=64, stages=4), dict(block_n=64, stages=3), dict(block_n=32, stages=6),
           dict(block_n=64, stages=5), dict(block_n=64, stages=3, overlap=True),
           dict(block_n=64, stages=4, overlap=True), dict(block_n=32, stages=6, overlap=True),
@@ -65,6 +67,8 @@ BUILDS = [dict(block_n=64, stages=4), dict(block_n=64, stages=3), dict(block_n=3
           dict(block_n=64, stages=4, overlap=True, check=3),
           dict(block_n=64, stages=4, overlap=True, small=True),
           dict(block_n=64, stages=4, overlap=True, check=2, small=True),
+          dict(block_n=64, stages=2, overlap=True, consumers=2),
+          dict(block_n=64, stages=2, overlap=True, check=2, consumers=2),
           dict(block_n=64, stages=3, softmax=False),
           dict(block_n=64, stages=3, compute=False),
           dict(block_n=64, stages=5, compute=False)]
@@ -78,13 +82,14 @@ def _pick(x, i: gl.constexpr):
 
 
 @gluon.jit
-def _kv_loader(k_desc, v_desc, work, sched, lo, hi, kbuf, vbuf, kv_empty, kv_ready, h_kv):
-    """Each pair's K/V blocks by TMA into the ring, on across pairs."""
+def _kv_loader(k_desc, v_desc, work, sched, lo, hi, kbuf, vbuf, kv_empty, kv_ready, h_kv,
+               first, step, rb, S: gl.constexpr):
+    """The K/V blocks of pairs ``first, first + step, ...`` by TMA into the ring of ``S``
+    slots from ``rb``, on across pairs."""
     BLOCK_N: gl.constexpr = kbuf.type.shape[1]
     DH: gl.constexpr = kbuf.type.shape[2]
-    S: gl.constexpr = kbuf.type.shape[0]
     c = 0
-    for j in range(lo, hi):
+    for j in range(lo + first, hi, step):
         pair = gl.load(sched + j)
         w = pair // h_kv
         col = (pair % h_kv) * DH
@@ -92,7 +97,7 @@ def _kv_loader(k_desc, v_desc, work, sched, lo, hi, kbuf, vbuf, kv_empty, kv_rea
         tok1 = gl.load(work + w * 8 + 1)
         slot0 = gl.load(work + w * 8 + 6)
         for start in range(tok0, tok1, BLOCK_N):
-            idx = c % S
+            idx = rb + c % S
             mbarrier.wait(kv_empty.index(idx), ((c // S) & 1) ^ 1)
             bar = kv_ready.index(idx)
             mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
@@ -104,10 +109,11 @@ def _kv_loader(k_desc, v_desc, work, sched, lo, hi, kbuf, vbuf, kv_empty, kv_rea
 
 @gluon.jit
 def _load_q(t, Q, work, sched, lo, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty, q_ready,
-            stride_qn, h_kv, SMALL: gl.constexpr):
+            stride_qn, h_kv, SMALL: gl.constexpr, CONS: gl.constexpr):
     """Pair ``t``'s q rows (zeros past its rows), work item and rows' node and length, into
-    q slot ``t % 2``; with ``SMALL``, a pair of at most ``SMALL_ROWS`` rows has them repeated
-    down the slot (``_small_pair`` gives each warp a copy)."""
+    the two-slot ring of consumer ``t % CONS``; with ``SMALL``, a pair of at most
+    ``SMALL_ROWS`` rows has them repeated down the slot (``_small_pair`` gives each warp a
+    copy)."""
     MR: gl.constexpr = qbuf.type.shape[1]
     DH: gl.constexpr = qbuf.type.shape[2]
     GQ: gl.constexpr = GROUP
@@ -136,8 +142,9 @@ def _load_q(t, Q, work, sched, lo, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty
     ok1 = rows1 < (qe - qs) * GQ
     pre = gl.load(q_pre + qs + rows1 // GQ, mask=ok1, other=-1)
     qlen = gl.load(q_len + qs + rows1 // GQ, mask=ok1, other=0)
-    idx = t % 2
-    mbarrier.wait(q_empty.index(idx), ((t // 2) & 1) ^ 1)
+    u = t // CONS  # the pair's place among its consumer's
+    idx = (t % CONS) * 2 + u % 2
+    mbarrier.wait(q_empty.index(idx), ((u // 2) & 1) ^ 1)
     qbuf.index(idx).store(q)
     dbuf.index(idx).store(desc)
     pbuf.index(idx).store(pre)
@@ -147,9 +154,44 @@ def _load_q(t, Q, work, sched, lo, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty
 
 
 @gluon.jit
+def _q_tma_loader(q_desc, work, sched, lo, hi, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty,
+                  q_ready, h_kv, CONS: gl.constexpr):
+    """One warp's ``_load_q`` for two consumers: each pair's q rows by TMA (a box of 16
+    queries' 4 heads; rows past the pair's hold other queries' q, which no output keeps)."""
+    MR: gl.constexpr = qbuf.type.shape[1]
+    DH: gl.constexpr = qbuf.type.shape[2]
+    GQ: gl.constexpr = GROUP
+    l1: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
+    r1 = gl.arange(0, MR, l1)
+    for t in range(hi - lo):
+        pair = gl.load(sched + lo + t)
+        w = pair // h_kv
+        kvh = pair % h_kv
+        desc = gl.load(work + w * 8 + gl.arange(0, 8, gl.BlockedLayout([1], [32], [1], [0])))
+        qs = gl.load(work + w * 8 + 2)
+        qe = gl.load(work + w * 8 + 3)
+        row0 = gl.load(work + w * 8 + 7)
+        rows1 = row0 + r1
+        ok1 = rows1 < (qe - qs) * GQ
+        pre = gl.load(q_pre + qs + rows1 // GQ, mask=ok1, other=-1)
+        qlen = gl.load(q_len + qs + rows1 // GQ, mask=ok1, other=0)
+        u = t // CONS
+        idx = (t % CONS) * 2 + u % 2
+        mbarrier.wait(q_empty.index(idx), ((u // 2) & 1) ^ 1)
+        dbuf.index(idx).store(desc)
+        pbuf.index(idx).store(pre)
+        lbuf.index(idx).store(qlen)
+        fence_async_shared()
+        bar = q_ready.index(idx)
+        mbarrier.expect(bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [qs + row0 // GQ, kvh * GQ, 0], bar,
+                                        qbuf.index(idx).reshape([MR // GQ, GQ, DH]))
+
+
+@gluon.jit
 def _q_loader(Q, work, sched, lo, hi, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty, q_ready,
               kbuf, vbuf, kv_ready, chk_ready, fbuf, stride_qn, h_kv, CHECK: gl.constexpr,
-              SMALL: gl.constexpr):
+              SMALL: gl.constexpr, CONS: gl.constexpr):
     """Each pair's q (see ``_load_q``). ``CHECK`` 1: also, as each K/V block lands, which of its
     tokens' K (bit 0) or V (bit 1) rows hold a NaN or inf, for the consumer (the next pair's
     q loads first)."""
@@ -158,12 +200,12 @@ def _q_loader(Q, work, sched, lo, hi, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_em
         S: gl.constexpr = kbuf.type.shape[0]
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         _load_q(0, Q, work, sched, lo, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty, q_ready,
-                stride_qn, h_kv, SMALL)
+                stride_qn, h_kv, SMALL, CONS)
         c = 0
         for t in range(hi - lo):
             if t + 1 < hi - lo:
                 _load_q(t + 1, Q, work, sched, lo, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty,
-                        q_ready, stride_qn, h_kv, SMALL)
+                        q_ready, stride_qn, h_kv, SMALL, CONS)
             w = gl.load(sched + lo + t) // h_kv
             for start in range(gl.load(work + w * 8), gl.load(work + w * 8 + 1), BLOCK_N):
                 idx = c % S
@@ -176,7 +218,7 @@ def _q_loader(Q, work, sched, lo, hi, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_em
     else:
         for t in range(hi - lo):
             _load_q(t, Q, work, sched, lo, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty,
-                    q_ready, stride_qn, h_kv, SMALL)
+                    q_ready, stride_qn, h_kv, SMALL, CONS)
 
 
 @gluon.jit
@@ -283,16 +325,16 @@ def _flags(fbuf, idx, ncol, CHECK: gl.constexpr):
 
 
 @gluon.jit
-def _small_pair(c, qi, kvh, tok0, tok1, nq, p0, mask_from, row0, qbuf, pbuf, kbuf, vbuf, lbuf,
-                ready, kv_empty, tok_lo, tok_hi, tok_off, PO, PLSE, qk_scale, stride_pn,
-                CHECK: gl.constexpr):
+def _small_pair(c, rb, qi, kvh, tok0, tok1, nq, p0, mask_from, row0, qbuf, pbuf, kbuf, vbuf,
+                lbuf, ready, kv_empty, tok_lo, tok_hi, tok_off, PO, PLSE, qk_scale, stride_pn,
+                CHECK: gl.constexpr, S: gl.constexpr):
     """A pair of at most ``SMALL_ROWS`` rows: each warp takes a quarter of every K/V block's
     tokens with 16-row ``mma.sync`` products and keeps its own online softmax, so the softmax
     and the products cover 16 rows rather than 64; the four warps' states merge at the end.
-    Isolation as ``CHECK`` 2 (0: none). Returns the ring position after the pair's blocks."""
+    Isolation as ``CHECK`` 2 (0: none). ``rb``: the K/V ring's first slot. Returns the ring
+    position after the pair's blocks."""
     BLOCK_N: gl.constexpr = kbuf.type.shape[1]
     DH: gl.constexpr = kbuf.type.shape[2]
-    S: gl.constexpr = kbuf.type.shape[0]
     GQ: gl.constexpr = GROUP
     R: gl.constexpr = SMALL_ROWS
     W: gl.constexpr = 4
@@ -316,7 +358,7 @@ def _small_pair(c, qi, kvh, tok0, tok1, nq, p0, mask_from, row0, qbuf, pbuf, kbu
     l_i = gl.zeros([W, R], gl.float32, st)
     acc = gl.zeros([W, R, DH], gl.float32, mma)
     for start in range(tok0, tok1, BLOCK_N):
-        idx = c % S
+        idx = rb + c % S
         mbarrier.wait(ready.index(idx), (c // S) & 1)
         # The slot holds the pair's rows once per warp (``_load_q``): loaded each block, so
         # they hold no registers across the loop.
@@ -391,16 +433,19 @@ def _small_pair(c, qi, kvh, tok0, tok1, nq, p0, mask_from, row0, qbuf, pbuf, kbu
 def _consumer(sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kbuf, vbuf,
               q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE, qk_scale,
               stride_pn, h_kv, SOFTMAX: gl.constexpr, OVERLAP: gl.constexpr,
-              CHECK: gl.constexpr, SMALL: gl.constexpr):
-    """Each pair's partial state. ``OVERLAP``: the next block's ``q @ K.T`` and this one's
-    ``p @ V`` are in flight while the softmax runs (each block's scores are waited for before
-    its softmax, its product before the rescale that follows). ``CHECK``: blocks are taken
-    once checked (``_q_loader``) where it is 1, non-finite K/V isolated (``_softmax``,
-    ``_zero_bad_v``), and a row whose output is not finite made NaN (o and lse)."""
+              CHECK: gl.constexpr, SMALL: gl.constexpr, first, step, qb, rb,
+              S: gl.constexpr):
+    """The partial states of pairs ``first, first + step, ...``, through the q ring of two
+    slots from ``qb`` and the K/V ring of ``S`` slots from ``rb`` (its own). ``OVERLAP``: the
+    next block's ``q @ K.T`` and this one's ``p @ V`` are in flight while the softmax runs
+    (each block's scores are waited for before its softmax, its product before the rescale
+    that follows). ``CHECK``: blocks are taken once checked (``_q_loader``) where it is 1,
+    non-finite K/V isolated (``_softmax``, ``_zero_bad_v``), and a row whose output is not
+    finite made NaN (o and lse). ``SMALL``: pairs of at most ``SMALL_ROWS`` rows go to
+    ``_small_pair``."""
     MR: gl.constexpr = qbuf.type.shape[1]
     BLOCK_N: gl.constexpr = kbuf.type.shape[1]
     DH: gl.constexpr = kbuf.type.shape[2]
-    S: gl.constexpr = kbuf.type.shape[0]
     GQ: gl.constexpr = GROUP
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -416,11 +461,12 @@ def _consumer(sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kb
     else:
         ready = kv_ready
     c = 0
-    for t in range(hi - lo):
+    for t in range(first, hi - lo, step):
         pair = gl.load(sched + lo + t)
         kvh = pair % h_kv
-        qi = t % 2
-        mbarrier.wait(q_ready.index(qi), (t // 2) & 1)
+        u = t // step
+        qi = qb + u % 2
+        mbarrier.wait(q_ready.index(qi), (u // 2) & 1)
         desc = dbuf.index(qi).load(l8)
         tok0 = _pick(desc, 0)
         tok1 = _pick(desc, 1)
@@ -434,9 +480,9 @@ def _consumer(sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kb
             few = nq < 0
         if few:
             if SMALL:  # (few is false otherwise: the call is compiled only where it may run)
-                c = _small_pair(c, qi, kvh, tok0, tok1, nq, p0, mask_from, row0, qbuf, pbuf,
+                c = _small_pair(c, rb, qi, kvh, tok0, tok1, nq, p0, mask_from, row0, qbuf, pbuf,
                                 kbuf, vbuf, lbuf, ready, kv_empty, tok_lo, tok_hi, tok_off, PO,
-                                PLSE, qk_scale, stride_pn, CHECK)
+                                PLSE, qk_scale, stride_pn, CHECK, S)
             mbarrier.arrive(q_empty.index(qi), count=1)
         else:
             full = nq * GQ - row0 >= MR  # no padding rows
@@ -448,45 +494,45 @@ def _consumer(sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kb
             l_i = gl.zeros([MR], gl.float32, row_s)
             acc = gl.zeros([MR, DH], gl.float32, o_layout)
             if OVERLAP:
-                mbarrier.wait(ready.index(c % S), (c // S) & 1)
-                s = warpgroup_mma(qbuf.index(qi), kbuf.index(c % S).permute((1, 0)), zero_s,
+                mbarrier.wait(ready.index(rb + c % S), (c // S) & 1)
+                s = warpgroup_mma(qbuf.index(qi), kbuf.index(rb + c % S).permute((1, 0)), zero_s,
                                   use_acc=False, is_async=True)
                 flags, bad = _flags(fbuf, c % S, ncol, CHECK)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
                 p, m_i, l_i, alpha = _softmax(s, tok0, tok0 + ncol, zero_i, tok1, mask_from, pre,
                                               qlen, tok_lo, tok_hi, tok_off, m_i, l_i, qk_scale,
-                                              flags, bad, vbuf, c % S, full, SOFTMAX, CHECK)
+                                              flags, bad, vbuf, rb + c % S, full, SOFTMAX, CHECK)
                 if CHECK == 1:
                     _zero_bad_v(vbuf, fbuf, c % S, bad)
                 for start in range(tok0 + BLOCK_N, tok1, BLOCK_N):
                     nxt = c + 1
-                    mbarrier.wait(ready.index(nxt % S), (nxt // S) & 1)
-                    s = warpgroup_mma(qbuf.index(qi), kbuf.index(nxt % S).permute((1, 0)), zero_s,
-                                      use_acc=False, is_async=True)
+                    mbarrier.wait(ready.index(rb + nxt % S), (nxt // S) & 1)
+                    s = warpgroup_mma(qbuf.index(qi), kbuf.index(rb + nxt % S).permute((1, 0)),
+                                      zero_s, use_acc=False, is_async=True)
                     pv = gl.convert_layout(p.to(vbuf.dtype), p_layout)
-                    acc = warpgroup_mma(pv, vbuf.index(c % S), acc, is_async=True)
+                    acc = warpgroup_mma(pv, vbuf.index(rb + c % S), acc, is_async=True)
                     flags, bad = _flags(fbuf, nxt % S, ncol, CHECK)
                     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, pv))[0]
                     p, m_i, l_i, alpha = _softmax(s, start, start + ncol, zero_i, tok1, mask_from,
                                                   pre, qlen, tok_lo, tok_hi, tok_off, m_i, l_i,
-                                                  qk_scale, flags, bad, vbuf, nxt % S, full,
+                                                  qk_scale, flags, bad, vbuf, rb + nxt % S, full,
                                                   SOFTMAX, CHECK)
                     if CHECK == 1:
                         _zero_bad_v(vbuf, fbuf, nxt % S, bad)
                     # p @ V reads pv from registers: kept alive until it is done.
                     acc, pv = warpgroup_mma_wait(num_outstanding=0, deps=(acc, pv))
-                    mbarrier.arrive(kv_empty.index(c % S), count=1)
+                    mbarrier.arrive(kv_empty.index(rb + c % S), count=1)
                     if SOFTMAX:
                         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                     c = nxt
                 pv = gl.convert_layout(p.to(vbuf.dtype), p_layout)
-                acc = warpgroup_mma(pv, vbuf.index(c % S), acc, is_async=True)
+                acc = warpgroup_mma(pv, vbuf.index(rb + c % S), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                mbarrier.arrive(kv_empty.index(c % S), count=1)
+                mbarrier.arrive(kv_empty.index(rb + c % S), count=1)
                 c += 1
             else:
                 for start in range(tok0, tok1, BLOCK_N):
-                    idx = c % S
+                    idx = rb + c % S
                     mbarrier.wait(ready.index(idx), (c // S) & 1)
                     s = warpgroup_mma(qbuf.index(qi), kbuf.index(idx).permute((1, 0)), zero_s,
                                       use_acc=False, is_async=True)
@@ -552,59 +598,82 @@ def _streamer(sched, lo, hi, dbuf, kbuf, q_empty, q_ready, kv_empty, kv_ready):
 
 
 @gluon.jit
-def persistent_partial_kernel(Q, k_desc, v_desc, PO, PLSE, work, sched, cta_ptr, tok_lo, tok_hi,
+def persistent_partial_kernel(Q, q_desc, k_desc, v_desc, PO, PLSE, work, sched, cta_ptr, tok_lo,
+                              tok_hi,
                               tok_off, q_pre, q_len, qk_scale, stride_qn, stride_pn, h_kv,
                               MR: gl.constexpr, DH: gl.constexpr, BLOCK_N: gl.constexpr,
                               STAGES: gl.constexpr, COMPUTE: gl.constexpr,
                               SOFTMAX: gl.constexpr, OVERLAP: gl.constexpr, CHECK: gl.constexpr,
-                              SMALL: gl.constexpr, num_warps: gl.constexpr):
+                              SMALL: gl.constexpr, CONS: gl.constexpr, num_warps: gl.constexpr):
     pid = gl.program_id(0)
     lo = gl.load(cta_ptr + pid)
     hi = gl.load(cta_ptr + pid + 1)
     dt: gl.constexpr = k_desc.dtype
-    qbuf = gl.allocate_shared_memory(dt, [2, MR, DH],
+    # Per consumer: a two-slot q ring and a K/V ring of STAGES slots.
+    qbuf = gl.allocate_shared_memory(dt, [2 * CONS, MR, DH],
                                      gl.NVMMASharedLayout.get_default_for([MR, DH], dt))
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    dbuf = gl.allocate_shared_memory(gl.int32, [2, 8], plain)
-    pbuf = gl.allocate_shared_memory(gl.int32, [2, MR], plain)
-    lbuf = gl.allocate_shared_memory(gl.int32, [2, MR], plain)
+    dbuf = gl.allocate_shared_memory(gl.int32, [2 * CONS, 8], plain)
+    pbuf = gl.allocate_shared_memory(gl.int32, [2 * CONS, MR], plain)
+    lbuf = gl.allocate_shared_memory(gl.int32, [2 * CONS, MR], plain)
     fbuf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], plain)
-    kbuf = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DH], k_desc.layout)
-    vbuf = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DH], v_desc.layout)
+    kbuf = gl.allocate_shared_memory(dt, [CONS * STAGES, BLOCK_N, DH], k_desc.layout)
+    vbuf = gl.allocate_shared_memory(dt, [CONS * STAGES, BLOCK_N, DH], v_desc.layout)
     bl: gl.constexpr = mbarrier.MBarrierLayout()
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bl)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bl)
+    q_empty = gl.allocate_shared_memory(gl.int64, [2 * CONS, 1], bl)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2 * CONS, 1], bl)
+    kv_empty = gl.allocate_shared_memory(gl.int64, [CONS * STAGES, 1], bl)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [CONS * STAGES, 1], bl)
     chk_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bl)
-    for i in gl.static_range(2):
+    for i in gl.static_range(2 * CONS):
         mbarrier.init(q_empty.index(i), count=1)
         mbarrier.init(q_ready.index(i), count=1)
-    for i in gl.static_range(STAGES):
+    for i in gl.static_range(CONS * STAGES):
         mbarrier.init(kv_empty.index(i), count=1)
         mbarrier.init(kv_ready.index(i), count=1)
+    for i in gl.static_range(STAGES):
         mbarrier.init(chk_ready.index(i), count=1)
     fence_async_shared()
-    if COMPUTE:
-        gl.warp_specialize([
-            (_consumer, (sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kbuf,
-                         vbuf, q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE,
-                         qk_scale, stride_pn, h_kv, SOFTMAX, OVERLAP, CHECK, SMALL)),
-            (_kv_loader, (k_desc, v_desc, work, sched, lo, hi, kbuf, vbuf, kv_empty, kv_ready,
-                          h_kv)),
-            (_q_loader, (Q, work, sched, lo, hi, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty,
-                         q_ready, kbuf, vbuf, kv_ready, chk_ready, fbuf, stride_qn, h_kv,
-                         CHECK, SMALL)),
-        ], [1, 4], [24, 80])
-    else:
+    if not COMPUTE:
         gl.warp_specialize([
             (_streamer, (sched, lo, hi, dbuf, kbuf, q_empty, q_ready, kv_empty, kv_ready)),
             (_kv_loader, (k_desc, v_desc, work, sched, lo, hi, kbuf, vbuf, kv_empty, kv_ready,
-                          h_kv)),
+                          h_kv, 0, 1, 0, STAGES)),
             (_q_loader, (Q, work, sched, lo, hi, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty,
-                         q_ready, kbuf, vbuf, kv_ready, chk_ready, fbuf, stride_qn, h_kv,
-                         0, False)),
+                         q_ready, kbuf, vbuf, kv_ready, chk_ready, fbuf, stride_qn, h_kv, 0,
+                         False, 1)),
         ], [1, 4], [24, 80])
+    elif CONS == 1:
+        gl.warp_specialize([
+            (_consumer, (sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kbuf,
+                         vbuf, q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE,
+                         qk_scale, stride_pn, h_kv, SOFTMAX, OVERLAP, CHECK, SMALL, 0, 1, 0, 0,
+                         STAGES)),
+            (_kv_loader, (k_desc, v_desc, work, sched, lo, hi, kbuf, vbuf, kv_empty, kv_ready,
+                          h_kv, 0, 1, 0, STAGES)),
+            (_q_loader, (Q, work, sched, lo, hi, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty,
+                         q_ready, kbuf, vbuf, kv_ready, chk_ready, fbuf, stride_qn, h_kv, CHECK,
+                         SMALL, 1)),
+        ], [1, 4], [24, 80])
+    else:
+        # Two consumers take alternate pairs, each with its loader warp, its two q slots and
+        # its STAGES K/V slots.
+        gl.warp_specialize([
+            (_consumer, (sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kbuf,
+                         vbuf, q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE,
+                         qk_scale, stride_pn, h_kv, SOFTMAX, OVERLAP, CHECK, SMALL, 0, 2, 0, 0,
+                         STAGES)),
+            (_kv_loader, (k_desc, v_desc, work, sched, lo, hi, kbuf, vbuf, kv_empty, kv_ready,
+                          h_kv, 0, 2, 0, STAGES)),
+            (_q_tma_loader, (q_desc, work, sched, lo, hi, q_pre, q_len, qbuf, dbuf, pbuf, lbuf,
+                             q_empty, q_ready, h_kv, 2)),
+            (_consumer, (sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kbuf,
+                         vbuf, q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE,
+                         qk_scale, stride_pn, h_kv, SOFTMAX, OVERLAP, CHECK, SMALL, 1, 2, 2,
+                         STAGES, STAGES)),
+            (_kv_loader, (k_desc, v_desc, work, sched, lo, hi, kbuf, vbuf, kv_empty, kv_ready,
+                          h_kv, 1, 2, STAGES, STAGES)),
+        ], [1, 1, 4, 1], [24, 48, 232, 24])
 
 
 def schedule(work: np.ndarray, h_kv: int, programs: int, block_n: int) -> tuple[np.ndarray,
@@ -628,7 +697,7 @@ def schedule(work: np.ndarray, h_kv: int, programs: int, block_n: int) -> tuple[
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po: torch.Tensor,
            plse: torch.Tensor, arrays: dict, programs: int, block_n: int = 64,
            stages: int = 4, compute: bool = True, softmax: bool = True,
-           overlap: bool = False, check: int = 0, small: bool = False,
+           overlap: bool = False, check: int = 0, small: bool = False, consumers: int = 1,
            compile_only: bool = False) -> object:
     """Partial states of ``q [N, H_q, D]`` over ``k, v [slots, H_kv, D]`` (bf16) into ``po
     [P, H_q, D]`` (fp32) and ``plse [P, H_q]``, for the plan ``arrays`` (device int32:
@@ -639,12 +708,15 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po: torch.Tensor,
     k2, v2 = k.view(n, h_kv * d), v.view(n, h_kv * d)
     kd = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [block_n, d], layout)
     vd = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [block_n, d], layout)
+    ql = gl.NVMMASharedLayout.get_default_for([M // G, G, d], gl.bfloat16)
+    qd = TensorDescriptor(q, list(q.shape), list(q.stride()), [M // G, G, d], ql)
     a = arrays
-    args = (q, kd, vd, po, plse, a["work"], a["sched"], a["cta_ptr"], a["tok_lo"], a["tok_hi"],
+    args = (q, qd, kd, vd, po, plse, a["work"], a["sched"], a["cta_ptr"], a["tok_lo"], a["tok_hi"],
             a["tok_off"], a["q_pre"], a["q_len"], d**-0.5 * math.log2(math.e), q.stride(0),
             po.stride(0), h_kv)
     kw = dict(MR=M, DH=d, BLOCK_N=block_n, STAGES=stages, COMPUTE=compute,
-              SOFTMAX=softmax, OVERLAP=overlap, CHECK=check, SMALL=small, num_warps=4)
+              SOFTMAX=softmax, OVERLAP=overlap, CHECK=check, SMALL=small, CONS=consumers,
+              num_warps=4)
     if compile_only:
         return persistent_partial_kernel.warmup(*args, grid=(programs,), **kw)
     return persistent_partial_kernel[(programs,)](*args, **kw)
@@ -712,7 +784,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("trees", nargs="*", metavar="TREE", help=f"default: {DEFAULT_TREES}")
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--builds", help="comma-separated indices into BUILDS (default: all)")
     args = ap.parse_args()
+    chosen = ([BUILDS[int(i)] for i in args.builds.split(",")] if args.builds else BUILDS)
     if args.compile_only:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         _compile_all()
@@ -750,7 +824,7 @@ def main() -> None:
         us_one = time_us(lambda: [shipped.run(q, ks[i], vs[i]) for i in range(LAYERS)], True)
         us_safe = time_us(lambda: [safe.run(q, ks[i], vs[i]) for i in range(LAYERS)], True)
         work = seg["work"].reshape(-1, 8)
-        for build in BUILDS:
+        for build in chosen:
             order, ptr = schedule(work, H_KV, min(sms, len(work) * H_KV), build["block_n"])
             arrays = {name_: torch.from_numpy(np.ascontiguousarray(x)).to(dev) for name_, x in (
                 ("work", seg["work"]), ("sched", order), ("cta_ptr", ptr),
