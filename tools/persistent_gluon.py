@@ -711,9 +711,9 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po: torch.Tensor,
     ql = gl.NVMMASharedLayout.get_default_for([M // G, G, d], gl.bfloat16)
     qd = TensorDescriptor(q, list(q.shape), list(q.stride()), [M // G, G, d], ql)
     a = arrays
-    args = (q, qd, kd, vd, po, plse, a["work"], a["sched"], a["cta_ptr"], a["tok_lo"], a["tok_hi"],
-            a["tok_off"], a["q_pre"], a["q_len"], d**-0.5 * math.log2(math.e), q.stride(0),
-            po.stride(0), h_kv)
+    args = (q, qd, kd, vd, po, plse, a["work"], a["sched"], a["cta_ptr"], a["tok_lo"],
+            a["tok_hi"], a["tok_off"], a["q_pre"], a["q_len"], d**-0.5 * math.log2(math.e),
+            q.stride(0), po.stride(0), h_kv)
     kw = dict(MR=M, DH=d, BLOCK_N=block_n, STAGES=stages, COMPUTE=compute,
               SOFTMAX=softmax, OVERLAP=overlap, CHECK=check, SMALL=small, CONS=consumers,
               num_warps=4)
