@@ -703,6 +703,9 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po: torch.Tensor,
     [P, H_q, D]`` (fp32) and ``plse [P, H_q]``, for the plan ``arrays`` (device int32:
     work, sched, cta_ptr, tok_lo, tok_hi, tok_off, q_pre, q_len); the other arguments are
     the build's (``BUILDS``)."""
+    if consumers == 2 and (check == 1 or small or not compute):
+        raise ValueError("two consumers take neither the checker, the small consumer nor "
+                         "the streaming-only build")
     n, h_kv, d = k.shape
     layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.bfloat16)
     k2, v2 = k.view(n, h_kv * d), v.view(n, h_kv * d)
