@@ -13,10 +13,11 @@ programs longest first onto the least-loaded one. Then the shipped merge launch.
 Builds (``BUILDS``) vary the block, the ring, the next block's scores computed while the
 softmax runs (``overlap``), and the isolation of non-finite K/V the kernel contract asks for
 (``check``: 0 none, 1 a checker in the q warpgroup, 2 in the consumer as the shipped kernel
-does it, 3 as 2 with zero padding rows as the K check), pairs of at most 16 rows on 16-row
-``mma.sync`` products (``small``), two consumer warpgroups taking alternate pairs
-(``consumers``: each with a loader warp and its rings, q loaded by TMA from one warp); and,
-for timing only, no softmax or no products at all (what streaming alone takes).
+does it, 3 as 2 with zero padding rows as the K check, 4 timing only: 2 without the per-block
+-inf select), pairs of at most 16 rows on 16-row ``mma.sync`` products (``small``), two
+consumer warpgroups taking alternate pairs (``consumers``: each with a loader warp and its
+rings, q loaded by TMA from one warp); and, for timing only, no softmax or no products at all
+(what streaming alone takes).
 
 The plan is the shipped backend's for the tree (``backend._pack``), so the tiles, row chunks
 and partial states are DeFT's; only trees whose slots are all consecutive and queries sorted
@@ -65,6 +66,7 @@ BUILDS = [dict(block_n=64, stages=4), dict(block_n=64, stages=3), dict(block_n=3
           dict(block_n=64, stages=3, check=1), dict(block_n=64, stages=4, overlap=True, check=1),
           dict(block_n=64, stages=3, check=2), dict(block_n=64, stages=4, overlap=True, check=2),
           dict(block_n=64, stages=4, overlap=True, check=3),
+          dict(block_n=64, stages=4, overlap=True, check=4),
           dict(block_n=64, stages=4, overlap=True, small=True),
           dict(block_n=64, stages=4, overlap=True, check=2, small=True),
           dict(block_n=64, stages=2, overlap=True, consumers=2),
@@ -269,8 +271,9 @@ def _softmax(s, start, cols, zero_i, tok1, mask_from, pre, qlen, tok_lo, tok_hi,
     it: a -inf score becomes NaN (NaN and +inf make the row NaN by themselves), and in a
     masked or tail block the V rows are checked here (``_v_check``); 3, as 2 but in the other
     blocks of an item with padding rows (not ``full``), whose zero q rows score NaN against a
-    non-finite K row, the consumer checks those rows' sums once at the item's end instead.
-    Without ``SOFTMAX`` (timing only): the raw scores, no masks."""
+    non-finite K row, the consumer checks those rows' sums once at the item's end instead;
+    4 (timing only: what the per-block select costs), as 2 without the -inf select outside
+    masked and tail blocks. Without ``SOFTMAX`` (timing only): the raw scores, no masks."""
     BLOCK_N: gl.constexpr = s.type.shape[1]
     if SOFTMAX:
         # mask_from <= tok1: a block wholly before mask_from, with no flagged token, needs
@@ -852,7 +855,7 @@ def main() -> None:
             merge()
             diff = (f"{float((o.float() - ref).abs().max()):.2e}"
                     if build.get("compute", True) and build.get("softmax", True) else "- (timing)")
-            if build.get("check", 0):
+            if build.get("check", 0) in (1, 2, 3):
                 diff += "; " + _isolation(q, ks[0], vs[0], shipped, build, arrays, programs, po,
                                           plse, o, merge)
             us_p = time_us(lambda: [partial(i) for i in range(LAYERS)], True)
