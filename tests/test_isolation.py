@@ -410,3 +410,62 @@ def test_gpu_triton_isolation(monkeypatch, dtype, graph, fused):
         torch.cuda.synchronize()
         results.append((out.clone(), lse.clone()))
     assert_isolated(results[1], results[0], nan, f"triton {dtype} cuda graph")
+
+
+# ---------------------------------------------------------------- flags of non-finite slots
+
+
+def flags_of(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[slots]``: 1 where a slot's K or V row holds a NaN or ±inf (what a pool keeps)."""
+    bad = ~(torch.isfinite(k).flatten(1).all(1) & torch.isfinite(v).flatten(1).all(1))
+    return bad.to(torch.uint8)
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_triton_with_flags_isolates_as_without(scenario):
+    """With ``kv_nonfinite`` marking the poisoned slots, the triton backend skips the checks
+    of the other work and still keeps the rule: clean slots' results bitwise the run's
+    without flags, NaN exactly where a query's head sees a poisoned row."""
+    pytest.importorskip("triton")
+    layout, tokens = SCENARIOS[scenario]
+    attn, (q, k, v), clean = scenario_run("triton", scenario)
+    zeros = torch.zeros(k.shape[0], dtype=torch.uint8, device=k.device)
+    got = attn.run(q, k, v, return_lse=True, kv_nonfinite=zeros)
+    assert torch.equal(got[0], clean[0]) and torch.equal(got[1], clean[1])
+    spare = k.shape[0] - 1
+    slots = [spare if t == "spare" else int(layout.kv_indices[t]) for t in tokens]
+    kk, vv = k.clone(), v.clone()
+    for i, s in enumerate(slots):
+        (kk if i % 2 else vv)[s, 1, 3] = float("nan")
+    nan = expected_nan(layout, [(s, 1) for s in slots])
+    assert_isolated(attn.run(q, kk, vv, return_lse=True, kv_nonfinite=flags_of(kk, vv)),
+                    clean, nan, f"triton flags {scenario}")
+
+
+def test_triton_flags_are_what_skips_the_checks():
+    """A NaN V row that the flags do not mark reaches a row that does not see it (a
+    probability of 0 times NaN) where the tile is masked: the flags, not the data, decide.
+    So a zero flag promises a finite slot; marked, the same cache is isolated."""
+    pytest.importorskip("triton")
+    layout, tokens = SCENARIOS["unseen slots"]
+    attn, (q, k, v), clean = scenario_run("triton", "unseen slots")
+    vv = v.clone()
+    past = [int(layout.kv_indices[t]) for t in tokens[2:]]  # a node's tokens past a query's len
+    vv[past, 1, 3] = float("nan")
+    zeros = torch.zeros(k.shape[0], dtype=torch.uint8, device=k.device)
+    o, _ = attn.run(q, k, vv, return_lse=True, kv_nonfinite=zeros)
+    assert torch.isnan(o).any(), "the unmarked NaN was still checked"
+    assert_isolated(attn.run(q, k, vv, return_lse=True, kv_nonfinite=flags_of(k, vv)), clean,
+                    expected_nan(layout, [(s, 1) for s in past]), "triton marked")
+
+
+def test_flags_are_checked():
+    layout, _ = SCENARIOS["another tree"]
+    attn = planned("reference", layout)
+    q, k, v = clean_inputs(layout, torch.float32)
+    for bad, what in ((torch.zeros(k.shape[0], dtype=torch.int32), "uint8"),
+                      (torch.zeros(k.shape[0] - 1, dtype=torch.uint8), "num_slots")):
+        with pytest.raises(ValueError, match=what):
+            attn.run(q, k, v, kv_nonfinite=bad)
+    o = attn.run(q, k, v, kv_nonfinite=torch.ones(k.shape[0], dtype=torch.uint8))
+    assert torch.equal(o, attn.run(q, k, v))  # backends without flags ignore them
