@@ -10,9 +10,6 @@ are ``triton.testing.do_bench`` medians (L2 flushed between repetitions), plain 
 CUDA-graph replays. The roofline floor is the larger of the unique KV bytes over the HBM
 read bandwidth and the attention FLOPs over the bf16 matmul rate, both measured here.
 
-The DeFT rows pass ``kv_nonfinite`` flags, all clear for these finite K/V, as the engine's
-pool does (its triton kernels then skip the non-finite checks; exact either way).
-
 With ``kv_dtype="fp8_e4m3"`` the two DeFT-Flatten rows are also run over FP8 copies of the
 same K/V (per-head scales calibrated on each layer's K/V), next to the bf16 ones; their
 floor counts one byte per K/V element, and ``max |diff|`` against the bf16 output is the
@@ -124,7 +121,6 @@ def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
         row["fp8_floor_us"] = max(kv_bytes / 2 / bw, flop / flops) * 1e6
     ref = None
     impls: dict[str, Callable[[int], torch.Tensor]] = {}
-    clean = torch.zeros(n, dtype=torch.uint8, device="cuda")  # the pool's flags: no NaN or inf
     # Graph-safe: fixed buffers for any tree of this many queries on this many tokens, so
     # the captured step stays valid across plans (its cost against the plan-specialised one).
     reserve = Capacity(layout.num_queries, max(n, 1)) if layout.num_queries else None
@@ -145,13 +141,13 @@ def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
         torch.cuda.synchronize()
         row["impls"][label] = {"plan_ms": median_plan_seconds(attn, layout, 101, 10) * 1e3,
                                "tiles": plan.num_tiles, "partials": plan.num_partials}
-        impls[label] = lambda l, a=attn: a.run(q, ks[l], vs[l], kv_nonfinite=clean)
+        impls[label] = lambda l, a=attn: a.run(q, ks[l], vs[l])
         if fp8 and kind == "flatten":
             a8 = planned_as_engine(layout, capacity, FP8)
             row["impls"][label + " fp8"] = {"floor_us": row["fp8_floor_us"],
                                             "few_rows": a8.few_rows}
             impls[label + " fp8"] = lambda l, a=a8: a.run(q, k8s[l], v8s[l], k_scale=k_scales[l],
-                                                          v_scale=v_scales[l], kv_nonfinite=clean)
+                                                          v_scale=v_scales[l])
     sm_scale = D**-0.5
     if flex:
         try:

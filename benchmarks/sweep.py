@@ -27,12 +27,8 @@ config and coarsening (``deft.plan.coarsen.refine``):
 * ``few``: the few-row build of FP8 trees of few rows per K/V token (``kv8_few_rows``,
   shipped 16 x 64): none, 32 x 64, 16 x 32, or taken from a share of 0.3 of the token work
   in tiles of few rows (``kv8_few_share``; shipped 0.1).
-* ``nonfinite``: the run without ``kv_nonfinite`` flags (every non-finite check on), and
-  with flags marking every slot (checks on, after the flag loads); "shipped" passes clean
-  flags, as the engine's pool does for finite K/V.
 
-Every variant's step passes clean ``kv_nonfinite`` flags, as the engine's pool does for
-finite K/V, but where the ``nonfinite`` sweep says otherwise. With ``--graph-safe`` every variant launches as the engine's captured steps do (fixed
+With ``--graph-safe`` every variant launches as the engine's captured steps do (fixed
 buffers and grid for any tree of the step's size, ``TreeAttention(capacity=...)``). With
 ``--kv-dtype fp8_e4m3`` the K/V are FP8 copies with per-head scales (as a calibrated
 pool holds them), checked against the float64 reference of the dequantised K/V.
@@ -72,9 +68,7 @@ SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 
 TMA_SHAPES = [(64, 32, 4, 4), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2)]
 RING = [(32, 4), (64, 3), (64, 4), (128, 2), (128, 3)]
 SWEEPS = ("merge", "factors", "shapes", "tma", "occupancy", "pipeline", "mergecfg", "mergeheads",
-          "pdl", "partials", "ring", "few", "nonfinite")
-# Variants of the ``nonfinite`` sweep: the flags each passes to attention (None: none).
-FLAG_FILL = {"no flags": None, "every slot flagged": 1}
+          "pdl", "partials", "ring", "few")
 
 
 def variants(sweep: str, factors: str = "2,4,8,16,32") -> list[tuple[str, dict, int | None]]:
@@ -126,8 +120,6 @@ def variants(sweep: str, factors: str = "2,4,8,16,32") -> list[tuple[str, dict, 
         out += [(f"n{n} s{st}{' maxnreg 168' if cap else ''}",
                  v(block_n=n, num_stages=st, maxnreg=cap), None)
                 for cap in (None, 168) for n, st in [(32, 3), *RING]]
-    elif sweep == "nonfinite":
-        out += [(label, shipped, None) for label in FLAG_FILL]
     elif sweep == "few":
         out += [("one build", v(kv8_few_rows=None), None),
                 ("few m32n64", v(kv8_few_rows=(32, 64)), None),
@@ -183,17 +175,13 @@ def _sweep_tree(name: str, layout, variant_list, graph: bool, registers: dict,  
             capacity = Capacity(layout.num_queries, max(n, 1)) if graph_safe else None
             attn = planned_as_engine(layout, capacity, FP8 if fp8 else None)
             plan = attn.current_plan
-            fill = FLAG_FILL.get(label, 0)
-            flags = ({} if fill is None else
-                     {"kv_nonfinite": torch.full((n,), fill, dtype=torch.uint8, device="cuda")})
             before = _compiled()
             try:
-                diff = float((attn.run(q, ks[0], vs[0], **scales[0], **flags).double()
-                              - ref.double()).abs().max())
+                diff = float((attn.run(q, ks[0], vs[0], **scales[0]).double() - ref.double()).abs().max())
 
-                def step(attn=attn, flags=flags) -> None:
+                def step(attn=attn) -> None:
                     for layer in range(LAYERS):
-                        attn.run(q, ks[layer], vs[layer], **scales[layer], **flags)
+                        attn.run(q, ks[layer], vs[layer], **scales[layer])
 
                 us = time_us(step, graph=graph)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report, go on

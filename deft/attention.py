@@ -256,12 +256,6 @@ class TreeAttention:
         return bool(getattr(self._prepared, "few_rows", False))
 
     @property
-    def nonfinite_flags(self) -> bool:
-        """Whether the backend reads :meth:`run`'s ``kv_nonfinite`` (skipping the non-finite
-        checks of work over slots flagged finite)."""
-        return self._backend.nonfinite_flags
-
-    @property
     def _host_key(self) -> tuple:
         few = None if self.capacity is None else self.capacity.few_rows
         return (self.backend_name, self.plan_kind, self.block_kv, self._heads, self.device.type,
@@ -287,7 +281,6 @@ class TreeAttention:
         k_scale: float | torch.Tensor | None = None,
         v_scale: float | torch.Tensor | None = None,
         captured: bool = False,
-        kv_nonfinite: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention output for the planned step.
 
@@ -318,13 +311,6 @@ class TreeAttention:
         captured:
             This run is launched into a CUDA graph, or is its warm-up (a capture itself
             is detected): the backend launches as it does inside graphs.
-        kv_nonfinite:
-            uint8 ``[num_slots]`` (at least the caches' slots) on the device, nonzero for
-            every slot whose K or V row may hold a NaN or ±inf, e.g. a
-            :class:`~deft.KVPool`'s ``nonfinite``: backends with ``nonfinite_flags`` skip
-            the checks below for the work whose slots are all zero (read on the device at
-            run time; a zero for a slot that does hold one breaks the rule below). Others
-            ignore it.
 
         Returns
         -------
@@ -353,14 +339,6 @@ class TreeAttention:
         elif self.kv_dtype is FP8:
             raise ValueError("k_scale, v_scale: FP8 K/V (float8_e4m3fn) need their "
                              "dequantisation scales, got None")
-        if kv_nonfinite is not None:
-            self._check_out_once(kv_nonfinite, "kv_nonfinite", kv_nonfinite.shape, torch.uint8,
-                                 q.device)
-            if kv_nonfinite.dim() != 1 or kv_nonfinite.shape[0] < k_flat.shape[0]:
-                raise ValueError(f"kv_nonfinite: expected a uint8 tensor [num_slots >= "
-                                 f"{k_flat.shape[0]}], got shape {tuple(kv_nonfinite.shape)}")
-            if not self._backend.nonfinite_flags:
-                kv_nonfinite = None
         if out is not None:
             self._check_out_once(out, "out", q.shape, q.dtype, q.device)
         if lse_out is not None:
@@ -368,10 +346,9 @@ class TreeAttention:
                 raise ValueError("lse_out: given but return_lse is False")
             self._check_out_once(lse_out, "lse_out", q.shape[:2], torch.float32, q.device)
         if self._backend.writes_out:
-            flags = {} if kv_nonfinite is None else {"kv_nonfinite": kv_nonfinite}
             o, lse = self._backend.run(self._prepared, q, k_flat, v_flat, self.sm_scale, out=out,
                                        lse_out=lse_out, want_lse=return_lse, k_scale=k_scale,
-                                       v_scale=v_scale, captured=captured, **flags)
+                                       v_scale=v_scale, captured=captured)
             return (o, lse) if return_lse else o
         o, lse = self._backend.run(self._prepared, q, k_flat, v_flat, self.sm_scale,
                                    want_lse=return_lse, k_scale=k_scale, v_scale=v_scale,

@@ -145,7 +145,7 @@ def test_step_records_bind_the_kernels_address_parameters(monkeypatch):
     assert [names[i] for i in launch._PARTIAL_INPUTS] == ["Q", "K", "V", "desc_k", "desc_v",
                                                           "O", "LSE"]
     assert [merge_kernel.arg_names[i] for i in launch._MERGE_INPUTS] == ["O", "LSE"]
-    for kernel, positional in ((tree_partial_kernel, 35), (merge_kernel, 12)):
+    for kernel, positional in ((tree_partial_kernel, 34), (merge_kernel, 12)):
         params = inspect.signature(kernel.fn).parameters.values()
         constexpr = [p.name for p in params if "constexpr" in str(p.annotation)]
         assert kernel.arg_names[positional:] == constexpr

@@ -164,13 +164,6 @@ class KVPool:
     step: the first prompt's first chunk), the largest magnitude of each head times
     :data:`CALIBRATION_HEADROOM` mapping to the format's largest value. ``calibrated`` says
     whether every layer has its scales.
-
-    With ``nonfinite_flags``, ``nonfinite`` (uint8 ``[num_layers, num_slots]``) says which
-    slots hold a NaN or ±inf in a layer's K or V row, for attention to skip its non-finite
-    checks elsewhere (``TreeAttention.run``'s ``kv_nonfinite``; ``flags(layer)``).
-    :meth:`write`, :meth:`copy_slots` and the fused RoPE write
-    (:func:`deft.model.fused.rope_write`) keep it exact; code that writes the K/V tensors
-    directly must set the flags of the slots it makes non-finite.
     """
 
     def __init__(
@@ -183,7 +176,6 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         spec: KVSpec | None = None,
-        nonfinite_flags: bool = False,
     ) -> None:
         num_layers, num_pages = positive_int(num_layers, "num_layers"), positive_int(num_pages, "num_pages")
         page_size = positive_int(page_size, "page_size")
@@ -207,9 +199,6 @@ class KVPool:
         self._raw = dtype == FP8
         self._k_rows = [_raw(t, self._raw) for t in self.k_slots]
         self._v_rows = [_raw(t, self._raw) for t in self.v_slots]
-        self.nonfinite = (torch.zeros(num_layers, num_pages * page_size, dtype=torch.uint8,
-                                      device=device) if nonfinite_flags else None)
-        self._flags = [None] * num_layers if self.nonfinite is None else list(self.nonfinite)
         self.k_scale = self.v_scale = None
         self._scales: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * num_layers
         self._uncalibrated: set[int] = set()
@@ -237,10 +226,6 @@ class KVPool:
         """``(k_scale, v_scale)`` of ``layer``: float32 views ``[1]`` or ``[num_kv_heads]``,
         or ``None`` each for an unscaled spec."""
         return self._scales[layer]
-
-    def flags(self, layer: int) -> torch.Tensor | None:
-        """``layer``'s row of ``nonfinite`` (a view), or ``None`` without flags."""
-        return self._flags[layer]
 
     def set_scales(self, k_scale: torch.Tensor | float, v_scale: torch.Tensor | float) -> None:
         """Give every layer's scales (positive and finite; anything that broadcasts to
@@ -273,18 +258,13 @@ class KVPool:
                 self._uncalibrated.discard(layer)
             k, v = quantize(k, k_scale, self.spec.dtype), quantize(v, v_scale, self.spec.dtype)
         raw, dtype = self._raw, self.spec.dtype
-        k, v = k.to(dtype), v.to(dtype)
-        self._k_rows[layer][slots] = _raw(k, raw)
-        self._v_rows[layer][slots] = _raw(v, raw)
-        if self.nonfinite is not None:
-            self.nonfinite[layer][slots] = (_nonfinite_rows(k) | _nonfinite_rows(v)).to(torch.uint8)
+        self._k_rows[layer][slots] = _raw(k.to(dtype), raw)
+        self._v_rows[layer][slots] = _raw(v.to(dtype), raw)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy K/V rows ``src [N]`` to ``dst [N]`` in every layer (e.g. a partly filled page)."""
         for flat in (*self._k_rows, *self._v_rows):
             flat[dst] = flat[src]
-        if self.nonfinite is not None:
-            self.nonfinite[:, dst] = self.nonfinite[:, src]
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -304,11 +284,6 @@ def _calibrate(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
     amax = a.amax(dim=(0, 2)) if width > 1 else a.amax().reshape(1)
     scale = amax * (CALIBRATION_HEADROOM / torch.finfo(dtype).max)
     return torch.where(scale > 0, scale, 1.0)
-
-
-def _nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
-    """``[N]`` bool: whether row ``n`` of ``x [N, H_kv, D]`` (as stored) holds a NaN or ±inf."""
-    return ~torch.isfinite(x.float() if x.element_size() == 1 else x).flatten(1).all(1)
 
 
 def _raw(t: torch.Tensor, raw: bool) -> torch.Tensor:

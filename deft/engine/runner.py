@@ -77,8 +77,7 @@ class ModelRunner:
         self.attn.check_kv(spec.dtype, model.dtype, spec.scaled)  # before any pool memory
         # A graph bucket's padding writes into one more page, which the cache never hands out.
         self.pool = KVPool(layers, config.num_pages + bool(cuda_graphs), config.page_size,
-                           kv_heads, head_dim, device=self.device, spec=spec,
-                           nonfinite_flags=self.attn.nonfinite_flags)
+                           kv_heads, head_dim, device=self.device, spec=spec)
         self.graphs = (StepGraphs(model, self.pool, config.num_pages * config.page_size,
                                   config.graph_buckets, self.attn.backend_name,
                                   config.plan_kind, self.device)

@@ -69,8 +69,7 @@ def _quantize(x, scale, TOP: tl.constexpr):
 def _rotate(X, row_stride, heads, cos, sin, OUT, out_row, out_head, S, stride_s,
             HP: tl.constexpr, HALF: tl.constexpr, SCALED: tl.constexpr, TOP: tl.constexpr):
     """Rotate-half RoPE of ``heads`` heads at ``X`` (rows of ``2 * HALF``) into ``OUT``
-    (``SCALED``: quantised by the heads' scales at ``S``); returns whether a stored value is
-    a NaN or ±inf."""
+    (``SCALED``: quantised by the heads' scales at ``S``)."""
     hh = tl.arange(0, HP)[:, None]
     c = tl.arange(0, HALF)[None, :]
     ok = hh < heads
@@ -81,23 +80,15 @@ def _rotate(X, row_stride, heads, cos, sin, OUT, out_row, out_head, S, stride_s,
         s = tl.load(S + hh * stride_s, mask=ok, other=1.0)
         y1, y2 = _quantize(y1, s, TOP), _quantize(y2, s, TOP)
     ty = OUT.dtype.element_ty
-    y1, y2 = y1.to(ty), y2.to(ty)
-    tl.store(OUT + out_row + hh * out_head + c, y1, mask=ok)
-    tl.store(OUT + out_row + hh * out_head + HALF + c, y2, mask=ok)
-    return _any_nonfinite(y1) | _any_nonfinite(y2)
+    tl.store(OUT + out_row + hh * out_head + c, y1.to(ty), mask=ok)
+    tl.store(OUT + out_row + hh * out_head + HALF + c, y2.to(ty), mask=ok)
 
 
 @triton.jit
-def _any_nonfinite(x):
-    """Whether ``x`` (2-D, padding 0) holds a NaN or ±inf."""
-    return tl.max(tl.max(tl.where(tl.abs(x.to(tl.float32)) < float("inf"), 0, 1), 1), 0) > 0
-
-
-@triton.jit
-def _rope_write_kernel(QKV, TABLE, POS, SLOTS, Q_OUT, K, V, KS, VS, NF, h, h_kv, stride_qkv,
+def _rope_write_kernel(QKV, TABLE, POS, SLOTS, Q_OUT, K, V, KS, VS, h, h_kv, stride_qkv,
                        stride_t, stride_qo, stride_kn, stride_kh, stride_s,
                        HP: tl.constexpr, HKP: tl.constexpr, HALF: tl.constexpr,
-                       SCALED: tl.constexpr, TOP: tl.constexpr, FLAGS: tl.constexpr):
+                       SCALED: tl.constexpr, TOP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + row).to(tl.int64)
     slot = tl.load(SLOTS + row).to(tl.int64)
@@ -107,30 +98,25 @@ def _rope_write_kernel(QKV, TABLE, POS, SLOTS, Q_OUT, K, V, KS, VS, NF, h, h_kv,
     d = 2 * HALF
     base = QKV + row * stride_qkv
     _rotate(base, d, h, cos, sin, Q_OUT, row * stride_qo, d, KS, 0, HP, HALF, False, TOP)
-    k_bad = _rotate(base + h * d, d, h_kv, cos, sin, K, slot * stride_kn, stride_kh, KS,
-                    stride_s, HKP, HALF, SCALED, TOP)
+    _rotate(base + h * d, d, h_kv, cos, sin, K, slot * stride_kn, stride_kh, KS, stride_s, HKP,
+            HALF, SCALED, TOP)
     hh = tl.arange(0, HKP)[:, None]
     cd = tl.arange(0, 2 * HALF)[None, :]
     ok = hh < h_kv
     v = tl.load(base + (h + h_kv) * d + hh * d + cd, mask=ok, other=0.0)
     if SCALED:
         v = _quantize(v.to(tl.float32), tl.load(VS + hh * stride_s, mask=ok, other=1.0), TOP)
-    v = v.to(V.dtype.element_ty)
-    tl.store(V + slot * stride_kn + hh * stride_kh + cd, v, mask=ok)
-    if FLAGS:
-        tl.store(NF + slot, (k_bad | _any_nonfinite(v)).to(tl.uint8))
+    tl.store(V + slot * stride_kn + hh * stride_kh + cd, v.to(V.dtype.element_ty), mask=ok)
 
 
 def rope_write(qkv: torch.Tensor, table: torch.Tensor, positions: torch.Tensor,
                slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                num_heads: int, k_scale: torch.Tensor | None = None,
-               v_scale: torch.Tensor | None = None,
-               nonfinite: torch.Tensor | None = None) -> torch.Tensor:
+               v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Rotated q ``[N, H, D]`` of ``qkv [N, H + 2 H_kv, D]``; rotated k and v go to
     ``k_cache, v_cache [slots, H_kv, D]`` at ``slots``, divided by ``k_scale``, ``v_scale``
     (float32 ``[1]`` or ``[H_kv]``, both or neither) and saturated when given. ``table
-    [P, D]``: cos then sin. ``nonfinite`` (uint8 per slot, a pool's ``flags(layer)``): set
-    at each slot written to whether its stored K or V row holds a NaN or ±inf."""
+    [P, D]``: cos then sin."""
     n, heads, d = qkv.shape
     h_kv = (heads - num_heads) // 2
     q = torch.empty((n, num_heads, d), dtype=qkv.dtype, device=qkv.device)
@@ -141,14 +127,12 @@ def rope_write(qkv: torch.Tensor, table: torch.Tensor, positions: torch.Tensor,
         raise ValueError("rope_write: expected rows of contiguous heads and a K/V pool of one layout")
     scaled = k_scale is not None
     _rope_write_kernel[(n,)](qkv, table, positions, slots, q, k_cache, v_cache,
-                             k_scale if scaled else q, v_scale if scaled else q,
-                             q if nonfinite is None else nonfinite, num_heads, h_kv,
+                             k_scale if scaled else q, v_scale if scaled else q, num_heads, h_kv,
                              qkv.stride(0), table.stride(0), q.stride(0), k_cache.stride(0),
                              k_cache.stride(1), int(scaled and k_scale.shape[0] > 1),
                              HP=triton.next_power_of_2(num_heads),
                              HKP=triton.next_power_of_2(h_kv), HALF=d // 2, SCALED=scaled,
-                             TOP=torch.finfo(k_cache.dtype).max, FLAGS=nonfinite is not None,
-                             num_warps=4)
+                             TOP=torch.finfo(k_cache.dtype).max, num_warps=4)
     return q
 
 

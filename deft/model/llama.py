@@ -102,8 +102,7 @@ class LlamaLayer(nn.Module):
         pool.write(layer, write_slots, qk[:, h:], qkv[:, h + h_kv:])
         k_scale, v_scale = pool.scales(layer)
         o = attn.run(qk[:, :h].contiguous(), pool.k_slots[layer], pool.v_slots[layer],
-                     k_scale=k_scale, v_scale=v_scale, captured=captured,
-                     kv_nonfinite=pool.flags(layer))  # [N, H, D]
+                     k_scale=k_scale, v_scale=v_scale, captured=captured)  # [N, H, D]
         x = x + self._reduced(self.o(o.reshape(n, self.q_size)), self.post_attn_norm)
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self._reduced(self.down(self.act(gate) * up), self.post_mlp_norm)
@@ -142,10 +141,8 @@ class LlamaLayer(nn.Module):
         qkv = self.project_qkv(normed)
         k, v = pool.k_slots[layer], pool.v_slots[layer]
         k_scale, v_scale = pool.scales(layer)
-        flags = pool.flags(layer)
-        q = fused.rope_write(qkv, table, positions, write_slots, k, v, h, k_scale, v_scale, flags)
-        o = attn.run(q, k, v, out=out, k_scale=k_scale, v_scale=v_scale, captured=captured,
-                     kv_nonfinite=flags)
+        q = fused.rope_write(qkv, table, positions, write_slots, k, v, h, k_scale, v_scale)
+        o = attn.run(q, k, v, out=out, k_scale=k_scale, v_scale=v_scale, captured=captured)
         attn_out = self._reduced(skinny.linear(o.reshape(n, self.q_size), self.o.weight,
                                                self.o.bias, captured))
         normed, x = fused.rms_norm(x, self.mlp_norm.weight, self.mlp_norm.eps, attn_out)

@@ -103,9 +103,6 @@ class Backend(ABC):
     default_block_kv: int = 64
     kv_dtypes: tuple[torch.dtype, ...] | None = None
     kv_scales: bool = False
-    # ``run`` takes ``kv_nonfinite`` (uint8 per slot, nonzero where K/V may be non-finite) and
-    # may skip the non-finite checks of work whose slots are all zero there.
-    nonfinite_flags: bool = False
 
     @abstractmethod
     def plan(self, layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,

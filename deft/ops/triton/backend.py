@@ -77,7 +77,6 @@ class TritonBackend(Backend):
     kv_dtypes = (FP8,)
     kv_scales = True
     writes_out = True
-    nonfinite_flags = True
     graph_safe = True
     max_slot = 2**31 - 1  # plan arrays are int32 on the device
 
@@ -153,8 +152,8 @@ class TritonBackend(Backend):
     def run(self, prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, sm_scale: float, *, out: torch.Tensor | None = None,
             lse_out: torch.Tensor | None = None, want_lse: bool = True,
-            k_scale: Any = None, v_scale: Any = None, captured: bool = False,
-            kv_nonfinite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            k_scale: Any = None, v_scale: Any = None,
+            captured: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
         lse = lse_out
         if lse is None and want_lse:
@@ -162,8 +161,7 @@ class TritonBackend(Backend):
         if k_scale is not None and not isinstance(k_scale, torch.Tensor):  # floats: eager use
             k_scale, v_scale = (torch.tensor([float(x)], dtype=torch.float32, device=q.device)
                                 for x in (k_scale, v_scale))
-        launch_step(prepared, q, k_cache, v_cache, sm_scale, o, lse, captured, k_scale, v_scale,
-                    kv_nonfinite)
+        launch_step(prepared, q, k_cache, v_cache, sm_scale, o, lse, captured, k_scale, v_scale)
         return o, lse
 
 

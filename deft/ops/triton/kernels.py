@@ -112,14 +112,13 @@ def _tile_loop(
     q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen, row_ok,
     m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
     D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
-    IEEE: tl.constexpr, ISOLATE: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """Online softmax of the query rows over plan tokens ``[tok0, tok1)``, ``BLOCK_N`` at a time.
 
     ``CONTIG``: the tokens sit in consecutive slots from ``slot0``, so K/V addresses need no
     slot load. Otherwise the next block's slots are loaded one iteration ahead, so the K/V
-    loads of a block never wait on a slot load of the same iteration. ``ISOLATE``: the
-    tokens' K/V may be non-finite (see the top); without it they are known finite.
+    loads of a block never wait on a slot load of the same iteration.
     """
     d = tl.arange(0, D)
     if not CONTIG:
@@ -143,10 +142,10 @@ def _tile_loop(
             hi = tl.load(tok_hi + offs, mask=tok_ok, other=0)
             off = tl.load(tok_off + offs, mask=tok_ok, other=0)
             vis = vis & _visible(pre[:, None], qlen[:, None], lo[None, :], hi[None, :], off[None, :])
-        s = tl.where(vis, _no_neg_inf(s) if ISOLATE else s, float("-inf"))
+        s = tl.where(vis, _no_neg_inf(s), float("-inf"))
         p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
         v = tl.load(V + kv_off, mask=tok_ok[:, None], other=0.0).to(q.dtype)
-        if MASKED and ISOLATE:  # padding loads as 0; unmasked blocks need no V check (see the top)
+        if MASKED:  # padding loads as 0; unmasked blocks need no V check (see the top)
             p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
             v = tl.where(_finite(v), v, 0.0)
         acc = _accumulate(p, v, acc, IEEE)
@@ -157,13 +156,12 @@ def _tile_loop(
 def _tma_block(
     q, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, slot, kvh, pre, qlen,
     m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    TAIL: tl.constexpr, IEEE: tl.constexpr, ISOLATE: tl.constexpr,
+    TAIL: tl.constexpr, IEEE: tl.constexpr,
 ):
     """One online-softmax step over the ``BLOCK_N`` consecutive slots from ``slot``, loaded
     by TMA. ``TAIL``: only tokens before ``tok1`` count; the box's rows past it (another
     node's KV, or unwritten cache) are masked out of the scores and their V rows zeroed, so
-    their K/V never flag a row. ``ISOLATE`` as in :func:`_tile_loop` (the rows past ``tok1``
-    are zeroed either way: no flag covers them)."""
+    their K/V never flag a row."""
     k = desc_k.load([slot, kvh * D]).to(q.dtype)
     s = _scores(q, k, IEEE)
     if MASKED or TAIL:
@@ -177,15 +175,15 @@ def _tma_block(
             vis = vis & tok_ok[None, :]
         else:
             vis = tok_ok[None, :]
-        s = tl.where(vis, _no_neg_inf(s) if ISOLATE else s, float("-inf"))
-    elif ISOLATE:
+        s = tl.where(vis, _no_neg_inf(s), float("-inf"))
+    else:
         s = _no_neg_inf(s)
     p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
     v = desc_v.load([slot, kvh * D]).to(q.dtype)
-    if MASKED and ISOLATE:  # unmasked blocks need no V check (see the top)
+    if MASKED:  # unmasked blocks need no V check (see the top)
         p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
         v = tl.where(_finite(v), v, 0.0)
-    elif TAIL:  # the rows that see the tokens before tok1 (all, or masked above), none past it
+    elif TAIL:  # every row sees the tokens before tok1 (see the top), none those past it
         v = tl.where(tok_ok[:, None], v, 0.0)
     acc = _accumulate(p, v, acc, IEEE)
     return m_i, l_i, acc
@@ -195,7 +193,7 @@ def _tma_block(
 def _tma_tile(
     q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
     m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    IEEE: tl.constexpr, ISOLATE: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """``_tile_loop`` for a tile of consecutive slots from ``slot0``, every block by TMA: no
     per-element addresses, masks or slot loads, which frees registers and issue slots."""
@@ -204,12 +202,12 @@ def _tma_tile(
         m_i, l_i, acc = _tma_block(
             q, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, slot0 + (start - tok0), kvh,
             pre, qlen, m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, TAIL=False,
-            IEEE=IEEE, ISOLATE=ISOLATE)
+            IEEE=IEEE)
     if whole < tok1:
         m_i, l_i, acc = _tma_block(
             q, desc_k, desc_v, tok_lo, tok_hi, tok_off, whole, tok1, slot0 + (whole - tok0), kvh,
             pre, qlen, m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, TAIL=True,
-            IEEE=IEEE, ISOLATE=ISOLATE)
+            IEEE=IEEE)
     return m_i, l_i, acc
 
 
@@ -218,63 +216,20 @@ def _tile(
     q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre,
     qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
     D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
-    TMA: tl.constexpr, IEEE: tl.constexpr, ISOLATE: tl.constexpr,
+    TMA: tl.constexpr, IEEE: tl.constexpr,
 ):
     """The tile's online softmax. ``TMA``: a tile of consecutive slots (``slot0 >= 0``; all
     tiles when ``CONTIG``) loads by TMA, any other by gathered loads."""
     if TMA and (CONTIG or slot0 >= 0):
         m_i, l_i, acc = _tma_tile(
             q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
-            m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, IEEE=IEEE,
-            ISOLATE=ISOLATE)
+            m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, IEEE=IEEE)
     else:
         m_i, l_i, acc = _tile_loop(
             q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
             row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-            D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, CONTIG=CONTIG, IEEE=IEEE, ISOLATE=ISOLATE)
+            D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, CONTIG=CONTIG, IEEE=IEEE)
     return m_i, l_i, acc
-
-
-@triton.jit
-def _pair_tiles(
-    q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, mask_from, slot0,
-    kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, USE_MASK: tl.constexpr, CONTIG: tl.constexpr,
-    TMA: tl.constexpr, IEEE: tl.constexpr, ISOLATE: tl.constexpr,
-):
-    """The work item's tokens in two loops, each branch-free and pipelined: the unmasked
-    ones before ``mask_from``, then the masked ones."""
-    if tok0 < mask_from:
-        m_i, l_i, acc = _tile(
-            q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, mask_from, slot0,
-            kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-            D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE,
-            ISOLATE=ISOLATE)
-    if USE_MASK:
-        if mask_from < tok1:
-            slot_m = tl.where(slot0 >= 0, slot0 + (mask_from - tok0), -1)
-            m_i, l_i, acc = _tile(
-                q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, mask_from, tok1,
-                slot_m, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-                D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE,
-                ISOLATE=ISOLATE)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _flagged(NF, tok_slot, tok0, tok1, slot0, CHUNK: tl.constexpr):
-    """Whether a slot of plan tokens ``[tok0, tok1)`` has a nonzero byte in ``NF`` (one per
-    slot: its K/V may hold a NaN or ±inf). The slots are consecutive from ``slot0`` when it
-    is not negative, else loaded from ``tok_slot``."""
-    flagged = 0
-    for start in range(tok0, tok1, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ok = offs < tok1
-        gathered = tl.load(tok_slot + offs, mask=ok & (slot0 < 0), other=0)
-        slot = tl.where(slot0 >= 0, slot0 + (offs - tok0), gathered).to(tl.int64)
-        flag = tl.load(NF + slot, mask=ok, other=0).to(tl.int32)
-        flagged = tl.maximum(flagged, tl.max(flag, 0))
-    return flagged > 0
 
 
 @triton.jit
@@ -290,11 +245,10 @@ def tree_partial_kernel(
     stride_qn, stride_qh, stride_kn, stride_kh, stride_pn, stride_ph, stride_ln,
     stride_on, stride_oh, num_heads,
     KS, VS, stride_s,  # K and V dequantisation scales, [1] (stride 0) or [H_kv]; SCALED only
-    NF,  # one byte per slot, nonzero where its K/V may be non-finite; NF_CHECK only
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, HEADER: tl.constexpr,
-    SCALED: tl.constexpr, F16_DOTS: tl.constexpr, NF_CHECK: tl.constexpr,
+    SCALED: tl.constexpr, F16_DOTS: tl.constexpr,
 ):
     # KV heads vary fastest: programs start in work-item order (largest tiles first) across
     # all heads, so the launch's last programs are its shortest ones.
@@ -323,10 +277,9 @@ def tree_partial_kernel(
                 off_hi, off_off, off_work, off_order, off_pre, off_len, O, LSE, counts,
                 merge_indptr, merge_partials, qk_scale, stride_qn, stride_qh, stride_kn,
                 stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
-                KS, VS, stride_s, NF, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
-                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS,
-                NF_CHECK=NF_CHECK)
+                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS)
         else:
             if PDL:
                 gdc_launch_dependents()
@@ -337,19 +290,18 @@ def tree_partial_kernel(
                 off_hi, off_off, off_work, off_order, off_pre, off_len, O, LSE, counts,
                 merge_indptr, merge_partials, qk_scale, stride_qn, stride_qh, stride_kn,
                 stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
-                KS, VS, stride_s, NF, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
-                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False, SCALED=SCALED, F16_DOTS=F16_DOTS,
-                NF_CHECK=NF_CHECK)
+                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False, SCALED=SCALED, F16_DOTS=F16_DOTS)
     else:
         _work_item(
             tl.program_id(0) // h_kv, tl.program_id(0) % h_kv, Q, K, V, desc_k, desc_v, PO,
             PLSE, plan, off_lo, off_hi, off_off, off_work, off_order, off_pre, off_len, O, LSE,
             counts, merge_indptr, merge_partials, qk_scale, stride_qn, stride_qh, stride_kn,
             stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
-            KS, VS, stride_s, NF, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK,
+            KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK,
             CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL,
-            SCALED=SCALED, F16_DOTS=F16_DOTS, NF_CHECK=NF_CHECK)
+            SCALED=SCALED, F16_DOTS=F16_DOTS)
 
 
 @triton.jit
@@ -357,11 +309,11 @@ def _work_item(
     w, kvh, Q, K, V, desc_k, desc_v, PO, PLSE, plan, off_lo, off_hi, off_off, off_work,
     off_order, off_pre, off_len, O, LSE, counts, merge_indptr, merge_partials, qk_scale,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_pn, stride_ph, stride_ln,
-    stride_on, stride_oh, num_heads, KS, VS, stride_s, NF,
+    stride_on, stride_oh, num_heads, KS, VS, stride_s,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, WAIT: tl.constexpr, SCALED: tl.constexpr,
-    F16_DOTS: tl.constexpr, NF_CHECK: tl.constexpr,
+    F16_DOTS: tl.constexpr,
 ):
     """Work item ``w`` of the plan for KV head ``kvh``: its partial states. ``WAIT``: wait
     for the previous launch (programmatic dependent launch) once the item is described.
@@ -422,21 +374,19 @@ def _work_item(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    isolate = True
-    if NF_CHECK:
-        isolate = _flagged(NF, tok_slot, tok0, tok1, slot0 if CONTIG or TMA else -1, CHUNK=512)
-    if isolate:
-        m_i, l_i, acc = _pair_tiles(
-            q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, mask_from,
-            slot0, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-            D=D, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE,
-            ISOLATE=True)
-    else:
-        m_i, l_i, acc = _pair_tiles(
-            q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, mask_from,
-            slot0, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-            D=D, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE,
-            ISOLATE=False)
+    # Two loops, each branch-free and pipelined: unmasked tokens, then masked ones.
+    if tok0 < mask_from:
+        m_i, l_i, acc = _tile(
+            q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, mask_from, slot0,
+            kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+            D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE)
+    if USE_MASK:
+        if mask_from < tok1:
+            slot_m = tl.where(slot0 >= 0, slot0 + (mask_from - tok0), -1)
+            m_i, l_i, acc = _tile(
+                q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, mask_from, tok1,
+                slot_m, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+                D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE)
 
     has = l_i > 0
     o = acc * (v_s / tl.where(has, l_i, 1.0))[:, None]

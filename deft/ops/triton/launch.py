@@ -126,18 +126,15 @@ class StepBuffers:
 def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, sm_scale: float, o: torch.Tensor,
                 lse: torch.Tensor | None, captured: bool = False,
-                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                nonfinite: torch.Tensor | None = None) -> None:
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """The step's two launches (one when the merge is fused), writing ``o`` and ``lse``
     (``None``: the plan's lse workspace). ``k_scale``, ``v_scale``: float32 ``[1]`` or
-    ``[H_kv]`` dequantisation scales of K/V (both or neither). ``nonfinite``: uint8
-    ``[num_slots]``, nonzero for every slot whose K/V may hold a NaN or ±inf: a work item
-    whose slots are all zero there skips the non-finite checks. ``captured``: launch as into
+    ``[H_kv]`` dequantisation scales of K/V (both or neither). ``captured``: launch as into
     a CUDA graph (a capture's warm-up passes it; a capture itself is detected). Outside
     capture, a call that Triton specialises like one this plan already launched (same
-    device, shapes, dtypes, strides, scale, scale and flag tensors, 16-byte aligned q, K, V,
-    o and lse) repeats that call's launches through the driver with its own five addresses;
-    its first call records them."""
+    device, shapes, dtypes, strides, scale, scale tensors, 16-byte aligned q, K, V, o and
+    lse) repeats that call's launches through the driver with its own five addresses; its
+    first call records them."""
     nq, h_q, d = q.shape
     h_kv = k_cache.shape[1]
     if nq == 0:
@@ -156,7 +153,6 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
                v_cache.dtype, o.dtype, None if lse is None else lse.dtype, q.stride(),
                k_cache.stride(), v_cache.stride(), o.stride(), sm_scale,
                scaled and (k_scale.data_ptr(), v_scale.data_ptr(), s_stride),
-               nonfinite is not None and nonfinite.data_ptr(),
                not (addresses[0] | addresses[1] | addresses[2] | addresses[3] | addresses[4]) & 15)
         found = records.get(key)
         if found is not None:
@@ -188,13 +184,12 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
                 *offsets, o, lse, prepared.counts if fused else a[1], a[1], a[2],
                 sm_scale * math.log2(math.e),
                 qs[0], qs[1], ks[0], ks[1], h * d_, d_, h, os_[0], os_[1], h_q, k_s, v_s,
-                s_stride, q if nonfinite is None else nonfinite]
+                s_stride]
         kw = dict(G=h_q // h_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   USE_MASK=prepared.needs_mask, CONTIG=prepared.contiguous, TMA=False,
                   SORTED=prepared.sorted_queries, FUSE_MERGE=fused,
                   IEEE=q.dtype == torch.float32, PDL=pdl, HEADER=header, SCALED=scaled,
                   F16_DOTS=q.dtype == torch.bfloat16 and k_cache.dtype.itemsize == 1,
-                  NF_CHECK=nonfinite is not None,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   maxnreg=cfg.maxnreg,
                   launch_pdl=pdl)
