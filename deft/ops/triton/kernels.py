@@ -341,6 +341,14 @@ def _work_item(
     # slot loads at all).
     slot0 = tl.load(desc + 6) if CONTIG or TMA else 0
     row0 = tl.load(desc + 7)
+    if WAIT:
+        # The plan arrays above come from a stream-ordered upload (PDL does not overlap a
+        # copy); Q and the partial workspace (read by the previous launch's merge) wait for
+        # the previous launch. Every program waits, with no return before: so this launch
+        # ends after the previous one, and the next launch's wait covers both.
+        gdc_launch_dependents()
+        gdc_wait()
+
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < (qe - qs) * G
     qi = rows // G  # query index within the group
@@ -351,20 +359,11 @@ def _work_item(
         qorig = qpos.to(tl.int64)
     else:
         qorig = tl.load(q_order + qpos, mask=row_ok, other=0).to(tl.int64)
-    pre = tl.load(q_pre + qpos, mask=row_ok, other=-1)
-    qlen = tl.load(q_len + qpos, mask=row_ok, other=0)
-    if WAIT:
-        # The plan arrays above come from a stream-ordered upload (PDL does not overlap a
-        # copy), so they load before the wait; Q and the partial workspace (read by the
-        # previous launch's merge) wait for the previous launch. Every program waits, with
-        # no return before: so this launch ends after the previous one, and the next
-        # launch's wait covers both.
-        gdc_launch_dependents()
-        gdc_wait()
-
     d = tl.arange(0, D)
     q = tl.load(Q + qorig[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
+    pre = tl.load(q_pre + qpos, mask=row_ok, other=-1)
+    qlen = tl.load(q_len + qpos, mask=row_ok, other=0)
 
     v_s = 1.0
     if SCALED:
