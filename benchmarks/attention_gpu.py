@@ -89,12 +89,12 @@ def planned_as_engine(layout: TreeLayout, capacity: Capacity | None,
                       kv_dtype: torch.dtype | None) -> TreeAttention:
     """A triton attention planned for ``layout`` as the engine plans it: unreserved, or
     reserved with ``capacity`` for the kernels' build its tree asks for (the engine's graph
-    buckets keep one attention of each, ``TreeAttention.few_rows``)."""
+    buckets keep one attention per build, ``TreeAttention.build``)."""
     attn = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda", capacity=capacity)
     attn.plan(layout, kv_dtype)
-    if capacity is not None and attn.few_rows != capacity.few_rows:
+    if capacity is not None and attn.build != capacity.build:
         attn = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda",
-                             capacity=capacity._replace(few_rows=attn.few_rows))
+                             capacity=capacity._replace(build=attn.build))
         attn.plan(layout, kv_dtype)
     return attn
 
@@ -145,7 +145,7 @@ def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
         if fp8 and kind == "flatten":
             a8 = planned_as_engine(layout, capacity, FP8)
             row["impls"][label + " fp8"] = {"floor_us": row["fp8_floor_us"],
-                                            "few_rows": a8.few_rows}
+                                            "build": a8.build}
             impls[label + " fp8"] = lambda l, a=a8: a.run(q, k8s[l], v8s[l], k_scale=k_scales[l],
                                                           v_scale=v_scales[l])
     sm_scale = D**-0.5

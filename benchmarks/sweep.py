@@ -24,6 +24,9 @@ config and coarsening (``deft.plan.coarsen.refine``):
 * ``ring``: the K/V ring's block and depth (tokens per block, stages), with no register cap
   and under a 168-register one (3 programs per SM), for every K/V width: one-byte K/V bring
   half the bytes per block;
+* ``cap``: the register cap of the large-step regimes lifted (two programs per SM instead of
+  three, no spills), with the coarsening planned for the programs it keeps, and with a
+  graph-safe grid of one wave;
 * ``few``: the few-row build of FP8 trees of few rows per K/V token (``kv8_few_rows``,
   shipped 16 x 64): none, 32 x 64, 16 x 32, or taken from a share of 0.3 of the token work
   in tiles of few rows (``kv8_few_share``; shipped 0.1).
@@ -68,7 +71,7 @@ SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 
 TMA_SHAPES = [(64, 32, 4, 4), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2)]
 RING = [(32, 4), (64, 3), (64, 4), (128, 2), (128, 3)]
 SWEEPS = ("merge", "factors", "shapes", "tma", "occupancy", "pipeline", "mergecfg", "mergeheads",
-          "pdl", "partials", "ring", "few")
+          "pdl", "partials", "ring", "few", "cap")
 
 
 def variants(sweep: str, factors: str = "2,4,8,16,32") -> list[tuple[str, dict, int | None]]:
@@ -125,6 +128,11 @@ def variants(sweep: str, factors: str = "2,4,8,16,32") -> list[tuple[str, dict, 
                 ("few m32n64", v(kv8_few_rows=(32, 64)), None),
                 ("few m16n32", v(kv8_few_rows=(16, 32)), None),
                 ("few share 0.3", v(kv8_few_share=0.3), None)]
+    elif sweep == "cap":
+        out += [("no cap", v(maxnreg=None), None),
+                ("no cap resident 2", v(maxnreg=None, resident_per_sm=2), None),
+                ("no cap resident 2 waves 1", v(maxnreg=None, resident_per_sm=2, graph_waves=1),
+                 None)]
     else:
         raise ValueError(f"sweep: expected one of {', '.join(SWEEPS)}, got {sweep!r}")
     return out

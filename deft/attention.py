@@ -81,7 +81,7 @@ class TreeAttention:
         plan then writes into them and every ``run`` launches with the same arguments, so
         a CUDA graph captured once replays correctly after any later plan; a plan that does
         not fit raises ``ValueError`` and leaves the buffers as the last plan left them.
-        ``capacity.few_rows`` picks the kernels' build for every plan (see :attr:`few_rows`).
+        ``capacity.build`` picks the kernels' build for every plan (see :attr:`build`).
     """
 
     def __init__(
@@ -133,14 +133,15 @@ class TreeAttention:
                 raise TypeError(f"capacity: expected a deft.Capacity, got {type(capacity).__name__}")
             if not self._backend.graph_safe:
                 raise ValueError(f"capacity: the {self.backend_name} backend is not graph-safe")
-            if not isinstance(capacity.few_rows, bool):
-                raise TypeError(f"capacity.few_rows: expected a bool, got "
-                                f"{type(capacity.few_rows).__name__}")
+            if capacity.build not in self._backend.builds:
+                raise ValueError(f"capacity.build: expected one of the {self.backend_name} "
+                                 f"backend's builds {self._backend.builds}, got "
+                                 f"{capacity.build!r}")
             capacity = Capacity(positive_int(capacity.queries, "capacity.queries"),
                                 positive_int(capacity.tokens, "capacity.tokens"),
                                 None if capacity.partials is None else
                                 positive_int(capacity.partials, "capacity.partials"),
-                                capacity.few_rows)
+                                capacity.build)
             self._reserved = self._backend.reserve(capacity, self.block_kv, self._heads,
                                                    self.device)
             self.capacity = self._reserved.capacity
@@ -184,7 +185,7 @@ class TreeAttention:
             if layout.key != self._host_key:
                 raise ValueError(f"layout: a host plan of {layout.key}, expected one of this "
                                  f"attention's (backend, plan kind, block_kv, heads, device "
-                                 f"type, capacity's few_rows) {self._host_key}")
+                                 f"type, capacity's build) {self._host_key}")
             if kv_dtype is not None and kv_dtype != layout.kv_dtype:
                 raise ValueError(f"kv_dtype: {kv_dtype} given, the host plan's is "
                                  f"{layout.kv_dtype}")
@@ -245,21 +246,23 @@ class TreeAttention:
                              "format")
 
     @property
-    def few_rows(self) -> bool:
-        """Whether the last plan's tree is of few rows per K/V token: most of its K/V tokens
-        are seen by few (query, query head) rows, as in parallel sampling's branches and
-        tree-of-thought (the ``triton`` backend over FP8 K/V then launches its few-row build,
-        ``KernelConfig.kv8_few_rows``). An unreserved attention picks that build per plan;
-        one with a ``capacity`` keeps its own (``Capacity.few_rows``), so a caller replaying
-        graphs may keep one attention of each and plan into the one the tree asks for.
-        False for backends without such builds."""
-        return bool(getattr(self._prepared, "few_rows", False))
+    def build(self) -> str:
+        """The kernel build the last plan's tree asks for, one of the backend's ``builds``.
+        The ``triton`` backend's: ``"few_rows"`` for a tree over FP8 K/V whose K/V tokens
+        are mostly seen by few (query, query head) rows, as in parallel sampling's branches
+        and tree-of-thought (programs of 16 rows, ``KernelConfig.kv8_few_rows``);
+        ``"light"`` for a step of at least 2,048 rows with little work per SM, as a draft
+        tree on a short context (no register cap, ``KernelConfig.light_work``);
+        ``"default"`` otherwise. An unreserved attention launches that build; one with a
+        ``capacity`` keeps its own (``Capacity.build``), so a caller replaying graphs may
+        keep one attention per build and plan into the one the tree asks for."""
+        return getattr(self._prepared, "build", "default")
 
     @property
     def _host_key(self) -> tuple:
-        few = None if self.capacity is None else self.capacity.few_rows
+        build = None if self.capacity is None else self.capacity.build
         return (self.backend_name, self.plan_kind, self.block_kv, self._heads, self.device.type,
-                few)
+                build)
 
     def _check_kv_dtype(self, kv_dtype: Any) -> None:
         if kv_dtype is None:

@@ -100,15 +100,22 @@ def test_a_factory_breaking_the_contract_is_refused_at_first_use():
         def run(self, prepared, q, k_cache, v_cache, sm_scale):
             raise AssertionError("never called")
 
+    class Unnamed(ToyBackend):  # its builds lack the default one
+        name, builds = "unnamed", ("fast",)
+
     register_backend("legacy", Legacy)
     register_backend("duck", lambda: object())
+    register_backend("unnamed", Unnamed)
     try:
         with pytest.raises(TypeError, match=r"backend 'legacy': plan\(\) lacks the parameters heads"):
             TreeAttention(2, 1, 16, backend="legacy")
         with pytest.raises(TypeError, match="backend 'duck': expected an instance of deft.ops.Backend"):
             get_backend("duck")
+        with pytest.raises(TypeError, match="backend 'unnamed': builds: expected a tuple of names "
+                           "starting with 'default', got .'fast',."):
+            get_backend("unnamed")
     finally:
-        for name in ("legacy", "duck"):
+        for name in ("legacy", "duck", "unnamed"):
             _FACTORIES.pop(name, None)
             _INSTANCES.pop(name, None)
 

@@ -594,10 +594,10 @@ FEW_ROWS = few_shot_layout(20, 3, 40)  # 3 queries (6 rows) on every tile
 MANY_ROWS = few_shot_layout(200, 12, 1)  # the prompt's 24 rows hold nearly all the work
 
 
-@pytest.mark.parametrize("capacity", [None, False, True])
+@pytest.mark.parametrize("capacity", [None, "default", "few_rows"])
 def test_fp8_trees_of_few_rows_run_the_few_row_build(few_row_configs, capacity):
-    """Unreserved, each FP8 plan takes the build its tree asks for (``few_rows``); a capacity
-    keeps its own build for every plan; 16-bit K/V never take it. Every output matches the
+    """Unreserved, each FP8 plan takes the build its tree asks for (``"few_rows"``); a
+    capacity keeps its own build for every plan; 16-bit K/V never take it. Every output matches the
     reference of the dequantised K/V."""
     from deft import Capacity
 
@@ -606,18 +606,18 @@ def test_fp8_trees_of_few_rows_run_the_few_row_build(few_row_configs, capacity):
         q = random_qkv(layout, H_Q, H_KV, D, torch.float32, 5)[0].half()
         k8, v8, ks, vs = fp8_kv(layout, 5)
         ref_o, ref_lse = dequantised_reference(q, k8, v8, ks, vs, layout)
-        cap = None if capacity is None else Capacity(layout.num_queries, 4096, few_rows=capacity)
+        cap = None if capacity is None else Capacity(layout.num_queries, 4096, build=capacity)
         attn = TreeAttention(H_Q, H_KV, D, backend="triton", block_kv=16, capacity=cap)
         for kv_dtype in (FP8, None):
             blocks.clear()
             attn.plan(layout, kv_dtype)
-            assert attn.few_rows == (few and kv_dtype is FP8)
+            assert attn.build == ("few_rows" if few and kv_dtype is FP8 else "default")
             if kv_dtype is None:
                 o, lse = attn.run(q, k8.half(), v8.half(), return_lse=True)
                 assert blocks == [32]
                 continue
             o, lse = attn.run(q, k8, v8, return_lse=True, k_scale=ks, v_scale=vs)
-            assert blocks == [16 if (few if capacity is None else capacity) else 32]
+            assert blocks == [16 if (few if capacity is None else capacity == "few_rows") else 32]
             scale = float(ref_o.abs().max())
             torch.testing.assert_close(o.double(), ref_o, atol=2e-3 * scale, rtol=2e-3)
             assert_lse_close(lse, ref_lse, "fp8 few rows")
@@ -625,19 +625,21 @@ def test_fp8_trees_of_few_rows_run_the_few_row_build(few_row_configs, capacity):
 
 def test_a_host_plan_goes_to_attentions_reserved_for_its_build(few_row_configs):
     """A host plan made for a few-row reservation uploads to attentions reserved alike and is
-    refused, naming ``few_rows``, by one reserved for the default build."""
+    refused, naming the builds, by one reserved for the default build; a capacity of a build
+    the backend lacks is refused."""
     from deft import Capacity
 
     attns = [TreeAttention(H_Q, H_KV, D, backend="triton", block_kv=16,
-                           capacity=Capacity(FEW_ROWS.num_queries, 4096, few_rows=few))
-             for few in (False, True)]
+                           capacity=Capacity(FEW_ROWS.num_queries, 4096, build=build))
+             for build in ("default", "few_rows")]
     host = attns[1].plan_host(FEW_ROWS, FP8)
     attns[1].plan(host)
     assert attns[1]._prepared.config.block_m == 16
-    with pytest.raises(ValueError, match="few_rows"):
+    with pytest.raises(ValueError, match="capacity's build"):
         attns[0].plan(host)
-    with pytest.raises(TypeError, match="capacity.few_rows: expected a bool"):
-        TreeAttention(H_Q, H_KV, D, backend="triton", capacity=Capacity(4, 64, few_rows=1))
+    with pytest.raises(ValueError, match="capacity.build: expected one of the triton backend's "
+                       "builds .'default', 'few_rows', 'light'., got 'small'"):
+        TreeAttention(H_Q, H_KV, D, backend="triton", capacity=Capacity(4, 64, build="small"))
 
 
 def test_graph_buckets_switch_to_the_few_row_build_and_back_as_eagerly(few_row_configs):
@@ -659,10 +661,10 @@ def test_graph_buckets_switch_to_the_few_row_build_and_back_as_eagerly(few_row_c
                 configs.CONFIGS[key] = dataclasses.replace(shipped, kv8_few_share=2.0)
             out[-1] += engine.extend([(leaf, [2 + t]) for leaf in leaves])
             if graphs:
-                used.append(runner.graphs._buckets[4].use_few)
+                used.append(runner.graphs._buckets[4].use)
         configs.CONFIGS[key] = shipped
         assert engine.stats["graph_steps"] == (4 if graphs else 0)
-    assert used == [True, True, False, False]
+    assert used == ["few_rows", "few_rows", "default", "default"]
     for got, want in zip(*out):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
@@ -680,10 +682,10 @@ def test_a_step_that_outgrows_the_few_row_build_rebuilds_its_bucket(few_row_conf
     engine.extend([(leaf, [1]) for leaf in leaves])  # calibrates (eager)
     engine.extend([(leaf, [2]) for leaf in leaves])
     old = graphs._buckets[4]
-    assert old.use_few and graphs.rebuilds == 0
-    old.few = model.attention(device=runner.device, backend="triton",
-                              capacity=Capacity(4, 4, 4, few_rows=True))
+    assert old.use == "few_rows" and graphs.rebuilds == 0
+    old.builds["few_rows"] = model.attention(device=runner.device, backend="triton",
+                                             capacity=Capacity(4, 4, 4, build="few_rows"))
     engine.extend([(leaf, [3]) for leaf in leaves])
     new = graphs._buckets[4]
-    assert graphs.rebuilds == 1 and new is not old and new.use_few
-    assert new.few.capacity.tokens >= old.attn.capacity.tokens
+    assert graphs.rebuilds == 1 and new is not old and new.use == "few_rows"
+    assert new.builds["few_rows"].capacity.tokens >= old.attn.capacity.tokens

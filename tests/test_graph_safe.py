@@ -148,21 +148,23 @@ def test_capacity_needs_a_graph_safe_backend():
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("grid", ["shipped", "4 programs"])
-@pytest.mark.parametrize("kv", ["16-bit", "fp8", "fp8 few rows"])
+@pytest.mark.parametrize("kv", ["16-bit", "fp8", "fp8 few rows", "16-bit light", "fp8 light"])
 def test_one_capture_replays_100_random_trees(dtype, grid, kv, monkeypatch):
     """Capture two layers once; then plan and replay 100 random trees of different shapes,
     with the shipped grid and with 4 programs (which loop over work items), over
     16-bit K/V and FP8 K/V with per-head scales (against the dequantised K/V's reference),
-    the latter also reserved for the few-row build (``Capacity.few_rows``)."""
+    the latter also reserved for the few-row build (``Capacity(build="few_rows")``), and
+    steps of 2,048 rows reserved for the uncapped build (``"light"``)."""
     from deft.cache.pool import FP8, quantize
 
     if grid == "4 programs":
         small_grid(monkeypatch)
     rng = np.random.default_rng(7)
-    nq, cache, h_q, h_kv, d = 24, 3000, 32, 8, 128
+    light = kv.endswith("light")
+    build = "few_rows" if kv == "fp8 few rows" else "light" if light else "default"
+    nq, cache, h_q, h_kv, d = 64 if light else 24, 3000, 32, 8, 128
     attn = TreeAttention(h_q, h_kv, d, backend="triton", device="cuda",
-                         capacity=Capacity(queries=nq, tokens=cache,
-                                           few_rows=kv == "fp8 few rows"))
+                         capacity=Capacity(queries=nq, tokens=cache, build=build))
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(nq, h_q, d, device="cuda", dtype=dtype, generator=g)
     ks = [torch.randn(cache, h_kv, d, device="cuda", dtype=dtype, generator=g) for _ in range(2)]
@@ -178,6 +180,7 @@ def test_one_capture_replays_100_random_trees(dtype, grid, kv, monkeypatch):
     outs = [torch.empty_like(q) for _ in range(2)]
     attn.plan(random_tree(rng, nq, cache), kv_dtype)
     assert attn._prepared.config.block_m == (16 if kv == "fp8 few rows" else 64)
+    assert (attn._prepared.config.maxnreg is None) == (light or nq * h_q < 2048)
     for i in range(2):  # compile (the TMA variant too) before capture
         attn.run(q, ks[i], vs[i], out=outs[i], **scales[i])
     torch.cuda.synchronize()

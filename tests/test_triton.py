@@ -537,6 +537,39 @@ def test_wide_steps_store_narrow_partials(monkeypatch, merge_mode):
         torch.testing.assert_close(partials[rows], partials[rows + 1], atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(CUDA, reason="sets the interpreter's config")
+def test_light_steps_run_the_uncapped_build(monkeypatch):
+    """A step of a regime with ``light_work`` runs that regime's uncapped build (``"light"``)
+    when its token work per SM is at most ``light_work``, the capped default build above it;
+    a capacity keeps its own build for every plan. Outputs match the reference."""
+    import dataclasses
+
+    from deft import Capacity
+
+    base = configs.CONFIGS["interpreter", 0, 0]
+    layout = few_shot_layout(50, 4, 9)
+    attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=8)
+    attn.plan(layout)
+    items = attn._prepared.segment("work").view(-1, 8)[:attn._prepared.num_work]
+    # Tokens per SM (the backend counts 4 on a CPU), over the 2 KV heads.
+    work = int((items[:, 1] - items[:, 0]).sum()) * 2 / 4
+    assert work == int(work)
+    q, k, v = random_qkv(layout, 4, 2, 32, torch.float16, 6, device=DEV)
+    ref_o, ref_lse = reference_attention(q, k, v, layout, 32**-0.5)
+    for light_work, reserved, want in ((int(work), None, "light"), (int(work) - 1, None, "default"),
+                                       (int(work) - 1, "light", "light")):
+        capped = dataclasses.replace(base, maxnreg=64, light_work=light_work)
+        monkeypatch.setitem(configs.CONFIGS, ("interpreter", 0, 0), capped)
+        cap = None if reserved is None else Capacity(layout.num_queries, 512, build=reserved)
+        attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=8, capacity=cap)
+        attn.plan(layout)
+        assert attn.build == ("light" if light_work >= work else "default")
+        assert attn._prepared.config.maxnreg == (None if want == "light" else 64)
+        o, lse = attn.run(q, k, v, return_lse=True)
+        assert_close(o.cpu(), ref_o.cpu(), torch.float16, f"{want} build")
+        assert_lse_close(lse.cpu(), ref_lse.cpu(), f"{want} build")
+
+
 @pytest.mark.parametrize("value,expected", [("true", True), ("0", False)])
 def test_interpreter_flag_read_as_triton_reads_it(value, expected):
     """The backend picks its interpreter config exactly when Triton interprets, whatever

@@ -43,9 +43,9 @@ def work_rows(layout, sms: int, kv_dtype: torch.dtype | None) -> tuple[np.ndarra
     shipped = backend._num_sms
     backend._num_sms = lambda device: sms
     try:
-        plan, packed, cfg, few_rows = backend._pack(
+        plan, packed, cfg, build = backend._pack(
             layout, "flatten", 16, Heads(H_Q, H_KV, D), torch.device("cpu"),
-            lambda n: torch.empty(n, dtype=torch.int32), None, kv_dtype, small=False)
+            lambda n: torch.empty(n, dtype=torch.int32), None, kv_dtype, build="default")
     finally:
         backend._num_sms = shipped
     start = packed.starts[SEGMENTS.index("work")]
@@ -55,7 +55,7 @@ def work_rows(layout, sms: int, kv_dtype: torch.dtype | None) -> tuple[np.ndarra
     few = few_rows_config(cfg, kv_dtype)
     share = ("-" if few is None else
              f"{few_rows_share(plan, H_Q // H_KV, cfg.block_m, few.block_m):.2f}"
-             + ("*" if few_rows else ""))
+             + ("*" if build == "few_rows" else ""))
     return tokens, rows, cfg.block_m, share
 
 

@@ -50,17 +50,17 @@ class _Bucket:
     queries: int
     attn: TreeAttention
     inputs: torch.Tensor  # [4, Q] int64: token ids, positions, slots, logits rows
-    # The same capacity reserved for trees of few rows per K/V token (``Capacity.few_rows``),
-    # made when a step first asks for it, and whether the last step runs in it.
-    few: TreeAttention | None = None
-    use_few: bool = False
-    graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = (
-        field(default_factory=dict))  # by (logits rows computed, use_few): (graph, its output)
+    # The same capacity reserved for the backend's other builds (``Capacity.build``), each
+    # made when a step first asks for it, and the build the last step runs.
+    builds: dict[str, TreeAttention] = field(default_factory=dict)
+    use: str = "default"
+    graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = (
+        field(default_factory=dict))  # by (logits rows computed, use): (graph, its output)
 
     @property
     def step_attn(self) -> TreeAttention:
         """The attention the last step planned into."""
-        return self.few if self.use_few else self.attn
+        return self.attn if self.use == "default" else self.builds[self.use]
 
 
 class StepGraphs:
@@ -113,20 +113,22 @@ class StepGraphs:
         return b
 
     def _plan_into(self, b: _Bucket, padded: TreeLayout) -> None:
-        """Plan ``padded`` into ``b.attn``, then into the bucket's few-row attention when its
-        tree asks for that build (``TreeAttention.few_rows``, read from the default build's
+        """Plan ``padded`` into ``b.attn``, then into the bucket's attention of another build
+        when its tree asks for one (``TreeAttention.build``, read from the default build's
         plan: which kernels a step runs depends on its tree alone; the eager engine picks
         alike). :class:`CapacityError` if either plan outgrows the bucket."""
-        b.use_few = False
+        b.use = "default"
         b.attn.plan(padded, self.pool.dtype)
-        if not b.attn.few_rows:
+        build = b.attn.build
+        if build == "default":
             return
-        if b.few is None:
-            b.few = self.model.attention(device=self.device, backend=self.backend,
-                                         plan_kind=self.plan_kind,
-                                         capacity=b.attn.capacity._replace(few_rows=True))
-        b.few.plan(padded, self.pool.dtype)
-        b.use_few = True
+        attn = b.builds.get(build)
+        if attn is None:
+            attn = b.builds[build] = self.model.attention(
+                device=self.device, backend=self.backend, plan_kind=self.plan_kind,
+                capacity=b.attn.capacity._replace(build=build))
+        attn.plan(padded, self.pool.dtype)
+        b.use = build
 
     def replay(self, b: _Bucket, step: Step) -> torch.Tensor:
         """Logits ``[len(step.logits_rows), vocab]`` of ``step``, planned into ``b`` by
@@ -168,7 +170,7 @@ class StepGraphs:
     def _forward(self, b: _Bucket, logits: int) -> torch.Tensor:
         """Replay (capturing first if needed) the bucket's forward with ``logits`` rows of
         logits; its output buffer."""
-        key = (logits, b.use_few)
+        key = (logits, b.use)
         graph, out = b.graphs.get(key, (None, None))
         if not self.capture:
             return self._model_step(b, logits, captured=False)

@@ -17,6 +17,8 @@ data its kernels read, then runs it per layer (``run``). Capabilities are class 
 * ``kv_dtypes``: the K/V dtypes ``run`` reads besides ``q``'s own (``None``: only
   ``q``'s); ``plan`` is told the step's K/V dtype (``kv_dtype``), as kernels are
   specialised on it;
+* ``builds``: its kernel builds, ``"default"`` first; a plan picks the one its tree asks
+  for, a :class:`Capacity` reserves one;
 * ``kv_scales``: ``run`` applies dequantisation scales (one per layer, or per layer and
   KV head): the K/V it reads are ``k_cache * k_scale`` and ``v_cache * v_scale``
   (otherwise both are ``None``). FP8 (``float8_e4m3fn``) K/V always come with scales.
@@ -53,15 +55,14 @@ class Capacity(NamedTuple):
     most ``tokens`` plan tokens (KV tokens loaded per KV head; a ``flatten`` plan loads each
     visible token once) and at most ``partials`` partial states (``None``: enough for any
     ``flatten`` plan of ``tokens`` tokens, ``queries`` times the number of tiles).
-    ``few_rows``: launch the kernels built for trees of few rows per K/V token (the
-    ``triton`` backend's ``KernelConfig.kv8_few_rows``, FP8 K/V on sm_90) for every plan,
-    instead of the default build; an unreserved attention picks per plan
-    (``TreeAttention.few_rows``)."""
+    ``build``: the kernels every plan launches, ``"default"`` or another of the backend's
+    ``builds`` that some trees run faster on; an unreserved attention picks per plan the
+    build its tree asks for (``TreeAttention.build``)."""
 
     queries: int
     tokens: int
     partials: int | None = None
-    few_rows: bool = False
+    build: str = "default"
 
 
 class CapacityError(ValueError):
@@ -103,6 +104,7 @@ class Backend(ABC):
     default_block_kv: int = 64
     kv_dtypes: tuple[torch.dtype, ...] | None = None
     kv_scales: bool = False
+    builds: tuple[str, ...] = ("default",)
 
     @abstractmethod
     def plan(self, layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
@@ -163,6 +165,11 @@ def check_backend(backend: Any, name: str) -> Backend:
             continue
         raise TypeError(f"backend {name!r}: {attr}: expected a non-empty tuple of torch dtypes, "
                         f"got {got!r}")
+    builds = getattr(backend, "builds", None)
+    if not (isinstance(builds, tuple) and builds[:1] == ("default",)
+            and all(isinstance(b, str) for b in builds)):
+        raise TypeError(f"backend {name!r}: builds: expected a tuple of names starting with "
+                        f"'default', got {builds!r}")
     for method, expected in _CONTRACT.items():
         got = inspect.signature(getattr(backend, method))
         want = [p for p in expected.parameters if p != "self"]

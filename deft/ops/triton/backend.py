@@ -20,9 +20,10 @@ import torch
 from ...cache.pool import FP8
 from ...layout import TreeLayout
 from ...plan import Coarsening, plan_step
-from ...plan.packing import WORK_FIELDS, PackedPlan, few_rows_share, segment_starts
+from ...plan.packing import WORK_FIELDS, PackedPlan, few_rows_share, segment_starts, work_tokens
 from ..base import Backend, Capacity, CapacityError, Heads
-from .configs import KernelConfig, few_rows_config, interpreting, kernel_config, kv_config
+from .configs import (KernelConfig, few_rows_config, interpreting, kernel_config, kv_config,
+                      light_config)
 from .launch import (HEADER, Pointer, Reserved, StepBuffers, has_tma, launch_signature,
                      launch_step)
 from .native_launch import driver_launch
@@ -76,6 +77,7 @@ class TritonBackend(Backend):
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     kv_dtypes = (FP8,)
     kv_scales = True
+    builds = ("default", "few_rows", "light")
     writes_out = True
     graph_safe = True
     max_slot = 2**31 - 1  # plan arrays are int32 on the device
@@ -91,9 +93,9 @@ class TritonBackend(Backend):
             if reserved is not None:  # room for the header before the segments
                 reuse = None if reuse is None else reuse[HEADER:]
                 host_buffer = lambda n: host.new(n + HEADER)[HEADER:]  # noqa: E731
-            plan, packed, cfg, few = _pack(layout, plan_kind, block_kv, heads, device,
-                                           host_buffer, reuse, kv_dtype, _small(reserved))
-            return _upload(plan, packed, cfg, few, host, 0, heads, device,
+            plan, packed, cfg, build = _pack(layout, plan_kind, block_kv, heads, device,
+                                             host_buffer, reuse, kv_dtype, _build(reserved))
+            return _upload(plan, packed, cfg, build, host, 0, heads, device,
                            previous if isinstance(previous, StepBuffers) else None, reserved)
 
     def plan_host(self, layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
@@ -105,10 +107,11 @@ class TritonBackend(Backend):
         device = _cuda_index(device)
         own = Staging(device, raw=False)
         own.next()
-        plan, packed, cfg, few = _pack(layout, plan_kind, block_kv, heads, device,
-                                       lambda n: own.new(n + HEADER)[HEADER:], None, kv_dtype,
-                                       _small(_reserved_of(previous, layout)))
-        return HostStep(plan, packed, cfg, few, own, heads, layout.num_queries, _num_sms(device))
+        plan, packed, cfg, build = _pack(layout, plan_kind, block_kv, heads, device,
+                                         lambda n: own.new(n + HEADER)[HEADER:], None, kv_dtype,
+                                         _build(_reserved_of(previous, layout)))
+        return HostStep(plan, packed, cfg, build, own, heads, layout.num_queries,
+                        _num_sms(device))
 
     def upload(self, host: HostStep, device: torch.device, previous: Any = None) -> StepBuffers:
         device = _cuda_index(device)
@@ -117,7 +120,7 @@ class TritonBackend(Backend):
                              f"{_num_sms(device)}")
         reserved = _reserved_of(previous, host)
         with host.source.lock:  # uploads to several devices may come from several threads
-            return _upload(host.plan, host.packed, host.config, host.few_rows, host.source,
+            return _upload(host.plan, host.packed, host.config, host.build, host.source,
                            0 if reserved is not None else HEADER, host.heads, device,
                            previous if isinstance(previous, StepBuffers) else None, reserved)
 
@@ -131,10 +134,10 @@ class TritonBackend(Backend):
         cfg = kernel_config(heads.head_dim, q * heads.num_qo_heads, device)
         g = heads.num_qo_heads // heads.num_kv_heads
         # Every kept tile has a query, so tiles <= partials; a tile of G group queries has
-        # ceil(G * g / block_m) work items (one-byte K/V plans of a ``few_rows`` capacity:
-        # programs of the few-row build).
-        few = few_rows_config(cfg, FP8) if capacity.few_rows else None
-        work = p + -(-p * g // (few or cfg).block_m)
+        # ceil(G * g / block_m) work items (block_m the reserved build's: the few-row
+        # build's for one-byte K/V).
+        build = _build_config(cfg, capacity.build, FP8)
+        work = p + -(-p * g // build.block_m)
         starts = segment_starts([n, n, n, n, WORK_FIELDS * work, q, q, q, q + 1, p])
         h, d = heads.num_qo_heads, heads.head_dim
         plse_off = p * h * d
@@ -143,7 +146,7 @@ class TritonBackend(Backend):
         # head) pairs.
         programs = min(work * heads.num_kv_heads,
                        cfg.graph_waves * cfg.programs_per_sm * _num_sms(device))
-        return Reserved(Capacity(q, n, p, capacity.few_rows), work, programs,
+        return Reserved(Capacity(q, n, p, capacity.build), work, programs,
                         HEADER + starts[-1],
                         torch.empty(HEADER + starts[-1], dtype=torch.int32, device=device),
                         torch.empty(lse_off + q * h, dtype=torch.float32, device=device),
@@ -171,7 +174,7 @@ class HostStep(NamedTuple):
     plan: Any
     packed: PackedPlan
     config: KernelConfig
-    few_rows: bool  # the tree is of few rows per K/V token (``TreeAttention.few_rows``)
+    build: str  # the build the tree asks for (``TreeAttention.build``)
     source: Staging  # its pinned buffer: a header's room, then the segments
     heads: Heads
     num_queries: int
@@ -187,34 +190,55 @@ def _reserved_of(previous: Any, layout: Any) -> Reserved | None:
     return reserved
 
 
-def _small(reserved: Reserved | None) -> bool | None:
-    """Whether a plan into ``reserved`` takes the few-row build (None: unreserved, chosen per
-    plan)."""
-    return None if reserved is None else reserved.capacity.few_rows
+def _build(reserved: Reserved | None) -> str | None:
+    """The build every plan into ``reserved`` launches (None: unreserved, chosen per plan)."""
+    return None if reserved is None else reserved.capacity.build
+
+
+def _build_config(cfg: KernelConfig, build: str, kv_dtype: torch.dtype | None) -> KernelConfig:
+    """The config of ``cfg``'s ``build`` over K/V of ``kv_dtype``: ``cfg`` itself where its
+    row regime has no such build for that K/V."""
+    alt = None
+    if build == "few_rows":
+        alt = few_rows_config(cfg, kv_dtype)
+    elif build == "light":
+        alt = light_config(cfg)
+    return cfg if alt is None else alt
+
+
+def _asked_build(plan: Any, packed: PackedPlan, cfg: KernelConfig, launched: KernelConfig,
+                 heads: Heads, kv_dtype: torch.dtype | None, device: torch.device) -> str:
+    """The build the tree of ``plan`` (packed for ``launched``, ``cfg`` or one of its builds)
+    asks for (``TreeAttention.build``), from its token work under ``cfg``, which coarsening
+    leaves unchanged: any build's plan of it answers."""
+    g = heads.num_qo_heads // heads.num_kv_heads
+    few = few_rows_config(cfg, kv_dtype)
+    if few is not None and few_rows_share(plan, g, cfg.block_m, few.block_m) >= cfg.kv8_few_share:
+        return "few_rows"
+    # Programs of another height than cfg's stream other work (no regime has both builds).
+    if (cfg.light_work is not None and launched.block_m == cfg.block_m
+            and work_tokens(packed) * heads.num_kv_heads <= cfg.light_work * _num_sms(device)):
+        return "light"
+    return "default"
 
 
 def _pack(layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
           device: torch.device, host_buffer: Any, reuse: Any, kv_dtype: torch.dtype | None,
-          small: bool | None = None) -> tuple[Any, PackedPlan, KernelConfig, bool]:
+          build: str | None = None) -> tuple[Any, PackedPlan, KernelConfig, str]:
     """Plan, coarsen and pack ``layout`` into ``host_buffer``/``reuse``, with the kernel
-    configuration of ``device`` (coarsened for K/V of ``kv_dtype``); with its few-row build
-    (``KernelConfig.kv8_few_rows``) if ``small``, or, for ``small`` None, if the tree is of few
-    rows per K/V token. Also returns whether it is."""
+    configuration of ``device`` (coarsened for K/V of ``kv_dtype``) of ``build``, or, for
+    ``build`` None, of the build its tree asks for. Also returns that build's name."""
     _check_head_dim(heads.head_dim)
     cfg = kernel_config(heads.head_dim, layout.num_queries * heads.num_qo_heads, device)
-    few = few_rows_config(cfg, kv_dtype)
-    build = few if small and few is not None else cfg
+    launched = cfg if build is None else _build_config(cfg, build, kv_dtype)
     plan, packed = _plan_for(layout, plan_kind, block_kv, heads, device, host_buffer, reuse,
-                             kv_config(build, kv_dtype))
-    if few is None:
-        return plan, packed, build, False
-    g = heads.num_qo_heads // heads.num_kv_heads
-    few_rows = few_rows_share(plan, g, cfg.block_m, few.block_m) >= cfg.kv8_few_share
-    if small is None and few_rows:
-        build = few
+                             kv_config(launched, kv_dtype))
+    asked = _asked_build(plan, packed, cfg, launched, heads, kv_dtype, device)
+    if build is None and asked != "default":
+        launched = _build_config(cfg, asked, kv_dtype)
         plan, packed = _plan_for(layout, plan_kind, block_kv, heads, device, host_buffer,
-                                 reuse, kv_config(build, kv_dtype))
-    return plan, packed, build, few_rows
+                                 reuse, kv_config(launched, kv_dtype))
+    return plan, packed, launched, asked
 
 
 def _plan_for(layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
@@ -243,7 +267,7 @@ def _check_fits(plan: Any, packed: PackedPlan, r: Reserved) -> None:
             raise CapacityError(what, need, room)
 
 
-def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, few_rows: bool, host: Staging,
+def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, build: str, host: Staging,
             start: int, heads: Heads, device: torch.device, previous: StepBuffers | None,
             reserved: Reserved | None) -> StepBuffers:
     """Upload the packed plan (``host``'s current buffer from ``start``, one copy) and size the fp32
@@ -278,7 +302,7 @@ def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, few_rows: bool, ho
     prepared = object.__new__(StepBuffers)
     graph = reserved is not None
     prepared.__dict__.update(
-        plan=plan, config=cfg, few_rows=few_rows, plan_buffer=plan_buffer, offsets=tuple(starts),
+        plan=plan, config=cfg, build=build, plan_buffer=plan_buffer, offsets=tuple(starts),
         scratch=scratch, plse_off=plse_off, lse_off=lse_off, num_work=packed.num_work,
         num_queries=num_queries, num_partials=p, num_qo_heads=h, head_dim=head_dim,
         reserved=reserved,

@@ -75,7 +75,7 @@ class StepBuffers:
 
     plan: TreePlan
     config: KernelConfig
-    few_rows: bool  # the tree is of few rows per K/V token (``TreeAttention.few_rows``)
+    build: str  # the build the tree asks for (``TreeAttention.build``)
     plan_buffer: torch.Tensor  # int32 device buffer of the packed plan (may be larger)
     offsets: tuple[int, ...]  # start of each ``SEGMENTS`` segment in it, then the end
     # For the kernels: the packed plan (its first segment, then the others at ``offsets``),
