@@ -131,9 +131,12 @@ def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
                                   ("per-query", "per_query", None)):
         if label.endswith("graph-safe") and capacity is None:
             continue
-        attn = TreeAttention(H_Q, H_KV, D, backend="triton", plan_kind=kind, device="cuda",
-                             capacity=capacity)
-        plan = attn.plan(layout)
+        if capacity is None:
+            attn = TreeAttention(H_Q, H_KV, D, backend="triton", plan_kind=kind, device="cuda")
+            plan = attn.plan(layout)
+        else:  # reserved for the build the tree asks for, as the engine's graph buckets are
+            attn = planned_as_engine(layout, capacity, None)
+            plan = attn.current_plan
         # Planned with the GPU idle, as in decoding, where the next tree waits for the
         # sampled tokens (a host sync). The median of 101 plans after 10 warm-up ones: host
         # timings on shared machines swing within a run (tools/plan_time.py), and a median of

@@ -539,9 +539,10 @@ def test_wide_steps_store_narrow_partials(monkeypatch, merge_mode):
 
 @pytest.mark.skipif(CUDA, reason="sets the interpreter's config")
 def test_light_steps_run_the_uncapped_build(monkeypatch):
-    """A step of a regime with ``light_work`` runs that regime's uncapped build (``"light"``)
-    when its token work per SM is at most ``light_work``, the capped default build above it;
-    a capacity keeps its own build for every plan. Outputs match the reference."""
+    """A step of a regime with ``light_per_sm`` runs that regime's uncapped build
+    (``"light"``) when its programs fit one wave of that many per SM, on the same tiles, and
+    the capped default build when they do not; a capacity keeps its own build for every plan.
+    Outputs match the reference."""
     import dataclasses
 
     from deft import Capacity
@@ -550,21 +551,21 @@ def test_light_steps_run_the_uncapped_build(monkeypatch):
     layout = few_shot_layout(50, 4, 9)
     attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=8)
     attn.plan(layout)
-    items = attn._prepared.segment("work").view(-1, 8)[:attn._prepared.num_work]
-    # Tokens per SM (the backend counts 4 on a CPU), over the 2 KV heads.
-    work = int((items[:, 1] - items[:, 0]).sum()) * 2 / 4
-    assert work == int(work)
+    tiles, programs = attn.current_plan.num_tiles, attn._prepared.programs
+    assert programs % 4 == 0  # the backend counts 4 SMs on a CPU
     q, k, v = random_qkv(layout, 4, 2, 32, torch.float16, 6, device=DEV)
     ref_o, ref_lse = reference_attention(q, k, v, layout, 32**-0.5)
-    for light_work, reserved, want in ((int(work), None, "light"), (int(work) - 1, None, "default"),
-                                       (int(work) - 1, "light", "light")):
-        capped = dataclasses.replace(base, maxnreg=64, light_work=light_work)
+    for per_sm, reserved, want in ((programs // 4, None, "light"),
+                                   (programs // 4 - 1, None, "default"),
+                                   (programs // 4 - 1, "light", "light")):
+        capped = dataclasses.replace(base, maxnreg=64, light_per_sm=per_sm)
         monkeypatch.setitem(configs.CONFIGS, ("interpreter", 0, 0), capped)
         cap = None if reserved is None else Capacity(layout.num_queries, 512, build=reserved)
         attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=8, capacity=cap)
         attn.plan(layout)
-        assert attn.build == ("light" if light_work >= work else "default")
+        assert attn.build == ("light" if per_sm * 4 >= programs else "default")
         assert attn._prepared.config.maxnreg == (None if want == "light" else 64)
+        assert attn.current_plan.num_tiles == tiles
         o, lse = attn.run(q, k, v, return_lse=True)
         assert_close(o.cpu(), ref_o.cpu(), torch.float16, f"{want} build")
         assert_lse_close(lse.cpu(), ref_lse.cpu(), f"{want} build")

@@ -18,7 +18,7 @@ import numpy as np
 from .tree_plan import TreePlan
 
 __all__ = ["SEGMENTS", "HostBuffer", "PackedPlan", "mask_from", "tile_slot0", "work_items",
-           "few_rows_share", "work_tokens", "segment_starts", "pack"]
+           "few_rows_share", "segment_starts", "pack"]
 
 SEGMENTS = ("tok_slot", "tok_lo", "tok_hi", "tok_off", "work", "q_order", "q_pre", "q_len",
             "merge_indptr", "merge_partials")
@@ -111,15 +111,6 @@ def few_rows_share(plan: TreePlan, g: int, block_m: int, few: int) -> float:
     tokens = np.diff(plan.tile_indptr).astype(np.int64)
     work = int((tokens * -(-rows // block_m)).sum())
     return float(tokens[rows <= few].sum()) / work if work else 0.0
-
-
-def work_tokens(packed: PackedPlan) -> int:
-    """The tokens ``packed``'s work items stream per KV head, summed (each tile's tokens
-    times its work items; coarsening leaves it unchanged). Read from the packed buffer, so
-    a compiled plan's arrays stay unmade."""
-    start = packed.starts[SEGMENTS.index("work")]
-    work = packed.buffer[start:start + WORK_FIELDS * packed.num_work].reshape(-1, WORK_FIELDS)
-    return int((work[:, 1] - work[:, 0]).sum())
 
 
 def segment_starts(sizes: list[int]) -> list[int]:

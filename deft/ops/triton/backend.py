@@ -20,7 +20,7 @@ import torch
 from ...cache.pool import FP8
 from ...layout import TreeLayout
 from ...plan import Coarsening, plan_step
-from ...plan.packing import WORK_FIELDS, PackedPlan, few_rows_share, segment_starts, work_tokens
+from ...plan.packing import WORK_FIELDS, PackedPlan, few_rows_share, segment_starts
 from ..base import Backend, Capacity, CapacityError, Heads
 from .configs import (KernelConfig, few_rows_config, interpreting, kernel_config, kv_config,
                       light_config)
@@ -208,16 +208,16 @@ def _build_config(cfg: KernelConfig, build: str, kv_dtype: torch.dtype | None) -
 
 def _asked_build(plan: Any, packed: PackedPlan, cfg: KernelConfig, launched: KernelConfig,
                  heads: Heads, kv_dtype: torch.dtype | None, device: torch.device) -> str:
-    """The build the tree of ``plan`` (packed for ``launched``, ``cfg`` or one of its builds)
-    asks for (``TreeAttention.build``), from its token work under ``cfg``, which coarsening
-    leaves unchanged: any build's plan of it answers."""
+    """The build the tree of ``plan`` (packed for ``launched``: ``cfg`` or one of its builds)
+    asks for (``TreeAttention.build``), judged by ``cfg``'s plan of it: any build's plan of
+    a tree has its tiles' groups, and the light build plans the tiles of a tree it serves as
+    ``cfg`` does."""
     g = heads.num_qo_heads // heads.num_kv_heads
     few = few_rows_config(cfg, kv_dtype)
     if few is not None and few_rows_share(plan, g, cfg.block_m, few.block_m) >= cfg.kv8_few_share:
         return "few_rows"
-    # Programs of another height than cfg's stream other work (no regime has both builds).
-    if (cfg.light_work is not None and launched.block_m == cfg.block_m
-            and work_tokens(packed) * heads.num_kv_heads <= cfg.light_work * _num_sms(device)):
+    if (cfg.light_per_sm is not None and launched.block_m == cfg.block_m
+            and packed.num_work * heads.num_kv_heads <= cfg.light_per_sm * _num_sms(device)):
         return "light"
     return "default"
 

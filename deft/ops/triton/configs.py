@@ -50,12 +50,12 @@ class KernelConfig:
     kv8_few_rows: tuple[int, int] | None = None
     kv8_few_maxnreg: int | None = None  # the few-row build's ``kv8_maxnreg``
     kv8_few_share: float = 0.1
-    # Plans of at most ``light_work`` tokens of work per SM (each work item's tokens, times
-    # the KV heads, over the SMs) launch without the register cap instead: ``light_config``,
-    # two programs per SM without spills, coarsened for those two. Under the cap, a third
-    # program per SM hides the loads of long steps; steps this light are paced by each
-    # program's own speed.
-    light_work: int | None = None
+    # Plans whose programs (work items times KV heads) fit one wave of ``light_per_sm``
+    # programs per SM launch ``light_config`` instead: this config without its register cap,
+    # which keeps that many programs per SM, none spilling. Under the cap a third program
+    # per SM hides the loads of longer steps; in a step this small no program waits for a
+    # slot, and each one's own speed paces it.
+    light_per_sm: int | None = None
     pdl: bool = False  # programmatic dependent launch (sm_90+): starts before the last launch ends
     merge_block: int = 16  # partial states per step of the merge kernel
     merge_warps: int = 2  # warps per merge program
@@ -85,7 +85,7 @@ CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
     ("sm90", 128, 0): KernelConfig(64, 32, 4, 3, 4.0, resident_per_sm=2, kv8_few_rows=(16, 64),
                                    **dict(_SM90, kv8_maxnreg=None, kv8_few_maxnreg=168)),
     ("sm90", 128, 2048): KernelConfig(64, 32, 4, 3, 4.0, merge_block=4, merge_warps=1,
-                                      light_work=1536, **_NARROW),
+                                      light_per_sm=2, **_NARROW),
     ("sm90", 128, 8192): KernelConfig(64, 32, 4, 3, 4.0, merge_block=2, merge_warps=4,
                                       merge_heads=8, **_NARROW),
     ("sm90", 256, 0): KernelConfig(64, 32, 8, 2, 4.0, **_SM90),
@@ -167,13 +167,12 @@ def few_rows_config(cfg: KernelConfig, kv_dtype: torch.dtype | None) -> KernelCo
 
 @functools.lru_cache(maxsize=64)
 def light_config(cfg: KernelConfig) -> KernelConfig | None:
-    """``cfg`` without its register cap, for plans of little work (``light_work``): the
-    uncapped head_dim-128 builds take 255 registers, so two programs per SM stay resident.
-    None where ``cfg`` has no such build."""
-    if cfg.light_work is None:
+    """``cfg`` without its register cap, for plans of few programs (``light_per_sm``); None
+    where ``cfg`` has no such build."""
+    if cfg.light_per_sm is None:
         return None
-    return dataclasses.replace(cfg, maxnreg=None, kv8_maxnreg=None, resident_per_sm=2,
-                               light_work=None)
+    return dataclasses.replace(cfg, maxnreg=None, kv8_maxnreg=None,
+                               resident_per_sm=cfg.light_per_sm, light_per_sm=None)
 
 
 def kv_config(cfg: KernelConfig, kv_dtype: torch.dtype | None) -> KernelConfig:
