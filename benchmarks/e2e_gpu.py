@@ -144,7 +144,8 @@ def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
     # Warm-up: compiles and captures every graph both timed runs replay. A run grows the
     # graph buckets' capacities, and a step whose tree did not fit a bucket's attention of
     # another build (``Capacity.build``) before may fit it then: repeat until a round
-    # captures and compiles nothing. A kernel compiled in a timed run would count its seconds as steps'.
+    # captures and compiles nothing. A kernel compiled in a timed run would count its
+    # seconds as steps'.
     def captures() -> int:
         return engine.graphs.captures if engine.graphs is not None else 0
     with _compiles() as compiled:

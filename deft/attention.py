@@ -251,11 +251,12 @@ class TreeAttention:
         The ``triton`` backend's: ``"few_rows"`` for a tree over FP8 K/V whose K/V tokens
         are mostly seen by few (query, query head) rows, as in parallel sampling's branches
         and tree-of-thought (programs of 16 rows, ``KernelConfig.kv8_few_rows``);
-        ``"light"`` for a step of at least 2,048 rows with little work per SM, as a draft
-        tree on a short context (no register cap, ``KernelConfig.light_work``);
+        ``"light"`` for a step of at least 2,048 rows whose programs fit one wave of the
+        uncapped build, as a wide draft tree on a short context (``KernelConfig.light_per_sm``);
         ``"default"`` otherwise. An unreserved attention launches that build; one with a
         ``capacity`` keeps its own (``Capacity.build``), so a caller replaying graphs may
-        keep one attention per build and plan into the one the tree asks for."""
+        keep one attention per build and plan into the one the tree asks for, read from the
+        attention of the default build (one of another build judges by its own plan)."""
         return getattr(self._prepared, "build", "default")
 
     @property

@@ -209,9 +209,9 @@ def _build_config(cfg: KernelConfig, build: str, kv_dtype: torch.dtype | None) -
 def _asked_build(plan: Any, packed: PackedPlan, cfg: KernelConfig, launched: KernelConfig,
                  heads: Heads, kv_dtype: torch.dtype | None, device: torch.device) -> str:
     """The build the tree of ``plan`` (packed for ``launched``: ``cfg`` or one of its builds)
-    asks for (``TreeAttention.build``), judged by ``cfg``'s plan of it: any build's plan of
-    a tree has its tiles' groups, and the light build plans the tiles of a tree it serves as
-    ``cfg`` does."""
+    asks for (``TreeAttention.build``), as ``cfg``'s plan of it answers: the few-row share
+    is the tiles' (any build's plan has the same groups), the programs are ``launched``'s
+    (the same as ``cfg``'s for a tree the light build serves)."""
     g = heads.num_qo_heads // heads.num_kv_heads
     few = few_rows_config(cfg, kv_dtype)
     if few is not None and few_rows_share(plan, g, cfg.block_m, few.block_m) >= cfg.kv8_few_share:
