@@ -176,3 +176,49 @@ def test_captures_load_no_kernel(monkeypatch):
     assert engine.graphs.captures >= 2
     assert any(name == "tree_partial_kernel" for name, _ in loads), loads
     assert [name for name, capturing in loads if capturing] == []
+
+
+class _Letters:
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 48 for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:  # noqa: ANN001
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+@pytest.mark.skipif(CUDA, reason="sets the interpreter's config")
+def test_buckets_switch_to_the_light_build_and_back_as_eagerly(monkeypatch):
+    """While a step's tree asks for the light build (the interpreter's config given a capped
+    default build and a light one), its bucket plans it into the bucket's light attention,
+    and into the default one once trees no longer ask for it: logits as the engine's without
+    graphs, which picks the build per plan alike."""
+    import dataclasses
+
+    from deft.ops.triton import configs
+
+    key = ("interpreter", 0, 0)
+    capped = dataclasses.replace(configs.CONFIGS[key], maxnreg=64)
+    model = tiny_model()
+    out, used = [], []
+    for graphs in (False, True):
+        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(capped, light_per_sm=4))
+        engine = TreeEngine(model, _Letters(), num_pages=32, page_size=4, backend="triton")
+        runner = engine.runner
+        if graphs:  # steps of up to 4 queries padded into a bucket (run eagerly on a CPU)
+            runner.graphs = StepGraphs(model, runner.pool, 31 * 4, (4,), "triton", "flatten",
+                                       runner.device)
+        leaves = engine.cache.fork(engine.add_prompt(list(range(3, 30))), 3)
+        out.append([engine.extend([(leaf, [1]) for leaf in leaves])])  # with the prompt: eager
+        for t in range(4):
+            if t == 2:  # no tree asks for the light build from here
+                monkeypatch.setitem(configs.CONFIGS, key, capped)
+            out[-1].append(engine.extend([(leaf, [2 + t]) for leaf in leaves]))
+            if graphs:
+                b = runner.graphs._buckets[4]
+                used.append((b.use, b.step_attn._prepared.config.maxnreg))
+        assert engine.stats["graph_steps"] == (4 if graphs else 0)
+    assert used == [("light", None)] * 2 + [("default", 64)] * 2
+    for got, want in zip(*out):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
