@@ -38,11 +38,12 @@ def test_graph_safe_builds_compile_for_sm90_within_their_register_caps():
 def test_work_rows_finds_the_small_items_of_a_few_shot_tree_and_none_of_a_long_prompt():
     """``tools/work_rows.py`` on the CPU: few-shot b=20's branches (one query's 4 rows each)
     are small items holding much of its token work, and over FP8 K/V its tiles pick the
-    few-row build; a 32k prompt seen by 16 queries has neither."""
-    for kv, few_col in (("auto", "-"), ("fp8_e4m3", "0.33*")):
+    few-row build; a 32k prompt seen by 16 queries has neither; the 64 leaves of speculative
+    t=64 (200 programs) ask for the light build."""
+    for kv, few_cols in (("auto", ["-", "default"]), ("fp8_e4m3", ["0.33", "few_rows"])):
         out = subprocess.run(
             [sys.executable, str(ROOT / "tools" / "work_rows.py"), "--kv-dtype", kv,
-             "few-shot b=20", "long prompt 32k x16"],
+             "few-shot b=20", "long prompt 32k x16", "speculative t=64"],
             capture_output=True, text=True, timeout=300, check=True, cwd=ROOT).stdout
         rows = {}
         for line in out.splitlines()[2:]:
@@ -50,8 +51,9 @@ def test_work_rows_finds_the_small_items_of_a_few_shot_tree_and_none_of_a_long_p
             rows[cells[0]] = cells[1:]
         few, long = rows["few-shot b=20"], rows["long prompt 32k x16"]
         assert int(few[1]) > int(few[0]) // 2 and 0.3 < float(few[2]) < 1, out
-        assert few[4] == few_col, out
-        assert long[1:] == ["0", "0.00", "0%", "-" if kv == "auto" else "0.00"], out
+        assert few[4:] == few_cols, out
+        assert long[1:] == ["0", "0.00", "0%", "-" if kv == "auto" else "0.00", "default"], out
+        assert rows["speculative t=64"][5] == "light", out
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this Triton ships no ptxas")

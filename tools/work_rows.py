@@ -3,11 +3,13 @@
 A work item is ``block_m`` query rows (group query, GQA head) of one tile; an item of fewer
 rows pads its dots to ``block_m``. Per tree: work items, those of at most ``--small`` rows,
 the share of the plan's token work (tokens x items) in them, the share of dot rows that are
-padding, and the share by tiles that picks the few-row build for FP8 K/V
-(``deft.plan.packing.few_rows_share``, against ``KernelConfig.kv8_few_share``). It tells
-which trees smaller dots serve (docs/decisions.md, "16-row dots for FP8" and "A few-row build
-per tree"). Plans are made as on an H200 (the sm90 configs and their default build, ``--sms``
-SMs), for one-byte K/V with ``--kv-dtype fp8_e4m3``.
+padding, the share by tiles that picks the few-row build for FP8 K/V
+(``deft.plan.packing.few_rows_share``, against ``KernelConfig.kv8_few_share``), and the build
+the tree asks for (``TreeAttention.build``). It tells which trees smaller dots serve
+(docs/decisions.md, "16-row dots for FP8" and "A few-row build per tree") and which take the
+light build ("The register cap stays, but for steps of few programs"). Plans are made as on
+an H200 (the sm90 configs and their default build, the backend's tile size, ``--sms`` SMs),
+for one-byte K/V with ``--kv-dtype fp8_e4m3``.
 
 Usage: ``python tools/work_rows.py [--small 16] [--sms 132] [--kv-dtype auto|fp8_e4m3]
 [--workloads DIR] [TREE ...]`` (recorded trees skipped without their directory).
@@ -36,15 +38,17 @@ from deft.plan.packing import SEGMENTS, WORK_FIELDS, few_rows_share  # noqa: E40
 from deft.recorded import workloads_dir  # noqa: E402
 
 
-def work_rows(layout, sms: int, kv_dtype: torch.dtype | None) -> tuple[np.ndarray, np.ndarray, int, str]:  # noqa: ANN001
+def work_rows(layout, sms: int,  # noqa: ANN001
+              kv_dtype: torch.dtype | None) -> tuple[np.ndarray, np.ndarray, int, str, str]:
     """Each work item's tokens and rows in the default build's plan of ``layout`` on ``sms``
-    SMs, ``block_m``, and the tiles' few-row share ("-" without a few-row build for this K/V),
-    marked with "*" where the tree takes that build."""
+    SMs, ``block_m``, the tiles' few-row share ("-" without a few-row build for this K/V) and
+    the build the tree asks for."""
     shipped = backend._num_sms
     backend._num_sms = lambda device: sms
     try:
         plan, packed, cfg, build = backend._pack(
-            layout, "flatten", 16, Heads(H_Q, H_KV, D), torch.device("cpu"),
+            layout, "flatten", backend.TritonBackend.default_block_kv, Heads(H_Q, H_KV, D),
+            torch.device("cpu"),
             lambda n: torch.empty(n, dtype=torch.int32), None, kv_dtype, build="default")
     finally:
         backend._num_sms = shipped
@@ -54,9 +58,8 @@ def work_rows(layout, sms: int, kv_dtype: torch.dtype | None) -> tuple[np.ndarra
     rows = np.minimum(cfg.block_m, (work[:, 3] - work[:, 2]) * (H_Q // H_KV) - work[:, 7])
     few = few_rows_config(cfg, kv_dtype)
     share = ("-" if few is None else
-             f"{few_rows_share(plan, H_Q // H_KV, cfg.block_m, few.block_m):.2f}"
-             + ("*" if build == "few_rows" else ""))
-    return tokens, rows, cfg.block_m, share
+             f"{few_rows_share(plan, H_Q // H_KV, cfg.block_m, few.block_m):.2f}")
+    return tokens, rows, cfg.block_m, share, build
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,14 +77,15 @@ def main(argv: list[str] | None = None) -> None:
         workloads = None
     kv = FP8 if args.kv_dtype == "fp8_e4m3" else None
     print(f"| tree | items | items of <= {args.small} rows | their share of token work "
-          "| padded dot rows | few-row share of tiles (* takes the build) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+          "| padded dot rows | few-row share of tiles | build asked |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, layout in available(args.trees or GPU_SUITE, workloads):
-        tokens, rows, block_m, share = work_rows(layout, args.sms, kv)
+        tokens, rows, block_m, share, build = work_rows(layout, args.sms, kv)
         small = rows <= args.small
         padded = 1 - float((tokens * rows).sum()) / float(tokens.sum() * block_m)
         print(f"| {name} | {len(rows)} | {int(small.sum())} "
-              f"| {tokens[small].sum() / tokens.sum():.2f} | {padded:.0%} | {share} |", flush=True)
+              f"| {tokens[small].sum() / tokens.sum():.2f} | {padded:.0%} | {share} | {build} |",
+              flush=True)
 
 
 if __name__ == "__main__":
