@@ -25,6 +25,22 @@ TOL = {
 LSE_TOL = (1e-4, 1e-5)  # lse is float32 for every input dtype
 
 
+class Letters:
+    """Characters as token ids modulo ``vocab``: enough for the engine and its strategies
+    (encode, decode, no end token)."""
+
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % self.vocab for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:  # noqa: ANN001
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
     """Compare with the dtype's tolerance; on failure the message lists the worst elements."""
     atol, rtol = TOL[dtype]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close, assert_lse_close, random_forest, random_qkv, TOL
+from conftest import Letters, assert_close, assert_lse_close, random_forest, random_qkv, TOL
 from deft import KVPool, KVSpec, TreeAttention
 from deft.cache.pool import CALIBRATION_HEADROOM, FP8, quantize
 from deft.ops.reference import reference_attention
@@ -306,16 +306,6 @@ def tiny_llama():
     return model
 
 
-class Letters:
-    eos_token_ids: frozenset[int] = frozenset()
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) % 48 for c in text]
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:  # noqa: ANN001
-        return "".join(chr(97 + i % 26) for i in ids)
-
-
 def fp8_triton_engine(model, num_pages: int, graphs: bool):  # noqa: ANN001, ANN201
     """A triton engine over an FP8 pool of ``num_pages`` 4-token pages; with ``graphs``, its
     steps of up to 4 queries run padded in a graph bucket (eagerly on CPU), the last page's
@@ -323,7 +313,7 @@ def fp8_triton_engine(model, num_pages: int, graphs: bool):  # noqa: ANN001, ANN
     from deft.engine import TreeEngine
     from deft.engine.graphs import StepGraphs
 
-    engine = TreeEngine(model, Letters(), num_pages=num_pages, page_size=4, backend="triton",
+    engine = TreeEngine(model, Letters(48), num_pages=num_pages, page_size=4, backend="triton",
                         kv="fp8_e4m3")
     runner = engine.runner
     if graphs:
@@ -338,7 +328,7 @@ def test_an_fp8_engine_calibrates_on_its_first_step_and_tracks_the_exact_one(bac
 
     if backend == "triton":
         pytest.importorskip("triton")
-    model, tok = tiny_llama(), Letters()
+    model, tok = tiny_llama(), Letters(48)
     prompt = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3]
     logits = []
     for kv in (None, "fp8_e4m3"):
@@ -490,7 +480,7 @@ def test_a_fixed_calibration_leaves_the_scales_to_no_request():
     first, and the throwaway prompt holds no pages afterwards."""
     from deft.engine import TreeEngine
 
-    model, tok = tiny_llama(), Letters()
+    model, tok = tiny_llama(), Letters(48)
     scales = []
     for first in ([3, 14, 15], [40, 41, 2, 9, 9, 9, 9]):
         engine = TreeEngine(model, tok, num_pages=16, page_size=4, backend="torch", kv="fp8_e4m3")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import random_forest, random_qkv
+from conftest import Letters, random_forest, random_qkv
 from deft import KVSpec, TreeAttention, register_backend
 from deft.engine import EngineConfig, SamplingParams, TreeEngine, generate
 from deft.engine.runner import ModelRunner
@@ -24,18 +24,6 @@ from deft.ops.reference import reference_attention
 from deft.plan import make_plan
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, DIM, LAYERS = 40, 32, 4, 2, 8, 2
-
-
-class ToyTokenizer:
-    """Letters as token ids: enough for the strategies (encode, decode, no end token)."""
-
-    eos_token_ids: frozenset[int] = frozenset()
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) % VOCAB for c in text]
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:  # noqa: ANN001
-        return "".join(chr(97 + i % 26) for i in ids)
 
 
 class AttentionOnly:
@@ -90,7 +78,7 @@ def toy_family():
     def load_hf(folder, device, dtype):  # noqa: ANN001
         with open(f"{folder}/config.json") as f:
             seed = json.load(f)["seed"]
-        return AttentionOnly(seed), ToyTokenizer()
+        return AttentionOnly(seed), Letters(VOCAB)
 
     register_family(Family("attention-only", hf_model_types=("attention-only",), load_hf=load_hf))
     yield
@@ -133,7 +121,7 @@ def test_families_name_what_they_support(toy_family, tmp_path):
 def test_the_engine_refuses_what_is_not_a_decoder():
     with pytest.raises(TypeError, match="model: expected a decoder model .* without kv_shape"):
         TreeEngine(SimpleNamespace(config=AttentionOnly(0).config, device=torch.device("cpu"),
-                                   dtype=torch.float32, attention=None), ToyTokenizer())
+                                   dtype=torch.float32, attention=None), Letters(VOCAB))
 
 
 # ----------------------------------------------------------- a toy K/V format
@@ -177,7 +165,7 @@ def tiny_llama() -> LlamaModel:
 
 
 def test_a_scaled_float16_kv_format_runs_through_the_engine(scaled_kv):
-    model, tok = tiny_llama(), ToyTokenizer()
+    model, tok = tiny_llama(), Letters(VOCAB)
     plain = TreeEngine(model, tok, num_pages=16, page_size=4, backend="torch")
     scaled = TreeEngine(model, tok, EngineConfig(num_pages=16, page_size=4, backend="scaled-kv",
                                                  kv=KVSpec(torch.float16, "per_layer")))
@@ -246,7 +234,7 @@ def test_kv_dtype_and_scales_are_checked_before_any_kernel(scaled_kv):
 def test_a_step_is_a_value_a_second_runner_computes_alike():
     """Every step the engine builds, mirrored to a second runner of its own pool, gives the
     same logits: the step carries all a device needs (copies of committed paths included)."""
-    model, tok = tiny_llama(), ToyTokenizer()
+    model, tok = tiny_llama(), Letters(VOCAB)
     engine = TreeEngine(model, tok, num_pages=16, page_size=4, backend="torch")
     mirror = ModelRunner(model, engine.config)
     run, seen = engine.runner.run, []
@@ -298,7 +286,7 @@ def test_one_host_plan_uploads_to_several_triton_attentions():
 
 
 def test_a_kv_format_the_backend_cannot_read_is_refused_when_the_engine_is_built(scaled_kv):
-    model, tok = tiny_llama(), ToyTokenizer()
+    model, tok = tiny_llama(), Letters(VOCAB)
     with pytest.raises(TypeError, match="kv: backend 'reference' reads K/V in the queries' "
                                         "dtype torch.float32 only, got torch.float16"):
         TreeEngine(model, tok, num_pages=4, backend="reference", kv=KVSpec(torch.float16))
@@ -317,7 +305,7 @@ def test_a_dropped_engine_frees_its_pool_without_the_cycle_collector():
 
     gc.disable()
     try:
-        engine = TreeEngine(tiny_llama(), ToyTokenizer(), num_pages=4, page_size=4, backend="torch")
+        engine = TreeEngine(tiny_llama(), Letters(VOCAB), num_pages=4, page_size=4, backend="torch")
         root = engine.add_prompt([1, 2, 3])
         engine.extend([(engine.cache.fork(root, 1)[0], [4])])
         pool = weakref.ref(engine.pool.k[0])
@@ -345,6 +333,6 @@ def test_engine_config_checks_every_field_in_one_place():
     assert EngineConfig(kv="auto").kv is None
     assert EngineConfig(kv="fp8_e4m3").kv == KVSpec(torch.float8_e4m3fn, "per_head")
     with pytest.raises(ValueError, match="prefill_chunk"):
-        TreeEngine(tiny_llama(), ToyTokenizer(), prefill_chunk=0)
+        TreeEngine(tiny_llama(), Letters(VOCAB), prefill_chunk=0)
     with pytest.raises(TypeError, match="config: expected a deft EngineConfig, got dict"):
-        TreeEngine(tiny_llama(), ToyTokenizer(), {"num_pages": 4})
+        TreeEngine(tiny_llama(), Letters(VOCAB), {"num_pages": 4})

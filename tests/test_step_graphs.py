@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import Letters
 from deft import TreeKVCache, TreeLayout
 from deft.engine import TreeEngine
 from deft.engine import graphs as graphs_mod
@@ -178,16 +179,6 @@ def test_captures_load_no_kernel(monkeypatch):
     assert [name for name, capturing in loads if capturing] == []
 
 
-class _Letters:
-    eos_token_ids: frozenset[int] = frozenset()
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) % 48 for c in text]
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:  # noqa: ANN001
-        return "".join(chr(97 + i % 26) for i in ids)
-
-
 @pytest.mark.skipif(CUDA, reason="sets the interpreter's config")
 def test_buckets_switch_to_the_light_build_and_back_as_eagerly(monkeypatch):
     """While a step's tree asks for the light build (the interpreter's config given a capped
@@ -204,7 +195,7 @@ def test_buckets_switch_to_the_light_build_and_back_as_eagerly(monkeypatch):
     out, used = [], []
     for graphs in (False, True):
         monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(capped, light_per_sm=4))
-        engine = TreeEngine(model, _Letters(), num_pages=32, page_size=4, backend="triton")
+        engine = TreeEngine(model, Letters(48), num_pages=32, page_size=4, backend="triton")
         runner = engine.runner
         if graphs:  # steps of up to 4 queries padded into a bucket (run eagerly on a CPU)
             runner.graphs = StepGraphs(model, runner.pool, 31 * 4, (4,), "triton", "flatten",
