@@ -2,6 +2,7 @@
 (``tools/kernel_registers.py``: Triton for sm_90, then ``ptxas -v``), and the rows of the work
 items its H200 plans hand it (``tools/work_rows.py``)."""
 
+import json
 import re
 import subprocess
 import sys
@@ -86,3 +87,30 @@ def test_the_persistent_gluon_experiment_compiles_for_sm90_without_spills():
         assert 0 < int(registers) <= 168, out
         spilling = "'small': True" in cfg or "'check': 2, 'consumers': 2" in cfg
         assert spilling or spills == ["0", "0", "0"], out
+
+
+def test_program_timeline_summary_fits_pair_durations_and_replays_their_order(tmp_path):
+    """``tools/program_timeline.py --from-json`` on pairs whose durations follow an exact
+    law (3 µs + 30 µs per 1k tokens + 5 if masked + 1 if gathered), run in program order
+    on one SM's two slots: it recovers the law, names the pair that ends last, and list
+    scheduling reproduces the recorded span (34.0 µs) and the longest-first one (31.1)."""
+    pairs = [(512, 0, False), (64, 64, True), (128, 0, True), (256, 10, False), (64, 0, False)]
+    free, rows = [0.0, 0.0], []
+    for program, (tokens, masked, gathered) in enumerate(pairs):
+        dur = 3 + 0.03 * tokens + 5 * (masked > 0) + 1 * gathered
+        slot = free.index(min(free))
+        start, free[slot] = free[slot], free[slot] + dur
+        rows += [{"tree": "t", "u": "shipped", "layer": layer, "sm": 0, "start_us": start,
+                  "end_us": start + dur, "tokens": tokens, "group_rows": 4, "masked": masked,
+                  "gathered": gathered, "program": program} for layer in range(4)]
+    path = tmp_path / "pairs.json"
+    path.write_text(json.dumps(rows))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "program_timeline.py"), "--from-json", str(path)],
+        capture_output=True, text=True, timeout=300, check=True, cwd=ROOT).stdout
+    assert "span 34.0 µs (median of 2 layers), 5 pairs" in out, out
+    assert ("pair µs = 3.00 + 30.0 per 1k tokens + 5.00 if any token is masked + 1.00 if "
+            "gathered (rms residual 0.00)") in out, out
+    assert "ends late: 256 tokens, 4 group rows, 10 masked, TMA: 1 pairs, µs median 15.7 " \
+           "from 18.4 to 34.0" in out, out
+    assert "on 2 slots: in the recorded order 34.0 µs, longest first 31.1 µs" in out, out
