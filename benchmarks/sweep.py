@@ -30,6 +30,10 @@ config and coarsening (``deft.plan.coarsen.refine``):
 * ``few``: the few-row build of FP8 trees of few rows per K/V token (``kv8_few_rows``,
   shipped 16 x 64): none, 32 x 64, 16 x 32, or taken from a share of 0.3 of the token work
   in tiles of few rows (``kv8_few_share``; shipped 0.1).
+* ``model``: the coarsening's launch model for uncapped launches (those that keep
+  ``resident_per_sm`` programs per SM) on those resident slots instead of the config's
+  ``programs_per_sm``, and other program costs; the graph-safe grid and every capped launch
+  stay as shipped (docs/decisions.md, "Where a graph-safe partial launch spends its time").
 
 With ``--graph-safe`` every variant launches as the engine's captured steps do (fixed
 buffers and grid for any tree of the step's size, ``TreeAttention(capacity=...)``). With
@@ -48,14 +52,18 @@ import argparse
 import dataclasses
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from deft.ops.base import Capacity
 from deft.ops.reference import reference_attention
 from deft.ops.triton import configs, kernels
 from deft.plan import coarsen_plan, step as plan_step
+from deft.plan.coarsen import (Coarsening, coarsen_factor, group_runs, lpt_factor,
+                               refine as coarsen_refine, resident_wave)
+from deft.plan.tree_plan import TreePlan
 from deft.recorded import workloads_dir
 
 from .attention_gpu import (D, DTYPE, FP8, H_KV, H_Q, LAYERS, fp8_copy, planned_as_engine,
@@ -71,12 +79,42 @@ SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 
 TMA_SHAPES = [(64, 32, 4, 4), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2)]
 RING = [(32, 4), (64, 3), (64, 4), (128, 2), (128, 3)]
 SWEEPS = ("merge", "factors", "shapes", "tma", "occupancy", "pipeline", "mergecfg", "mergeheads",
-          "pdl", "partials", "ring", "few", "cap")
+          "pdl", "partials", "ring", "few", "cap", "model")
 
 
-def variants(sweep: str, factors: str = "2,4,8,16,32") -> list[tuple[str, dict, int | None]]:
+Refine = Callable[[TreePlan, Coarsening], TreePlan]
+
+
+def uncapped_model(resident: bool, program_cost: int | None) -> Refine:
+    """The coarsening rule with the launch model of uncapped launches (``resident_slots``
+    set) on their resident slots (``resident``) and charging ``program_cost`` tokens per
+    program (None: the config's); the one-wave check of the resident slots
+    (:func:`~deft.plan.coarsen.resident_wave`) still follows. Capped launches as shipped."""
+    def refine(plan: TreePlan, params: Coarsening) -> TreePlan:
+        r = params.resident_slots
+        if plan.num_tiles == 0 or not r:
+            return coarsen_refine(plan, params)
+        cost = params.program_cost if program_cost is None else program_cost
+        base = coarsen_factor(plan, params._replace(slots=0))  # the rule before the model
+        slots = r if resident else params.slots
+        best = lpt_factor(plan, base, params.g, params.block_m, params.num_kv_heads, slots,
+                          cost, params.max_factor)
+        starts = np.flatnonzero(group_runs(plan))
+        lens = np.diff(np.append(starts, plan.num_tiles))
+        chunks = -(-(plan.tile_q_end[starts] - plan.tile_q_start[starts]) * params.g
+                   // params.block_m)
+        best = resident_wave(list(zip(lens.tolist(), chunks.tolist())), best,
+                             min(4 * base, params.max_factor), params.num_kv_heads,
+                             plan.block_kv, r, cost)
+        return coarsen_plan(plan, best)
+    return refine
+
+
+def variants(sweep: str, factors: str = "2,4,8,16,32"
+             ) -> list[tuple[str, dict, int | Refine | None]]:
     """(label, changes to every row regime of head_dim ``D``'s configs, fixed coarsening
-    factor or None for the shipped rule), the shipped configs first."""
+    factor, a coarsening of its own, or None for the shipped rule), the shipped configs
+    first."""
     def v(**changes) -> dict:
         return changes
 
@@ -128,6 +166,11 @@ def variants(sweep: str, factors: str = "2,4,8,16,32") -> list[tuple[str, dict, 
                 ("few m32n64", v(kv8_few_rows=(32, 64)), None),
                 ("few m16n32", v(kv8_few_rows=(16, 32)), None),
                 ("few share 0.3", v(kv8_few_share=0.3), None)]
+    elif sweep == "model":
+        out += [("model on resident slots", shipped, uncapped_model(True, None)),
+                ("model on resident slots, cost 256", shipped, uncapped_model(True, 256)),
+                ("model on resident slots, cost 384", shipped, uncapped_model(True, 384)),
+                ("model cost 256", shipped, uncapped_model(False, 256))]
     elif sweep == "cap":
         out += [("no cap", v(maxnreg=None), None),
                 ("no cap resident 2", v(maxnreg=None, resident_per_sm=2), None),
@@ -176,9 +219,11 @@ def _sweep_tree(name: str, layout, variant_list, graph: bool, registers: dict,  
                     configs.CONFIGS[key] = dataclasses.replace(cfg, **changes)
             if u is None:
                 plan_step.refine = shipped_refine
+            elif callable(u):
+                plan_step.refine = u
             else:
                 plan_step.refine = lambda plan, params, u=u: coarsen_plan(plan, u)
-            # The compiled planner coarsens as shipped: fixed factors plan with numpy.
+            # The compiled planner coarsens as shipped: other coarsenings plan with numpy.
             os.environ["DEFT_FASTPLAN"] = "1" if u is None else "0"
             capacity = Capacity(layout.num_queries, max(n, 1)) if graph_safe else None
             attn = planned_as_engine(layout, capacity, FP8 if fp8 else None)

@@ -672,6 +672,33 @@ def test_coarsening_model_tries_at_most_17_factors(monkeypatch):
     assert tried == []
 
 
+def test_sweep_model_variants_replan_only_uncapped_launches():
+    """``benchmarks.sweep --sweep model``: with the shipped model's slots and cost its
+    coarsening is the shipped rule, for uncapped (264 resident of 396 modelled slots) and
+    capped launches alike; on the resident slots with a 256-token program cost it plans
+    few-shot b=20 at factor 9 instead of 6 (the H200's parameters), and leaves a capped
+    launch's plan as shipped."""
+    from benchmarks.sweep import uncapped_model
+    from benchmarks.trees import fan_layout
+    from deft.plan import coarsen, make_plan
+
+    uncapped = coarsen.Coarsening(4, 64, 8, 132, 4.0, 384, 1024, 396, 128, 264)
+    capped = uncapped._replace(resident_slots=0)
+    plans = [make_plan(lay, "flatten", 64) for lay in (
+        few_shot_layout(4000, 20, 200), few_shot_layout(4000, 50, 200), fan_layout(2000, 256),
+        fan_layout(32 * 1024, 16))]
+    for plan in plans:
+        for params in (uncapped, capped):
+            ours = uncapped_model(False, None)(plan, params)
+            assert np.array_equal(ours.tile_indptr, coarsen.refine(plan, params).tile_indptr)
+    few_shot = plans[0]
+    assert coarsen.coarsen_factor(few_shot, uncapped) == 6
+    moved = uncapped_model(True, 256)(few_shot, uncapped)
+    assert np.array_equal(moved.tile_indptr, coarsen.coarsen_plan(few_shot, 9).tile_indptr)
+    kept = uncapped_model(True, 256)(few_shot, capped)
+    assert np.array_equal(kept.tile_indptr, coarsen.refine(few_shot, capped).tile_indptr)
+
+
 def test_config_table_by_arch_head_dim_and_rows(monkeypatch):
     """``kernel_config`` takes the regime of the largest ``rows_from`` at most the step's
     rows; an architecture or head_dim without rows falls back to the defaults'."""
