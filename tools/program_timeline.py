@@ -98,7 +98,7 @@ def timeline_kernel(
             SCALED=SCALED, F16_DOTS=F16_DOTS)
         t1 = _globaltimer()
         desc = plan + off_work + w * 8
-        rec = TL + item.to(tl.int64) * 10
+        rec = TL + item.to(tl.int64) * 10  # FIELDS per pair
         tl.store(rec, sm.to(tl.int64))
         tl.store(rec + 1, t0)
         tl.store(rec + 2, t1)
