@@ -10,12 +10,14 @@ masked step of gathered and consecutive tiles (bf16 q): eager (gathered loads, n
 header) or graph-safe (TMA, plan header, a loop over work items), over 16-bit or FP8 K/V.
 
 Usage: ``python tools/kernel_registers.py [--head-dim 128] [--rows 0,2048] [--kv bf16,fp8]
-[--launch eager,graph-safe] [--maxnreg shipped,none,168] [--block-m shipped,few,16]``;
+[--launch eager,graph-safe] [--maxnreg shipped,none,168] [--block-m shipped,few,16]
+[--dump DIR]``;
 ``--rows`` picks the config table's row regimes (``deft.ops.triton.configs.CONFIGS``),
 ``--maxnreg`` the register cap (``shipped``: the config's build's for that K/V), ``--block-m``
 the build: ``shipped``, ``few`` (FP8's few-row build, ``configs.few_rows_config``; skipped where
 there is none) or that many rows per program (16: ``mma.sync`` dots, converted K/V in
-registers). About 10 s a build.
+registers). ``--dump DIR`` also writes each build's TTGIR, PTX, cubin and SASS (``nvdisasm``)
+there, to read what the compiler made of a loop. About 10 s a build.
 """
 
 from __future__ import annotations
@@ -98,9 +100,10 @@ def ptxas_usage(ptx: str, maxnreg: int | None) -> Usage:
 
 
 def build_usage(cfg: configs.KernelConfig, head_dim: int, kv: torch.dtype,
-                graph_safe: bool) -> Usage:
+                graph_safe: bool, dump: Path | None = None) -> Usage:
     """Compile one build of the partial kernel for sm_90 under ``cfg`` (as launched over
-    ``kv``: ``configs.kv_config``) and report its usage (bf16 q). Triton must target sm_90:
+    ``kv``: ``configs.kv_config``) and report its usage (bf16 q); with ``dump``, also write
+    its TTGIR, PTX and SASS there (``dump`` + ``.ttgir`` etc.). Triton must target sm_90:
     :func:`main` makes it, for the whole process."""
     h_q, d = H_KV * G, head_dim
     q = torch.empty(16, h_q, d, dtype=torch.bfloat16)
@@ -121,6 +124,14 @@ def build_usage(cfg: configs.KernelConfig, head_dim: int, kv: torch.dtype,
         PDL=cfg.pdl, HEADER=graph_safe, SCALED=scaled, F16_DOTS=scaled,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
         launch_pdl=cfg.pdl)
+    if dump is not None:
+        dump.with_suffix(".ttgir").write_text(compiled.asm["ttgir"])
+        dump.with_suffix(".ptx").write_text(compiled.asm["ptx"])
+        cubin = dump.with_suffix(".cubin")
+        cubin.write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([str(PTXAS.parent / "nvdisasm"), "-c", "-g", str(cubin)],
+                              capture_output=True, text=True, check=True).stdout
+        dump.with_suffix(".sass").write_text(sass)
     return ptxas_usage(compiled.asm["ptx"], cfg.maxnreg)
 
 
@@ -135,7 +146,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-m", default="shipped",
                     help="builds: shipped (the config's), few (FP8's few-row build) or a number "
                          "of rows per program")
+    ap.add_argument("--dump", metavar="DIR", type=Path,
+                    help="also write each build's TTGIR, PTX, cubin and SASS into DIR")
     args = ap.parse_args(argv)
+    if args.dump is not None:
+        args.dump.mkdir(parents=True, exist_ok=True)
     driver.set_active(_Sm90())
     print("| rows | K/V | launch | block m | cap | registers | stack B | spill stores B "
           "| spill loads B | wgmma serialised |")
@@ -155,7 +170,9 @@ def main(argv: list[str] | None = None) -> None:
             built = configs.kv_config(build, KV[kv])
             if cap != "shipped":
                 built = dataclasses.replace(built, maxnreg=None if cap == "none" else int(cap))
-            u = build_usage(built, args.head_dim, KV[kv], launch == "graph-safe")
+            name = f"rows{rows}-{kv}-{launch}-m{built.block_m}-cap{built.maxnreg or 'none'}"
+            u = build_usage(built, args.head_dim, KV[kv], launch == "graph-safe",
+                            None if args.dump is None else args.dump / name)
             print(f"| {rows} | {kv} | {launch} | {built.block_m} "
                   f"| {built.maxnreg or 'none'} | {u.registers} | {u.stack} "
                   f"| {u.spill_stores} | {u.spill_loads} | {u.serialized or 'no'} |", flush=True)

@@ -226,9 +226,10 @@ def summarise(rows: list[dict]) -> None:
     late = sorted(kinds, key=lambda k: -np.median([v[2] for v in kinds[k]]))[:4]
     for k in late:
         v = np.array(kinds[k])
+        dur_us, start_us, end_us = (np.median(v[:, i]) for i in range(3))
         print(f"  ends late: {k[0]} tokens, {k[1]} group rows, {k[2]} masked,"
               f" {'gathered' if k[3] else 'TMA'}: {len(v) // len(layers)} pairs, µs median"
-              f" {np.median(v[:, 0]):.1f} from {np.median(v[:, 1]):.1f} to {np.median(v[:, 2]):.1f}")
+              f" {dur_us:.1f} from {start_us:.1f} to {end_us:.1f}")
     slots = 2 * len({r["sm"] for r in rows})
     one = sorted((r for r in rows if r["layer"] == layers[len(layers) // 2]),
                  key=lambda r: r["program"])
