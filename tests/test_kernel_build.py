@@ -16,14 +16,20 @@ PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this Triton ships no ptxas")
-def test_graph_safe_builds_compile_for_sm90_within_their_register_caps():
+def test_graph_safe_builds_compile_for_sm90_within_their_register_caps(tmp_path):
     """The graph-safe builds (TMA, plan header) of steps under 2,048 rows compile for sm_90:
     the 64-row ones uncapped with their wgmma instructions asynchronous, over bf16 and FP8 K/V,
-    and FP8's few-row build within its 168-register cap."""
+    and FP8's few-row build within its 168-register cap. ``--dump`` writes each build's
+    TTGIR (its K/V loads by TMA) and SASS (wgmma products for 64 rows, mma.sync for 16)."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "kernel_registers.py"), "--rows", "0", "--launch",
-         "graph-safe", "--block-m", "shipped,few"],
+         "graph-safe", "--block-m", "shipped,few", "--dump", str(tmp_path)],
         capture_output=True, text=True, timeout=300, check=True, cwd=ROOT).stdout
+    for name, product in (("rows0-bf16-graph-safe-m64-capnone", "HGMMA."),
+                          ("rows0-fp8-graph-safe-m64-capnone", "HGMMA."),
+                          ("rows0-fp8-graph-safe-m16-cap168", "HMMA.")):
+        assert "async_tma_copy_global_to_local" in (tmp_path / f"{name}.ttgir").read_text()
+        assert product in (tmp_path / f"{name}.sass").read_text(), name
     rows = {}
     for line in out.splitlines()[2:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
