@@ -103,7 +103,7 @@ def build_usage(cfg: configs.KernelConfig, head_dim: int, kv: torch.dtype,
                 graph_safe: bool, dump: Path | None = None) -> Usage:
     """Compile one build of the partial kernel for sm_90 under ``cfg`` (as launched over
     ``kv``: ``configs.kv_config``) and report its usage (bf16 q); with ``dump``, also write
-    its TTGIR, PTX and SASS there (``dump`` + ``.ttgir`` etc.). Triton must target sm_90:
+    its TTGIR, PTX, cubin and SASS there (``dump`` + ``.ttgir`` etc.). Triton must target sm_90:
     :func:`main` makes it, for the whole process."""
     h_q, d = H_KV * G, head_dim
     q = torch.empty(16, h_q, d, dtype=torch.bfloat16)
