@@ -71,14 +71,8 @@ def timeline_kernel(
 ):
     """The graph-safe partial kernel's loop (``HEADER`` only), timing each pair into ``TL``."""
     h_kv = num_heads // G
-    num_work = tl.load(plan - 16)
-    off_lo = tl.load(plan - 15)
-    off_hi = tl.load(plan - 14)
-    off_off = tl.load(plan - 13)
-    off_work = tl.load(plan - 12)
-    off_order = tl.load(plan - 11)
-    off_pre = tl.load(plan - 10)
-    off_len = tl.load(plan - 9)
+    num_work, off_lo, off_hi, off_off, off_work, off_order, off_pre, off_len = (
+        _plan_header(plan))
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -112,6 +106,7 @@ def timeline_kernel(
 
 
 _work_item = kernels._work_item
+_plan_header = kernels.plan_header
 
 
 class _Timed:

@@ -233,6 +233,14 @@ def _tile(
 
 
 @triton.jit
+def plan_header(plan):
+    """A graph-safe plan's work-item count and segment offsets (token lo, hi, off; work
+    items; query order, pre, len), from the 16 ints before its first segment."""
+    return (tl.load(plan - 16), tl.load(plan - 15), tl.load(plan - 14), tl.load(plan - 13),
+            tl.load(plan - 12), tl.load(plan - 11), tl.load(plan - 10), tl.load(plan - 9))
+
+
+@triton.jit
 def tree_partial_kernel(
     Q, K, V, desc_k, desc_v, PO, PLSE,
     plan,  # the packed int32 plan; its first segment is the token slots
@@ -259,14 +267,8 @@ def tree_partial_kernel(
         # current plan, whose count and segment offsets come from the 16 ints before its
         # first segment, so no launch argument changes between plans. A grid of more than
         # one wave leaves the hardware to hand most pairs to the SMs that finish first.
-        num_work = tl.load(plan - 16)
-        off_lo = tl.load(plan - 15)
-        off_hi = tl.load(plan - 14)
-        off_off = tl.load(plan - 13)
-        off_work = tl.load(plan - 12)
-        off_order = tl.load(plan - 11)
-        off_pre = tl.load(plan - 10)
-        off_len = tl.load(plan - 9)
+        num_work, off_lo, off_hi, off_off, off_work, off_order, off_pre, off_len = (
+            plan_header(plan))
         total = num_work * h_kv
         pid = tl.program_id(0)
         # The first pair waits for the previous launch once described, as below; a program
