@@ -239,12 +239,22 @@ def test_triton_merge_modes(monkeypatch, fused):
                     expected_nan(layout, [p[:2] for p in poison]), f"fused={fused}")
 
 
+# The masked tiles' kernel variants (deft.ops.triton.configs.KernelConfig): shipped, the
+# masked loop from a block boundary before mask_from, and that with ranges loaded first.
+TAILS = {"shipped": {}, "aligned": {"aligned_mask": True},
+         "both": {"aligned_mask": True, "ranges_first": True}}
+
+
 @pytest.mark.skipif(CUDA, reason="on a GPU, TMA runs inside graph capture: the gpu test")
+@pytest.mark.parametrize("tails", list(TAILS))
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "gathered"])
 @pytest.mark.parametrize("value", list(VALUES))
-def test_triton_tma_blocks(monkeypatch, value):
-    """Tiles of consecutive slots loaded by TMA (interpreted on CPU): whole blocks, blocks
-    cut at a tile's ``mask_from`` (their box reads on into the tile's masked tokens), masked
-    blocks, and the last tile's tail box, which reads the spare slots past the layout."""
+def test_triton_tma_blocks(monkeypatch, value, tma, tails):
+    """Tiles of consecutive slots loaded by TMA (interpreted on CPU), or gathered: whole
+    blocks, blocks cut at a tile's ``mask_from`` (their box reads on into the tile's masked
+    tokens), masked blocks, and the last tile's tail box, which reads the spare slots past
+    the layout; with each variant of the masked tiles (``TAILS``: a prompt token before a
+    tile's ``mask_from`` then runs in its masked loop)."""
     pytest.importorskip("triton")
     import dataclasses
 
@@ -252,23 +262,27 @@ def test_triton_tma_blocks(monkeypatch, value):
 
     for key, cfg in list(configs.CONFIGS.items()):
         monkeypatch.setitem(configs.CONFIGS, key,
-                            dataclasses.replace(cfg, tma=True))
+                            dataclasses.replace(cfg, tma=tma, **TAILS[tails]))
     layout = fan_and_tree(40, 3, 11, 20, 9)
     q, k, v = clean_inputs(layout, torch.float32, device=DEV)
     attn = planned("triton", layout, device=DEV, block=32)
-    assert attn._prepared.contiguous and attn._prepared.tma
+    assert attn._prepared.contiguous and attn._prepared.tma == tma
+    work = attn._prepared.segment("work").view(-1, 8).numpy()
+    assert ((work[:, 5] < work[:, 1]) & ((work[:, 5] - work[:, 0]) % 16 > 0)).any()
     calls = []
     monkeypatch.setattr(launch, "_kv_descriptor",
                         lambda *a, f=launch._kv_descriptor: calls.append(1) or f(*a))
     clean = attn.run(q, k, v, return_lse=True)
-    assert calls, "the TMA path was not taken"
-    # A prompt token, a second-branch token, the second tree's first token (right after the
-    # fan), a token of its child past the half-child query's kv length, the first spare
+    assert bool(calls) == tma, "the TMA path was not taken" if tma else "TMA without tma"
+    # A prompt token, a prompt token before the second tile's mask_from (40) but past the
+    # block boundary (32), a second-branch token, the second tree's first token (right after
+    # the fan), a token of its child past the half-child query's kv length, the first spare
     # slot; K and V in turns, KV heads in turns.
-    slots = [7, 40 + 11 + 5, 73, 73 + 20 + 6, layout.num_tokens]
+    slots = [7, 35, 40 + 11 + 5, 73, 73 + 20 + 6, layout.num_tokens]
     poison = [(s, i % H_KV, i, VALUES[value], "kv"[i // 2 % 2]) for i, s in enumerate(slots)]
     assert_isolated(run_poisoned(attn, q, k, v, poison), clean,
-                    expected_nan(layout, [p[:2] for p in poison]), f"tma {value}")
+                    expected_nan(layout, [p[:2] for p in poison]),
+                    f"{'tma' if tma else 'gathered'} {tails} {value}")
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -358,13 +372,14 @@ def test_gpu_torch_backend(path, scenario):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("fused", [False, True], ids=["merge-launch", "fused-merge"])
+@pytest.mark.parametrize("variant", [{}, {"fuse_merge": True}, TAILS["both"]],
+                         ids=["merge-launch", "fused-merge", "masked-tile-variants"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
-def test_gpu_triton_isolation(monkeypatch, dtype, graph, fused):
-    """The shipped kernel configs (with TMA allowed) on the Llama-3-8B attention shape: a
-    prompt with branches in one tree and a second tree, poison in a branch, in the second
-    tree and in a spare slot. Eagerly K/V are gathered; inside a CUDA graph consecutive-slot
+def test_gpu_triton_isolation(monkeypatch, dtype, graph, variant):
+    """The shipped kernel configs (with TMA allowed; the merge fused, or the masked tiles'
+    variants, in turns) on the Llama-3-8B attention shape: a prompt with branches in one
+    tree and a second tree, poison in a branch, in the second tree and in a spare slot. Eagerly K/V are gathered; inside a CUDA graph consecutive-slot
     tiles load by TMA on sm_90+ (the same graph replays the clean and the poisoned cache, so
     their results compare bitwise)."""
     import dataclasses
@@ -372,8 +387,7 @@ def test_gpu_triton_isolation(monkeypatch, dtype, graph, fused):
     from deft.ops.triton import configs, launch
 
     for key, cfg in list(configs.CONFIGS.items()):
-        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
-            cfg, fuse_merge=fused, tma=True))
+        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, tma=True, **variant))
     layout = fan_and_tree(1500, 7, 77, 300, 50)
     n = 1500 + 7 * 77
     h_q, h_kv, d = 32, 8, 128

@@ -36,10 +36,25 @@ def test_graph_safe_builds_compile_for_sm90_within_their_register_caps(tmp_path)
         rows[cells[1], cells[3]] = cells[4:]
     assert set(rows) == {("bf16", "64"), ("fp8", "64"), ("fp8", "16")}, out
     for kv in ("bf16", "fp8"):
-        cap, registers, *_, serialised = rows[kv, "64"]
-        assert cap == "none" and 0 < int(registers) <= 255 and serialised == "no", out
-    cap, registers, *_ = rows["fp8", "16"]
+        cap, tails, registers, *_, serialised = rows[kv, "64"]
+        assert cap == "none" and tails == "shipped", out
+        assert 0 < int(registers) <= 255 and serialised == "no", out
+    cap, _, registers, *_ = rows["fp8", "16"]
     assert cap == "168" and 0 < int(registers) <= 168, out
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this Triton ships no ptxas")
+def test_masked_tile_variants_compile_for_sm90():
+    """The masked tiles' variants (``aligned_mask`` and ``ranges_first``) of the bf16
+    graph-safe build compile for sm_90, uncapped, with their wgmma instructions asynchronous."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "kernel_registers.py"), "--rows", "0", "--kv",
+         "bf16", "--launch", "graph-safe", "--tails", "both"],
+        capture_output=True, text=True, timeout=300, check=True, cwd=ROOT).stdout
+    cells = [c.strip() for c in out.splitlines()[2].strip("|").split("|")]
+    cap, tails, registers, *_, serialised = cells[4:]
+    assert cap == "none" and tails == "both", out
+    assert 0 < int(registers) <= 255 and serialised == "no", out
 
 
 def test_work_rows_finds_the_small_items_of_a_few_shot_tree_and_none_of_a_long_prompt():

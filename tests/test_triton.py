@@ -15,6 +15,9 @@ from deft.ops.triton import configs, launch  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
+# The masked tiles' kernel variants (deft.ops.triton.configs.KernelConfig), not shipped.
+TAILS = {"aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
+         "both": {"aligned_mask": True, "ranges_first": True}}
 
 
 def check(layout, h_q, h_kv, d, dtype, kind="flatten", seed=0, paged=0):
@@ -401,6 +404,35 @@ def test_gpu_tma_path(monkeypatch, dtype, d, gqa):
     assert_close(out.cpu(), ref_o.cpu(), dtype, "tma in a CUDA graph")
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("tails", list(TAILS))
+def test_gpu_masked_tile_variants(monkeypatch, tails):
+    """The masked tiles' variants on the shipped configs, eager (gathered) and in a CUDA
+    graph (TMA), bf16 on the Llama-3-8B attention shape, against the float64 reference."""
+    import dataclasses
+
+    for key, cfg in list(configs.CONFIGS.items()):
+        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, **TAILS[tails]))
+    layout = few_shot_layout(1500, 7, 77)
+    q, k, v = random_qkv(layout, 32, 8, 128, torch.bfloat16, 2, device="cuda")
+    ref_o, ref_lse = reference_attention(q, k, v, layout, 128**-0.5)
+    attn = TreeAttention(32, 8, 128, backend="triton", device="cuda")
+    attn.plan(layout)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2], device="cuda")
+    attn.run(q, k, v, out=out, lse_out=lse, return_lse=True)
+    assert_close(out.cpu(), ref_o.cpu(), torch.bfloat16, f"{tails} eager")
+    assert_lse_close(lse.cpu(), ref_lse.cpu(), f"{tails} eager")
+    out.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.run(q, k, v, out=out, lse_out=lse, return_lse=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out.cpu(), ref_o.cpu(), torch.bfloat16, f"{tails} in a CUDA graph")
+    assert_lse_close(lse.cpu(), ref_lse.cpu(), f"{tails} in a CUDA graph")
+
+
 def test_slots_beyond_int32_are_rejected_at_plan():
     """The triton backend's plan arrays are int32: a larger slot is an error, not a wrap."""
     layout = TreeLayout.from_node_lengths([-1], [3], [0], slots=[0, 1, 2**31])
@@ -467,6 +499,40 @@ def test_tile_split_into_unmasked_and_masked_parts(monkeypatch, fixed_coarsening
         o, lse = attn.run(q, k, v, return_lse=True)
         assert_close(o.cpu(), ref_o.cpu(), torch.float16, f"split tile, tma={tma}")
         assert_lse_close(lse.cpu(), ref_lse.cpu(), "split tile")
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["gathered", "tma"])
+@pytest.mark.parametrize("tails", list(TAILS))
+def test_masked_tile_variants_match_reference(monkeypatch, fixed_coarsening, tails, tma):
+    """The masked tiles' kernel variants (``aligned_mask``: the masked loop from the block
+    boundary before ``mask_from``, which moves here; ``ranges_first``) stay exact, gathered
+    and by TMA, with NaN in the cache slots past the layout, and with the token ranges
+    before each tile's ``mask_from`` zeroed (the compiled planner need not write them)."""
+    import dataclasses
+
+    layout = few_shot_layout(70, 3, 21)
+    q, k, v = random_qkv(layout, 4, 2, 32, torch.float16, 3, device=DEV)
+    ref_o, ref_lse = reference_attention(q, k, v, layout, 32**-0.5)
+    k, v = (torch.cat([x, torch.full_like(x[:40], float("nan"))]) for x in (k, v))
+    fixed_coarsening(4)
+    key = ("interpreter", 0, 0)
+    cfg = dataclasses.replace(configs.CONFIGS[key], tma=tma, **TAILS[tails])
+    monkeypatch.setitem(configs.CONFIGS, key, cfg)
+    attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=8)
+    attn.plan(layout)
+    work = attn._prepared.segment("work").view(-1, 8).cpu().numpy()
+    inside = (work[:, 5] < work[:, 1]) & ((work[:, 5] - work[:, 0]) % cfg.block_n > 0)
+    assert inside.any(), "no masked part starts inside a block"
+    for t0, mask_from in work[:, [0, 5]]:
+        for name in ("tok_lo", "tok_hi", "tok_off"):
+            attn._prepared.segment(name)[t0:mask_from] = 0
+    calls = []
+    monkeypatch.setattr(launch, "_kv_descriptor",
+                        lambda *a, f=launch._kv_descriptor: calls.append(1) or f(*a))
+    o, lse = attn.run(q, k, v, return_lse=True)
+    assert bool(calls) == tma
+    assert_close(o.cpu(), ref_o.cpu(), torch.float16, f"{tails}, tma={tma}")
+    assert_lse_close(lse.cpu(), ref_lse.cpu(), f"{tails}, tma={tma}")
 
 
 def test_failed_replan_leaves_no_plan(monkeypatch):

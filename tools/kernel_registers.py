@@ -11,12 +11,13 @@ header) or graph-safe (TMA, plan header, a loop over work items), over 16-bit or
 
 Usage: ``python tools/kernel_registers.py [--head-dim 128] [--rows 0,2048] [--kv bf16,fp8]
 [--launch eager,graph-safe] [--maxnreg shipped,none,168] [--block-m shipped,few,16]
-[--dump DIR]``;
+[--tails shipped,aligned,ranges,both] [--dump DIR]``;
 ``--rows`` picks the config table's row regimes (``deft.ops.triton.configs.CONFIGS``),
 ``--maxnreg`` the register cap (``shipped``: the config's build's for that K/V), ``--block-m``
 the build: ``shipped``, ``few`` (FP8's few-row build, ``configs.few_rows_config``; skipped where
 there is none) or that many rows per program (16: ``mma.sync`` dots, converted K/V in
-registers). ``--dump DIR`` also writes each build's TTGIR, PTX, cubin and SASS (``nvdisasm``)
+registers). ``--tails`` the masked tiles' variants: ``shipped``, ``aligned``
+(``KernelConfig.aligned_mask``), ``ranges`` (``ranges_first``) or ``both``. ``--dump DIR`` also writes each build's TTGIR, PTX, cubin and SASS (``nvdisasm``)
 there, to read what the compiler made of a loop. About 10 s a build.
 """
 
@@ -46,6 +47,8 @@ from deft.ops.triton import configs, kernels  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 KV = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+TAILS = {"shipped": {}, "aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
+         "both": {"aligned_mask": True, "ranges_first": True}}
 H_KV, G = 8, 4  # Llama-3-8B's heads
 
 
@@ -122,6 +125,7 @@ def build_usage(cfg: configs.KernelConfig, head_dim: int, kv: torch.dtype,
         *args, grid=(1,), G=G, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_MASK=True,
         CONTIG=False, TMA=graph_safe, SORTED=False, FUSE_MERGE=cfg.fuse_merge, IEEE=False,
         PDL=cfg.pdl, HEADER=graph_safe, SCALED=scaled, F16_DOTS=scaled,
+        ALIGN_MASK=cfg.aligned_mask, RANGES_FIRST=cfg.ranges_first,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
         launch_pdl=cfg.pdl)
     if dump is not None:
@@ -146,20 +150,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-m", default="shipped",
                     help="builds: shipped (the config's), few (FP8's few-row build) or a number "
                          "of rows per program")
+    ap.add_argument("--tails", default="shipped",
+                    help="masked tiles: shipped, aligned (aligned_mask), ranges (ranges_first), "
+                         "both")
     ap.add_argument("--dump", metavar="DIR", type=Path,
                     help="also write each build's TTGIR, PTX, cubin and SASS into DIR")
     args = ap.parse_args(argv)
     if args.dump is not None:
         args.dump.mkdir(parents=True, exist_ok=True)
     driver.set_active(_Sm90())
-    print("| rows | K/V | launch | block m | cap | registers | stack B | spill stores B "
+    print("| rows | K/V | launch | block m | cap | tails | registers | stack B | spill stores B "
           "| spill loads B | wgmma serialised |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for rows in (int(r) for r in args.rows.split(",")):
         shipped = configs.CONFIGS["sm90", args.head_dim, rows]
-        for kv, cap, launch, block_m in itertools.product(
+        for kv, cap, launch, block_m, tails in itertools.product(
                 args.kv.split(","), args.maxnreg.split(","), args.launch.split(","),
-                args.block_m.split(",")):
+                args.block_m.split(","), args.tails.split(",")):
             if block_m == "few":
                 build = configs.few_rows_config(shipped, KV[kv])
                 if build is None:
@@ -170,11 +177,13 @@ def main(argv: list[str] | None = None) -> None:
             built = configs.kv_config(build, KV[kv])
             if cap != "shipped":
                 built = dataclasses.replace(built, maxnreg=None if cap == "none" else int(cap))
-            name = f"rows{rows}-{kv}-{launch}-m{built.block_m}-cap{built.maxnreg or 'none'}"
+            built = dataclasses.replace(built, **TAILS[tails])
+            name = (f"rows{rows}-{kv}-{launch}-m{built.block_m}-cap{built.maxnreg or 'none'}"
+                    + ("" if tails == "shipped" else f"-{tails}"))
             u = build_usage(built, args.head_dim, KV[kv], launch == "graph-safe",
                             None if args.dump is None else args.dump / name)
             print(f"| {rows} | {kv} | {launch} | {built.block_m} "
-                  f"| {built.maxnreg or 'none'} | {u.registers} | {u.stack} "
+                  f"| {built.maxnreg or 'none'} | {tails} | {u.registers} | {u.stack} "
                   f"| {u.spill_stores} | {u.spill_loads} | {u.serialized or 'no'} |", flush=True)
 
 

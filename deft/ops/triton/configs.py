@@ -74,6 +74,12 @@ class KernelConfig:
     resident_per_sm: int | None = None
     program_cost: int = 128  # a program's fixed cost in tokens: work item and Q loads, stores
     graph_waves: int = 1  # graph-safe launches: a grid of this many waves of programs
+    # A tile's masked loop starts at the block boundary at or before its ``mask_from``, so
+    # its unmasked loop has no partial last block (run outside the pipelined loop).
+    aligned_mask: bool = False
+    # A masked TMA block issues its tokens' range loads before its K load, so that a block
+    # outside the pipelined loop waits for both at once.
+    ranges_first: bool = False
 
 
 _SM90 = dict(tma=True, pdl=True, graph_waves=3, kv8_maxnreg=168)

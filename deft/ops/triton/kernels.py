@@ -108,17 +108,41 @@ def _fp16_queries(q, qk_scale):
 
 
 @triton.jit
+def _ranges(tok_lo, tok_hi, tok_off, offs, tok_ok):
+    """The node ranges (lo, hi, off) of the plan tokens ``offs`` of a masked block, 0 past
+    ``tok_ok``."""
+    lo = tl.load(tok_lo + offs, mask=tok_ok, other=0)
+    hi = tl.load(tok_hi + offs, mask=tok_ok, other=0)
+    off = tl.load(tok_off + offs, mask=tok_ok, other=0)
+    return lo, hi, off
+
+
+@triton.jit
+def _seen(lo, hi, off, offs, seen_to, pre, qlen, ALIGN_MASK: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]``: which rows see the tokens ``offs`` of :func:`_ranges`.
+    ``ALIGN_MASK``: the masked part starts at a block boundary before the tile's
+    ``mask_from`` (``seen_to``), so that the unmasked part has no partial last block; every
+    row sees the tokens before ``seen_to``, whatever ranges the planner left there (the
+    compiled planner writes them only from the node segment that holds ``mask_from``)."""
+    vis = _visible(pre[:, None], qlen[:, None], lo[None, :], hi[None, :], off[None, :])
+    if ALIGN_MASK:
+        vis = vis | (offs < seen_to)[None, :]
+    return vis
+
+
+@triton.jit
 def _tile_loop(
-    q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen, row_ok,
-    m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+    q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre, qlen,
+    row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
     D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr,
 ):
     """Online softmax of the query rows over plan tokens ``[tok0, tok1)``, ``BLOCK_N`` at a time.
 
     ``CONTIG``: the tokens sit in consecutive slots from ``slot0``, so K/V addresses need no
     slot load. Otherwise the next block's slots are loaded one iteration ahead, so the K/V
-    loads of a block never wait on a slot load of the same iteration.
+    loads of a block never wait on a slot load of the same iteration. ``MASKED`` with
+    ``ALIGN_MASK``: every row sees the tokens before ``seen_to`` (see :func:`_seen`).
     """
     d = tl.arange(0, D)
     if not CONTIG:
@@ -138,10 +162,8 @@ def _tile_loop(
         s = _scores(q, k, IEEE)
         vis = tok_ok[None, :] & row_ok[:, None]
         if MASKED:
-            lo = tl.load(tok_lo + offs, mask=tok_ok, other=0)
-            hi = tl.load(tok_hi + offs, mask=tok_ok, other=0)
-            off = tl.load(tok_off + offs, mask=tok_ok, other=0)
-            vis = vis & _visible(pre[:, None], qlen[:, None], lo[None, :], hi[None, :], off[None, :])
+            lo, hi, off = _ranges(tok_lo, tok_hi, tok_off, offs, tok_ok)
+            vis = vis & _seen(lo, hi, off, offs, seen_to, pre, qlen, ALIGN_MASK=ALIGN_MASK)
         s = tl.where(vis, _no_neg_inf(s), float("-inf"))
         p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
         v = tl.load(V + kv_off, mask=tok_ok[:, None], other=0.0).to(q.dtype)
@@ -154,24 +176,28 @@ def _tile_loop(
 
 @triton.jit
 def _tma_block(
-    q, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, slot, kvh, pre, qlen,
+    q, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, seen_to, slot, kvh, pre, qlen,
     m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    TAIL: tl.constexpr, IEEE: tl.constexpr,
+    TAIL: tl.constexpr, IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr,
+    RANGES_FIRST: tl.constexpr,
 ):
     """One online-softmax step over the ``BLOCK_N`` consecutive slots from ``slot``, loaded
     by TMA. ``TAIL``: only tokens before ``tok1`` count; the box's rows past it (another
     node's KV, or unwritten cache) are masked out of the scores and their V rows zeroed, so
-    their K/V never flag a row."""
+    their K/V never flag a row. ``MASKED``: the rows see the tokens by their ranges
+    (:func:`_ranges`), loaded before K's (``RANGES_FIRST``: in flight while K's load is
+    waited for, where the block is not software-pipelined) or after its product."""
+    offs = start + tl.arange(0, BLOCK_N)
+    tok_ok = offs < tok1
+    if MASKED and RANGES_FIRST:
+        lo, hi, off = _ranges(tok_lo, tok_hi, tok_off, offs, tok_ok)
     k = desc_k.load([slot, kvh * D]).to(q.dtype)
     s = _scores(q, k, IEEE)
     if MASKED or TAIL:
-        offs = start + tl.arange(0, BLOCK_N)
-        tok_ok = offs < tok1
         if MASKED:
-            lo = tl.load(tok_lo + offs, mask=tok_ok, other=0)
-            hi = tl.load(tok_hi + offs, mask=tok_ok, other=0)
-            off = tl.load(tok_off + offs, mask=tok_ok, other=0)
-            vis = _visible(pre[:, None], qlen[:, None], lo[None, :], hi[None, :], off[None, :])
+            if not RANGES_FIRST:
+                lo, hi, off = _ranges(tok_lo, tok_hi, tok_off, offs, tok_ok)
+            vis = _seen(lo, hi, off, offs, seen_to, pre, qlen, ALIGN_MASK=ALIGN_MASK)
             vis = vis & tok_ok[None, :]
         else:
             vis = tok_ok[None, :]
@@ -191,44 +217,49 @@ def _tma_block(
 
 @triton.jit
 def _tma_tile(
-    q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
+    q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre, qlen,
     m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr, RANGES_FIRST: tl.constexpr,
 ):
     """``_tile_loop`` for a tile of consecutive slots from ``slot0``, every block by TMA: no
     per-element addresses, masks or slot loads, which frees registers and issue slots."""
     whole = tok0 + (tok1 - tok0) // BLOCK_N * BLOCK_N
     for start in range(tok0, whole, BLOCK_N):
         m_i, l_i, acc = _tma_block(
-            q, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, slot0 + (start - tok0), kvh,
-            pre, qlen, m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, TAIL=False,
-            IEEE=IEEE)
+            q, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, seen_to,
+            slot0 + (start - tok0), kvh, pre, qlen, m_i, l_i, acc, qk_scale, D=D,
+            BLOCK_N=BLOCK_N, MASKED=MASKED, TAIL=False, IEEE=IEEE, ALIGN_MASK=ALIGN_MASK,
+            RANGES_FIRST=RANGES_FIRST)
     if whole < tok1:
         m_i, l_i, acc = _tma_block(
-            q, desc_k, desc_v, tok_lo, tok_hi, tok_off, whole, tok1, slot0 + (whole - tok0), kvh,
-            pre, qlen, m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, TAIL=True,
-            IEEE=IEEE)
+            q, desc_k, desc_v, tok_lo, tok_hi, tok_off, whole, tok1, seen_to,
+            slot0 + (whole - tok0), kvh, pre, qlen, m_i, l_i, acc, qk_scale, D=D,
+            BLOCK_N=BLOCK_N, MASKED=MASKED, TAIL=True, IEEE=IEEE, ALIGN_MASK=ALIGN_MASK,
+            RANGES_FIRST=RANGES_FIRST)
     return m_i, l_i, acc
 
 
 @triton.jit
 def _tile(
-    q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre,
-    qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+    q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0,
+    kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
     D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
-    TMA: tl.constexpr, IEEE: tl.constexpr,
+    TMA: tl.constexpr, IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr,
+    RANGES_FIRST: tl.constexpr,
 ):
     """The tile's online softmax. ``TMA``: a tile of consecutive slots (``slot0 >= 0``; all
     tiles when ``CONTIG``) loads by TMA, any other by gathered loads."""
     if TMA and (CONTIG or slot0 >= 0):
         m_i, l_i, acc = _tma_tile(
-            q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
-            m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, IEEE=IEEE)
+            q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre,
+            qlen, m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, IEEE=IEEE,
+            ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST)
     else:
         m_i, l_i, acc = _tile_loop(
-            q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, slot0, kvh, pre, qlen,
-            row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-            D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, CONTIG=CONTIG, IEEE=IEEE)
+            q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre,
+            qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+            D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, CONTIG=CONTIG, IEEE=IEEE,
+            ALIGN_MASK=ALIGN_MASK)
     return m_i, l_i, acc
 
 
@@ -256,7 +287,8 @@ def tree_partial_kernel(
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, HEADER: tl.constexpr,
-    SCALED: tl.constexpr, F16_DOTS: tl.constexpr,
+    SCALED: tl.constexpr, F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr,
+    RANGES_FIRST: tl.constexpr,
 ):
     # KV heads vary fastest: programs start in work-item order (largest tiles first) across
     # all heads, so the launch's last programs are its shortest ones.
@@ -281,7 +313,8 @@ def tree_partial_kernel(
                 stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
                 KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
-                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS)
+                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS,
+                ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST)
         else:
             if PDL:
                 gdc_launch_dependents()
@@ -294,7 +327,8 @@ def tree_partial_kernel(
                 stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
                 KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
-                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False, SCALED=SCALED, F16_DOTS=F16_DOTS)
+                FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False, SCALED=SCALED, F16_DOTS=F16_DOTS,
+                ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST)
     else:
         _work_item(
             tl.program_id(0) // h_kv, tl.program_id(0) % h_kv, Q, K, V, desc_k, desc_v, PO,
@@ -303,7 +337,8 @@ def tree_partial_kernel(
             stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
             KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK,
             CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL,
-            SCALED=SCALED, F16_DOTS=F16_DOTS)
+            SCALED=SCALED, F16_DOTS=F16_DOTS,
+                ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST)
 
 
 @triton.jit
@@ -315,13 +350,15 @@ def _work_item(
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, WAIT: tl.constexpr, SCALED: tl.constexpr,
-    F16_DOTS: tl.constexpr,
+    F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr, RANGES_FIRST: tl.constexpr,
 ):
     """Work item ``w`` of the plan for KV head ``kvh``: its partial states. ``WAIT``: wait
     for the previous launch (programmatic dependent launch) once the item is described.
     ``SCALED``: K/V (e.g. FP8, converted exactly to the dots' dtype as loaded) are dequantised
     by the head's scales: K's folds into the score scale, V's into the epilogue.
-    ``F16_DOTS``: the dots run in fp16 (see the top)."""
+    ``F16_DOTS``: the dots run in fp16 (see the top). ``ALIGN_MASK``: the masked part of a
+    tile starts at the block boundary at or before its ``mask_from`` (:func:`_seen`).
+    ``RANGES_FIRST``: see :func:`_tma_block`."""
     tok_slot = plan
     tok_lo = plan + off_lo
     tok_hi = plan + off_hi
@@ -376,19 +413,26 @@ def _work_item(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    # Two loops, each branch-free and pipelined: unmasked tokens, then masked ones.
-    if tok0 < mask_from:
-        m_i, l_i, acc = _tile(
-            q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, mask_from, slot0,
-            kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-            D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE)
-    if USE_MASK:
+    # Two loops, each branch-free and pipelined: unmasked tokens, then masked ones from
+    # ``split`` on (``mask_from``, or with ALIGN_MASK the block boundary at or before it).
+    split = mask_from
+    if ALIGN_MASK:
         if mask_from < tok1:
-            slot_m = tl.where(slot0 >= 0, slot0 + (mask_from - tok0), -1)
+            split = tok0 + (mask_from - tok0) // BLOCK_N * BLOCK_N
+    if tok0 < split:
+        m_i, l_i, acc = _tile(
+            q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, split, split,
+            slot0, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+            D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE,
+            ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST)
+    if USE_MASK:
+        if split < tok1:
+            slot_m = tl.where(slot0 >= 0, slot0 + (split - tok0), -1)
             m_i, l_i, acc = _tile(
-                q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, mask_from, tok1,
-                slot_m, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-                D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE)
+                q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, split, tok1,
+                mask_from, slot_m, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn,
+                stride_kh, D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA,
+                IEEE=IEEE, ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST)
 
     has = l_i > 0
     o = acc * (v_s / tl.where(has, l_i, 1.0))[:, None]
