@@ -32,8 +32,17 @@ config and coarsening (``deft.plan.coarsen.refine``):
   in tiles of few rows (``kv8_few_share``; shipped 0.1).
 * ``model``: the coarsening's launch model for uncapped launches (those that keep
   ``resident_per_sm`` programs per SM) on those resident slots instead of the config's
-  ``programs_per_sm``, and other program costs; the graph-safe grid and every capped launch
-  stay as shipped (docs/decisions.md, "Where a graph-safe partial launch spends its time").
+  ``programs_per_sm``, and other program costs; and a model that charges a tile with a
+  masked part 128 or 256 tokens more, on the config's slots or the resident ones; the
+  graph-safe grid stays as shipped (docs/decisions.md, "Where a graph-safe partial launch
+  spends its time").
+* ``tails``: the masked tiles' kernel variants: the masked loop from the block boundary
+  before each tile's ``mask_from`` (``aligned_mask``), a masked block's range loads before
+  its K load (``ranges_first``), and both.
+
+``--plans`` makes each variant's plans on this machine, as an H200's backend would (its
+configs and 132 SMs), and prints their tiles, programs and build without timing anything
+(no GPU needed): which variants change which trees' plans.
 
 With ``--graph-safe`` every variant launches as the engine's captured steps do (fixed
 buffers and grid for any tree of the step's size, ``TreeAttention(capacity=...)``). With
@@ -41,7 +50,7 @@ buffers and grid for any tree of the step's size, ``TreeAttention(capacity=...)`
 pool holds them), checked against the float64 reference of the dequantised K/V.
 
 Usage: ``python -m benchmarks.sweep [--sweep NAME] [--kv-dtype fp8_e4m3] [--graph-safe]
-[--eager] [--only LABEL,...] [--json PATH] [TREE ...]``: one line per (tree, variant), then
+[--eager] [--only LABEL,...] [--plans] [--json PATH] [TREE ...]``: one line per (tree, variant), then
 registers and spills of every compiled partial-kernel variant, the best variants per tree
 and each variant's mean slowdown against the per-tree best.
 """
@@ -49,18 +58,21 @@ and each variant's mean slowdown against the per-tree best.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import hashlib
+import heapq
 import os
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from deft.ops.base import Capacity
+from deft.ops.base import Capacity, Heads
 from deft.ops.reference import reference_attention
-from deft.ops.triton import configs, kernels
-from deft.plan import coarsen_plan, step as plan_step
+from deft.ops.triton import backend, configs, kernels
+from deft.plan import coarsen_plan, packing, step as plan_step
 from deft.plan.coarsen import (Coarsening, coarsen_factor, group_runs, lpt_factor,
                                refine as coarsen_refine, resident_wave)
 from deft.plan.tree_plan import TreePlan
@@ -79,7 +91,7 @@ SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 
 TMA_SHAPES = [(64, 32, 4, 4), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2)]
 RING = [(32, 4), (64, 3), (64, 4), (128, 2), (128, 3)]
 SWEEPS = ("merge", "factors", "shapes", "tma", "occupancy", "pipeline", "mergecfg", "mergeheads",
-          "pdl", "partials", "ring", "few", "cap", "model")
+          "pdl", "partials", "ring", "few", "cap", "model", "tails")
 
 
 Refine = Callable[[TreePlan, Coarsening], TreePlan]
@@ -108,6 +120,63 @@ def uncapped_model(resident: bool, program_cost: int | None) -> Refine:
                              plan.block_kv, r, cost)
         return coarsen_plan(plan, best)
     return refine
+
+
+def masked_model(masked_cost: int, resident: bool) -> Refine:
+    """The coarsening rule with a launch model that charges each tile with a masked part
+    ``masked_cost`` tokens more (only a run's last plan tile can have one: its node's
+    last tokens), on the resident slots of uncapped launches (``resident``) or the
+    config's; the one-wave check of the resident slots follows as shipped."""
+    def refine(plan: TreePlan, params: Coarsening) -> TreePlan:
+        if plan.num_tiles == 0:
+            return plan
+        base = coarsen_factor(plan, params._replace(slots=0))  # the rule before the model
+        slots = params.resident_slots if resident and params.resident_slots else params.slots
+        starts = np.flatnonzero(group_runs(plan))
+        lens = np.diff(np.append(starts, plan.num_tiles))
+        chunks = -(-(plan.tile_q_end[starts] - plan.tile_q_start[starts]) * params.g
+                   // params.block_m)
+        masked = (packing.mask_from(plan) < plan.tile_indptr[1:])[starts + lens - 1]
+        runs = list(zip(lens.tolist(), chunks.tolist()))
+        heads, cost = params.num_kv_heads, params.program_cost
+        programs = sum(-(-r // base) * c for r, c in runs) * heads
+        best = base
+        if slots < programs <= 8 * slots:  # lpt_factor's candidates
+            steps = min(base, 16)
+            spans = {u: _charged_makespan(runs, masked, u, heads, plan.block_kv, slots, cost,
+                                          masked_cost)
+                     for u in (base + i * base // steps for i in range(steps + 1))
+                     if u <= params.max_factor}
+            best = min(spans, key=lambda u: (spans[u], u))
+        if 0 < params.resident_slots < params.slots:
+            best = resident_wave(runs, best, min(4 * base, params.max_factor), heads,
+                                 plan.block_kv, params.resident_slots, cost)
+        return coarsen_plan(plan, best)
+    return refine
+
+
+def _charged_makespan(runs: list[tuple[int, int]], masked: np.ndarray, u: int, heads: int,
+                      block_kv: int, slots: int, program_cost: int, masked_cost: int) -> int:
+    """:func:`~deft.plan.coarsen.lpt_makespan` with the tile that holds a masked run's last
+    plan tile charged ``masked_cost`` more, programs started longest first (the
+    kernel's order; a masked tile after the unmasked ones of its length)."""
+    count: dict[tuple[int, bool], int] = {}
+    for (r, c), m in zip(runs, masked.tolist()):
+        last = r % u or u
+        for length, n, mm in ((u, (r - last) // u, False), (last, 1, m)):
+            if n:
+                count[length, mm] = count.get((length, mm), 0) + n * c * heads
+    loads = [(0, slots)]
+    for length, mm in sorted(count, key=lambda k: (-k[0], k[1])):
+        left, cost = count[length, mm], length * block_kv + program_cost + masked_cost * mm
+        while left > 0:
+            load, n = heapq.heappop(loads)
+            k = min(n, left)
+            heapq.heappush(loads, (load + cost, k))
+            if n > k:
+                heapq.heappush(loads, (load, n - k))
+            left -= k
+    return max(load for load, _ in loads)
 
 
 def variants(sweep: str, factors: str = "2,4,8,16,32"
@@ -170,7 +239,15 @@ def variants(sweep: str, factors: str = "2,4,8,16,32"
         out += [("model on resident slots", shipped, uncapped_model(True, None)),
                 ("model on resident slots, cost 256", shipped, uncapped_model(True, 256)),
                 ("model on resident slots, cost 384", shipped, uncapped_model(True, 384)),
-                ("model cost 256", shipped, uncapped_model(False, 256))]
+                ("model cost 256", shipped, uncapped_model(False, 256)),
+                ("masked 128", shipped, masked_model(128, False)),
+                ("masked 256", shipped, masked_model(256, False)),
+                ("resident slots, masked 128", shipped, masked_model(128, True)),
+                ("resident slots, masked 256", shipped, masked_model(256, True))]
+    elif sweep == "tails":
+        out += [("aligned mask", v(aligned_mask=True), None),
+                ("ranges first", v(ranges_first=True), None),
+                ("aligned mask, ranges first", v(aligned_mask=True, ranges_first=True), None)]
     elif sweep == "cap":
         out += [("no cap", v(maxnreg=None), None),
                 ("no cap resident 2", v(maxnreg=None, resident_per_sm=2), None),
@@ -179,6 +256,61 @@ def variants(sweep: str, factors: str = "2,4,8,16,32"
     else:
         raise ValueError(f"sweep: expected one of {', '.join(SWEEPS)}, got {sweep!r}")
     return out
+
+
+@contextlib.contextmanager
+def _variant(changes: dict, u: int | Refine | None) -> Iterator[None]:
+    """The configs of head_dim ``D`` changed by ``changes`` and the coarsening ``u`` (see
+    :func:`variants`) while the block runs; the shipped ones after."""
+    shipped_table, shipped_refine = dict(configs.CONFIGS), plan_step.refine
+    opted_out = os.environ.get("DEFT_FASTPLAN")
+    # A variant's cap and block hold for one-byte K/V too.
+    changes = {**{f"kv8_{f}": changes[f] for f in ("maxnreg", "block_n") if f in changes},
+               **changes}
+    try:
+        for key, cfg in shipped_table.items():
+            if key[1] == D:
+                configs.CONFIGS[key] = dataclasses.replace(cfg, **changes)
+        if callable(u):
+            plan_step.refine = u
+        elif u is not None:
+            plan_step.refine = lambda plan, params, u=u: coarsen_plan(plan, u)
+        # The compiled planner coarsens as shipped: other coarsenings plan with numpy.
+        os.environ["DEFT_FASTPLAN"] = "1" if u is None else "0"
+        yield
+    finally:
+        configs.CONFIGS.update(shipped_table)
+        plan_step.refine = shipped_refine
+        if opted_out is None:
+            os.environ.pop("DEFT_FASTPLAN", None)
+        else:
+            os.environ["DEFT_FASTPLAN"] = opted_out
+
+
+def plan_rows(name: str, layout, variant_list, fp8: bool = False,  # noqa: ANN001
+              sms: int = 132) -> list[dict]:
+    """Each variant's plan of one tree as an H200's backend makes it (its configs, ``sms``
+    SMs, the build the tree asks for), on any machine: tiles, the longest one's tokens,
+    partial states, programs and a digest of the tiles (equal digests: the same tiles)."""
+    shipped_sms = backend._num_sms
+    backend._num_sms = lambda device: sms
+    rows = []
+    try:
+        for label, changes, u in variant_list:
+            with _variant(changes, u):
+                plan, packed, _, build = backend._pack(
+                    layout, "flatten", backend.TritonBackend.default_block_kv, Heads(H_Q, H_KV, D),
+                    torch.device("cpu"), lambda n: torch.empty(n, dtype=torch.int32), None,
+                    FP8 if fp8 else None)
+            tokens = np.diff(plan.tile_indptr)
+            digest = hashlib.sha1(np.stack([plan.tile_indptr[1:], plan.tile_q_start]).tobytes())
+            rows.append({"tree": name, "variant": label, "build": build,
+                         "tiles": plan.num_tiles, "longest tile": int(tokens.max(initial=0)),
+                         "partials": plan.num_partials, "programs": packed.num_work * H_KV,
+                         "plan": digest.hexdigest()[:8]})
+    finally:
+        backend._num_sms = shipped_sms
+    return rows
 
 
 def _compiled() -> dict:
@@ -206,25 +338,9 @@ def _sweep_tree(name: str, layout, variant_list, graph: bool, registers: dict,  
                                      vs[0].double() * v0[:, None].double(), layout, D**-0.5)
     else:
         ref, _ = reference_attention(q, ks[0], vs[0], layout, D**-0.5)
-    shipped_table, shipped_refine = dict(configs.CONFIGS), plan_step.refine
-    opted_out = os.environ.get("DEFT_FASTPLAN")
     rows = []
-    try:
-        for label, changes, u in variant_list:
-            # A variant's cap and block hold for one-byte K/V too.
-            changes = {**{f"kv8_{f}": changes[f] for f in ("maxnreg", "block_n") if f in changes},
-                       **changes}
-            for key, cfg in shipped_table.items():
-                if key[1] == D:
-                    configs.CONFIGS[key] = dataclasses.replace(cfg, **changes)
-            if u is None:
-                plan_step.refine = shipped_refine
-            elif callable(u):
-                plan_step.refine = u
-            else:
-                plan_step.refine = lambda plan, params, u=u: coarsen_plan(plan, u)
-            # The compiled planner coarsens as shipped: other coarsenings plan with numpy.
-            os.environ["DEFT_FASTPLAN"] = "1" if u is None else "0"
+    for label, changes, u in variant_list:
+        with _variant(changes, u):
             capacity = Capacity(layout.num_queries, max(n, 1)) if graph_safe else None
             attn = planned_as_engine(layout, capacity, FP8 if fp8 else None)
             plan = attn.current_plan
@@ -250,13 +366,6 @@ def _sweep_tree(name: str, layout, variant_list, graph: bool, registers: dict,  
                          "µs/step": us, "µs/layer": us / LAYERS, "max |diff| vs ref": diff})
             print(f"{name} | {label} | {plan.num_tiles} | {plan.num_partials} | {programs} | "
                   f"{us:.0f} | {us / LAYERS:.1f} | {diff:.2e}", flush=True)
-    finally:
-        configs.CONFIGS.update(shipped_table)
-        plan_step.refine = shipped_refine
-        if opted_out is None:
-            os.environ.pop("DEFT_FASTPLAN", None)
-        else:
-            os.environ["DEFT_FASTPLAN"] = opted_out
     return rows
 
 
@@ -275,10 +384,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--only", metavar="LABEL,...", help="keep just these variants")
     ap.add_argument("--workloads", metavar="DIR", help="recorded workloads directory "
                     "(default: $DEFT_WORKLOADS or ../shared/workloads; recorded trees skipped without)")
+    ap.add_argument("--plans", action="store_true",
+                    help="only make each variant's plans as an H200 would, and print their "
+                    "tiles and programs (no GPU needed)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as a result record")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        ap.error("needs a CUDA GPU")
     variant_list = variants(args.sweep, args.factors)
     if args.only:
         variant_list = [v for v in variant_list if v[0] in args.only.split(",")]
@@ -286,6 +396,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         workloads: Path | None = workloads_dir(args.workloads)
     except FileNotFoundError:
         workloads = None
+    if args.plans:
+        print("| tree | variant | build | tiles | longest tile | partials | programs | plan |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for name, layout in available(args.trees or GPU_SUITE, workloads):
+            for r in plan_rows(name, layout, variant_list, args.kv_dtype == "fp8_e4m3"):
+                print("| " + " | ".join(str(x) for x in r.values()) + " |", flush=True)
+        return 0
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (or --plans)")
     mode = ("eager" if args.eager else "graph") + (" graph-safe" if args.graph_safe else "")
     print(f"tree | variant | tiles | partials | programs | µs/step {mode} | µs/layer | max|diff| vs ref")
     results: list[dict] = []

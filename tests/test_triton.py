@@ -765,6 +765,55 @@ def test_sweep_model_variants_replan_only_uncapped_launches():
     assert np.array_equal(kept.tile_indptr, coarsen.refine(few_shot, capped).tile_indptr)
 
 
+def test_sweep_masked_model_charges_masked_tiles():
+    """``benchmarks.sweep.masked_model``: charging masked tiles nothing reproduces the shipped
+    coarsening exactly, uncapped and capped, on four trees (on the resident slots: the
+    ``uncapped_model`` variant's); 128 tokens more per masked tile
+    plan few-shot b=50 at factor 6 instead of 9 (its 50 one-query branches end masked), and on
+    the resident slots few-shot b=20 at 10 instead of 6 (the H200's parameters)."""
+    from benchmarks.sweep import masked_model, uncapped_model
+    from benchmarks.trees import fan_layout
+    from deft.plan import coarsen, make_plan
+
+    uncapped = coarsen.Coarsening(4, 64, 8, 132, 4.0, 384, 1024, 396, 128, 264)
+    capped = uncapped._replace(resident_slots=0)
+    plans = [make_plan(lay, "flatten", 64) for lay in (
+        few_shot_layout(4000, 20, 200), few_shot_layout(4000, 50, 200), fan_layout(2000, 256),
+        fan_layout(32 * 1024, 16))]
+    for plan in plans:
+        for params in (uncapped, capped):
+            ours = masked_model(0, False)(plan, params)
+            assert np.array_equal(ours.tile_indptr, coarsen.refine(plan, params).tile_indptr)
+            ours = masked_model(0, True)(plan, params)
+            assert np.array_equal(ours.tile_indptr,
+                                  uncapped_model(True, None)(plan, params).tile_indptr)
+    b20, b50 = plans[:2]
+    assert coarsen.coarsen_factor(b50, uncapped) == 9
+    moved = masked_model(128, False)(b50, uncapped)
+    assert np.array_equal(moved.tile_indptr, coarsen.coarsen_plan(b50, 6).tile_indptr)
+    assert coarsen.coarsen_factor(b20, uncapped) == 6
+    moved = masked_model(128, True)(b20, uncapped)
+    assert np.array_equal(moved.tile_indptr, coarsen.coarsen_plan(b20, 10).tile_indptr)
+
+
+def test_sweep_plans_need_no_gpu(capsys):
+    """``python -m benchmarks.sweep --plans`` prints each variant's plan of a tree as an
+    H200 makes it, on the CPU: the masked-tile variants keep the shipped plan, fixed factors
+    change it."""
+    from benchmarks import sweep
+
+    sweep.main(["--plans", "--sweep", "tails", "few-shot b=20"])
+    sweep.main(["--plans", "--sweep", "factors", "--factors", "2", "few-shot b=20"])
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("| few-shot")]
+    digests = {r[1]: r[-1] for r in rows}
+    assert set(digests) == {"shipped", "aligned mask", "ranges first",
+                            "aligned mask, ranges first", "u=2"}
+    assert len({digests[v] for v in digests if v != "u=2"}) == 1
+    assert digests["u=2"] != digests["shipped"]
+    assert all(r[2] == "default" and int(r[3]) > 1 for r in rows)
+
+
 def test_config_table_by_arch_head_dim_and_rows(monkeypatch):
     """``kernel_config`` takes the regime of the largest ``rows_from`` at most the step's
     rows; an architecture or head_dim without rows falls back to the defaults'."""
