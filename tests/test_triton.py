@@ -554,13 +554,21 @@ def test_failed_replan_leaves_no_plan(monkeypatch):
         attn.run(q, k, v)
 
 
+@pytest.mark.parametrize("tails", [None, "both"], ids=["shipped", "masked-tile-variants"])
 @pytest.mark.parametrize("seed", range(3))
-def test_coarsened_random_forests_interpreted(fixed_coarsening, seed):
+def test_coarsened_random_forests_interpreted(monkeypatch, fixed_coarsening, seed, tails):
     """Random forests coarsened by 3 (tiles that merge node boundaries, split at
-    ``mask_from``), shuffled or in-order slots: exact against the reference."""
+    ``mask_from``), shuffled or in-order slots: exact against the reference, with the
+    shipped kernel and with its masked tiles' variants (in-order slots then by TMA)."""
+    import dataclasses
+
     from deft import make_plan
     from deft.plan import coarsen_plan, packing
 
+    if tails:
+        key = ("interpreter", 0, 0)
+        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
+            configs.CONFIGS[key], tma=True, **TAILS[tails]))
     fixed_coarsening(3)
     layout = random_forest(np.random.default_rng(40 + seed), 10, 24, max_tokens=120,
                            shuffle=seed % 2 == 0)
