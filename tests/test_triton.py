@@ -804,10 +804,37 @@ def test_sweep_masked_model_charges_masked_tiles():
     assert np.array_equal(moved.tile_indptr, coarsen.coarsen_plan(b20, 10).tile_indptr)
 
 
+def test_sweep_masked_apart_cuts_only_before_a_masked_run_end(monkeypatch):
+    """``benchmarks.sweep.masked_apart``: the shipped coarsening of few-shot b=20 with one
+    more cut, before the prompt run's last plan tile (its tokens partly seen), the H200's
+    parameters; and exact against the reference as a step's coarsening (interpreted)."""
+    from benchmarks.sweep import masked_apart
+    from deft.plan import coarsen, make_plan, packing, step
+
+    params = coarsen.Coarsening(4, 64, 8, 132, 4.0, 384, 1024, 396, 128, 264)
+    plan = make_plan(few_shot_layout(4000, 20, 200), "flatten", 64)
+    shipped = coarsen.refine(plan, params)
+    apart = masked_apart(plan, params)
+    cuts, extra = set(shipped.tile_indptr.tolist()), set(apart.tile_indptr.tolist())
+    assert cuts < extra and len(extra - cuts) == 1
+    (cut,) = extra - cuts
+    tile = int(np.searchsorted(plan.tile_indptr, cut))  # the plan tile starting there
+    assert plan.tile_indptr[tile] == cut and plan.tile_q_end[tile] - plan.tile_q_start[tile] == 20
+    mask_from = packing.mask_from(plan)
+    assert mask_from[tile] < plan.tile_indptr[tile + 1] and mask_from[tile - 1] == cut
+    assert coarsen.group_runs(plan)[tile + 1]  # the run's last tile
+    tiles = []
+    monkeypatch.setattr(step, "refine", lambda p, c: tiles.append(
+        (coarsen.refine(p, c).num_tiles, masked_apart(p, c).num_tiles)) or masked_apart(p, c))
+    monkeypatch.setenv("DEFT_FASTPLAN", "0")
+    check(few_shot_layout(70, 3, 21), 4, 2, 16, torch.float16)
+    assert tiles == [(6, 7)]
+
+
 def test_sweep_plans_need_no_gpu(capsys):
     """``python -m benchmarks.sweep --plans`` prints each variant's plan of a tree as an
-    H200 makes it, on the CPU: the masked-tile variants keep the shipped plan, fixed factors
-    change it."""
+    H200 makes it, on the CPU: the kernel variants keep the shipped plan, a masked tile
+    apart and fixed factors change it."""
     from benchmarks import sweep
 
     sweep.main(["--plans", "--sweep", "tails", "few-shot b=20"])
@@ -815,10 +842,11 @@ def test_sweep_plans_need_no_gpu(capsys):
     rows = [[c.strip() for c in line.strip("|").split("|")]
             for line in capsys.readouterr().out.splitlines() if line.startswith("| few-shot")]
     digests = {r[1]: r[-1] for r in rows}
-    assert set(digests) == {"shipped", "aligned mask", "ranges first",
-                            "aligned mask, ranges first", "u=2"}
-    assert len({digests[v] for v in digests if v != "u=2"}) == 1
-    assert digests["u=2"] != digests["shipped"]
+    kernel = {"shipped", "aligned mask", "ranges first", "aligned mask, ranges first"}
+    apart = {"masked tile apart", "aligned mask, masked tile apart"}
+    assert set(digests) == kernel | apart | {"u=2"}
+    assert len({digests[v] for v in kernel}) == 1 and len({digests[v] for v in apart}) == 1
+    assert len({digests["shipped"], digests["masked tile apart"], digests["u=2"]}) == 3
     assert all(r[2] == "default" and int(r[3]) > 1 for r in rows)
 
 
