@@ -1,4 +1,5 @@
-"""Sweeps of the triton backend's kernel configs and work split on the GPU suite (GPU only).
+"""Sweeps of the triton backend's kernel configs and work split on the GPU suite (timed on a
+GPU; ``--plans`` runs anywhere).
 
 For each tree and variant, time the benchmark's 32-layer step (partial + merge kernels, one KV
 buffer per layer, Llama-3-8B attention shape) replayed as a CUDA graph, and check layer 0
@@ -262,19 +263,19 @@ def variants(sweep: str, factors: str = "2,4,8,16,32"
                 ("few share 0.3", v(kv8_few_share=0.3), None)]
     elif sweep == "model":
         out += [("model on resident slots", shipped, uncapped_model(True, None)),
-                ("model on resident slots, cost 256", shipped, uncapped_model(True, 256)),
-                ("model on resident slots, cost 384", shipped, uncapped_model(True, 384)),
+                ("model on resident slots + cost 256", shipped, uncapped_model(True, 256)),
+                ("model on resident slots + cost 384", shipped, uncapped_model(True, 384)),
                 ("model cost 256", shipped, uncapped_model(False, 256)),
                 ("masked 128", shipped, masked_model(128, False)),
                 ("masked 256", shipped, masked_model(256, False)),
-                ("resident slots, masked 128", shipped, masked_model(128, True)),
-                ("resident slots, masked 256", shipped, masked_model(256, True))]
+                ("resident slots + masked 128", shipped, masked_model(128, True)),
+                ("resident slots + masked 256", shipped, masked_model(256, True))]
     elif sweep == "tails":
         out += [("aligned mask", v(aligned_mask=True), None),
                 ("ranges first", v(ranges_first=True), None),
-                ("aligned mask, ranges first", v(aligned_mask=True, ranges_first=True), None),
+                ("aligned mask + ranges first", v(aligned_mask=True, ranges_first=True), None),
                 ("masked tile apart", shipped, masked_apart),
-                ("aligned mask, masked tile apart", v(aligned_mask=True), masked_apart)]
+                ("aligned mask + masked tile apart", v(aligned_mask=True), masked_apart)]
     elif sweep == "cap":
         out += [("no cap", v(maxnreg=None), None),
                 ("no cap resident 2", v(maxnreg=None, resident_per_sm=2), None),
@@ -418,7 +419,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     variant_list = variants(args.sweep, args.factors)
     if args.only:
-        variant_list = [v for v in variant_list if v[0] in args.only.split(",")]
+        only = {label.strip() for label in args.only.split(",")}
+        variant_list = [v for v in variant_list if v[0] in only]
     try:
         workloads: Path | None = workloads_dir(args.workloads)
     except FileNotFoundError:

@@ -842,11 +842,13 @@ def test_sweep_plans_need_no_gpu(capsys):
     rows = [[c.strip() for c in line.strip("|").split("|")]
             for line in capsys.readouterr().out.splitlines() if line.startswith("| few-shot")]
     digests = {r[1]: r[-1] for r in rows}
-    kernel = {"shipped", "aligned mask", "ranges first", "aligned mask, ranges first"}
-    apart = {"masked tile apart", "aligned mask, masked tile apart"}
+    kernel = {"shipped", "aligned mask", "ranges first", "aligned mask + ranges first"}
+    apart = {"masked tile apart", "aligned mask + masked tile apart"}
     assert set(digests) == kernel | apart | {"u=2"}
     assert len({digests[v] for v in kernel}) == 1 and len({digests[v] for v in apart}) == 1
     assert len({digests["shipped"], digests["masked tile apart"], digests["u=2"]}) == 3
+    labels = [label for name in sweep.SWEEPS for label, _, _ in sweep.variants(name)]
+    assert not [label for label in labels if "," in label]  # --only takes a comma list
     assert all(r[2] == "default" and int(r[3]) > 1 for r in rows)
 
 
