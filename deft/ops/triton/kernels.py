@@ -108,29 +108,6 @@ def _fp16_queries(q, qk_scale):
 
 
 @triton.jit
-def _ranges(tok_lo, tok_hi, tok_off, offs, tok_ok):
-    """The node ranges (lo, hi, off) of the plan tokens ``offs`` of a masked block, 0 past
-    ``tok_ok``."""
-    lo = tl.load(tok_lo + offs, mask=tok_ok, other=0)
-    hi = tl.load(tok_hi + offs, mask=tok_ok, other=0)
-    off = tl.load(tok_off + offs, mask=tok_ok, other=0)
-    return lo, hi, off
-
-
-@triton.jit
-def _seen(lo, hi, off, offs, seen_to, pre, qlen, ALIGN_MASK: tl.constexpr):
-    """``[BLOCK_M, BLOCK_N]``: which rows see the tokens ``offs`` of :func:`_ranges`.
-    ``ALIGN_MASK``: the masked part starts at a block boundary before the tile's
-    ``mask_from`` (``seen_to``), so that the unmasked part has no partial last block; every
-    row sees the tokens before ``seen_to``, whatever ranges the planner left there (the
-    compiled planner writes them only from the node segment that holds ``mask_from``)."""
-    vis = _visible(pre[:, None], qlen[:, None], lo[None, :], hi[None, :], off[None, :])
-    if ALIGN_MASK:
-        vis = vis | (offs < seen_to)[None, :]
-    return vis
-
-
-@triton.jit
 def _tile_loop(
     q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre, qlen,
     row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
@@ -142,7 +119,7 @@ def _tile_loop(
     ``CONTIG``: the tokens sit in consecutive slots from ``slot0``, so K/V addresses need no
     slot load. Otherwise the next block's slots are loaded one iteration ahead, so the K/V
     loads of a block never wait on a slot load of the same iteration. ``MASKED`` with
-    ``ALIGN_MASK``: every row sees the tokens before ``seen_to`` (see :func:`_seen`).
+    ``ALIGN_MASK``: every row sees the tokens before ``seen_to`` (see :func:`_work_item`).
     """
     d = tl.arange(0, D)
     if not CONTIG:
@@ -162,8 +139,12 @@ def _tile_loop(
         s = _scores(q, k, IEEE)
         vis = tok_ok[None, :] & row_ok[:, None]
         if MASKED:
-            lo, hi, off = _ranges(tok_lo, tok_hi, tok_off, offs, tok_ok)
-            vis = vis & _seen(lo, hi, off, offs, seen_to, pre, qlen, ALIGN_MASK=ALIGN_MASK)
+            lo = tl.load(tok_lo + offs, mask=tok_ok, other=0)
+            hi = tl.load(tok_hi + offs, mask=tok_ok, other=0)
+            off = tl.load(tok_off + offs, mask=tok_ok, other=0)
+            vis = vis & _visible(pre[:, None], qlen[:, None], lo[None, :], hi[None, :], off[None, :])
+            if ALIGN_MASK:  # every row sees the tokens before seen_to (see _work_item)
+                vis = vis | ((offs < seen_to)[None, :] & row_ok[:, None])
         s = tl.where(vis, _no_neg_inf(s), float("-inf"))
         p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
         v = tl.load(V + kv_off, mask=tok_ok[:, None], other=0.0).to(q.dtype)
@@ -184,20 +165,29 @@ def _tma_block(
     """One online-softmax step over the ``BLOCK_N`` consecutive slots from ``slot``, loaded
     by TMA. ``TAIL``: only tokens before ``tok1`` count; the box's rows past it (another
     node's KV, or unwritten cache) are masked out of the scores and their V rows zeroed, so
-    their K/V never flag a row. ``MASKED``: the rows see the tokens by their ranges
-    (:func:`_ranges`), loaded before K's (``RANGES_FIRST``: in flight while K's load is
-    waited for, where the block is not software-pipelined) or after its product."""
-    offs = start + tl.arange(0, BLOCK_N)
-    tok_ok = offs < tok1
+    their K/V never flag a row. ``MASKED``: the rows see the tokens by their node ranges,
+    loaded before K's (``RANGES_FIRST``: in flight while K's load is waited for, where the
+    block is not software-pipelined) or after its product."""
     if MASKED and RANGES_FIRST:
-        lo, hi, off = _ranges(tok_lo, tok_hi, tok_off, offs, tok_ok)
+        offs = start + tl.arange(0, BLOCK_N)
+        tok_ok = offs < tok1
+        lo = tl.load(tok_lo + offs, mask=tok_ok, other=0)
+        hi = tl.load(tok_hi + offs, mask=tok_ok, other=0)
+        off = tl.load(tok_off + offs, mask=tok_ok, other=0)
     k = desc_k.load([slot, kvh * D]).to(q.dtype)
     s = _scores(q, k, IEEE)
     if MASKED or TAIL:
+        if not (MASKED and RANGES_FIRST):
+            offs = start + tl.arange(0, BLOCK_N)
+            tok_ok = offs < tok1
         if MASKED:
             if not RANGES_FIRST:
-                lo, hi, off = _ranges(tok_lo, tok_hi, tok_off, offs, tok_ok)
-            vis = _seen(lo, hi, off, offs, seen_to, pre, qlen, ALIGN_MASK=ALIGN_MASK)
+                lo = tl.load(tok_lo + offs, mask=tok_ok, other=0)
+                hi = tl.load(tok_hi + offs, mask=tok_ok, other=0)
+                off = tl.load(tok_off + offs, mask=tok_ok, other=0)
+            vis = _visible(pre[:, None], qlen[:, None], lo[None, :], hi[None, :], off[None, :])
+            if ALIGN_MASK:  # every row sees the tokens before seen_to (see _work_item)
+                vis = vis | (offs < seen_to)[None, :]
             vis = vis & tok_ok[None, :]
         else:
             vis = tok_ok[None, :]
@@ -357,8 +347,11 @@ def _work_item(
     ``SCALED``: K/V (e.g. FP8, converted exactly to the dots' dtype as loaded) are dequantised
     by the head's scales: K's folds into the score scale, V's into the epilogue.
     ``F16_DOTS``: the dots run in fp16 (see the top). ``ALIGN_MASK``: the masked part of a
-    tile starts at the block boundary at or before its ``mask_from`` (:func:`_seen`).
-    ``RANGES_FIRST``: see :func:`_tma_block`."""
+    tile starts at the block boundary at or before its ``mask_from``, so that the unmasked
+    part has no partial last block (run outside the pipelined loop); every row sees the
+    tokens between the two, whatever ranges the planner left there (the compiled planner
+    writes them only from the node segment that holds ``mask_from``). ``RANGES_FIRST``: see
+    :func:`_tma_block`."""
     tok_slot = plan
     tok_lo = plan + off_lo
     tok_hi = plan + off_hi
