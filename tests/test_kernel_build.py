@@ -61,7 +61,8 @@ def test_work_rows_finds_the_small_items_of_a_few_shot_tree_and_none_of_a_long_p
     """``tools/work_rows.py`` on the CPU: few-shot b=20's branches (one query's 4 rows each)
     are small items holding much of its token work, and over FP8 K/V its tiles pick the
     few-row build; a 32k prompt seen by 16 queries has neither; the 64 leaves of speculative
-    t=64 (200 programs) ask for the light build."""
+    t=64 (200 programs) ask for the light build, and some of its masked items end their
+    unmasked part inside a K/V block, where none of few-shot b=20's do."""
     for kv, few_cols in (("auto", ["-", "default"]), ("fp8_e4m3", ["0.33", "few_rows"])):
         out = subprocess.run(
             [sys.executable, str(ROOT / "tools" / "work_rows.py"), "--kv-dtype", kv,
@@ -73,9 +74,14 @@ def test_work_rows_finds_the_small_items_of_a_few_shot_tree_and_none_of_a_long_p
             rows[cells[0]] = cells[1:]
         few, long = rows["few-shot b=20"], rows["long prompt 32k x16"]
         assert int(few[1]) > int(few[0]) // 2 and 0.3 < float(few[2]) < 1, out
-        assert few[4:] == few_cols, out
-        assert long[1:] == ["0", "0.00", "0%", "-" if kv == "auto" else "0.00", "default"], out
+        assert few[4:6] == few_cols, out
+        assert long[1:6] == ["0", "0.00", "0%", "-" if kv == "auto" else "0.00", "default"], out
         assert rows["speculative t=64"][5] == "light", out
+        # Masked items: the branches' (their unmasked part a whole number of blocks), and
+        # the draft tree's (most of them ending their prompt part inside a block).
+        assert int(few[6]) > 0 and few[7] == "0", out
+        spec = rows["speculative t=64"]
+        assert 0 < int(spec[7]) <= int(spec[6]), out
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this Triton ships no ptxas")

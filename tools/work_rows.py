@@ -4,8 +4,10 @@ A work item is ``block_m`` query rows (group query, GQA head) of one tile; an it
 rows pads its dots to ``block_m``. Per tree: work items, those of at most ``--small`` rows,
 the share of the plan's token work (tokens x items) in them, the share of dot rows that are
 padding, the share by tiles that picks the few-row build for FP8 K/V
-(``deft.plan.packing.few_rows_share``, against ``KernelConfig.kv8_few_share``), and the build
-the tree asks for (``TreeAttention.build``). It tells which trees smaller dots serve
+(``deft.plan.packing.few_rows_share``, against ``KernelConfig.kv8_few_share``), the build
+the tree asks for (``TreeAttention.build``), the items with a masked part, and those of them
+whose unmasked part ends inside a K/V block (a partial block run outside the pipelined loop,
+unless ``KernelConfig.aligned_mask``). It tells which trees smaller dots serve
 (docs/decisions.md, "16-row dots for FP8" and "A few-row build per tree") and which take the
 light build ("The register cap stays, but for steps of few programs"). Plans are made as on
 an H200 (the sm90 configs and their default build, the backend's tile size, ``--sms`` SMs),
@@ -33,16 +35,19 @@ from benchmarks.trees import GPU_SUITE, available  # noqa: E402
 from deft.cache.pool import FP8  # noqa: E402
 from deft.ops.base import Heads  # noqa: E402
 from deft.ops.triton import backend  # noqa: E402
+from deft.ops.triton import configs  # noqa: E402
 from deft.ops.triton.configs import few_rows_config  # noqa: E402
 from deft.plan.packing import SEGMENTS, WORK_FIELDS, few_rows_share  # noqa: E402
 from deft.recorded import workloads_dir  # noqa: E402
 
 
 def work_rows(layout, sms: int,  # noqa: ANN001
-              kv_dtype: torch.dtype | None) -> tuple[np.ndarray, np.ndarray, int, str, str]:
+              kv_dtype: torch.dtype | None) -> tuple[np.ndarray, np.ndarray, int, str, str,
+                                                     np.ndarray]:
     """Each work item's tokens and rows in the default build's plan of ``layout`` on ``sms``
-    SMs, ``block_m``, the tiles' few-row share ("-" without a few-row build for this K/V) and
-    the build the tree asks for."""
+    SMs, ``block_m``, the tiles' few-row share ("-" without a few-row build for this K/V), the
+    build the tree asks for, and ``[W, 2]`` flags: the item has a masked part, and its
+    unmasked part ends inside a K/V block of the launched config."""
     shipped = backend._num_sms
     backend._num_sms = lambda device: sms
     try:
@@ -59,7 +64,9 @@ def work_rows(layout, sms: int,  # noqa: ANN001
     few = few_rows_config(cfg, kv_dtype)
     share = ("-" if few is None else
              f"{few_rows_share(plan, H_Q // H_KV, cfg.block_m, few.block_m):.2f}")
-    return tokens, rows, cfg.block_m, share, build
+    masked = work[:, 5] < work[:, 1]
+    mid = masked & ((work[:, 5] - work[:, 0]) % configs.kv_config(cfg, kv_dtype).block_n > 0)
+    return tokens, rows, cfg.block_m, share, build, np.stack([masked, mid], 1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,15 +84,16 @@ def main(argv: list[str] | None = None) -> None:
         workloads = None
     kv = FP8 if args.kv_dtype == "fp8_e4m3" else None
     print(f"| tree | items | items of <= {args.small} rows | their share of token work "
-          "| padded dot rows | few-row share of tiles | build asked |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "| padded dot rows | few-row share of tiles | build asked | masked items "
+          "| their unmasked part ending mid-block |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, layout in available(args.trees or GPU_SUITE, workloads):
-        tokens, rows, block_m, share, build = work_rows(layout, args.sms, kv)
+        tokens, rows, block_m, share, build, flags = work_rows(layout, args.sms, kv)
         small = rows <= args.small
         padded = 1 - float((tokens * rows).sum()) / float(tokens.sum() * block_m)
         print(f"| {name} | {len(rows)} | {int(small.sum())} "
-              f"| {tokens[small].sum() / tokens.sum():.2f} | {padded:.0%} | {share} | {build} |",
-              flush=True)
+              f"| {tokens[small].sum() / tokens.sum():.2f} | {padded:.0%} | {share} | {build} "
+              f"| {int(flags[:, 0].sum())} | {int(flags[:, 1].sum())} |", flush=True)
 
 
 if __name__ == "__main__":
