@@ -852,6 +852,26 @@ def test_sweep_plans_need_no_gpu(capsys):
     assert all(r[2] == "default" and int(r[3]) > 1 for r in rows)
 
 
+@pytest.mark.gpu
+@gpu
+def test_gpu_sweep_times_the_masked_tile_variants(capsys):
+    """``python -m benchmarks.sweep --sweep tails --graph-safe`` on a small tree: each kernel
+    and coarsening variant runs, agrees with the float64 reference, and the shipped configs
+    and coarsening are back afterwards."""
+    from benchmarks import sweep
+    from deft.plan import step
+
+    table, refine = dict(configs.CONFIGS), step.refine
+    only = "shipped,aligned mask + ranges first,aligned mask + masked tile apart"
+    assert sweep.main(["--sweep", "tails", "--graph-safe", "--only", only,
+                       "speculative t=32"]) == 0
+    rows = [[c.strip() for c in line.split("|")] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("speculative t=32 |")]
+    assert [r[1] for r in rows] == only.split(","), rows
+    assert all(float(r[7]) < 2e-2 for r in rows), rows
+    assert configs.CONFIGS == table and step.refine is refine
+
+
 def test_config_table_by_arch_head_dim_and_rows(monkeypatch):
     """``kernel_config`` takes the regime of the largest ``rows_from`` at most the step's
     rows; an architecture or head_dim without rows falls back to the defaults'."""
