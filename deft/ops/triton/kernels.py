@@ -327,8 +327,7 @@ def tree_partial_kernel(
             stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
             KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK,
             CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL,
-            SCALED=SCALED, F16_DOTS=F16_DOTS,
-                ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST)
+            SCALED=SCALED, F16_DOTS=F16_DOTS, ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST)
 
 
 @triton.jit
