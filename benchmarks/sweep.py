@@ -53,8 +53,8 @@ pool holds them), checked against the float64 reference of the dequantised K/V.
 
 Usage: ``python -m benchmarks.sweep [--sweep NAME] [--kv-dtype fp8_e4m3] [--graph-safe]
 [--eager] [--only LABEL,...] [--plans] [--json PATH] [TREE ...]``: one line per (tree,
-variant), then registers and spills of every compiled partial-kernel variant, the best variants per tree
-and each variant's mean slowdown against the per-tree best.
+variant), then registers and spills of every compiled partial-kernel variant, the best
+variants per tree and each variant's mean slowdown against the per-tree best.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ the build: ``shipped``, ``few`` (FP8's few-row build, ``configs.few_rows_config`
 there is none) or that many rows per program (16: ``mma.sync`` dots, converted K/V in
 registers). ``--tails`` the masked tiles' variants: ``shipped``, ``aligned``
 (``KernelConfig.aligned_mask``), ``ranges`` (``ranges_first``) or ``both``. ``--dump DIR``
-also writes each build's TTGIR, PTX, cubin and SASS (``nvdisasm``) there, to read what the compiler made of a loop. About 10 s a build.
+also writes each build's TTGIR, PTX, cubin and SASS (``nvdisasm``) there, to read what the
+compiler made of a loop. About 10 s a build.
 """
 
 from __future__ import annotations
