@@ -501,6 +501,7 @@ def test_tile_split_into_unmasked_and_masked_parts(monkeypatch, fixed_coarsening
         assert_lse_close(lse.cpu(), ref_lse.cpu(), "split tile")
 
 
+@pytest.mark.skipif(CUDA, reason="sets the interpreter's config; on a GPU: the gpu test")
 @pytest.mark.parametrize("tma", [False, True], ids=["gathered", "tma"])
 @pytest.mark.parametrize("tails", list(TAILS))
 def test_masked_tile_variants_match_reference(monkeypatch, fixed_coarsening, tails, tma):
@@ -776,9 +777,9 @@ def test_sweep_model_variants_replan_only_uncapped_launches():
 def test_sweep_masked_model_charges_masked_tiles():
     """``benchmarks.sweep.masked_model``: charging masked tiles nothing reproduces the shipped
     coarsening exactly, uncapped and capped, on four trees (on the resident slots: the
-    ``uncapped_model`` variant's); 128 tokens more per masked tile
-    plan few-shot b=50 at factor 6 instead of 9 (its 50 one-query branches end masked), and on
-    the resident slots few-shot b=20 at 10 instead of 6 (the H200's parameters)."""
+    ``uncapped_model`` variant's); 128 tokens more per masked tile plan few-shot b=50 at
+    factor 6 instead of 9 (its 50 one-query branches end masked), and on the resident slots
+    few-shot b=20 at 10 instead of 6 (the H200's parameters)."""
     from benchmarks.sweep import masked_model, uncapped_model
     from benchmarks.trees import fan_layout
     from deft.plan import coarsen, make_plan
@@ -804,6 +805,7 @@ def test_sweep_masked_model_charges_masked_tiles():
     assert np.array_equal(moved.tile_indptr, coarsen.coarsen_plan(b20, 10).tile_indptr)
 
 
+@pytest.mark.skipif(CUDA, reason="the interpreter's tiles")
 def test_sweep_masked_apart_cuts_only_before_a_masked_run_end(monkeypatch):
     """``benchmarks.sweep.masked_apart``: the shipped coarsening of few-shot b=20 with one
     more cut, before the prompt run's last plan tile (its tokens partly seen), the H200's
