@@ -85,7 +85,7 @@ from .attention_gpu import (D, DTYPE, FP8, H_KV, H_Q, LAYERS, fp8_copy, planned_
 from .report import record, write_record
 from .trees import GPU_SUITE, available
 
-__all__ = ["SWEEPS", "variants", "main"]
+__all__ = ["SWEEPS", "variants", "variant", "plan_rows", "main"]
 
 SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 3),
           (128, 64, 8, 2), (64, 16, 4, 4), (16, 32, 2, 3), (16, 64, 4, 3), (32, 32, 2, 3),
@@ -287,7 +287,7 @@ def variants(sweep: str, factors: str = "2,4,8,16,32"
 
 
 @contextlib.contextmanager
-def _variant(changes: dict, u: int | Refine | None) -> Iterator[None]:
+def variant(changes: dict, u: int | Refine | None) -> Iterator[None]:
     """The configs of head_dim ``D`` changed by ``changes`` and the coarsening ``u`` (see
     :func:`variants`) while the block runs; the shipped ones after."""
     shipped_table, shipped_refine = dict(configs.CONFIGS), plan_step.refine
@@ -325,7 +325,7 @@ def plan_rows(name: str, layout, variant_list, fp8: bool = False,  # noqa: ANN00
     rows = []
     try:
         for label, changes, u in variant_list:
-            with _variant(changes, u):
+            with variant(changes, u):
                 plan, packed, _, build = backend._pack(
                     layout, "flatten", backend.TritonBackend.default_block_kv, Heads(H_Q, H_KV, D),
                     torch.device("cpu"), lambda n: torch.empty(n, dtype=torch.int32), None,
@@ -368,7 +368,7 @@ def _sweep_tree(name: str, layout, variant_list, graph: bool, registers: dict,  
         ref, _ = reference_attention(q, ks[0], vs[0], layout, D**-0.5)
     rows = []
     for label, changes, u in variant_list:
-        with _variant(changes, u):
+        with variant(changes, u):
             capacity = Capacity(layout.num_queries, max(n, 1)) if graph_safe else None
             attn = planned_as_engine(layout, capacity, FP8 if fp8 else None)
             plan = attn.current_plan

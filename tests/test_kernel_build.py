@@ -127,7 +127,7 @@ def test_program_timeline_summary_fits_pair_durations_and_replays_their_order(tm
         dur = 3 + 0.03 * tokens + 5 * (masked > 0) + 1 * gathered
         slot = free.index(min(free))
         start, free[slot] = free[slot], free[slot] + dur
-        rows += [{"tree": "t", "u": "shipped", "layer": layer, "sm": 0, "start_us": start,
+        rows += [{"tree": "t", "variant": "shipped", "layer": layer, "sm": 0, "start_us": start,
                   "end_us": start + dur, "tokens": tokens, "group_rows": 4, "masked": masked,
                   "gathered": gathered, "program": program} for layer in range(4)]
     path = tmp_path / "pairs.json"

@@ -15,8 +15,10 @@ the kinds of pair that end last, and list scheduling of the recorded order with 
 median duration (how much of the span the pairs' order and lengths explain). ``--json``
 writes every pair; ``--from-json`` summarises such a file again without a GPU.
 
-Usage: ``python tools/program_timeline.py TREE ... [--factors 6,8] [--json PATH]``
-(coarsening factors fixed by ``--factors``, planned with numpy, next to the backend's rule).
+Usage: ``python tools/program_timeline.py TREE ... [--factors 6,8] [--sweep NAME [--only
+LABEL,...]] [--json PATH]``: the shipped step, then each variant of ``python -m
+benchmarks.sweep --sweep NAME`` (default ``factors``: the coarsening factors of ``--factors``,
+planned with numpy), e.g. ``--sweep tails --only "aligned mask"``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -36,11 +37,11 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: E402
 
+from benchmarks import sweep  # noqa: E402
 from benchmarks.attention_gpu import D, DTYPE, H_KV, H_Q, LAYERS, planned_as_engine  # noqa: E402
 from benchmarks.trees import available  # noqa: E402
 from deft.ops.base import Capacity  # noqa: E402
 from deft.ops.triton import kernels, launch  # noqa: E402
-from deft.plan import coarsen_plan, step as plan_step  # noqa: E402
 from deft.recorded import workloads_dir  # noqa: E402
 
 FIELDS = 10  # per pair: sm, t0, t1, tok0, tok1, qs, qe, mask_from, slot0, program
@@ -128,26 +129,18 @@ class _Timed:
         return run
 
 
-def timeline(name: str, layout, u: int | None, replays: int = 3) -> list[dict]:  # noqa: ANN001
-    """Every pair of the last replay's layers, for coarsening ``u`` (None: shipped)."""
+def timeline(name: str, layout, variant: tuple,  # noqa: ANN001
+             replays: int = 3) -> list[dict]:
+    """Every pair of the last replay's layers, for ``variant`` (label, config changes,
+    coarsening: one of ``benchmarks.sweep.variants``)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     n = layout.num_tokens
     ks = [torch.randn(n, H_KV, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(LAYERS)]
     vs = [torch.randn(n, H_KV, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(LAYERS)]
     q = torch.randn(layout.num_queries, H_Q, D, device="cuda", dtype=DTYPE, generator=gen)
-    shipped, opted = plan_step.refine, os.environ.get("DEFT_FASTPLAN")
-    if u is not None:
-        plan_step.refine = lambda plan, params: coarsen_plan(plan, u)
-        os.environ["DEFT_FASTPLAN"] = "0"
-    try:
+    label, changes, u = variant
+    with sweep.variant(changes, u):
         attn = planned_as_engine(layout, Capacity(layout.num_queries, max(n, 1)), None)
-    finally:
-        plan_step.refine = shipped
-        if u is not None:
-            if opted is None:
-                os.environ.pop("DEFT_FASTPLAN", None)
-            else:
-                os.environ["DEFT_FASTPLAN"] = opted
     pairs = attn._prepared.num_work * H_KV
     buffers = [torch.zeros(pairs * FIELDS, dtype=torch.int64, device="cuda")
                for _ in range(LAYERS)]
@@ -169,7 +162,7 @@ def timeline(name: str, layout, u: int | None, replays: int = 3) -> list[dict]: 
             graph.replay()
         end.record()
         torch.cuda.synchronize()
-        print(f"{name}, {'shipped' if u is None else f'u={u}'}: instrumented step "
+        print(f"{name}, {label}: instrumented step "
               f"{start.elapsed_time(end) * 1e3 / replays:.0f} µs")
     finally:
         launch.tree_partial_kernel = real
@@ -178,7 +171,7 @@ def timeline(name: str, layout, u: int | None, replays: int = 3) -> list[dict]: 
         rec = buf.view(-1, FIELDS).cpu().numpy()
         base = rec[:, 1].min()
         for r in rec:
-            rows.append({"tree": name, "u": "shipped" if u is None else u, "layer": layer,
+            rows.append({"tree": name, "variant": label, "layer": layer,
                          "sm": int(r[0]), "start_us": (r[1] - base) / 1e3,
                          "end_us": (r[2] - base) / 1e3, "tokens": int(r[4] - r[3]),
                          "group_rows": int(r[6] - r[5]) * (H_Q // H_KV),
@@ -241,25 +234,32 @@ def main() -> int:
     ap.add_argument("trees", nargs="*", metavar="TREE")
     ap.add_argument("--factors", default="", help="comma-separated fixed coarsening factors "
                     "to time next to the shipped rule")
+    ap.add_argument("--sweep", choices=sweep.SWEEPS, default="factors",
+                    help="time the variants of this sweep (default factors: those of --factors)")
+    ap.add_argument("--only", metavar="LABEL,...", help="keep just these variants")
     ap.add_argument("--json", metavar="PATH", help="write every pair")
     ap.add_argument("--from-json", metavar="PATH", help="summarise pairs a run wrote (no GPU)")
     args = ap.parse_args()
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
-        for tree, u in dict.fromkeys((r["tree"], r["u"]) for r in saved):
-            print(f"{tree}, {'shipped' if u == 'shipped' else f'u={u}'}:")
-            summarise([r for r in saved if r["tree"] == tree and r["u"] == u])
+        for tree, label in dict.fromkeys((r["tree"], r["variant"]) for r in saved):
+            print(f"{tree}, {label}:")
+            summarise([r for r in saved if r["tree"] == tree and r["variant"] == label])
         return 0
     if not args.trees:
         ap.error("name at least one tree")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
-    factors = [None] + [int(f) for f in args.factors.split(",") if f]
+    variant_list = (sweep.variants(args.sweep, args.factors)
+                    if args.sweep != "factors" or args.factors else [("shipped", {}, None)])
+    if args.only:
+        only = {label.strip() for label in args.only.split(",")}
+        variant_list = [v for v in variant_list if v[0] in only]
     everything = []
     for name, layout in available(args.trees, workloads_dir(None)):
-        for u in factors:
-            rows = timeline(name, layout, u)
-            print(f"{name}, {'shipped' if u is None else f'u={u}'}:")
+        for variant in variant_list:
+            rows = timeline(name, layout, variant)
+            print(f"{name}, {variant[0]}:")
             summarise(rows)
             everything += rows
     if args.json:
