@@ -40,7 +40,8 @@ config and coarsening (``deft.plan.coarsen.refine``):
 * ``tails``: the masked tiles' kernel variants: the masked loop from the block boundary
   before each tile's ``mask_from`` (``aligned_mask``), a masked block's range loads before
   its K load (``ranges_first``), and both; and a run's masked last plan tile coarsened
-  apart from the unmasked ones before it, alone and with ``aligned_mask``.
+  apart from the unmasked ones before it (``masked_apart``), alone and with
+  ``aligned_mask``.
 
 ``--plans`` makes each variant's plans on this machine, as an H200's backend would (its
 configs and 132 SMs), and prints their tiles, programs and build without timing anything
@@ -77,7 +78,7 @@ from deft.ops.triton import backend, configs, kernels
 from deft.plan import coarsen_plan, packing, step as plan_step
 from deft.plan.coarsen import (Coarsening, coarsen_factor, group_runs, lpt_factor,
                                refine as coarsen_refine, resident_wave)
-from deft.plan.tree_plan import TreePlan, assemble
+from deft.plan.tree_plan import TreePlan
 from deft.recorded import workloads_dir
 
 from .attention_gpu import (D, DTYPE, FP8, H_KV, H_Q, LAYERS, fp8_copy, planned_as_engine,
@@ -155,30 +156,6 @@ def masked_model(masked_cost: int, resident: bool) -> Refine:
                                  plan.block_kv, params.resident_slots, cost)
         return coarsen_plan(plan, best)
     return refine
-
-
-def masked_apart(plan: TreePlan, params: Coarsening) -> TreePlan:
-    """The shipped coarsening, with a run's masked last plan tile cut off into a tile of its
-    own where the run's other tiles are unmasked: the masked part of a shared node's run
-    (its last tokens, seen by part of the group) then no longer lengthens a whole
-    coarsened tile (docs/decisions.md, "Where a graph-safe partial launch spends its
-    time")."""
-    if plan.num_tiles == 0:
-        return plan
-    u = coarsen_factor(plan, params)
-    idx = np.arange(plan.num_tiles)
-    new_run = group_runs(plan)
-    run_start = np.maximum.accumulate(np.where(new_run, idx, 0))
-    first = new_run | ((idx - run_start) % u == 0)
-    masked = packing.mask_from(plan) < plan.tile_indptr[1:]
-    last = np.append(new_run[1:], True)  # the run's last plan tile
-    first[1:] |= (masked & last & ~new_run)[1:] & ~masked[:-1]
-    starts = np.flatnonzero(first)
-    return assemble(plan.kind, plan.block_kv, plan.num_layout_tokens, plan.needs_mask,
-                    plan.token_slots, plan.token_lo, plan.token_hi, plan.token_off,
-                    np.append(plan.tile_indptr[starts], plan.tile_indptr[-1]),
-                    plan.tile_q_start[starts], plan.tile_q_end[starts], plan.query_order,
-                    plan.query_pre, plan.query_len)
 
 
 def _charged_makespan(runs: list[tuple[int, int]], masked: np.ndarray, u: int, heads: int,
@@ -274,8 +251,9 @@ def variants(sweep: str, factors: str = "2,4,8,16,32"
         out += [("aligned mask", v(aligned_mask=True), None),
                 ("ranges first", v(ranges_first=True), None),
                 ("aligned mask + ranges first", v(aligned_mask=True, ranges_first=True), None),
-                ("masked tile apart", shipped, masked_apart),
-                ("aligned mask + masked tile apart", v(aligned_mask=True), masked_apart)]
+                ("masked tile apart", v(masked_apart=True), None),
+                ("aligned mask + masked tile apart", v(aligned_mask=True, masked_apart=True),
+                 None)]
     elif sweep == "cap":
         out += [("no cap", v(maxnreg=None), None),
                 ("no cap resident 2", v(maxnreg=None, resident_per_sm=2), None),
@@ -318,10 +296,10 @@ def variant(changes: dict, u: int | Refine | None) -> Iterator[None]:
 def plan_rows(name: str, layout, variant_list, fp8: bool = False,  # noqa: ANN001
               sms: int = 132) -> list[dict]:
     """Each variant's plan of one tree as an H200's backend makes it (its configs, ``sms``
-    SMs, the build the tree asks for), on any machine: tiles, the longest one's tokens,
+    SMs, the build the tree asks for), on any machine, even under Triton's interpreter: tiles, the longest one's tokens,
     partial states, programs and a digest of the tiles (equal digests: the same tiles)."""
-    shipped_sms = backend._num_sms
-    backend._num_sms = lambda device: sms
+    shipped = backend._num_sms, configs.arch_of
+    backend._num_sms, configs.arch_of = (lambda device: sms), (lambda device: "sm90")
     rows = []
     try:
         for label, changes, u in variant_list:
@@ -337,7 +315,7 @@ def plan_rows(name: str, layout, variant_list, fp8: bool = False,  # noqa: ANN00
                          "partials": plan.num_partials, "programs": packed.num_work * H_KV,
                          "plan": digest.hexdigest()[:8]})
     finally:
-        backend._num_sms = shipped_sms
+        backend._num_sms, configs.arch_of = shipped
     return rows
 
 

@@ -156,15 +156,15 @@ def test_random_forests(seed, nodes, max_len, roots, block, heads, d, shuffle, g
 @settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 2**31), nodes=st.integers(1, 60), sms=st.integers(1, 8),
        waves=st.sampled_from([1.0, 2.0, 4.0]), per_sm=st.integers(1, 4),
-       resident=st.integers(0, 4), cost=st.sampled_from([0, 8, 128]))
-def test_random_coarsening_parameters(seed, nodes, sms, waves, per_sm, resident, cost):
-    """The compiled coarsening (launch model and resident wave) picks the factor that
-    ``refine`` picks, for any parameters."""
+       resident=st.integers(0, 4), cost=st.sampled_from([0, 8, 128]), apart=st.booleans())
+def test_random_coarsening_parameters(seed, nodes, sms, waves, per_sm, resident, cost, apart):
+    """The compiled coarsening (launch model, resident wave, masked tiles apart) cuts the
+    tiles that ``refine`` cuts, for any parameters."""
     from deft.plan.coarsen import refine
 
     rng = np.random.default_rng(seed)
     layout = random_forest(rng, nodes, 200, max_tokens=3000)
-    params = Coarsening(2, 16, 2, sms, waves, 0, 64, per_sm * sms, cost, resident * sms)
+    params = Coarsening(2, 16, 2, sms, waves, 0, 64, per_sm * sms, cost, resident * sms, apart)
     got = compiled.flatten_plan(layout, 8, params, lambda n: torch.zeros(n, dtype=torch.int32))
     want = refine(make_plan(layout, "flatten", 8), params)
     np.testing.assert_array_equal(got[0].tile_indptr, want.tile_indptr)
@@ -196,6 +196,26 @@ SPECIAL = {
 def test_special_trees(setting, name, block):
     assert_same(SPECIAL[name], block)
     assert_same(SPECIAL[name], block, 6, 2, 64)
+
+
+@needs_cc
+def test_masked_tiles_apart(setting, monkeypatch):
+    """``KernelConfig.masked_apart``: both planners cut a run's masked last plan tile off
+    alike, and the packed buffers agree, on the special trees and few-shot and draft trees;
+    on the H200's configs it adds a tile to few-shot b=20 and leaves a 32k prompt with 16
+    queries as it was."""
+    for key, cfg in list(configs.CONFIGS.items()):
+        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, masked_apart=True))
+    trees = {**SPECIAL, "few-shot b=20": few_shot_layout(4000, 20, 200),
+             "draft tree": fan_layout(2000, 64), "32k x16": fan_layout(32 * 1024, 16)}
+    tiles = {name: assert_same(layout).num_tiles for name, layout in trees.items()}
+    if setting == "gpu-like":
+        monkeypatch.undo()
+        act_as(monkeypatch, True)
+        shipped = {name: fast_plan(trees[name], 64, 32, 8, 128)[0].num_tiles
+                   for name in ("few-shot b=20", "32k x16")}
+        assert tiles["few-shot b=20"] == shipped["few-shot b=20"] + 1
+        assert tiles["32k x16"] == shipped["32k x16"]
 
 
 @needs_cc

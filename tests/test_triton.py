@@ -805,18 +805,20 @@ def test_sweep_masked_model_charges_masked_tiles():
     assert np.array_equal(moved.tile_indptr, coarsen.coarsen_plan(b20, 10).tile_indptr)
 
 
-@pytest.mark.skipif(CUDA, reason="the interpreter's tiles")
-def test_sweep_masked_apart_cuts_only_before_a_masked_run_end(monkeypatch):
-    """``benchmarks.sweep.masked_apart``: the shipped coarsening of few-shot b=20 with one
-    more cut, before the prompt run's last plan tile (its tokens partly seen), the H200's
-    parameters; and exact against the reference as a step's coarsening (interpreted)."""
-    from benchmarks.sweep import masked_apart
-    from deft.plan import coarsen, make_plan, packing, step
+@pytest.mark.skipif(CUDA, reason="sets the interpreter's config; on a GPU: the gpu tests")
+def test_masked_tile_apart_cuts_only_before_a_masked_run_end(monkeypatch):
+    """``Coarsening.masked_apart``: the shipped coarsening of few-shot b=20 with one more cut,
+    before the prompt run's last plan tile (its tokens partly seen), the H200's parameters;
+    and exact against the reference as a step's coarsening (``KernelConfig.masked_apart``,
+    interpreted), with one tile more than without."""
+    import dataclasses
+
+    from deft.plan import coarsen, make_plan, packing
 
     params = coarsen.Coarsening(4, 64, 8, 132, 4.0, 384, 1024, 396, 128, 264)
     plan = make_plan(few_shot_layout(4000, 20, 200), "flatten", 64)
     shipped = coarsen.refine(plan, params)
-    apart = masked_apart(plan, params)
+    apart = coarsen.refine(plan, params._replace(masked_apart=True))
     cuts, extra = set(shipped.tile_indptr.tolist()), set(apart.tile_indptr.tolist())
     assert cuts < extra and len(extra - cuts) == 1
     (cut,) = extra - cuts
@@ -825,12 +827,16 @@ def test_sweep_masked_apart_cuts_only_before_a_masked_run_end(monkeypatch):
     mask_from = packing.mask_from(plan)
     assert mask_from[tile] < plan.tile_indptr[tile + 1] and mask_from[tile - 1] == cut
     assert coarsen.group_runs(plan)[tile + 1]  # the run's last tile
+    layout = few_shot_layout(70, 3, 21)
     tiles = []
-    monkeypatch.setattr(step, "refine", lambda p, c: tiles.append(
-        (coarsen.refine(p, c).num_tiles, masked_apart(p, c).num_tiles)) or masked_apart(p, c))
-    monkeypatch.setenv("DEFT_FASTPLAN", "0")
-    check(few_shot_layout(70, 3, 21), 4, 2, 16, torch.float16)
-    assert tiles == [(6, 7)]
+    for on in (False, True):
+        key = ("interpreter", 0, 0)
+        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
+            configs.CONFIGS[key], masked_apart=on))
+        check(layout, 4, 2, 16, torch.float16)
+        attn = TreeAttention(4, 2, 16, backend="triton", device=DEV, block_kv=8)
+        tiles.append(attn.plan(layout).num_tiles)
+    assert tiles[1] == tiles[0] + 1
 
 
 def test_sweep_plans_need_no_gpu(capsys):
@@ -852,6 +858,8 @@ def test_sweep_plans_need_no_gpu(capsys):
     labels = [label for name in sweep.SWEEPS for label, _, _ in sweep.variants(name)]
     assert not [label for label in labels if "," in label]  # --only takes a comma list
     assert all(r[2] == "default" and int(r[3]) > 1 for r in rows)
+    tiles = {r[1]: int(r[3]) for r in rows}
+    assert tiles["masked tile apart"] == tiles["shipped"] + 1  # the prompt's masked end
 
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..checks import positive_int
+from .packing import mask_from
 from .tree_plan import TreePlan, assemble
 
 __all__ = ["Coarsening", "group_runs", "coarsen_plan", "coarsen_factor", "refine",
@@ -39,6 +40,8 @@ class Coarsening(NamedTuple):
     # Program slots the kernel really has when fewer than ``slots`` (0: as many), see
     # :func:`resident_wave`.
     resident_slots: int = 0
+    # A run's masked last plan tile becomes a tile of its own (see :func:`coarsen_plan`).
+    masked_apart: bool = False
 
 
 def group_runs(plan: TreePlan) -> np.ndarray:
@@ -50,13 +53,17 @@ def group_runs(plan: TreePlan) -> np.ndarray:
     return new_run
 
 
-def coarsen_plan(plan: TreePlan, max_tiles: int) -> TreePlan:
+def coarsen_plan(plan: TreePlan, max_tiles: int, masked_apart: bool = False) -> TreePlan:
     """Merge runs of consecutive tiles that serve the same query group, up to ``max_tiles``
     tiles each, into one tile: a kernel then keeps one online softmax across them and
     writes one partial state per query instead of ``max_tiles``.
 
     Groups stay exact (only identical groups merge), so the result is a valid plan of the
-    same kind; tiles become multiples of ``block_kv`` long.
+    same kind; tiles become multiples of ``block_kv`` long. ``masked_apart``: a run's last
+    plan tile, when some group query may not see some of its tokens and every group query
+    sees all of the tile before it, stays a tile of its own, so that its masked part (the
+    node's last tokens, which a kernel runs with the per-token mask) does not lengthen a
+    whole coarsened tile.
     """
     max_tiles = positive_int(max_tiles, "max_tiles")
     nt = plan.num_tiles
@@ -66,6 +73,10 @@ def coarsen_plan(plan: TreePlan, max_tiles: int) -> TreePlan:
     new_run = group_runs(plan)
     run_start = np.maximum.accumulate(np.where(new_run, idx, 0))
     first = new_run | ((idx - run_start) % max_tiles == 0)
+    if masked_apart:
+        masked = mask_from(plan) < plan.tile_indptr[1:]
+        last = np.append(new_run[1:], True)
+        first[1:] |= (masked & last)[1:] & ~masked[:-1]
     starts = np.flatnonzero(first)
     tile_indptr = np.append(plan.tile_indptr[starts], plan.tile_indptr[-1])
     return assemble(plan.kind, plan.block_kv, plan.num_layout_tokens, plan.needs_mask,
@@ -100,8 +111,10 @@ def coarsen_factor(plan: TreePlan, c: Coarsening) -> int:
 
 
 def refine(plan: TreePlan, c: Coarsening) -> TreePlan:
-    """``plan`` coarsened by :func:`coarsen_factor`."""
-    return plan if plan.num_tiles == 0 else coarsen_plan(plan, coarsen_factor(plan, c))
+    """``plan`` coarsened by :func:`coarsen_factor` (and ``c.masked_apart``)."""
+    if plan.num_tiles == 0:
+        return plan
+    return coarsen_plan(plan, coarsen_factor(plan, c), c.masked_apart)
 
 
 def lpt_makespan(runs: list[tuple[int, int]], u: int, heads: int, block_kv: int,

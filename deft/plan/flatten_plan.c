@@ -121,12 +121,12 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
                         const i64 *query_kv_lens, i64 nq, i64 block_kv, i64 g, i64 block_m,
                         i64 num_kv_heads, i64 sms, double waves, i64 min_tile_tokens,
                         i64 max_factor, i64 slots, i64 program_cost, i64 resident_slots,
-                        i64 *x, i64 ws_size) {
+                        i64 masked_apart, i64 *x, i64 ws_size) {
     i64 nl, t0, nk = 0, ntok = 0, work = 0, factor = 1, nt = 0, sorted = 1;
     i64 all_merged = 1, nwork = 0, run_start = 0, np_;
     i64 *pre, *hi, *fstart, *cnt_lt, *min_len, *cursor, *q_order, *q_pre, *q_len;
     i64 *kept, *kqs, *kqe, *cstart, *tile_indptr, *tqs, *tqe, *partial_indptr, *merge_indptr;
-    i64 *diff, *seg;
+    i64 *diff, *seg, *masked;
     Ws w;
     nl = indptr[n];
     t0 = ceil_div(nl, block_kv);
@@ -138,6 +138,7 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
     tile_indptr = x + w.tile_indptr; tqs = x + w.tile_qs; tqe = x + w.tile_qe;
     partial_indptr = x + w.partial_indptr; merge_indptr = x + w.merge_indptr;
     pre = x + w.min_len;  /* pre[node] lives there until the queries are sorted */
+    masked = x + w.by_len;  /* per kept tile, with masked_apart; by_len is the fill's */
     cursor = x + w.children;  /* free after the preorder */
     diff = x + w.cursor;
 
@@ -172,6 +173,18 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
         qs = cnt_lt[k];
         qe = cnt_lt[ghi];
         if (qe > qs) {
+            /* masked_apart: some query of the group may not see some token of the tile
+             * (deft.plan.packing.mask_from before the tile's end). */
+            if (masked_apart) {
+                masked[nk] = 0;
+                for (i64 j = k; j < n && fstart[j] < e && !masked[nk]; j++) {
+                    i64 a = fstart[j] > s ? fstart[j] : s;
+                    i64 b = fstart[j + 1] < e ? fstart[j + 1] : e;
+                    if (b > a && (!(cnt_lt[j] <= qs && cnt_lt[hi[j]] >= qe) ||
+                                  min_len[j] <= b - 1 - fstart[j]))
+                        masked[nk] = 1;
+                }
+            }
             kept[nk] = t;
             kqs[nk] = qs;
             kqe[nk] = qe;
@@ -182,7 +195,8 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
     }
 
     /* Coarsening factor (deft.plan.coarsen.coarsen_factor), then coarsen_plan: runs of tiles with
-     * the same group are cut into tiles of `factor` plan tiles. */
+     * the same group are cut into tiles of `factor` plan tiles, and with masked_apart before
+     * a run's masked last tile that follows an unmasked one. */
     if (nk > 0) {
         double wk = (double)num_kv_heads * (double)work, length = (double)block_kv;
         double floor_len = fmin((double)min_tile_tokens, wk / (double)sms);
@@ -201,8 +215,11 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
     }
     for (i64 i = 0; i < nk; i++) {
         int new_run = i == 0 || kqs[i] != kqs[i - 1] || kqe[i] != kqe[i - 1];
+        int last = i + 1 == nk || kqs[i + 1] != kqs[i] || kqe[i + 1] != kqe[i];
         if (new_run) run_start = i;
-        if (new_run || (i - run_start) % factor == 0) cstart[nt++] = i;
+        if (new_run || (i - run_start) % factor == 0 ||
+            (masked_apart && last && masked[i] && !masked[i - 1]))
+            cstart[nt++] = i;
     }
     cstart[nt] = nk;
     /* Only the last flattened tile may be short, so kept tile i starts at i * block_kv. */
@@ -417,7 +434,7 @@ static void release(Py_buffer *views, int n) {
 
 /* plan(parents, node_kv_indptr, query_nodes, query_kv_lens, kv_indices, block_kv, g,
  *      block_m, num_kv_heads, sms, waves, min_tile_tokens, max_factor, slots, program_cost,
- *      resident_slots, ws, packed_address, packed_capacity)
+ *      resident_slots, masked_apart, ws, packed_address, packed_capacity)
  * Plans into the int64 array ws and, when packed_address is not 0 and the buffer holds
  * packed_capacity >= the packed size int32, fills it. Returns the tuple (flags, tokens,
  * tiles, partials, work items, queries, sorted, all merged, plan-array size, 11 segment
@@ -425,24 +442,24 @@ static void release(Py_buffer *views, int n) {
  * malformed forest, -2 for arrays that are not 1-D int64 of consistent lengths. */
 static PyObject *py_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer v[6];
-    long long p[19];
+    long long p[20];
     double waves;
     i64 rc = -2, flags = -3, n, nq;
     i32 *packed;
     int got = 0;
     PyObject *res;
     (void)self;
-    if (nargs != 19) {
-        PyErr_SetString(PyExc_TypeError, "plan() takes 19 arguments");
+    if (nargs != 20) {
+        PyErr_SetString(PyExc_TypeError, "plan() takes 20 arguments");
         return NULL;
     }
-    for (int i = 5; i < 19; i++)
-        if (i != 10 && i != 16) p[i] = PyLong_AsLongLong(args[i]);
+    for (int i = 5; i < 20; i++)
+        if (i != 10 && i != 17) p[i] = PyLong_AsLongLong(args[i]);
     waves = PyFloat_AsDouble(args[10]);
-    packed = (i32 *)PyLong_AsVoidPtr(args[17]);
+    packed = (i32 *)PyLong_AsVoidPtr(args[18]);
     if (PyErr_Occurred()) return NULL;
     for (; got < 6; got++)
-        if (int64_view(args[got == 5 ? 16 : got], &v[got], got == 5) < 0) break;
+        if (int64_view(args[got == 5 ? 17 : got], &v[got], got == 5) < 0) break;
     if (got == 6) {
         const i64 *indptr = v[1].buf;
         n = v[0].len / 8;
@@ -452,9 +469,9 @@ static PyObject *py_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             i64 *x = v[5].buf;
             Py_BEGIN_ALLOW_THREADS
             rc = flatten_plan(v[0].buf, indptr, n, v[2].buf, v[3].buf, nq, p[5], p[6], p[7],
-                              p[8], p[9], waves, p[11], p[12], p[13], p[14], p[15], x,
+                              p[8], p[9], waves, p[11], p[12], p[13], p[14], p[15], p[16], x,
                               v[5].len / 8);
-            if (rc == 0 && packed && x[H_SEG + 10] <= p[18])
+            if (rc == 0 && packed && x[H_SEG + 10] <= p[19])
                 flags = flatten_fill(indptr, v[4].buf, x, NULL, packed);
             Py_END_ALLOW_THREADS
         }

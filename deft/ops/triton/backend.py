@@ -67,7 +67,8 @@ def coarsening(cfg: KernelConfig, heads: Heads, device: torch.device) -> Coarsen
     resident = cfg.resident_per_sm if cfg.maxnreg is None else None
     return Coarsening(heads.num_qo_heads // heads.num_kv_heads, cfg.block_m, heads.num_kv_heads,
                       sms, cfg.waves, cfg.min_tile_tokens, cfg.max_coarsen,
-                      cfg.programs_per_sm * sms, cfg.program_cost, (resident or 0) * sms)
+                      cfg.programs_per_sm * sms, cfg.program_cost, (resident or 0) * sms,
+                      cfg.masked_apart)
 
 
 class TritonBackend(Backend):

@@ -80,6 +80,9 @@ class KernelConfig:
     # A masked TMA block issues its tokens' range loads before its K load, so that a block
     # outside the pipelined loop waits for both at once.
     ranges_first: bool = False
+    # Coarsening cuts a run's masked last plan tile off into a tile of its own
+    # (``deft.plan.coarsen.coarsen_plan``).
+    masked_apart: bool = False
 
 
 _SM90 = dict(tma=True, pdl=True, graph_waves=3, kv8_maxnreg=168)
