@@ -157,20 +157,27 @@ def test_bf16_queries_over_fp8_kv_past_the_fp16_range_match_the_reference(backen
     torch.testing.assert_close(lse.double(), ref_lse, atol=0, rtol=1e-5)
 
 
-def test_triton_fp8_tma_path_matches_the_reference(monkeypatch):
-    """Consecutive slots by tensor descriptor: FP8 boxes, converted in registers."""
+@pytest.mark.parametrize("variants", [False, True], ids=["shipped", "masked-tile-variants"])
+def test_triton_fp8_tma_path_matches_the_reference(monkeypatch, variants):
+    """Consecutive slots by tensor descriptor: FP8 boxes, converted in registers; also with
+    the masked tiles' variants (``aligned_mask``, ``ranges_first``) on a tile whose masked
+    part starts inside a box."""
     pytest.importorskip("triton")
     from deft.ops.triton import configs, launch
 
+    extra = dict(aligned_mask=True, ranges_first=True) if variants else {}
     for key, cfg in list(configs.CONFIGS.items()):  # FP8 boxes twice the 16-bit block
-        monkeypatch.setitem(configs.CONFIGS, key,
-                            dataclasses.replace(cfg, tma=True, kv8_block_n=2 * cfg.block_n))
+        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
+            cfg, tma=True, kv8_block_n=2 * cfg.block_n, **extra))
     layout = few_shot_layout(40, 3, 9)
     q = random_qkv(layout, H_Q, H_KV, D, torch.float32, 3)[0].half()
     k8, v8, ks, vs = fp8_kv(layout, 3)
     ref_o, _ = dequantised_reference(q, k8, v8, ks, vs, layout)
     attn = TreeAttention(H_Q, H_KV, D, backend="triton", block_kv=16)
     attn.plan(layout, FP8)
+    work = attn._prepared.segment("work").view(-1, 8).cpu().numpy()
+    box = 2 * configs.kernel_config(D, layout.num_queries * H_Q, torch.device(DEV)).block_n
+    assert ((work[:, 5] < work[:, 1]) & ((work[:, 5] - work[:, 0]) % box > 0)).any()
     boxes = []
     monkeypatch.setattr(launch, "_kv_descriptor",
                         lambda *a, f=launch._kv_descriptor: boxes.append(a[2]) or f(*a))
