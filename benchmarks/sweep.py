@@ -64,7 +64,6 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
-import heapq
 import os
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -76,8 +75,9 @@ from deft.ops.base import Capacity, Heads
 from deft.ops.reference import reference_attention
 from deft.ops.triton import backend, configs, kernels
 from deft.plan import coarsen_plan, packing, step as plan_step
-from deft.plan.coarsen import (Coarsening, coarsen_factor, group_runs, lpt_factor,
-                               refine as coarsen_refine, resident_wave)
+from deft.plan.coarsen import (Coarsening, coarsen_factor, group_runs, list_makespan,
+                               lpt_candidates, lpt_factor, plan_runs, refine as coarsen_refine,
+                               resident_wave)
 from deft.plan.tree_plan import TreePlan
 from deft.recorded import workloads_dir
 
@@ -114,11 +114,7 @@ def uncapped_model(resident: bool, program_cost: int | None) -> Refine:
         slots = r if resident else params.slots
         best = lpt_factor(plan, base, params.g, params.block_m, params.num_kv_heads, slots,
                           cost, params.max_factor)
-        starts = np.flatnonzero(group_runs(plan))
-        lens = np.diff(np.append(starts, plan.num_tiles))
-        chunks = -(-(plan.tile_q_end[starts] - plan.tile_q_start[starts]) * params.g
-                   // params.block_m)
-        best = resident_wave(list(zip(lens.tolist(), chunks.tolist())), best,
+        best = resident_wave(plan_runs(plan, params.g, params.block_m), best,
                              min(4 * base, params.max_factor), params.num_kv_heads,
                              plan.block_kv, r, cost)
         return coarsen_plan(plan, best)
@@ -135,21 +131,16 @@ def masked_model(masked_cost: int, resident: bool) -> Refine:
             return plan
         base = coarsen_factor(plan, params._replace(slots=0))  # the rule before the model
         slots = params.resident_slots if resident and params.resident_slots else params.slots
-        starts = np.flatnonzero(group_runs(plan))
-        lens = np.diff(np.append(starts, plan.num_tiles))
-        chunks = -(-(plan.tile_q_end[starts] - plan.tile_q_start[starts]) * params.g
-                   // params.block_m)
-        masked = (packing.mask_from(plan) < plan.tile_indptr[1:])[starts + lens - 1]
-        runs = list(zip(lens.tolist(), chunks.tolist()))
+        runs = plan_runs(plan, params.g, params.block_m)
+        run_ends = np.flatnonzero(np.append(group_runs(plan)[1:], True))
+        masked = (packing.mask_from(plan) < plan.tile_indptr[1:])[run_ends]
         heads, cost = params.num_kv_heads, params.program_cost
         programs = sum(-(-r // base) * c for r, c in runs) * heads
         best = base
-        if slots < programs <= 8 * slots:  # lpt_factor's candidates
-            steps = min(base, 16)
+        if slots < programs <= 8 * slots:  # as lpt_factor
             spans = {u: _charged_makespan(runs, masked, u, heads, plan.block_kv, slots, cost,
                                           masked_cost)
-                     for u in (base + i * base // steps for i in range(steps + 1))
-                     if u <= params.max_factor}
+                     for u in lpt_candidates(base, params.max_factor)}
             best = min(spans, key=lambda u: (spans[u], u))
         if 0 < params.resident_slots < params.slots:
             best = resident_wave(runs, best, min(4 * base, params.max_factor), heads,
@@ -169,17 +160,8 @@ def _charged_makespan(runs: list[tuple[int, int]], masked: np.ndarray, u: int, h
         for length, n, mm in ((u, (r - last) // u, False), (last, 1, m)):
             if n:
                 count[length, mm] = count.get((length, mm), 0) + n * c * heads
-    loads = [(0, slots)]
-    for length, mm in sorted(count, key=lambda k: (-k[0], k[1])):
-        left, cost = count[length, mm], length * block_kv + program_cost + masked_cost * mm
-        while left > 0:
-            load, n = heapq.heappop(loads)
-            k = min(n, left)
-            heapq.heappush(loads, (load + cost, k))
-            if n > k:
-                heapq.heappush(loads, (load, n - k))
-            left -= k
-    return max(load for load, _ in loads)
+    return list_makespan([(count[length, mm], length * block_kv + program_cost + masked_cost * mm)
+                          for length, mm in sorted(count, key=lambda k: (-k[0], k[1]))], slots)
 
 
 def variants(sweep: str, factors: str = "2,4,8,16,32"
@@ -296,8 +278,9 @@ def variant(changes: dict, u: int | Refine | None) -> Iterator[None]:
 def plan_rows(name: str, layout, variant_list, fp8: bool = False,  # noqa: ANN001
               sms: int = 132) -> list[dict]:
     """Each variant's plan of one tree as an H200's backend makes it (its configs, ``sms``
-    SMs, the build the tree asks for), on any machine, even under Triton's interpreter: tiles, the longest one's tokens,
-    partial states, programs and a digest of the tiles (equal digests: the same tiles)."""
+    SMs, the build the tree asks for), on any machine, even under Triton's interpreter:
+    tiles, the longest one's tokens, partial states, programs and a digest of the tiles
+    (equal digests: the same tiles)."""
     shipped = backend._num_sms, configs.arch_of
     backend._num_sms, configs.arch_of = (lambda device: sms), (lambda device: "sm90")
     rows = []

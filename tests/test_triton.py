@@ -747,6 +747,19 @@ def test_coarsening_model_tries_at_most_17_factors(monkeypatch):
     assert tried == []
 
 
+def _h200_coarsening():
+    """The H200's coarsening parameters of an uncapped launch (264 resident of 396 modelled
+    slots) and of a capped one, and the flatten plans of four trees."""
+    from benchmarks.trees import fan_layout
+    from deft.plan import coarsen, make_plan
+
+    uncapped = coarsen.Coarsening(4, 64, 8, 132, 4.0, 384, 1024, 396, 128, 264)
+    plans = [make_plan(lay, "flatten", 64) for lay in (
+        few_shot_layout(4000, 20, 200), few_shot_layout(4000, 50, 200), fan_layout(2000, 256),
+        fan_layout(32 * 1024, 16))]
+    return uncapped, uncapped._replace(resident_slots=0), plans
+
+
 def test_sweep_model_variants_replan_only_uncapped_launches():
     """``benchmarks.sweep --sweep model``: with the shipped model's slots and cost its
     coarsening is the shipped rule, for uncapped (264 resident of 396 modelled slots) and
@@ -754,14 +767,9 @@ def test_sweep_model_variants_replan_only_uncapped_launches():
     few-shot b=20 at factor 9 instead of 6 (the H200's parameters), and leaves a capped
     launch's plan as shipped."""
     from benchmarks.sweep import uncapped_model
-    from benchmarks.trees import fan_layout
-    from deft.plan import coarsen, make_plan
+    from deft.plan import coarsen
 
-    uncapped = coarsen.Coarsening(4, 64, 8, 132, 4.0, 384, 1024, 396, 128, 264)
-    capped = uncapped._replace(resident_slots=0)
-    plans = [make_plan(lay, "flatten", 64) for lay in (
-        few_shot_layout(4000, 20, 200), few_shot_layout(4000, 50, 200), fan_layout(2000, 256),
-        fan_layout(32 * 1024, 16))]
+    uncapped, capped, plans = _h200_coarsening()
     for plan in plans:
         for params in (uncapped, capped):
             ours = uncapped_model(False, None)(plan, params)
@@ -781,14 +789,9 @@ def test_sweep_masked_model_charges_masked_tiles():
     factor 6 instead of 9 (its 50 one-query branches end masked), and on the resident slots
     few-shot b=20 at 10 instead of 6 (the H200's parameters)."""
     from benchmarks.sweep import masked_model, uncapped_model
-    from benchmarks.trees import fan_layout
-    from deft.plan import coarsen, make_plan
+    from deft.plan import coarsen
 
-    uncapped = coarsen.Coarsening(4, 64, 8, 132, 4.0, 384, 1024, 396, 128, 264)
-    capped = uncapped._replace(resident_slots=0)
-    plans = [make_plan(lay, "flatten", 64) for lay in (
-        few_shot_layout(4000, 20, 200), few_shot_layout(4000, 50, 200), fan_layout(2000, 256),
-        fan_layout(32 * 1024, 16))]
+    uncapped, capped, plans = _h200_coarsening()
     for plan in plans:
         for params in (uncapped, capped):
             ours = masked_model(0, False)(plan, params)

@@ -19,8 +19,8 @@ from ..checks import positive_int
 from .packing import mask_from
 from .tree_plan import TreePlan, assemble
 
-__all__ = ["Coarsening", "group_runs", "coarsen_plan", "coarsen_factor", "refine",
-           "lpt_makespan", "lpt_factor", "resident_wave"]
+__all__ = ["Coarsening", "group_runs", "plan_runs", "coarsen_plan", "coarsen_factor", "refine",
+           "list_makespan", "lpt_makespan", "lpt_candidates", "lpt_factor", "resident_wave"]
 
 _I = np.int64
 
@@ -51,6 +51,15 @@ def group_runs(plan: TreePlan) -> np.ndarray:
     new_run[1:] = (plan.tile_q_start[1:] != plan.tile_q_start[:-1]) | (
         plan.tile_q_end[1:] != plan.tile_q_end[:-1])
     return new_run
+
+
+def plan_runs(plan: TreePlan, g: int, block_m: int) -> list[tuple[int, int]]:
+    """``(plan tiles, row chunks of block_m rows)`` of each run of tiles serving one query
+    group (:func:`group_runs`), in plan order."""
+    starts = np.flatnonzero(group_runs(plan))
+    lens = np.diff(np.append(starts, plan.num_tiles))
+    chunks = -(-(plan.tile_q_end[starts] - plan.tile_q_start[starts]) * g // block_m)
+    return list(zip(lens.tolist(), chunks.tolist()))
 
 
 def coarsen_plan(plan: TreePlan, max_tiles: int, masked_apart: bool = False) -> TreePlan:
@@ -117,22 +126,12 @@ def refine(plan: TreePlan, c: Coarsening) -> TreePlan:
     return coarsen_plan(plan, coarsen_factor(plan, c), c.masked_apart)
 
 
-def lpt_makespan(runs: list[tuple[int, int]], u: int, heads: int, block_kv: int,
-                 slots: int, program_cost: int) -> int:
-    """Makespan of the partial launch for coarsening factor ``u``, as longest-first list
-    scheduling onto ``slots`` identical slots (the order programs start in: work items by
-    length, KV heads fastest). A run of ``r`` plan tiles with ``c`` row chunks gives ``r // u``
-    tiles of ``u`` plan tiles and one of ``r % u``, each ``c * heads`` programs of
-    ``plan tiles * block_kv + program_cost`` tokens. Slot loads are kept as (load, slots)
-    groups, so a length class costs a few heap operations."""
-    count: dict[int, int] = {}
-    for r, c in runs:
-        for length, n in ((u, r // u), (r % u, 1)):
-            if length and n:
-                count[length] = count.get(length, 0) + n * c * heads
+def list_makespan(classes: list[tuple[int, int]], slots: int) -> int:
+    """Makespan of ``(programs, cost)`` classes started in that order, each program on the
+    least-loaded of ``slots`` identical slots. Slot loads are kept as (load, slots) groups,
+    so a class costs a few heap operations."""
     groups = [(0, slots)]
-    for length in sorted(count, reverse=True):
-        left, cost = count[length], length * block_kv + program_cost
+    for left, cost in classes:
         while left > 0:
             load, m = heapq.heappop(groups)
             k = min(m, left)
@@ -141,6 +140,30 @@ def lpt_makespan(runs: list[tuple[int, int]], u: int, heads: int, block_kv: int,
                 heapq.heappush(groups, (load, m - k))
             left -= k
     return max(load for load, _ in groups)
+
+
+def lpt_makespan(runs: list[tuple[int, int]], u: int, heads: int, block_kv: int,
+                 slots: int, program_cost: int) -> int:
+    """Makespan of the partial launch for coarsening factor ``u``, as longest-first list
+    scheduling onto ``slots`` identical slots (the order programs start in: work items by
+    length, KV heads fastest). A run of ``r`` plan tiles with ``c`` row chunks gives ``r // u``
+    tiles of ``u`` plan tiles and one of ``r % u``, each ``c * heads`` programs of
+    ``plan tiles * block_kv + program_cost`` tokens (:func:`list_makespan`)."""
+    count: dict[int, int] = {}
+    for r, c in runs:
+        for length, n in ((u, r // u), (r % u, 1)):
+            if length and n:
+                count[length] = count.get(length, 0) + n * c * heads
+    return list_makespan([(count[length], length * block_kv + program_cost)
+                          for length in sorted(count, reverse=True)], slots)
+
+
+def lpt_candidates(factor: int, max_factor: int) -> list[int]:
+    """The factors :func:`lpt_factor` weighs: ``factor + i * factor // s`` for ``i = 0..s``,
+    ``s = min(factor, 16)``, up to ``max_factor``."""
+    steps = min(factor, 16)
+    return [u for u in (factor + i * factor // steps for i in range(steps + 1))
+            if u <= max_factor]
 
 
 def lpt_factor(plan: TreePlan, factor: int, g: int, block_m: int, heads: int,
@@ -154,18 +177,12 @@ def lpt_factor(plan: TreePlan, factor: int, g: int, block_m: int, heads: int,
     slower (docs/decisions.md). Then :func:`resident_wave` with ``resident_slots``."""
     if slots <= 0:
         return factor
-    starts = np.flatnonzero(group_runs(plan))
-    lens = np.diff(np.append(starts, plan.num_tiles))
-    chunks = -(-(plan.tile_q_end[starts] - plan.tile_q_start[starts]) * g // block_m)
-    runs = list(zip(lens.tolist(), chunks.tolist()))
+    runs = plan_runs(plan, g, block_m)
     best = factor
     programs = _programs(runs, factor, heads)
     if slots < programs <= 8 * slots:
-        steps = min(factor, 16)
-        candidates = [u for u in (factor + i * factor // steps for i in range(steps + 1))
-                      if u <= max_factor]
         spans = {u: lpt_makespan(runs, u, heads, plan.block_kv, slots, program_cost)
-                 for u in candidates}
+                 for u in lpt_candidates(factor, max_factor)}
         best = min(spans, key=lambda u: (spans[u], u))
     if 0 < resident_slots < slots:
         best = resident_wave(runs, best, min(4 * factor, max_factor), heads, plan.block_kv,
