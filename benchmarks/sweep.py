@@ -42,6 +42,11 @@ config and coarsening (``deft.plan.coarsen.refine``):
   its K load (``ranges_first``), and both; and a run's masked last plan tile coarsened
   apart from the unmasked ones before it (``masked_apart``), alone and with
   ``aligned_mask``.
+* ``checks``: the isolation's checks of non-finite K/V made cheaper: masked blocks and tile
+  tails that leave V's values unchecked, with a work item whose state comes out non-finite
+  computed again with the checks (``deferred_v_checks``); over e4m3 K (which holds no
+  infinities) no -inf score made NaN (``e4m3_finite_scores``; the same kernel as shipped
+  over 16-bit K/V); and both. The timed steps' K/V are finite, so no item is recomputed.
 
 ``--plans`` makes each variant's plans on this machine, as an H200's backend would (its
 configs and 132 SMs), and prints their tiles, programs and build without timing anything
@@ -94,7 +99,7 @@ SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 
 TMA_SHAPES = [(64, 32, 4, 4), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2)]
 RING = [(32, 4), (64, 3), (64, 4), (128, 2), (128, 3)]
 SWEEPS = ("merge", "factors", "shapes", "tma", "occupancy", "pipeline", "mergecfg", "mergeheads",
-          "pdl", "partials", "ring", "few", "cap", "model", "tails")
+          "pdl", "partials", "ring", "few", "cap", "model", "tails", "checks")
 
 
 Refine = Callable[[TreePlan, Coarsening], TreePlan]
@@ -236,6 +241,11 @@ def variants(sweep: str, factors: str = "2,4,8,16,32"
                 ("masked tile apart", v(masked_apart=True), None),
                 ("aligned mask + masked tile apart", v(aligned_mask=True, masked_apart=True),
                  None)]
+    elif sweep == "checks":
+        out += [("deferred V checks", v(deferred_v_checks=True), None),
+                ("finite e4m3 scores", v(e4m3_finite_scores=True), None),
+                ("deferred V checks + finite e4m3 scores",
+                 v(deferred_v_checks=True, e4m3_finite_scores=True), None)]
     elif sweep == "cap":
         out += [("no cap", v(maxnreg=None), None),
                 ("no cap resident 2", v(maxnreg=None, resident_per_sm=2), None),

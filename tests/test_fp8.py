@@ -157,15 +157,20 @@ def test_bf16_queries_over_fp8_kv_past_the_fp16_range_match_the_reference(backen
     torch.testing.assert_close(lse.double(), ref_lse, atol=0, rtol=1e-5)
 
 
-@pytest.mark.parametrize("variants", [False, True], ids=["shipped", "masked-tile-variants"])
-def test_triton_fp8_tma_path_matches_the_reference(monkeypatch, variants):
+VARIANTS = {"shipped": {}, "masked-tile-variants": dict(aligned_mask=True, ranges_first=True),
+            "isolation-variants": dict(deferred_v_checks=True, e4m3_finite_scores=True)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_triton_fp8_tma_path_matches_the_reference(monkeypatch, variant):
     """Consecutive slots by tensor descriptor: FP8 boxes, converted in registers; also with
     the masked tiles' variants (``aligned_mask``, ``ranges_first``) on a tile whose masked
-    part starts inside a box."""
+    part starts inside a box, and with the isolation's (``deferred_v_checks``,
+    ``e4m3_finite_scores``)."""
     pytest.importorskip("triton")
     from deft.ops.triton import configs, launch
 
-    extra = dict(aligned_mask=True, ranges_first=True) if variants else {}
+    extra = VARIANTS[variant]
     for key, cfg in list(configs.CONFIGS.items()):  # FP8 boxes twice the 16-bit block
         monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
             cfg, tma=True, kv8_block_n=2 * cfg.block_n, **extra))
@@ -196,9 +201,15 @@ def test_fp8_isolation_a_non_finite_value_reaches_only_the_rows_that_see_it(back
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_gpu_fp8_isolation(backend):
-    check_isolation(backend, "cuda")
+@pytest.mark.parametrize("backend", ["triton", "torch", "triton-isolation-variants"])
+def test_gpu_fp8_isolation(monkeypatch, backend):
+    if backend == "triton-isolation-variants":
+        from deft.ops.triton import configs
+
+        for key, cfg in list(configs.CONFIGS.items()):
+            monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
+                cfg, **VARIANTS["isolation-variants"]))
+    check_isolation(backend.split("-")[0], "cuda")
 
 
 def check_isolation(backend: str, device: str) -> None:

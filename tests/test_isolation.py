@@ -5,6 +5,7 @@ gets NaN ``o`` and NaN ``lse`` (the other KV heads' heads of that query stay exa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -24,8 +25,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:Runtim
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 # The torch backend's one-tile and tiled paths, the reference, and triton (interpreted on
-# CPU with tiny blocks, compiled on a GPU).
-BACKENDS = ["torch-dense", "torch-tiled", "reference", "triton"]
+# CPU with tiny blocks, compiled on a GPU), also with V's checks deferred (a work item
+# computed again with them where its state comes out non-finite).
+BACKENDS = ["torch-dense", "torch-tiled", "reference", "triton", "triton-deferred"]
 H_Q, H_KV, D = 4, 2, 16  # GQA 2: heads 0-1 read KV head 0, heads 2-3 KV head 1
 VALUES = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
 
@@ -34,13 +36,19 @@ def planned(backend: str, layout: TreeLayout, kind: str = "flatten", h_q: int = 
             h_kv: int = H_KV, d: int = D, device: str = "cpu", block: int = 8) -> TreeAttention:
     """``TreeAttention`` planned for ``layout``; tiles of ``block`` tokens (many partial
     states to merge on tiny trees), except for triton on a GPU: its shipped configs."""
-    name = "torch" if backend.startswith("torch") else backend
+    name = backend.split("-")[0]
     shipped = name == "triton" and device == "cuda"
     attn = TreeAttention(h_q, h_kv, d, backend=name, plan_kind=kind, device=device,
                          block_kv=None if shipped else block)
     with pytest.MonkeyPatch.context() as mp:
         if backend == "torch-tiled":
             mp.setattr(TorchBackend, "dense_limit", 0)
+        if backend == "triton-deferred":  # the plan keeps the config it was made with
+            from deft.ops.triton import configs
+
+            for key, cfg in list(configs.CONFIGS.items()):
+                mp.setitem(configs.CONFIGS, key,
+                           dataclasses.replace(cfg, deferred_v_checks=True))
         attn.plan(layout)
     if backend.startswith("torch") and kind != "per_query" and attn.current_plan.num_plan_tokens:
         assert isinstance(attn._prepared, _Dense) == (backend == "torch-dense")
@@ -126,7 +134,7 @@ def fan_and_tree(prompt: int, branches: int, branch_len: int, root: int, child: 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
-    if request.param == "triton":
+    if request.param.startswith("triton"):
         pytest.importorskip("triton")
     return request.param
 
@@ -136,8 +144,9 @@ def scenario_run(backend: str, scenario: str):
     """The scenario's planned attention, clean inputs and clean result (computed once: the
     interpreted kernels are slow)."""
     layout, _ = SCENARIOS[scenario]
-    dtype = torch.float16 if backend == "triton" else torch.float32
-    device = DEV if backend == "triton" else "cpu"
+    triton = backend.startswith("triton")
+    dtype = torch.float16 if triton else torch.float32
+    device = DEV if triton else "cpu"
     q, k, v = clean_inputs(layout, dtype, device=device)
     attn = planned(backend, layout, device=device)
     return attn, (q, k, v), attn.run(q, k, v, return_lse=True)
@@ -204,7 +213,8 @@ def test_random_layouts_with_poisoned_rows(seed, nodes, max_len, roots, num_pois
                     expected_nan(layout, [p[:2] for p in poison]), f"{backend} {kind} {block}")
 
 
-def test_random_layouts_with_poisoned_rows_triton():
+@pytest.mark.parametrize("backend", ["triton", "triton-deferred"])
+def test_random_layouts_with_poisoned_rows_triton(backend):
     """The property above on triton (interpreted on CPU: a few small forests)."""
     pytest.importorskip("triton")
     rng = np.random.default_rng(7)
@@ -214,16 +224,15 @@ def test_random_layouts_with_poisoned_rows_triton():
         poison = [(int(rng.integers(k.shape[0])), int(rng.integers(H_KV)), int(rng.integers(D)),
                    list(VALUES.values())[rng.integers(3)], "kv"[rng.integers(2)])
                   for _ in range(4)]
-        attn = planned("triton", layout, kind, device=DEV)
+        attn = planned(backend, layout, kind, device=DEV)
         assert_isolated(run_poisoned(attn, q, k, v, poison), attn.run(q, k, v, return_lse=True),
-                        expected_nan(layout, [p[:2] for p in poison]), f"triton {kind}")
+                        expected_nan(layout, [p[:2] for p in poison]), f"{backend} {kind}")
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["merge-launch", "fused-merge"])
 def test_triton_merge_modes(monkeypatch, fused):
     """Both merge modes carry a poisoned partial state into its own (query, head) only."""
     pytest.importorskip("triton")
-    import dataclasses
 
     from deft.ops.triton import configs
 
@@ -239,30 +248,32 @@ def test_triton_merge_modes(monkeypatch, fused):
                     expected_nan(layout, [p[:2] for p in poison]), f"fused={fused}")
 
 
-# The masked tiles' kernel variants (deft.ops.triton.configs.KernelConfig): shipped, the
-# masked loop from a block boundary before mask_from, and that with ranges loaded first.
-TAILS = {"shipped": {}, "aligned": {"aligned_mask": True},
-         "both": {"aligned_mask": True, "ranges_first": True}}
+# Kernel variants (deft.ops.triton.configs.KernelConfig): shipped, the masked loop from a
+# block boundary before mask_from, that with ranges loaded first, and V's checks deferred
+# (a work item recomputed with them where its state comes out non-finite).
+VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True},
+            "both": {"aligned_mask": True, "ranges_first": True},
+            "deferred": {"deferred_v_checks": True}}
 
 
 @pytest.mark.skipif(CUDA, reason="on a GPU, TMA runs inside graph capture: the gpu test")
-@pytest.mark.parametrize("tails", list(TAILS))
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "gathered"])
 @pytest.mark.parametrize("value", list(VALUES))
-def test_triton_tma_blocks(monkeypatch, value, tma, tails):
+def test_triton_tma_blocks(monkeypatch, value, tma, variant):
     """Tiles of consecutive slots loaded by TMA (interpreted on CPU), or gathered: whole
     blocks, blocks cut at a tile's ``mask_from`` (their box reads on into the tile's masked
     tokens), masked blocks, and the last tile's tail box, which reads the spare slots past
-    the layout; with each variant of the masked tiles (``TAILS``: a prompt token before a
-    tile's ``mask_from`` then runs in its masked loop)."""
+    the layout; with each kernel variant (``VARIANTS``: with the masked tiles' ones a prompt
+    token before a tile's ``mask_from`` runs in its masked loop; with V's checks deferred
+    the poisoned work items are computed again)."""
     pytest.importorskip("triton")
-    import dataclasses
 
     from deft.ops.triton import configs, launch
 
     for key, cfg in list(configs.CONFIGS.items()):
         monkeypatch.setitem(configs.CONFIGS, key,
-                            dataclasses.replace(cfg, tma=tma, **TAILS[tails]))
+                            dataclasses.replace(cfg, tma=tma, **VARIANTS[variant]))
     layout = fan_and_tree(40, 3, 11, 20, 9)
     q, k, v = clean_inputs(layout, torch.float32, device=DEV)
     attn = planned("triton", layout, device=DEV, block=32)
@@ -282,7 +293,7 @@ def test_triton_tma_blocks(monkeypatch, value, tma, tails):
     poison = [(s, i % H_KV, i, VALUES[value], "kv"[i // 2 % 2]) for i, s in enumerate(slots)]
     assert_isolated(run_poisoned(attn, q, k, v, poison), clean,
                     expected_nan(layout, [p[:2] for p in poison]),
-                    f"{'tma' if tma else 'gathered'} {tails} {value}")
+                    f"{'tma' if tma else 'gathered'} {variant} {value}")
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -372,18 +383,19 @@ def test_gpu_torch_backend(path, scenario):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("variant", [{}, {"fuse_merge": True}, TAILS["both"]],
-                         ids=["merge-launch", "fused-merge", "masked-tile-variants"])
+@pytest.mark.parametrize("variant", [{}, {"fuse_merge": True}, VARIANTS["both"],
+                                     VARIANTS["deferred"]],
+                         ids=["merge-launch", "fused-merge", "masked-tile-variants",
+                              "deferred-v-checks"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
 def test_gpu_triton_isolation(monkeypatch, dtype, graph, variant):
-    """The shipped kernel configs (with TMA allowed; the merge fused, or the masked tiles'
-    variants, in turns) on the Llama-3-8B attention shape: a prompt with branches in one
+    """The shipped kernel configs (with TMA allowed; the merge fused, the masked tiles'
+    variants, or V's checks deferred, in turns) on the Llama-3-8B attention shape: a prompt with branches in one
     tree and a second tree, poison in a branch, in the second tree and in a spare slot.
     Eagerly K/V are gathered; inside a CUDA graph consecutive-slot tiles load by TMA on
     sm_90+ (the same graph replays the clean and the poisoned cache, so their results
     compare bitwise)."""
-    import dataclasses
 
     from deft.ops.triton import configs, launch
 

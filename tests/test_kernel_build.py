@@ -36,25 +36,40 @@ def test_graph_safe_builds_compile_for_sm90_within_their_register_caps(tmp_path)
         rows[cells[1], cells[3]] = cells[4:]
     assert set(rows) == {("bf16", "64"), ("fp8", "64"), ("fp8", "16")}, out
     for kv in ("bf16", "fp8"):
-        cap, tails, registers, *_, serialised = rows[kv, "64"]
-        assert cap == "none" and tails == "shipped", out
+        cap, variant, registers, _, _, _, serialised, *_ = rows[kv, "64"]
+        assert cap == "none" and variant == "shipped", out
         assert 0 < int(registers) <= 255 and serialised == "no", out
     cap, _, registers, *_ = rows["fp8", "16"]
     assert cap == "168" and 0 < int(registers) <= 168, out
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this Triton ships no ptxas")
-def test_masked_tile_variants_compile_for_sm90():
-    """The masked tiles' variants (``aligned_mask`` and ``ranges_first``) of the bf16
-    graph-safe build compile for sm_90, uncapped, with their wgmma instructions asynchronous."""
+def test_kernel_variants_compile_for_sm90():
+    """The kernel variants of the graph-safe build compile for sm_90, uncapped, with their
+    wgmma instructions asynchronous: the masked tiles' (``aligned_mask`` and
+    ``ranges_first``), deferred V checks, whose masked block loops are the shorter by a
+    quarter at least (no V values loaded, checked and stored back) and whose unmasked ones
+    stay as they were, and finite e4m3 scores, whose FP8 loops lose the -inf select."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "kernel_registers.py"), "--rows", "0", "--kv",
-         "bf16", "--launch", "graph-safe", "--tails", "both"],
-        capture_output=True, text=True, timeout=300, check=True, cwd=ROOT).stdout
-    cells = [c.strip() for c in out.splitlines()[2].strip("|").split("|")]
-    cap, tails, registers, *_, serialised = cells[4:]
-    assert cap == "none" and tails == "both", out
-    assert 0 < int(registers) <= 255 and serialised == "no", out
+         "bf16,fp8", "--launch", "graph-safe", "--variants", "shipped,both,deferred,finite"],
+        capture_output=True, text=True, timeout=600, check=True, cwd=ROOT).stdout
+    loops, header = {}, [c.strip() for c in out.splitlines()[0].strip("|").split("|")]
+    for line in out.splitlines()[2:]:
+        cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|"))))
+        assert cells["cap"] == "none", out
+        assert 0 < int(cells["registers"]) <= 255 and cells["wgmma serialised"] == "no", out
+        loops[cells["K/V"], cells["variant"]] = {k: int(cells[k]) for k in header[-4:]}
+    assert len(loops) == 8, out
+    for kv in ("bf16", "fp8"):
+        shipped, deferred = loops[kv, "shipped"], loops[kv, "deferred"]
+        for kind in ("TMA masked", "gathered masked"):
+            assert deferred[kind] < 0.75 * shipped[kind], out
+        for kind in ("TMA", "gathered"):
+            assert abs(deferred[kind] - shipped[kind]) <= 0.05 * shipped[kind], out
+    assert loops["bf16", "finite"] == loops["bf16", "shipped"], out  # a 16-bit K keeps it
+    for kind, n in loops["fp8", "finite"].items():
+        assert n < loops["fp8", "shipped"][kind], out
 
 
 def test_work_rows_finds_the_small_items_of_a_few_shot_tree_and_none_of_a_long_prompt():

@@ -15,9 +15,11 @@ from deft.ops.triton import configs, launch  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-# The masked tiles' kernel variants (deft.ops.triton.configs.KernelConfig), not shipped.
-TAILS = {"aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
-         "both": {"aligned_mask": True, "ranges_first": True}}
+# Kernel variants (deft.ops.triton.configs.KernelConfig), not shipped: the masked tiles' and
+# V's checks deferred.
+VARIANTS = {"aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
+            "both": {"aligned_mask": True, "ranges_first": True},
+            "deferred": {"deferred_v_checks": True}}
 
 
 def check(layout, h_q, h_kv, d, dtype, kind="flatten", seed=0, paged=0):
@@ -406,14 +408,14 @@ def test_gpu_tma_path(monkeypatch, dtype, d, gqa):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("tails", list(TAILS))
-def test_gpu_masked_tile_variants(monkeypatch, tails):
-    """The masked tiles' variants on the shipped configs, eager (gathered) and in a CUDA
-    graph (TMA), bf16 on the Llama-3-8B attention shape, against the float64 reference."""
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpu_kernel_variants(monkeypatch, variant):
+    """The kernel variants on the shipped configs, eager (gathered) and in a CUDA graph
+    (TMA), bf16 on the Llama-3-8B attention shape, against the float64 reference."""
     import dataclasses
 
     for key, cfg in list(configs.CONFIGS.items()):
-        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, **TAILS[tails]))
+        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, **VARIANTS[variant]))
     layout = few_shot_layout(1500, 7, 77)
     q, k, v = random_qkv(layout, 32, 8, 128, torch.bfloat16, 2, device="cuda")
     ref_o, ref_lse = reference_attention(q, k, v, layout, 128**-0.5)
@@ -421,16 +423,16 @@ def test_gpu_masked_tile_variants(monkeypatch, tails):
     attn.plan(layout)
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2], device="cuda")
     attn.run(q, k, v, out=out, lse_out=lse, return_lse=True)
-    assert_close(out.cpu(), ref_o.cpu(), torch.bfloat16, f"{tails} eager")
-    assert_lse_close(lse.cpu(), ref_lse.cpu(), f"{tails} eager")
+    assert_close(out.cpu(), ref_o.cpu(), torch.bfloat16, f"{variant} eager")
+    assert_lse_close(lse.cpu(), ref_lse.cpu(), f"{variant} eager")
     out.zero_()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         attn.run(q, k, v, out=out, lse_out=lse, return_lse=True)
     graph.replay()
     torch.cuda.synchronize()
-    assert_close(out.cpu(), ref_o.cpu(), torch.bfloat16, f"{tails} in a CUDA graph")
-    assert_lse_close(lse.cpu(), ref_lse.cpu(), f"{tails} in a CUDA graph")
+    assert_close(out.cpu(), ref_o.cpu(), torch.bfloat16, f"{variant} in a CUDA graph")
+    assert_lse_close(lse.cpu(), ref_lse.cpu(), f"{variant} in a CUDA graph")
 
 
 def test_slots_beyond_int32_are_rejected_at_plan():
@@ -503,12 +505,13 @@ def test_tile_split_into_unmasked_and_masked_parts(monkeypatch, fixed_coarsening
 
 @pytest.mark.skipif(CUDA, reason="sets the interpreter's config; on a GPU: the gpu test")
 @pytest.mark.parametrize("tma", [False, True], ids=["gathered", "tma"])
-@pytest.mark.parametrize("tails", list(TAILS))
-def test_masked_tile_variants_match_reference(monkeypatch, fixed_coarsening, tails, tma):
-    """The masked tiles' kernel variants (``aligned_mask``: the masked loop from the block
-    boundary before ``mask_from``, which moves here; ``ranges_first``) stay exact, gathered
-    and by TMA, with NaN in the cache slots past the layout, and with the token ranges
-    before each tile's ``mask_from`` zeroed (the compiled planner need not write them)."""
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_kernel_variants_match_reference(monkeypatch, fixed_coarsening, variant, tma):
+    """The kernel variants (``aligned_mask``: the masked loop from the block boundary before
+    ``mask_from``, which moves here; ``ranges_first``; ``deferred_v_checks``: the work items
+    whose tail boxes read the NaN are computed again) stay exact, gathered and by TMA, with
+    NaN in the cache slots past the layout, and with the token ranges before each tile's
+    ``mask_from`` zeroed (the compiled planner need not write them)."""
     import dataclasses
 
     layout = few_shot_layout(70, 3, 21)
@@ -517,7 +520,7 @@ def test_masked_tile_variants_match_reference(monkeypatch, fixed_coarsening, tai
     k, v = (torch.cat([x, torch.full_like(x[:40], float("nan"))]) for x in (k, v))
     fixed_coarsening(4)
     key = ("interpreter", 0, 0)
-    cfg = dataclasses.replace(configs.CONFIGS[key], tma=tma, **TAILS[tails])
+    cfg = dataclasses.replace(configs.CONFIGS[key], tma=tma, **VARIANTS[variant])
     monkeypatch.setitem(configs.CONFIGS, key, cfg)
     attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=8)
     attn.plan(layout)
@@ -532,8 +535,8 @@ def test_masked_tile_variants_match_reference(monkeypatch, fixed_coarsening, tai
                         lambda *a, f=launch._kv_descriptor: calls.append(1) or f(*a))
     o, lse = attn.run(q, k, v, return_lse=True)
     assert bool(calls) == tma
-    assert_close(o.cpu(), ref_o.cpu(), torch.float16, f"{tails}, tma={tma}")
-    assert_lse_close(lse.cpu(), ref_lse.cpu(), f"{tails}, tma={tma}")
+    assert_close(o.cpu(), ref_o.cpu(), torch.float16, f"{variant}, tma={tma}")
+    assert_lse_close(lse.cpu(), ref_lse.cpu(), f"{variant}, tma={tma}")
 
 
 def test_failed_replan_leaves_no_plan(monkeypatch):
@@ -555,21 +558,23 @@ def test_failed_replan_leaves_no_plan(monkeypatch):
         attn.run(q, k, v)
 
 
-@pytest.mark.parametrize("tails", [None, "both"], ids=["shipped", "masked-tile-variants"])
+@pytest.mark.parametrize("variant", [None, "both", "deferred"],
+                         ids=["shipped", "masked-tile-variants", "deferred-v-checks"])
 @pytest.mark.parametrize("seed", range(3))
-def test_coarsened_random_forests_interpreted(monkeypatch, fixed_coarsening, seed, tails):
+def test_coarsened_random_forests_interpreted(monkeypatch, fixed_coarsening, seed, variant):
     """Random forests coarsened by 3 (tiles that merge node boundaries, split at
     ``mask_from``), shuffled or in-order slots: exact against the reference, with the
-    shipped kernel and with its masked tiles' variants (in-order slots then by TMA)."""
+    shipped kernel, with its masked tiles' variants and with V's checks deferred (finite
+    K/V: no item computed again; in-order slots then by TMA)."""
     import dataclasses
 
     from deft import make_plan
     from deft.plan import coarsen_plan, packing
 
-    if tails:
+    if variant:
         key = ("interpreter", 0, 0)
         monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
-            configs.CONFIGS[key], tma=True, **TAILS[tails]))
+            configs.CONFIGS[key], tma=True, **VARIANTS[variant]))
     fixed_coarsening(3)
     layout = random_forest(np.random.default_rng(40 + seed), 10, 24, max_tokens=120,
                            shuffle=seed % 2 == 0)
@@ -867,16 +872,18 @@ def test_sweep_plans_need_no_gpu(capsys):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_sweep_times_the_masked_tile_variants(capsys):
-    """``python -m benchmarks.sweep --sweep tails --graph-safe`` on a small tree: each kernel
-    and coarsening variant runs, agrees with the float64 reference, and the shipped configs
-    and coarsening are back afterwards."""
+@pytest.mark.parametrize("name, only, kv", [
+    ("tails", "shipped,aligned mask + ranges first,aligned mask + masked tile apart", "auto"),
+    ("checks", "shipped,deferred V checks + finite e4m3 scores", "fp8_e4m3")])
+def test_gpu_sweep_times_the_kernel_variants(capsys, name, only, kv):
+    """``python -m benchmarks.sweep --sweep tails|checks --graph-safe`` on a small tree: each
+    kernel and coarsening variant runs, agrees with the float64 reference, and the shipped
+    configs and coarsening are back afterwards."""
     from benchmarks import sweep
     from deft.plan import step
 
     table, refine = dict(configs.CONFIGS), step.refine
-    only = "shipped,aligned mask + ranges first,aligned mask + masked tile apart"
-    assert sweep.main(["--sweep", "tails", "--graph-safe", "--only", only,
+    assert sweep.main(["--sweep", name, "--graph-safe", "--kv-dtype", kv, "--only", only,
                        "speculative t=32"]) == 0
     rows = [[c.strip() for c in line.split("|")] for line in capsys.readouterr().out.splitlines()
             if line.startswith("speculative t=32 |")]

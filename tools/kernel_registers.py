@@ -4,22 +4,26 @@ Triton compiles for a target it is given; ``ptxas`` (shipped with Triton) then r
 build's registers per thread, stack frame and spill bytes, which decide how many programs an
 SM keeps and how much local-memory traffic the inner loop adds, and whether ptxas had to
 serialise the ``wgmma`` instructions (each one waited for before the next is issued: its
-C751x performance warnings, e.g. for want of registers). Each row is one build of
-``tree_partial_kernel`` as :func:`deft.ops.triton.launch.launch_step` launches it for a
-masked step of gathered and consecutive tiles (bf16 q): eager (gathered loads, no plan
-header) or graph-safe (TMA, plan header, a loop over work items), over 16-bit or FP8 K/V.
+C751x performance warnings, e.g. for want of registers). The last columns count the
+instructions per iteration of each kind of K/V block loop in the build's SASS
+(:func:`inner_loops`): what one warp issues per block, a static measure, not a time. Each row
+is one build of ``tree_partial_kernel`` as :func:`deft.ops.triton.launch.launch_step`
+launches it for a masked step of gathered and consecutive tiles (bf16 q): eager (gathered
+loads, no plan header) or graph-safe (TMA, plan header, a loop over work items), over
+16-bit or FP8 K/V.
 
 Usage: ``python tools/kernel_registers.py [--head-dim 128] [--rows 0,2048] [--kv bf16,fp8]
 [--launch eager,graph-safe] [--maxnreg shipped,none,168] [--block-m shipped,few,16]
-[--tails shipped,aligned,ranges,both] [--dump DIR]``;
+[--variants shipped,aligned,ranges,both,deferred,finite,lean] [--dump DIR]``;
 ``--rows`` picks the config table's row regimes (``deft.ops.triton.configs.CONFIGS``),
 ``--maxnreg`` the register cap (``shipped``: the config's build's for that K/V), ``--block-m``
 the build: ``shipped``, ``few`` (FP8's few-row build, ``configs.few_rows_config``; skipped where
 there is none) or that many rows per program (16: ``mma.sync`` dots, converted K/V in
-registers). ``--tails`` the masked tiles' variants: ``shipped``, ``aligned``
-(``KernelConfig.aligned_mask``), ``ranges`` (``ranges_first``) or ``both``. ``--dump DIR``
-also writes each build's TTGIR, PTX, cubin and SASS (``nvdisasm``) there, to read what the
-compiler made of a loop. About 10 s a build.
+registers). ``--variants`` the kernel's variants (``VARIANTS``, each ``KernelConfig`` flags
+that the shipped configs leave off): the masked tiles' ``aligned`` (``aligned_mask``),
+``ranges`` (``ranges_first``) or ``both``; the isolation's ``deferred``
+(``deferred_v_checks``), ``finite`` (``e4m3_finite_scores``) and ``lean`` (those two). ``--dump DIR`` also writes each build's TTGIR, PTX, cubin and SASS
+(``nvdisasm``) there, to read what the compiler made of a loop. About 10 s a build.
 """
 
 from __future__ import annotations
@@ -48,8 +52,13 @@ from deft.ops.triton import configs, kernels  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 KV = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-TAILS = {"shipped": {}, "aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
-         "both": {"aligned_mask": True, "ranges_first": True}}
+# Kernel variants: their ``KernelConfig`` changes (all off in the shipped configs).
+VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
+            "both": {"aligned_mask": True, "ranges_first": True},
+            "deferred": {"deferred_v_checks": True}, "finite": {"e4m3_finite_scores": True},
+            "lean": {"deferred_v_checks": True, "e4m3_finite_scores": True}}
+# The inner loops' kinds, in the table's order: K/V by TMA or gathered, masked or not.
+LOOPS = ("TMA", "TMA masked", "gathered", "gathered masked")
 H_KV, G = 8, 4  # Llama-3-8B's heads
 
 
@@ -62,6 +71,41 @@ class Usage:
     spill_stores: int
     spill_loads: int
     serialized: str  # why ptxas serialised the wgmma instructions ("" if it did not)
+    loops: dict[str, int]  # instructions per K/V block in each kind of inner loop (LOOPS)
+
+
+def inner_loops(sass: str) -> dict[str, int]:
+    """Instructions per iteration of the K/V block loops in ``sass`` (``nvdisasm -g``), by
+    kind: the innermost loops (a backward branch with no other loop inside) that hold a
+    matrix product; masked where the visibility predicate's source lines occur in them, by
+    TMA where they wait on a barrier (``SYNCS``), gathered where they copy (``LDGSTS``). The
+    smallest of each kind: the kernel compiles loops more than once (a graph-safe program's
+    first work item and the rest; with ``deferred_v_checks``, the checked loops that run
+    only where a work item is computed again), and the smallest is what a clean step runs.
+    Both sides of a branch inside a loop count."""
+    ins, labels, src = [], {}, ""
+    for line in sass.splitlines():
+        if m := re.match(r'\s*//## File "(.*)", line \d+', line):
+            src = m.group(1)
+        elif m := re.match(r"^(\.L_x_\d+):", line):
+            labels[m.group(1)] = len(ins)
+        elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line):
+            ins.append((m.group(1), src))
+    loops = [(labels[m.group(1)], i) for i, (text, _) in enumerate(ins)
+             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", text)) and labels.get(m.group(1), i + 1) <= i]
+    sizes: dict[str, int] = {}
+    for lo, hi in loops:
+        if any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops):
+            continue
+        body = ins[lo:hi + 1]
+        if not any("MMA" in text.split()[0] or " HMMA" in text or " HGMMA" in text
+                   for text, _ in body):
+            continue
+        tma = any("SYNCS" in text for text, _ in body)
+        masked = any(file.endswith("visibility.py") for _, file in body)
+        kind = ("TMA" if tma else "gathered") + (" masked" if masked else "")
+        sizes[kind] = min(sizes.get(kind, len(body)), len(body))
+    return sizes
 
 
 class _Sm90:
@@ -81,8 +125,9 @@ class _Sm90:
         return torch.device("cpu")
 
 
-def ptxas_usage(ptx: str, maxnreg: int | None) -> Usage:
-    """Assemble ``ptx`` for sm_90a and read ``ptxas -v``'s register and spill report."""
+def ptxas_usage(ptx: str, maxnreg: int | None, sass: str = "") -> Usage:
+    """Assemble ``ptx`` for sm_90a and read ``ptxas -v``'s register and spill report (and
+    the inner loops of ``sass``, the same build's disassembly)."""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ptx"
         src.write_text(ptx)
@@ -100,7 +145,7 @@ def ptxas_usage(ptx: str, maxnreg: int | None) -> Usage:
         report)
     # A line per function ptxas compiled (the kernel, and any it calls): their sums.
     return Usage(int(regs.group(1)), *(sum(int(f[i]) for f in frames) for i in range(3)),
-                 serialized.group(1) if serialized else "")
+                 serialized.group(1) if serialized else "", inner_loops(sass))
 
 
 def build_usage(cfg: configs.KernelConfig, head_dim: int, kv: torch.dtype,
@@ -127,17 +172,19 @@ def build_usage(cfg: configs.KernelConfig, head_dim: int, kv: torch.dtype,
         CONTIG=False, TMA=graph_safe, SORTED=False, FUSE_MERGE=cfg.fuse_merge, IEEE=False,
         PDL=cfg.pdl, HEADER=graph_safe, SCALED=scaled, F16_DOTS=scaled,
         ALIGN_MASK=cfg.aligned_mask, RANGES_FIRST=cfg.ranges_first,
+        INF_K=cfg.k_may_hold_inf(kv), DEFER_V=cfg.deferred_v_checks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
         launch_pdl=cfg.pdl)
-    if dump is not None:
-        dump.with_suffix(".ttgir").write_text(compiled.asm["ttgir"])
-        dump.with_suffix(".ptx").write_text(compiled.asm["ptx"])
-        cubin = dump.with_suffix(".cubin")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin" if dump is None else dump.with_suffix(".cubin")
         cubin.write_bytes(compiled.asm["cubin"])
         sass = subprocess.run([str(PTXAS.parent / "nvdisasm"), "-c", "-g", str(cubin)],
                               capture_output=True, text=True, check=True).stdout
+    if dump is not None:
+        dump.with_suffix(".ttgir").write_text(compiled.asm["ttgir"])
+        dump.with_suffix(".ptx").write_text(compiled.asm["ptx"])
         dump.with_suffix(".sass").write_text(sass)
-    return ptxas_usage(compiled.asm["ptx"], cfg.maxnreg)
+    return ptxas_usage(compiled.asm["ptx"], cfg.maxnreg, sass)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -151,23 +198,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-m", default="shipped",
                     help="builds: shipped (the config's), few (FP8's few-row build) or a number "
                          "of rows per program")
-    ap.add_argument("--tails", default="shipped",
-                    help="masked tiles: shipped, aligned (aligned_mask), ranges (ranges_first), "
-                         "both")
+    ap.add_argument("--variants", default="shipped",
+                    help="kernel variants: shipped; masked tiles: aligned (aligned_mask), ranges "
+                         "(ranges_first), both; isolation: deferred (deferred_v_checks), "
+                         "finite (e4m3_finite_scores), lean (those two)")
     ap.add_argument("--dump", metavar="DIR", type=Path,
                     help="also write each build's TTGIR, PTX, cubin and SASS into DIR")
     args = ap.parse_args(argv)
     if args.dump is not None:
         args.dump.mkdir(parents=True, exist_ok=True)
     driver.set_active(_Sm90())
-    print("| rows | K/V | launch | block m | cap | tails | registers | stack B | spill stores B "
-          "| spill loads B | wgmma serialised |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| rows | K/V | launch | block m | cap | variant | registers | stack B | spill stores B "
+          "| spill loads B | wgmma serialised | " + " | ".join(LOOPS) + " |")
+    print("| --- " * (11 + len(LOOPS)) + "|")
     for rows in (int(r) for r in args.rows.split(",")):
         shipped = configs.CONFIGS["sm90", args.head_dim, rows]
-        for kv, cap, launch, block_m, tails in itertools.product(
+        for kv, cap, launch, block_m, variant in itertools.product(
                 args.kv.split(","), args.maxnreg.split(","), args.launch.split(","),
-                args.block_m.split(","), args.tails.split(",")):
+                args.block_m.split(","), args.variants.split(",")):
             if block_m == "few":
                 build = configs.few_rows_config(shipped, KV[kv])
                 if build is None:
@@ -178,14 +226,15 @@ def main(argv: list[str] | None = None) -> None:
             built = configs.kv_config(build, KV[kv])
             if cap != "shipped":
                 built = dataclasses.replace(built, maxnreg=None if cap == "none" else int(cap))
-            built = dataclasses.replace(built, **TAILS[tails])
+            built = dataclasses.replace(built, **VARIANTS[variant])
             name = (f"rows{rows}-{kv}-{launch}-m{built.block_m}-cap{built.maxnreg or 'none'}"
-                    + ("" if tails == "shipped" else f"-{tails}"))
+                    + ("" if variant == "shipped" else f"-{variant}"))
             u = build_usage(built, args.head_dim, KV[kv], launch == "graph-safe",
                             None if args.dump is None else args.dump / name)
             print(f"| {rows} | {kv} | {launch} | {built.block_m} "
-                  f"| {built.maxnreg or 'none'} | {tails} | {u.registers} | {u.stack} "
-                  f"| {u.spill_stores} | {u.spill_loads} | {u.serialized or 'no'} |", flush=True)
+                  f"| {built.maxnreg or 'none'} | {variant} | {u.registers} | {u.stack} "
+                  f"| {u.spill_stores} | {u.spill_loads} | {u.serialized or 'no'} | "
+                  + " | ".join(str(u.loops.get(k, "–")) for k in LOOPS) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def timeline_kernel(
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, HEADER: tl.constexpr,
     SCALED: tl.constexpr, F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr,
-    RANGES_FIRST: tl.constexpr,
+    RANGES_FIRST: tl.constexpr, INF_K: tl.constexpr, DEFER_V: tl.constexpr,
 ):
     """The graph-safe partial kernel's loop (``HEADER`` only), timing each pair into ``TL``."""
     h_kv = num_heads // G
@@ -92,7 +92,7 @@ def timeline_kernel(
             G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG,
             TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False,
             SCALED=SCALED, F16_DOTS=F16_DOTS, ALIGN_MASK=ALIGN_MASK,
-            RANGES_FIRST=RANGES_FIRST)
+            RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, DEFER_V=DEFER_V)
         t1 = _globaltimer()
         desc = plan + off_work + w * 8
         rec = TL + item.to(tl.int64) * 10  # FIELDS per pair

@@ -7,7 +7,8 @@ padding, the share by tiles that picks the few-row build for FP8 K/V
 (``deft.plan.packing.few_rows_share``, against ``KernelConfig.kv8_few_share``), the build
 the tree asks for (``TreeAttention.build``), the items with a masked part, and those of them
 whose unmasked part ends inside a K/V block (a partial block run outside the pipelined loop,
-unless ``KernelConfig.aligned_mask``). It tells which trees smaller dots serve
+unless ``KernelConfig.aligned_mask``), and the share of the K/V blocks that the programs run
+masked (those ``KernelConfig.deferred_v_checks`` makes cheaper). It tells which trees smaller dots serve
 (docs/decisions.md, "16-row dots for FP8" and "A few-row build per tree") and which take the
 light build ("The register cap stays, but for steps of few programs"). Plans are made as on
 an H200 (the sm90 configs and their default build, the backend's tile size, ``--sms`` SMs),
@@ -43,11 +44,12 @@ from deft.recorded import workloads_dir  # noqa: E402
 
 def work_rows(layout, sms: int,  # noqa: ANN001
               kv_dtype: torch.dtype | None) -> tuple[np.ndarray, np.ndarray, int, str, str,
-                                                     np.ndarray]:
+                                                     np.ndarray, np.ndarray]:
     """Each work item's tokens and rows in the default build's plan of ``layout`` on ``sms``
     SMs, ``block_m``, the tiles' few-row share ("-" without a few-row build for this K/V), the
-    build the tree asks for, and ``[W, 2]`` flags: the item has a masked part, and its
-    unmasked part ends inside a K/V block of the launched config."""
+    build the tree asks for, ``[W, 2]`` flags: the item has a masked part, and its unmasked
+    part ends inside a K/V block of the launched config; and ``[W, 2]`` K/V blocks each item
+    runs, unmasked and masked."""
     shipped = backend._num_sms
     backend._num_sms = lambda device: sms
     try:
@@ -65,8 +67,10 @@ def work_rows(layout, sms: int,  # noqa: ANN001
     share = ("-" if few is None else
              f"{few_rows_share(plan, H_Q // H_KV, cfg.block_m, few.block_m):.2f}")
     masked = work[:, 5] < work[:, 1]
-    mid = masked & ((work[:, 5] - work[:, 0]) % configs.kv_config(cfg, kv_dtype).block_n > 0)
-    return tokens, rows, cfg.block_m, share, build, np.stack([masked, mid], 1)
+    block_n = configs.kv_config(cfg, kv_dtype).block_n
+    mid = masked & ((work[:, 5] - work[:, 0]) % block_n > 0)
+    blocks = -(-np.stack([work[:, 5] - work[:, 0], work[:, 1] - work[:, 5]], 1) // block_n)
+    return tokens, rows, cfg.block_m, share, build, np.stack([masked, mid], 1), blocks
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,15 +89,16 @@ def main(argv: list[str] | None = None) -> None:
     kv = FP8 if args.kv_dtype == "fp8_e4m3" else None
     print(f"| tree | items | items of <= {args.small} rows | their share of token work "
           "| padded dot rows | few-row share of tiles | build asked | masked items "
-          "| their unmasked part ending mid-block |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| their unmasked part ending mid-block | masked share of blocks |")
+    print("| --- " * 10 + "|")
     for name, layout in available(args.trees or GPU_SUITE, workloads):
-        tokens, rows, block_m, share, build, flags = work_rows(layout, args.sms, kv)
+        tokens, rows, block_m, share, build, flags, blocks = work_rows(layout, args.sms, kv)
         small = rows <= args.small
         padded = 1 - float((tokens * rows).sum()) / float(tokens.sum() * block_m)
         print(f"| {name} | {len(rows)} | {int(small.sum())} "
               f"| {tokens[small].sum() / tokens.sum():.2f} | {padded:.0%} | {share} | {build} "
-              f"| {int(flags[:, 0].sum())} | {int(flags[:, 1].sum())} |", flush=True)
+              f"| {int(flags[:, 0].sum())} | {int(flags[:, 1].sum())} "
+              f"| {blocks[:, 1].sum() / blocks.sum():.2f} |", flush=True)
 
 
 if __name__ == "__main__":

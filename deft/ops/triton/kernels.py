@@ -28,7 +28,12 @@ non-finite V values are zeroed before ``p @ V`` (a probability of 0 times NaN is
 the probabilities of the rows that see them made NaN; in the other blocks every row sees
 every token, so a non-finite V row reaches exactly the rows that see it (a TMA box's rows
 past its tile, seen by none, are zeroed). The epilogue makes a row with a non-finite output
-NaN (o and lse).
+NaN (o and lse). Two variants, off in the shipped configs, make this cheaper:
+``INF_K`` False (over e4m3 K, which holds no infinities, so no score is -inf) skips the
+-inf select; ``DEFER_V`` leaves V's values unchecked in every block (none loaded from shared
+memory, tested and stored back), and a work item whose state comes out non-finite, which
+it must if a row took a non-finite V row (NaN persists through the online softmax), is
+computed again with the checks.
 
 ``merge_kernel``: one program per (query, block of heads); merges the query's partial states
 through the reduction map (CSR), a block of them per step, into ``o`` (output dtype) and
@@ -112,7 +117,7 @@ def _tile_loop(
     q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre, qlen,
     row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
     D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
-    IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr,
+    IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr, INF_K: tl.constexpr, CHECK_V: tl.constexpr,
 ):
     """Online softmax of the query rows over plan tokens ``[tok0, tok1)``, ``BLOCK_N`` at a time.
 
@@ -145,10 +150,12 @@ def _tile_loop(
             vis = vis & _visible(pre[:, None], qlen[:, None], lo[None, :], hi[None, :], off[None, :])
             if ALIGN_MASK:  # every row sees the tokens before seen_to (see _work_item)
                 vis = vis | ((offs < seen_to)[None, :] & row_ok[:, None])
-        s = tl.where(vis, _no_neg_inf(s), float("-inf"))
+        if INF_K:
+            s = _no_neg_inf(s)
+        s = tl.where(vis, s, float("-inf"))
         p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
         v = tl.load(V + kv_off, mask=tok_ok[:, None], other=0.0).to(q.dtype)
-        if MASKED:  # padding loads as 0; unmasked blocks need no V check (see the top)
+        if MASKED and CHECK_V:  # padding loads as 0; unmasked blocks need none (see the top)
             p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
             v = tl.where(_finite(v), v, 0.0)
         acc = _accumulate(p, v, acc, IEEE)
@@ -161,11 +168,12 @@ def _tma_block(
     m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     TAIL: tl.constexpr, IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr,
+    INF_K: tl.constexpr, CHECK_V: tl.constexpr,
 ):
     """One online-softmax step over the ``BLOCK_N`` consecutive slots from ``slot``, loaded
     by TMA. ``TAIL``: only tokens before ``tok1`` count; the box's rows past it (another
-    node's KV, or unwritten cache) are masked out of the scores and their V rows zeroed, so
-    their K/V never flag a row. ``MASKED``: the rows see the tokens by their node ranges,
+    node's KV, or unwritten cache) are masked out of the scores and (with ``CHECK_V``) their
+    V rows zeroed, so their K/V never flag a row. ``MASKED``: the rows see the tokens by their node ranges,
     loaded before K's (``RANGES_FIRST``: in flight while K's load is waited for, where the
     block is not software-pipelined) or after its product."""
     if MASKED and RANGES_FIRST:
@@ -191,16 +199,19 @@ def _tma_block(
             vis = vis & tok_ok[None, :]
         else:
             vis = tok_ok[None, :]
-        s = tl.where(vis, _no_neg_inf(s), float("-inf"))
-    else:
+        if INF_K:
+            s = _no_neg_inf(s)
+        s = tl.where(vis, s, float("-inf"))
+    elif INF_K:
         s = _no_neg_inf(s)
     p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
     v = desc_v.load([slot, kvh * D]).to(q.dtype)
-    if MASKED:  # unmasked blocks need no V check (see the top)
-        p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
-        v = tl.where(_finite(v), v, 0.0)
-    elif TAIL:  # every row sees the tokens before tok1 (see the top), none those past it
-        v = tl.where(tok_ok[:, None], v, 0.0)
+    if CHECK_V:
+        if MASKED:  # unmasked blocks need no V check (see the top)
+            p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
+            v = tl.where(_finite(v), v, 0.0)
+        elif TAIL:  # every row sees the tokens before tok1 (see the top), none those past it
+            v = tl.where(tok_ok[:, None], v, 0.0)
     acc = _accumulate(p, v, acc, IEEE)
     return m_i, l_i, acc
 
@@ -210,6 +221,7 @@ def _tma_tile(
     q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre, qlen,
     m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr, RANGES_FIRST: tl.constexpr,
+    INF_K: tl.constexpr, CHECK_V: tl.constexpr,
 ):
     """``_tile_loop`` for a tile of consecutive slots from ``slot0``, every block by TMA: no
     per-element addresses, masks or slot loads, which frees registers and issue slots."""
@@ -219,13 +231,13 @@ def _tma_tile(
             q, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, seen_to,
             slot0 + (start - tok0), kvh, pre, qlen, m_i, l_i, acc, qk_scale, D=D,
             BLOCK_N=BLOCK_N, MASKED=MASKED, TAIL=False, IEEE=IEEE, ALIGN_MASK=ALIGN_MASK,
-            RANGES_FIRST=RANGES_FIRST)
+            RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, CHECK_V=CHECK_V)
     if whole < tok1:
         m_i, l_i, acc = _tma_block(
             q, desc_k, desc_v, tok_lo, tok_hi, tok_off, whole, tok1, seen_to,
             slot0 + (whole - tok0), kvh, pre, qlen, m_i, l_i, acc, qk_scale, D=D,
             BLOCK_N=BLOCK_N, MASKED=MASKED, TAIL=True, IEEE=IEEE, ALIGN_MASK=ALIGN_MASK,
-            RANGES_FIRST=RANGES_FIRST)
+            RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, CHECK_V=CHECK_V)
     return m_i, l_i, acc
 
 
@@ -236,6 +248,7 @@ def _tile(
     D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
     TMA: tl.constexpr, IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr,
+    INF_K: tl.constexpr, CHECK_V: tl.constexpr,
 ):
     """The tile's online softmax. ``TMA``: a tile of consecutive slots (``slot0 >= 0``; all
     tiles when ``CONTIG``) loads by TMA, any other by gathered loads."""
@@ -243,13 +256,14 @@ def _tile(
         m_i, l_i, acc = _tma_tile(
             q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre,
             qlen, m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, IEEE=IEEE,
-            ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST)
+            ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
+            CHECK_V=CHECK_V)
     else:
         m_i, l_i, acc = _tile_loop(
             q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre,
             qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
             D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, CONTIG=CONTIG, IEEE=IEEE,
-            ALIGN_MASK=ALIGN_MASK)
+            ALIGN_MASK=ALIGN_MASK, INF_K=INF_K, CHECK_V=CHECK_V)
     return m_i, l_i, acc
 
 
@@ -279,6 +293,7 @@ def tree_partial_kernel(
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, HEADER: tl.constexpr,
     SCALED: tl.constexpr, F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr,
+    INF_K: tl.constexpr, DEFER_V: tl.constexpr,
 ):
     # KV heads vary fastest: programs start in work-item order (largest tiles first) across
     # all heads, so the launch's last programs are its shortest ones.
@@ -304,7 +319,8 @@ def tree_partial_kernel(
                 KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
                 FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS,
-                ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST)
+                ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
+                DEFER_V=DEFER_V)
         else:
             if PDL:
                 gdc_launch_dependents()
@@ -318,7 +334,8 @@ def tree_partial_kernel(
                 KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
                 FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False, SCALED=SCALED, F16_DOTS=F16_DOTS,
-                ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST)
+                ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
+                DEFER_V=DEFER_V)
     else:
         _work_item(
             tl.program_id(0) // h_kv, tl.program_id(0) % h_kv, Q, K, V, desc_k, desc_v, PO,
@@ -327,7 +344,46 @@ def tree_partial_kernel(
             stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
             KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK,
             CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL,
-            SCALED=SCALED, F16_DOTS=F16_DOTS, ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST)
+            SCALED=SCALED, F16_DOTS=F16_DOTS, ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST,
+            INF_K=INF_K, DEFER_V=DEFER_V)
+
+
+@triton.jit
+def _item_state(
+    q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, mask_from, slot0,
+    kvh, pre, qlen, row_ok, qk_scale, stride_kn, stride_kh,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_MASK: tl.constexpr,
+    CONTIG: tl.constexpr, TMA: tl.constexpr, IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr,
+    RANGES_FIRST: tl.constexpr, INF_K: tl.constexpr, CHECK_V: tl.constexpr,
+):
+    """A work item's online-softmax state (running max, sum, accumulator) over its tile.
+    ``CHECK_V``: masked blocks check V's values, and tail blocks zero the box's rows past the
+    tile (see the top)."""
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    # Two loops, each branch-free and pipelined: unmasked tokens, then masked ones from
+    # ``split`` on (``mask_from``, or with ALIGN_MASK the block boundary at or before it).
+    split = mask_from
+    if ALIGN_MASK:
+        if mask_from < tok1:
+            split = tok0 + (mask_from - tok0) // BLOCK_N * BLOCK_N
+    if tok0 < split:
+        m_i, l_i, acc = _tile(
+            q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, split, split,
+            slot0, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
+            D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE,
+            ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, CHECK_V=CHECK_V)
+    if USE_MASK:
+        if split < tok1:
+            slot_m = tl.where(slot0 >= 0, slot0 + (split - tok0), -1)
+            m_i, l_i, acc = _tile(
+                q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, split, tok1,
+                mask_from, slot_m, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn,
+                stride_kh, D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA,
+                IEEE=IEEE, ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
+                CHECK_V=CHECK_V)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -340,17 +396,18 @@ def _work_item(
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, WAIT: tl.constexpr, SCALED: tl.constexpr,
     F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr, RANGES_FIRST: tl.constexpr,
+    INF_K: tl.constexpr, DEFER_V: tl.constexpr,
 ):
     """Work item ``w`` of the plan for KV head ``kvh``: its partial states. ``WAIT``: wait
     for the previous launch (programmatic dependent launch) once the item is described.
     ``SCALED``: K/V (e.g. FP8, converted exactly to the dots' dtype as loaded) are dequantised
     by the head's scales: K's folds into the score scale, V's into the epilogue.
-    ``F16_DOTS``: the dots run in fp16 (see the top). ``ALIGN_MASK``: the masked part of a
-    tile starts at the block boundary at or before its ``mask_from``, so that the unmasked
-    part has no partial last block (run outside the pipelined loop); every row sees the
-    tokens between the two, whatever ranges the planner left there (the compiled planner
-    writes them only from the node segment that holds ``mask_from``). ``RANGES_FIRST``: see
-    :func:`_tma_block`."""
+    ``F16_DOTS``: the dots run in fp16 (see the top). ``INF_K``, ``DEFER_V``: see the top.
+    ``ALIGN_MASK``: the masked part of a tile starts at the block boundary at or before its
+    ``mask_from``, so that the unmasked part has no partial last block (run outside the
+    pipelined loop); every row sees the tokens between the two, whatever ranges the planner
+    left there (the compiled planner writes them only from the node segment that holds
+    ``mask_from``). ``RANGES_FIRST``: see :func:`_tma_block`."""
     tok_slot = plan
     tok_lo = plan + off_lo
     tok_hi = plan + off_hi
@@ -402,29 +459,23 @@ def _work_item(
         v_s = tl.load(VS + kvh * stride_s)
     if F16_DOTS:
         q, qk_scale = _fp16_queries(q, qk_scale)
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    # Two loops, each branch-free and pipelined: unmasked tokens, then masked ones from
-    # ``split`` on (``mask_from``, or with ALIGN_MASK the block boundary at or before it).
-    split = mask_from
-    if ALIGN_MASK:
-        if mask_from < tok1:
-            split = tok0 + (mask_from - tok0) // BLOCK_N * BLOCK_N
-    if tok0 < split:
-        m_i, l_i, acc = _tile(
-            q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, split, split,
-            slot0, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
-            D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE,
-            ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST)
-    if USE_MASK:
-        if split < tok1:
-            slot_m = tl.where(slot0 >= 0, slot0 + (split - tok0), -1)
-            m_i, l_i, acc = _tile(
-                q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, split, tok1,
-                mask_from, slot_m, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn,
-                stride_kh, D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA,
-                IEEE=IEEE, ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST)
+    m_i, l_i, acc = _item_state(
+        q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, mask_from, slot0,
+        kvh, pre, qlen, row_ok, qk_scale, stride_kn, stride_kh, D=D, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE,
+        ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, CHECK_V=not DEFER_V)
+    if DEFER_V:
+        # A row may have taken a NaN/inf V row that it does not see (0 * NaN). Non-finite
+        # values persist, so a state without them proves that none did; else the item is
+        # computed again with V's checks (by gathered loads: one more copy of the loops, not
+        # two).
+        if tl.max(_bad_rows(acc), 0) > 0:
+            m_i, l_i, acc = _item_state(
+                q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1,
+                mask_from, slot0, kvh, pre, qlen, row_ok, qk_scale, stride_kn, stride_kh, D=D,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=False,
+                IEEE=IEEE, ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
+                CHECK_V=True)
 
     has = l_i > 0
     o = acc * (v_s / tl.where(has, l_i, 1.0))[:, None]
