@@ -57,7 +57,7 @@ buffers and grid for any tree of the step's size, ``TreeAttention(capacity=...)`
 ``--kv-dtype fp8_e4m3`` the K/V are FP8 copies with per-head scales (as a calibrated
 pool holds them), checked against the float64 reference of the dequantised K/V.
 
-Usage: ``python -m benchmarks.sweep [--sweep NAME] [--kv-dtype fp8_e4m3] [--graph-safe]
+Usage: ``python -m benchmarks.sweep [--sweep NAME[,NAME...]] [--kv-dtype fp8_e4m3] [--graph-safe]
 [--eager] [--only LABEL,...] [--plans] [--json PATH] [TREE ...]``: one line per (tree,
 variant), then registers and spills of every compiled partial-kernel variant, the best
 variants per tree and each variant's mean slowdown against the per-tree best.
@@ -368,11 +368,23 @@ def _sweep_tree(name: str, layout, variant_list, graph: bool, registers: dict,  
     return rows
 
 
+def sweep_names(text: str) -> list[str]:
+    """``--sweep``'s comma list of sweep names."""
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in SWEEPS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown sweep {', '.join(unknown)} (expected {', '.join(SWEEPS)})")
+    return names
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.sweep",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("trees", nargs="*", metavar="TREE", help="benchmark trees (default: the GPU suite)")
-    ap.add_argument("--sweep", choices=SWEEPS, default="merge", help="which variants (default merge)")
+    ap.add_argument("--sweep", type=sweep_names, default="merge", metavar="NAME[,NAME...]",
+                    help=f"which variants (default merge): {', '.join(SWEEPS)}; several run in "
+                    "one process, the shipped configs once")
     ap.add_argument("--factors", default="2,4,8,16,32", help="(--sweep factors) comma-separated factors")
     ap.add_argument("--kv-dtype", choices=("auto", "fp8_e4m3"), default="auto",
                     help="K/V format: auto (bf16, like q) or fp8_e4m3 (FP8 with per-head scales)")
@@ -388,7 +400,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "tiles and programs (no GPU needed)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as a result record")
     args = ap.parse_args(argv)
-    variant_list = variants(args.sweep, args.factors)
+    variant_list = [variants(args.sweep[0], args.factors)[0]]
+    for name in args.sweep:
+        variant_list += variants(name, args.factors)[1:]
+    labels = [label for label, _, _ in variant_list]
+    if len(set(labels)) < len(labels):
+        ap.error(f"--sweep {','.join(args.sweep)}: two variants share a label")
     if args.only:
         only = {label.strip() for label in args.only.split(",")}
         variant_list = [v for v in variant_list if v[0] in only]
@@ -415,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.cuda.empty_cache()
     if args.json:
         rec = record(list(results[0]) if results else [], [list(r.values()) for r in results],
-                     "cuda", sweep=args.sweep, mode=mode,
+                     "cuda", sweep=",".join(args.sweep), mode=mode,
                      kv_dtype=args.kv_dtype)
         write_record(args.json, rec)
     print("\npartial kernel (registers, spills) compiled per variant:")

@@ -850,15 +850,17 @@ def test_masked_tile_apart_cuts_only_before_a_masked_run_end(monkeypatch):
 def test_sweep_plans_need_no_gpu(capsys):
     """``python -m benchmarks.sweep --plans`` prints each variant's plan of a tree as an
     H200 makes it, on the CPU: the kernel variants keep the shipped plan, a masked tile
-    apart and fixed factors change it."""
+    apart and fixed factors change it. Two sweeps in one run list the shipped configs once;
+    two that share a label other than that are refused."""
     from benchmarks import sweep
 
-    sweep.main(["--plans", "--sweep", "tails", "few-shot b=20"])
+    sweep.main(["--plans", "--sweep", "tails,checks", "few-shot b=20"])
     sweep.main(["--plans", "--sweep", "factors", "--factors", "2", "few-shot b=20"])
     rows = [[c.strip() for c in line.strip("|").split("|")]
             for line in capsys.readouterr().out.splitlines() if line.startswith("| few-shot")]
     digests = {r[1]: r[-1] for r in rows}
-    kernel = {"shipped", "aligned mask", "ranges first", "aligned mask + ranges first"}
+    kernel = {"shipped", "aligned mask", "ranges first", "aligned mask + ranges first",
+              "deferred V checks", "finite e4m3 scores", "deferred V checks + finite e4m3 scores"}
     apart = {"masked tile apart", "aligned mask + masked tile apart"}
     assert set(digests) == kernel | apart | {"u=2"}
     assert len({digests[v] for v in kernel}) == 1 and len({digests[v] for v in apart}) == 1
@@ -868,6 +870,9 @@ def test_sweep_plans_need_no_gpu(capsys):
     assert all(r[2] == "default" and int(r[3]) > 1 for r in rows)
     tiles = {r[1]: int(r[3]) for r in rows}
     assert tiles["masked tile apart"] == tiles["shipped"] + 1  # the prompt's masked end
+    assert [r[1] for r in rows].count("shipped") == 2  # once in each of the two runs
+    with pytest.raises(SystemExit):
+        sweep.main(["--plans", "--sweep", "pipeline,ring", "few-shot b=20"])  # "n32 s4" twice
 
 
 @pytest.mark.gpu

@@ -13,17 +13,18 @@ loads, no plan header) or graph-safe (TMA, plan header, a loop over work items),
 16-bit or FP8 K/V.
 
 Usage: ``python tools/kernel_registers.py [--head-dim 128] [--rows 0,2048] [--kv bf16,fp8]
-[--launch eager,graph-safe] [--maxnreg shipped,none,168] [--block-m shipped,few,16]
-[--variants shipped,aligned,ranges,both,deferred,finite,lean] [--dump DIR]``;
-``--rows`` picks the config table's row regimes (``deft.ops.triton.configs.CONFIGS``),
-``--maxnreg`` the register cap (``shipped``: the config's build's for that K/V), ``--block-m``
-the build: ``shipped``, ``few`` (FP8's few-row build, ``configs.few_rows_config``; skipped where
-there is none) or that many rows per program (16: ``mma.sync`` dots, converted K/V in
-registers). ``--variants`` the kernel's variants (``VARIANTS``, each ``KernelConfig`` flags
-that the shipped configs leave off): the masked tiles' ``aligned`` (``aligned_mask``),
-``ranges`` (``ranges_first``) or ``both``; the isolation's ``deferred``
-(``deferred_v_checks``), ``finite`` (``e4m3_finite_scores``) and ``lean`` (those two). ``--dump DIR`` also writes each build's TTGIR, PTX, cubin and SASS
-(``nvdisasm``) there, to read what the compiler made of a loop. About 10 s a build.
+[--launch eager,graph-safe] [--maxnreg shipped,none,168] [--block-m shipped,few,16] [--variants
+shipped,aligned,ranges,both,deferred,finite,lean] [--dump DIR]``; ``--rows`` picks the config
+table's row regimes (``deft.ops.triton.configs.CONFIGS``), ``--maxnreg`` the register cap
+(``shipped``: the config's build's for that K/V), ``--block-m`` the build: ``shipped``, ``few``
+(FP8's few-row build, ``configs.few_rows_config``; skipped where there is none) or that many
+rows per program (16: ``mma.sync`` dots, converted K/V in registers). ``--variants`` the
+kernel's variants (``VARIANTS``, each ``KernelConfig`` flags that the shipped configs leave
+off): the masked tiles' ``aligned`` (``aligned_mask``), ``ranges`` (``ranges_first``) or
+``both``; the isolation's ``deferred`` (``deferred_v_checks``), ``finite``
+(``e4m3_finite_scores``) and ``lean`` (those two). ``--dump DIR`` also writes each build's
+TTGIR, PTX, cubin and SASS (``nvdisasm``) there, to read what the compiler made of a loop.
+About 10 s a build.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def inner_loops(sass: str) -> dict[str, int]:
         elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line):
             ins.append((m.group(1), src))
     loops = [(labels[m.group(1)], i) for i, (text, _) in enumerate(ins)
-             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", text)) and labels.get(m.group(1), i + 1) <= i]
+             if (m := re.search(r"BRA `\((\.L_x_\d+)\)", text))
+             and labels.get(m.group(1), i + 1) <= i]
     sizes: dict[str, int] = {}
     for lo, hi in loops:
         if any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops):

@@ -173,9 +173,9 @@ def _tma_block(
     """One online-softmax step over the ``BLOCK_N`` consecutive slots from ``slot``, loaded
     by TMA. ``TAIL``: only tokens before ``tok1`` count; the box's rows past it (another
     node's KV, or unwritten cache) are masked out of the scores and (with ``CHECK_V``) their
-    V rows zeroed, so their K/V never flag a row. ``MASKED``: the rows see the tokens by their node ranges,
-    loaded before K's (``RANGES_FIRST``: in flight while K's load is waited for, where the
-    block is not software-pipelined) or after its product."""
+    V rows zeroed, so their K/V never flag a row. ``MASKED``: the rows see the tokens by
+    their node ranges, loaded before K's (``RANGES_FIRST``: in flight while K's load is
+    waited for, where the block is not software-pipelined) or after its product."""
     if MASKED and RANGES_FIRST:
         offs = start + tl.arange(0, BLOCK_N)
         tok_ok = offs < tok1
