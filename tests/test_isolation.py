@@ -287,10 +287,11 @@ def test_triton_tma_blocks(monkeypatch, value, tma, variant):
     assert bool(calls) == tma, "the TMA path was not taken" if tma else "TMA without tma"
     # A prompt token, a prompt token before the second tile's mask_from (40) but past the
     # block boundary (32), a second-branch token, the second tree's first token (right after
-    # the fan), a token of its child past the half-child query's kv length, the first spare
-    # slot; K and V in turns, KV heads in turns.
-    slots = [7, 35, 40 + 11 + 5, 73, 73 + 20 + 6, layout.num_tokens]
-    poison = [(s, i % H_KV, i, VALUES[value], "kv"[i // 2 % 2]) for i, s in enumerate(slots)]
+    # the fan), a token of its child past the half-child query's kv length (in V: rows of its
+    # work item that do not see it), the first spare slot (in K and in V); KV heads in turns.
+    slots = [7, 35, 40 + 11 + 5, 73, 73 + 20 + 6, layout.num_tokens, layout.num_tokens]
+    poison = [(s, i % H_KV, i, VALUES[value], which)
+              for i, (s, which) in enumerate(zip(slots, "kkvvvkv"))]
     assert_isolated(run_poisoned(attn, q, k, v, poison), clean,
                     expected_nan(layout, [p[:2] for p in poison]),
                     f"{'tma' if tma else 'gathered'} {variant} {value}")

@@ -68,8 +68,8 @@ def test_kernel_variants_compile_for_sm90():
         for kind in ("TMA", "gathered"):
             assert abs(deferred[kind] - shipped[kind]) <= 0.05 * shipped[kind], out
     assert loops["bf16", "finite"] == loops["bf16", "shipped"], out  # a 16-bit K keeps it
-    for kind, n in loops["fp8", "finite"].items():
-        assert n < loops["fp8", "shipped"][kind], out
+    for kind in ("TMA", "gathered"):  # 32 fewer per block (the masked ones vary more)
+        assert loops["fp8", "finite"][kind] < loops["fp8", "shipped"][kind], out
 
 
 def test_work_rows_finds_the_small_items_of_a_few_shot_tree_and_none_of_a_long_prompt():

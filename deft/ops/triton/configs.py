@@ -83,17 +83,19 @@ class KernelConfig:
     # Coarsening cuts a run's masked last plan tile off into a tile of its own
     # (``deft.plan.coarsen.coarsen_plan``).
     masked_apart: bool = False
-    # Over e4m3 K (no infinities), no score is made NaN for being -inf: only a ±inf K value
-    # could give one (``kernels._no_neg_inf``).
+    # Over e4m3 K (no infinities) and a 16-bit q, no score is made NaN for being -inf: only
+    # a ±inf K value or an fp32 overflow could give one (``kernels._no_neg_inf``).
     e4m3_finite_scores: bool = False
-    # Masked blocks and tile tails leave V's values unchecked; a work item whose state comes
-    # out non-finite is recomputed with the checks (``kernels._work_item``).
+    # Masked blocks leave V's values unchecked; a work item whose state comes out non-finite
+    # is computed again with the checks (``kernels._work_item``).
     deferred_v_checks: bool = False
 
-    def k_may_hold_inf(self, k_dtype: torch.dtype) -> bool:
-        """Whether the partial kernel makes -inf scores NaN over K of ``k_dtype`` (its
-        ``INF_K``): always, but over e4m3 K under ``e4m3_finite_scores``."""
-        return not (self.e4m3_finite_scores and k_dtype == torch.float8_e4m3fn)
+    def k_may_hold_inf(self, k_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
+        """Whether the partial kernel makes -inf scores NaN over K of ``k_dtype`` and q of
+        ``q_dtype`` (its ``INF_K``): always, but over e4m3 K and a 16-bit q under
+        ``e4m3_finite_scores``."""
+        return not (self.e4m3_finite_scores and k_dtype == torch.float8_e4m3fn
+                    and q_dtype.itemsize == 2)
 
 
 _SM90 = dict(tma=True, pdl=True, graph_waves=3, kv8_maxnreg=168)

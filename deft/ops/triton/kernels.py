@@ -29,11 +29,12 @@ the probabilities of the rows that see them made NaN; in the other blocks every 
 every token, so a non-finite V row reaches exactly the rows that see it (a TMA box's rows
 past its tile, seen by none, are zeroed). The epilogue makes a row with a non-finite output
 NaN (o and lse). Two variants, off in the shipped configs, make this cheaper:
-``INF_K`` False (over e4m3 K, which holds no infinities, so no score is -inf) skips the
--inf select; ``DEFER_V`` leaves V's values unchecked in every block (none loaded from shared
-memory, tested and stored back), and a work item whose state comes out non-finite, which
-it must if a row took a non-finite V row (NaN persists through the online softmax), is
-computed again with the checks.
+``INF_K`` False (e4m3 K, which holds no infinities, under a 16-bit q, whose products cannot
+overflow fp32: no score is -inf) skips the -inf select; ``DEFER_V`` leaves V's values
+unchecked in the masked blocks (none loaded from shared memory, tested and stored back):
+one non-finite V value makes its column of every row's accumulator non-finite (0 * NaN is
+NaN, and NaN and inf persist through the online softmax), so a work item whose state comes
+out finite loaded none, and one that does not is computed again with the checks.
 
 ``merge_kernel``: one program per (query, block of heads); merges the query's partial states
 through the reduction map (CSR), a block of them per step, into ``o`` (output dtype) and
@@ -172,8 +173,9 @@ def _tma_block(
 ):
     """One online-softmax step over the ``BLOCK_N`` consecutive slots from ``slot``, loaded
     by TMA. ``TAIL``: only tokens before ``tok1`` count; the box's rows past it (another
-    node's KV, or unwritten cache) are masked out of the scores and (with ``CHECK_V``) their
-    V rows zeroed, so their K/V never flag a row. ``MASKED``: the rows see the tokens by
+    node's KV, or unwritten cache) are masked out of the scores and their V rows zeroed (but
+    where ``CHECK_V`` has a masked tail check them), so their K/V never flag a row nor make
+    a work item be computed again. ``MASKED``: the rows see the tokens by
     their node ranges, loaded before K's (``RANGES_FIRST``: in flight while K's load is
     waited for, where the block is not software-pipelined) or after its product."""
     if MASKED and RANGES_FIRST:
@@ -206,12 +208,11 @@ def _tma_block(
         s = _no_neg_inf(s)
     p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
     v = desc_v.load([slot, kvh * D]).to(q.dtype)
-    if CHECK_V:
-        if MASKED:  # unmasked blocks need no V check (see the top)
-            p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
-            v = tl.where(_finite(v), v, 0.0)
-        elif TAIL:  # every row sees the tokens before tok1 (see the top), none those past it
-            v = tl.where(tok_ok[:, None], v, 0.0)
+    if MASKED and CHECK_V:  # unmasked blocks need no V check (see the top)
+        p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
+        v = tl.where(_finite(v), v, 0.0)
+    elif TAIL:  # every row sees the tokens before tok1 (see the top), none those past it
+        v = tl.where(tok_ok[:, None], v, 0.0)
     acc = _accumulate(p, v, acc, IEEE)
     return m_i, l_i, acc
 
@@ -357,8 +358,7 @@ def _item_state(
     RANGES_FIRST: tl.constexpr, INF_K: tl.constexpr, CHECK_V: tl.constexpr,
 ):
     """A work item's online-softmax state (running max, sum, accumulator) over its tile.
-    ``CHECK_V``: masked blocks check V's values, and tail blocks zero the box's rows past the
-    tile (see the top)."""
+    ``CHECK_V``: masked blocks check V's values (see the top)."""
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -467,8 +467,8 @@ def _work_item(
     if DEFER_V:
         # A row may have taken a NaN/inf V row that it does not see (0 * NaN). Non-finite
         # values persist, so a state without them proves that none did; else the item is
-        # computed again with V's checks (by gathered loads: one more copy of the loops, not
-        # two).
+        # computed again with V's checks, by gathered loads (so each call site of this
+        # function adds one copy of the loops, not two).
         if tl.max(_bad_rows(acc), 0) > 0:
             m_i, l_i, acc = _item_state(
                 q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1,

@@ -191,7 +191,7 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
                   IEEE=q.dtype == torch.float32, PDL=pdl, HEADER=header, SCALED=scaled,
                   F16_DOTS=q.dtype == torch.bfloat16 and k_cache.dtype.itemsize == 1,
                   ALIGN_MASK=cfg.aligned_mask, RANGES_FIRST=cfg.ranges_first,
-                  INF_K=cfg.k_may_hold_inf(k_cache.dtype), DEFER_V=cfg.deferred_v_checks,
+                  INF_K=cfg.k_may_hold_inf(k_cache.dtype, q.dtype), DEFER_V=cfg.deferred_v_checks,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   maxnreg=cfg.maxnreg,
                   launch_pdl=pdl)
