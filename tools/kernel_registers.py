@@ -100,8 +100,7 @@ def inner_loops(sass: str) -> dict[str, int]:
         if any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops):
             continue
         body = ins[lo:hi + 1]
-        if not any("MMA" in text.split()[0] or " HMMA" in text or " HGMMA" in text
-                   for text, _ in body):
+        if not any(re.search(r"\bHG?MMA\.", text) for text, _ in body):
             continue
         tma = any("SYNCS" in text for text, _ in body)
         masked = any(file.endswith("visibility.py") for _, file in body)

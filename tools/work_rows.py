@@ -1,18 +1,18 @@
 """Rows per work item in the triton backend's plans of the GPU benchmark trees, on the CPU.
 
-A work item is ``block_m`` query rows (group query, GQA head) of one tile; an item of fewer
-rows pads its dots to ``block_m``. Per tree: work items, those of at most ``--small`` rows,
-the share of the plan's token work (tokens x items) in them, the share of dot rows that are
-padding, the share by tiles that picks the few-row build for FP8 K/V
-(``deft.plan.packing.few_rows_share``, against ``KernelConfig.kv8_few_share``), the build
-the tree asks for (``TreeAttention.build``), the items with a masked part, and those of them
-whose unmasked part ends inside a K/V block (a partial block run outside the pipelined loop,
-unless ``KernelConfig.aligned_mask``), and the share of the K/V blocks that the programs run
-masked (those ``KernelConfig.deferred_v_checks`` makes cheaper). It tells which trees smaller dots serve
-(docs/decisions.md, "16-row dots for FP8" and "A few-row build per tree") and which take the
-light build ("The register cap stays, but for steps of few programs"). Plans are made as on
-an H200 (the sm90 configs and their default build, the backend's tile size, ``--sms`` SMs),
-for one-byte K/V with ``--kv-dtype fp8_e4m3``.
+A work item is ``block_m`` query rows (group query, GQA head) of one tile; an item of fewer rows
+pads its dots to ``block_m``. Per tree: work items, those of at most ``--small`` rows, the share
+of the plan's token work (tokens x items) in them, the share of dot rows that are padding, the
+share by tiles that picks the few-row build for FP8 K/V (``deft.plan.packing.few_rows_share``,
+against ``KernelConfig.kv8_few_share``), the build the tree asks for (``TreeAttention.build``),
+the items with a masked part, and those of them whose unmasked part ends inside a K/V block (a
+partial block run outside the pipelined loop, unless ``KernelConfig.aligned_mask``), and the
+share of the K/V blocks that the programs run masked (those ``KernelConfig.deferred_v_checks``
+makes cheaper). It tells which trees smaller dots serve (docs/decisions.md, "16-row dots for
+FP8" and "A few-row build per tree") and which take the light build ("The register cap stays,
+but for steps of few programs"). Plans are made as on an H200 (the sm90 configs and their
+default build, the backend's tile size, ``--sms`` SMs), for one-byte K/V with ``--kv-dtype
+fp8_e4m3``.
 
 Usage: ``python tools/work_rows.py [--small 16] [--sms 132] [--kv-dtype auto|fp8_e4m3]
 [--workloads DIR] [TREE ...]`` (recorded trees skipped without their directory).
