@@ -5,8 +5,9 @@ build's registers per thread, stack frame and spill bytes, which decide how many
 SM keeps and how much local-memory traffic the inner loop adds, and whether ptxas had to
 serialise the ``wgmma`` instructions (each one waited for before the next is issued: its
 C751x performance warnings, e.g. for want of registers). The last columns count the
-instructions per iteration of each kind of K/V block loop in the build's SASS
-(:func:`inner_loops`): what one warp issues per block, a static measure, not a time. Each row
+instructions per iteration of each kind of K/V block loop in the build's SASS, and in
+brackets the spilled registers' loads and stores among them (:func:`inner_loops`): what one
+warp issues per block, a static measure, not a time. Each row
 is one build of ``tree_partial_kernel`` as :func:`deft.ops.triton.launch.launch_step`
 launches it for a masked step of gathered and consecutive tiles (bf16 q): eager (gathered
 loads, no plan header) or graph-safe (TMA, plan header, a loop over work items), over
@@ -72,12 +73,15 @@ class Usage:
     spill_stores: int
     spill_loads: int
     serialized: str  # why ptxas serialised the wgmma instructions ("" if it did not)
-    loops: dict[str, int]  # instructions per K/V block in each kind of inner loop (LOOPS)
+    # Instructions per K/V block in each kind of inner loop (LOOPS), and of them the local
+    # memory loads and stores of spilled registers.
+    loops: dict[str, tuple[int, int]]
 
 
-def inner_loops(sass: str) -> dict[str, int]:
-    """Instructions per iteration of the K/V block loops in ``sass`` (``nvdisasm -g``), by
-    kind: the innermost loops (a backward branch with no other loop inside) that hold a
+def inner_loops(sass: str) -> dict[str, tuple[int, int]]:
+    """Instructions per iteration of the K/V block loops in ``sass`` (``nvdisasm -g``), and
+    of them the spilled registers' local loads and stores (``LDL``, ``STL``), by kind: the
+    innermost loops (a backward branch with no other loop inside) that hold a
     matrix product; masked where the visibility predicate's source lines occur in them, by
     TMA where they wait on a barrier (``SYNCS``), gathered where they copy (``LDGSTS``). The
     smallest of each kind: the kernel compiles loops more than once (a graph-safe program's
@@ -95,7 +99,7 @@ def inner_loops(sass: str) -> dict[str, int]:
     loops = [(labels[m.group(1)], i) for i, (text, _) in enumerate(ins)
              if (m := re.search(r"BRA `\((\.L_x_\d+)\)", text))
              and labels.get(m.group(1), i + 1) <= i]
-    sizes: dict[str, int] = {}
+    sizes: dict[str, tuple[int, int]] = {}
     for lo, hi in loops:
         if any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops):
             continue
@@ -105,7 +109,8 @@ def inner_loops(sass: str) -> dict[str, int]:
         tma = any("SYNCS" in text for text, _ in body)
         masked = any(file.endswith("visibility.py") for _, file in body)
         kind = ("TMA" if tma else "gathered") + (" masked" if masked else "")
-        sizes[kind] = min(sizes.get(kind, len(body)), len(body))
+        local = sum(bool(re.match(r"(@!?P\w+ )?(LDL|STL)\b", text)) for text, _ in body)
+        sizes[kind] = min(sizes.get(kind, (len(body), local)), (len(body), local))
     return sizes
 
 
@@ -235,7 +240,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {rows} | {kv} | {launch} | {built.block_m} "
                   f"| {built.maxnreg or 'none'} | {variant} | {u.registers} | {u.stack} "
                   f"| {u.spill_stores} | {u.spill_loads} | {u.serialized or 'no'} | "
-                  + " | ".join(str(u.loops.get(k, "–")) for k in LOOPS) + " |", flush=True)
+                  + " | ".join(f"{u.loops[k][0]} ({u.loops[k][1]})" if k in u.loops else "–"
+                               for k in LOOPS) + " |", flush=True)
 
 
 if __name__ == "__main__":
