@@ -508,10 +508,11 @@ def test_tile_split_into_unmasked_and_masked_parts(monkeypatch, fixed_coarsening
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_kernel_variants_match_reference(monkeypatch, fixed_coarsening, variant, tma):
     """The kernel variants (``aligned_mask``: the masked loop from the block boundary before
-    ``mask_from``, which moves here; ``ranges_first``; ``deferred_v_checks``: the work items
-    whose tail boxes read the NaN are computed again) stay exact, gathered and by TMA, with
-    NaN in the cache slots past the layout, and with the token ranges before each tile's
-    ``mask_from`` zeroed (the compiled planner need not write them)."""
+    ``mask_from``, which moves here; ``ranges_first``; ``deferred_v_checks``: V unchecked in
+    the masked blocks, while the tail boxes still zero the NaN past their tiles) stay exact,
+    gathered and by TMA, with NaN in the cache slots past the layout, and with the token
+    ranges before each tile's ``mask_from`` zeroed (the compiled planner need not write
+    them)."""
     import dataclasses
 
     layout = few_shot_layout(70, 3, 21)
