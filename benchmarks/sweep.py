@@ -242,8 +242,11 @@ def variants(sweep: str, factors: str = "2,4,8,16,32"
                 ("aligned mask + masked tile apart", v(aligned_mask=True, masked_apart=True),
                  None)]
     elif sweep == "checks":
-        out += [("deferred V checks", v(deferred_v_checks=True), None),
-                ("finite e4m3 scores", v(e4m3_finite_scores=True), None),
+        out += [("checked", v(deferred_v_checks=False, e4m3_finite_scores=False), None),
+                ("deferred V checks", v(deferred_v_checks=True, e4m3_finite_scores=False),
+                 None),
+                ("finite e4m3 scores", v(deferred_v_checks=False, e4m3_finite_scores=True),
+                 None),
                 ("deferred V checks + finite e4m3 scores",
                  v(deferred_v_checks=True, e4m3_finite_scores=True), None)]
     elif sweep == "cap":
@@ -263,7 +266,8 @@ def variant(changes: dict, u: int | Refine | None) -> Iterator[None]:
     shipped_table, shipped_refine = dict(configs.CONFIGS), plan_step.refine
     opted_out = os.environ.get("DEFT_FASTPLAN")
     # A variant's cap and block hold for one-byte K/V too.
-    changes = {**{f"kv8_{f}": changes[f] for f in ("maxnreg", "block_n") if f in changes},
+    changes = {**{f"kv8_{f}": changes[f] for f in ("maxnreg", "block_n", "deferred_v_checks")
+                  if f in changes},
                **changes}
     try:
         for key, cfg in shipped_table.items():

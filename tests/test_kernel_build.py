@@ -52,7 +52,7 @@ def test_kernel_variants_compile_for_sm90():
     stay as they were, and finite e4m3 scores, whose FP8 loops lose the -inf select."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "kernel_registers.py"), "--rows", "0", "--kv",
-         "bf16,fp8", "--launch", "graph-safe", "--variants", "shipped,both,deferred,finite"],
+         "bf16,fp8", "--launch", "graph-safe", "--variants", "checked,both,deferred,finite"],
         capture_output=True, text=True, timeout=600, check=True, cwd=ROOT).stdout
     loops, header = {}, [c.strip() for c in out.splitlines()[0].strip("|").split("|")]
     for line in out.splitlines()[2:]:
@@ -62,14 +62,14 @@ def test_kernel_variants_compile_for_sm90():
         loops[cells["K/V"], cells["variant"]] = {k: int(cells[k].split()[0]) for k in header[-4:]}
     assert len(loops) == 8, out
     for kv in ("bf16", "fp8"):
-        shipped, deferred = loops[kv, "shipped"], loops[kv, "deferred"]
+        shipped, deferred = loops[kv, "checked"], loops[kv, "deferred"]
         for kind in ("TMA masked", "gathered masked"):
             assert deferred[kind] < 0.75 * shipped[kind], out
         for kind in ("TMA", "gathered"):
             assert abs(deferred[kind] - shipped[kind]) <= 0.05 * shipped[kind], out
-    assert loops["bf16", "finite"] == loops["bf16", "shipped"], out  # a 16-bit K keeps it
+    assert loops["bf16", "finite"] == loops["bf16", "checked"], out  # a 16-bit K keeps it
     for kind in ("TMA", "gathered"):  # 32 fewer per block (the masked ones vary more)
-        assert loops["fp8", "finite"][kind] < loops["fp8", "shipped"][kind], out
+        assert loops["fp8", "finite"][kind] < loops["fp8", "checked"][kind], out
 
 
 def test_work_rows_finds_the_small_items_of_a_few_shot_tree_and_none_of_a_long_prompt():

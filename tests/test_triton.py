@@ -861,7 +861,8 @@ def test_sweep_plans_need_no_gpu(capsys):
             for line in capsys.readouterr().out.splitlines() if line.startswith("| few-shot")]
     digests = {r[1]: r[-1] for r in rows}
     kernel = {"shipped", "aligned mask", "ranges first", "aligned mask + ranges first",
-              "deferred V checks", "finite e4m3 scores", "deferred V checks + finite e4m3 scores"}
+              "checked", "deferred V checks", "finite e4m3 scores",
+              "deferred V checks + finite e4m3 scores"}
     apart = {"masked tile apart", "aligned mask + masked tile apart"}
     assert set(digests) == kernel | apart | {"u=2"}
     assert len({digests[v] for v in kernel}) == 1 and len({digests[v] for v in apart}) == 1
@@ -880,7 +881,7 @@ def test_sweep_plans_need_no_gpu(capsys):
 @gpu
 @pytest.mark.parametrize("name, only, kv", [
     ("tails", "shipped,aligned mask + ranges first,aligned mask + masked tile apart", "auto"),
-    ("checks", "shipped,deferred V checks + finite e4m3 scores", "fp8_e4m3")])
+    ("checks", "shipped,checked,deferred V checks + finite e4m3 scores", "fp8_e4m3")])
 def test_gpu_sweep_times_the_kernel_variants(capsys, name, only, kv):
     """``python -m benchmarks.sweep --sweep tails|checks --graph-safe`` on a small tree: each
     kernel and coarsening variant runs, agrees with the float64 reference, and the shipped

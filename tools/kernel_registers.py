@@ -57,7 +57,9 @@ KV = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 # Kernel variants: their ``KernelConfig`` changes (all off in the shipped configs).
 VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
             "both": {"aligned_mask": True, "ranges_first": True},
-            "deferred": {"deferred_v_checks": True}, "finite": {"e4m3_finite_scores": True},
+            "checked": {"deferred_v_checks": False, "e4m3_finite_scores": False},
+            "deferred": {"deferred_v_checks": True, "e4m3_finite_scores": False},
+            "finite": {"deferred_v_checks": False, "e4m3_finite_scores": True},
             "lean": {"deferred_v_checks": True, "e4m3_finite_scores": True}}
 # The inner loops' kinds, in the table's order: K/V by TMA or gathered, masked or not.
 LOOPS = ("TMA", "TMA masked", "gathered", "gathered masked")

@@ -87,8 +87,10 @@ class KernelConfig:
     # a ±inf K value or an fp32 overflow could give one (``kernels._no_neg_inf``).
     e4m3_finite_scores: bool = False
     # Masked blocks leave V's values unchecked; a work item whose state comes out non-finite
-    # is computed again with the checks (``kernels._work_item``).
+    # is computed again with the checks (``kernels._work_item``). ``kv8_deferred_v_checks``:
+    # the same over one-byte K/V.
     deferred_v_checks: bool = False
+    kv8_deferred_v_checks: bool = False
 
     def k_may_hold_inf(self, k_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
         """Whether the partial kernel makes -inf scores NaN over K of ``k_dtype`` and q of
@@ -98,7 +100,9 @@ class KernelConfig:
                     and q_dtype.itemsize == 2)
 
 
-_SM90 = dict(tma=True, pdl=True, graph_waves=3, kv8_maxnreg=168)
+# Deferred V checks over 16-bit K/V only, finite scores over e4m3 K: docs/decisions.md.
+_SM90 = dict(tma=True, pdl=True, graph_waves=3, kv8_maxnreg=168, deferred_v_checks=True,
+             e4m3_finite_scores=True)
 _NARROW = dict(_SM90, narrow_partials=True, maxnreg=168, kv8_block_n=64)
 CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
     ("sm90", 64, 0): KernelConfig(64, 32, 4, 3, 4.0, **_SM90),
@@ -172,7 +176,8 @@ def kernel_config(head_dim: int, rows: int = 0, device: torch.device | None = No
 @functools.lru_cache(maxsize=64)
 def _one_byte(cfg: KernelConfig) -> KernelConfig:
     return dataclasses.replace(cfg, maxnreg=cfg.kv8_maxnreg or cfg.maxnreg,
-                               block_n=cfg.kv8_block_n or cfg.block_n)
+                               block_n=cfg.kv8_block_n or cfg.block_n,
+                               deferred_v_checks=cfg.kv8_deferred_v_checks)
 
 
 @functools.lru_cache(maxsize=64)
