@@ -42,11 +42,12 @@ config and coarsening (``deft.plan.coarsen.refine``):
   its K load (``ranges_first``), and both; and a run's masked last plan tile coarsened
   apart from the unmasked ones before it (``masked_apart``), alone and with
   ``aligned_mask``.
-* ``checks``: the isolation's checks of non-finite K/V made cheaper: masked blocks that
-  leave V's values unchecked, with a work item whose state comes out non-finite computed
-  again with the checks (``deferred_v_checks``); over e4m3 K (which holds no infinities)
-  no -inf score made NaN (``e4m3_finite_scores``; the same kernel as shipped over 16-bit
-  K/V); and both. The timed steps' K/V are finite, so no item is computed again.
+* ``checks``: the isolation's checks of non-finite K/V: ``checked`` (every check in
+  place), masked blocks that leave V's values unchecked, with a work item whose state comes
+  out non-finite computed again with the checks (``deferred_v_checks``, for every K/V
+  width); over e4m3 K (which holds no infinities) no -inf score made NaN
+  (``e4m3_finite_scores``; no change over 16-bit K/V); and both. The timed steps' K/V are
+  finite, so no item is computed again.
 
 ``--plans`` makes each variant's plans on this machine, as an H200's backend would (its
 configs and 132 SMs), and prints their tiles, programs and build without timing anything

@@ -15,14 +15,14 @@ loads, no plan header) or graph-safe (TMA, plan header, a loop over work items),
 
 Usage: ``python tools/kernel_registers.py [--head-dim 128] [--rows 0,2048] [--kv bf16,fp8]
 [--launch eager,graph-safe] [--maxnreg shipped,none,168] [--block-m shipped,few,16] [--variants
-shipped,aligned,ranges,both,deferred,finite,lean] [--dump DIR]``; ``--rows`` picks the config
-table's row regimes (``deft.ops.triton.configs.CONFIGS``), ``--maxnreg`` the register cap
+shipped,aligned,ranges,both,checked,deferred,finite,lean] [--dump DIR]``; ``--rows`` picks the
+config table's row regimes (``deft.ops.triton.configs.CONFIGS``), ``--maxnreg`` the register cap
 (``shipped``: the config's build's for that K/V), ``--block-m`` the build: ``shipped``, ``few``
 (FP8's few-row build, ``configs.few_rows_config``; skipped where there is none) or that many
 rows per program (16: ``mma.sync`` dots, converted K/V in registers). ``--variants`` the
-kernel's variants (``VARIANTS``, each ``KernelConfig`` flags that the shipped configs leave
-off): the masked tiles' ``aligned`` (``aligned_mask``), ``ranges`` (``ranges_first``) or
-``both``; the isolation's ``deferred`` (``deferred_v_checks``), ``finite``
+kernel's variants (``VARIANTS``, each a few ``KernelConfig`` flags): the masked tiles'
+``aligned`` (``aligned_mask``), ``ranges`` (``ranges_first``) or ``both``; the isolation's
+``checked`` (neither of the next two), ``deferred`` (``deferred_v_checks``), ``finite``
 (``e4m3_finite_scores``) and ``lean`` (those two). ``--dump DIR`` also writes each build's
 TTGIR, PTX, cubin and SASS (``nvdisasm``) there, to read what the compiler made of a loop.
 About 10 s a build.
@@ -54,7 +54,7 @@ from deft.ops.triton import configs, kernels  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 KV = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-# Kernel variants: their ``KernelConfig`` changes (all off in the shipped configs).
+# Kernel variants: their ``KernelConfig`` changes to the shipped configs.
 VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
             "both": {"aligned_mask": True, "ranges_first": True},
             "checked": {"deferred_v_checks": False, "e4m3_finite_scores": False},
