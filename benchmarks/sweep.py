@@ -81,9 +81,9 @@ from deft.ops.base import Capacity, Heads
 from deft.ops.reference import reference_attention
 from deft.ops.triton import backend, configs, kernels
 from deft.plan import coarsen_plan, packing, step as plan_step
-from deft.plan.coarsen import (Coarsening, coarsen_factor, group_runs, list_makespan,
-                               lpt_candidates, lpt_factor, plan_runs, refine as coarsen_refine,
-                               resident_wave)
+from deft.plan.coarsen import (Coarsening, coarsen_factor, group_runs, launch_programs,
+                               list_makespan, lpt_candidates, lpt_factor, plan_runs,
+                               refine as coarsen_refine, resident_wave)
 from deft.plan.tree_plan import TreePlan
 from deft.recorded import workloads_dir
 
@@ -141,9 +141,8 @@ def masked_model(masked_cost: int, resident: bool) -> Refine:
         run_ends = np.flatnonzero(np.append(group_runs(plan)[1:], True))
         masked = (packing.mask_from(plan) < plan.tile_indptr[1:])[run_ends]
         heads, cost = params.num_kv_heads, params.program_cost
-        programs = sum(-(-r // base) * c for r, c in runs) * heads
         best = base
-        if slots < programs <= 8 * slots:  # as lpt_factor
+        if slots < launch_programs(runs, base, heads) <= 8 * slots:  # as lpt_factor
             spans = {u: _charged_makespan(runs, masked, u, heads, plan.block_kv, slots, cost,
                                           masked_cost)
                      for u in lpt_candidates(base, params.max_factor)}

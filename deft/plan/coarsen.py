@@ -20,7 +20,8 @@ from .packing import mask_from
 from .tree_plan import TreePlan, assemble
 
 __all__ = ["Coarsening", "group_runs", "plan_runs", "coarsen_plan", "coarsen_factor", "refine",
-           "list_makespan", "lpt_makespan", "lpt_candidates", "lpt_factor", "resident_wave"]
+           "list_makespan", "lpt_makespan", "lpt_candidates", "lpt_factor", "launch_programs",
+           "resident_wave"]
 
 _I = np.int64
 
@@ -179,7 +180,7 @@ def lpt_factor(plan: TreePlan, factor: int, g: int, block_m: int, heads: int,
         return factor
     runs = plan_runs(plan, g, block_m)
     best = factor
-    programs = _programs(runs, factor, heads)
+    programs = launch_programs(runs, factor, heads)
     if slots < programs <= 8 * slots:
         spans = {u: lpt_makespan(runs, u, heads, plan.block_kv, slots, program_cost)
                  for u in lpt_candidates(factor, max_factor)}
@@ -190,8 +191,8 @@ def lpt_factor(plan: TreePlan, factor: int, g: int, block_m: int, heads: int,
     return best
 
 
-def _programs(runs: list[tuple[int, int]], u: int, heads: int) -> int:
-    """Programs of the launch at coarsening factor ``u``."""
+def launch_programs(runs: list[tuple[int, int]], u: int, heads: int) -> int:
+    """Programs of the launch at coarsening factor ``u`` of ``runs`` (:func:`plan_runs`)."""
     return sum(-(-r // u) * c for r, c in runs) * heads
 
 
@@ -203,14 +204,14 @@ def resident_wave(runs: list[tuple[int, int]], u: int, limit: int, heads: int, b
     than the launch model's (the uncapped head_dim-128 build: 2 per SM, not 3): a launch the
     model sees as one wave then runs as two, the second mostly idle (a 32k-token prompt
     with 16 queries: 376 programs on 264 slots; docs/decisions.md)."""
-    if _programs(runs, u, heads) <= resident_slots or limit <= u:
+    if launch_programs(runs, u, heads) <= resident_slots or limit <= u:
         return u
-    if _programs(runs, limit, heads) > resident_slots:
+    if launch_programs(runs, limit, heads) > resident_slots:
         return u
     lo, hi = u, limit  # programs(lo) > resident_slots >= programs(hi): bisect
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if _programs(runs, mid, heads) <= resident_slots:
+        if launch_programs(runs, mid, heads) <= resident_slots:
             hi = mid
         else:
             lo = mid
