@@ -158,8 +158,7 @@ def test_bf16_queries_over_fp8_kv_past_the_fp16_range_match_the_reference(backen
 
 
 VARIANTS = {"shipped": {}, "masked-tile-variants": dict(aligned_mask=True, ranges_first=True),
-            "isolation-variants": dict(deferred_v_checks=True, kv8_deferred_v_checks=True,
-                                       e4m3_finite_scores=True)}
+            "isolation-variants": dict(deferred_v_checks=True, e4m3_finite_scores=True)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -253,7 +253,8 @@ def test_triton_merge_modes(monkeypatch, fused):
 # (a work item recomputed with them where its state comes out non-finite).
 VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True},
             "both": {"aligned_mask": True, "ranges_first": True},
-            "deferred": {"deferred_v_checks": True}}
+            "deferred": {"deferred_v_checks": True},
+            "checked": {"deferred_v_checks": False, "kv8_deferred_v_checks": False}}
 
 
 @pytest.mark.skipif(CUDA, reason="on a GPU, TMA runs inside graph capture: the gpu test")
@@ -385,9 +386,9 @@ def test_gpu_torch_backend(path, scenario):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("variant", [{}, {"fuse_merge": True}, VARIANTS["both"],
-                                     VARIANTS["deferred"]],
+                                     VARIANTS["checked"]],
                          ids=["merge-launch", "fused-merge", "masked-tile-variants",
-                              "deferred-v-checks"])
+                              "checked-v"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
 def test_gpu_triton_isolation(monkeypatch, dtype, graph, variant):

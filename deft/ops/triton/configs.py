@@ -100,7 +100,9 @@ class KernelConfig:
                     and q_dtype.itemsize == 2)
 
 
-_SM90 = dict(tma=True, pdl=True, graph_waves=3, kv8_maxnreg=168)
+# Deferred V checks over 16-bit K/V only, finite scores over e4m3 K: docs/decisions.md.
+_SM90 = dict(tma=True, pdl=True, graph_waves=3, kv8_maxnreg=168, deferred_v_checks=True,
+             e4m3_finite_scores=True)
 _NARROW = dict(_SM90, narrow_partials=True, maxnreg=168, kv8_block_n=64)
 CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
     ("sm90", 64, 0): KernelConfig(64, 32, 4, 3, 4.0, **_SM90),
