@@ -15,8 +15,9 @@ from deft.ops.triton import configs, launch  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-# Kernel variants (deft.ops.triton.configs.KernelConfig), not shipped: the masked tiles' and
-# V's checks deferred.
+# Kernel variants (deft.ops.triton.configs.KernelConfig): the masked tiles' (not shipped) and
+# V's checks deferred (shipped on sm_90; the interpreter's config keeps V checked, and the GPU
+# runs the checked kernel in test_isolation's "checked-v").
 VARIANTS = {"aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
             "both": {"aligned_mask": True, "ranges_first": True},
             "deferred": {"deferred_v_checks": True}}
