@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import Letters, assert_close, assert_lse_close, random_forest, random_qkv, TOL
+from conftest import Letters, assert_lse_close, random_forest, random_qkv, TOL
 from deft import KVPool, KVSpec, TreeAttention
 from deft.cache.pool import CALIBRATION_HEADROOM, FP8, quantize
 from deft.ops.reference import reference_attention

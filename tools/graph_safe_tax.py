@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import torch
 from benchmarks.attention_gpu import D, DTYPE, H_KV, H_Q, LAYERS, time_us
-from benchmarks.trees import GPU_SUITE, available
+from benchmarks.trees import available
 from deft import TreeAttention
 from deft.ops import Capacity
 from deft.ops.reference import reference_attention
