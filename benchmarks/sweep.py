@@ -48,6 +48,10 @@ config and coarsening (``deft.plan.coarsen.refine``):
   width); over e4m3 K (which holds no infinities) no -inf score made NaN
   (``e4m3_finite_scores``; no change over 16-bit K/V); and both. The timed steps' K/V are
   finite, so no item is computed again.
+* ``order``: a graph-safe launch reads whether the plan's queries are in plan order from
+  its header and then loads no query order (``header_in_order``; all but the Medusa
+  trees' queries are in plan order); a work item's query order, prefixes and lengths
+  loaded before the PDL wait (``early_item_loads``); and both.
 
 ``--plans`` makes each variant's plans on this machine, as an H200's backend would (its
 configs and 132 SMs), and prints their tiles, programs and build without timing anything
@@ -100,7 +104,7 @@ SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 
 TMA_SHAPES = [(64, 32, 4, 4), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2)]
 RING = [(32, 4), (64, 3), (64, 4), (128, 2), (128, 3)]
 SWEEPS = ("merge", "factors", "shapes", "tma", "occupancy", "pipeline", "mergecfg", "mergeheads",
-          "pdl", "partials", "ring", "few", "cap", "model", "tails", "checks")
+          "pdl", "partials", "ring", "few", "cap", "model", "tails", "checks", "order")
 
 
 Refine = Callable[[TreePlan, Coarsening], TreePlan]
@@ -249,6 +253,11 @@ def variants(sweep: str, factors: str = "2,4,8,16,32"
                  None),
                 ("deferred V checks + finite e4m3 scores",
                  v(deferred_v_checks=True, e4m3_finite_scores=True), None)]
+    elif sweep == "order":
+        out += [("queries in order by header", v(header_in_order=True), None),
+                ("item loads before the wait", v(early_item_loads=True), None),
+                ("in order + early item loads", v(header_in_order=True, early_item_loads=True),
+                 None)]
     elif sweep == "cap":
         out += [("no cap", v(maxnreg=None), None),
                 ("no cap resident 2", v(maxnreg=None, resident_per_sm=2), None),

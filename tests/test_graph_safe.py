@@ -116,6 +116,47 @@ def test_plans_change_no_launch_argument_and_stay_exact(launches, monkeypatch):
     assert [name for name, *_ in first] == ["tree_partial_kernel", "merge_kernel"]
 
 
+@pytest.mark.parametrize("flags", [dict(header_in_order=True), dict(early_item_loads=True),
+                                   dict(header_in_order=True, early_item_loads=True)],
+                         ids=["in-order", "early", "both"])
+def test_query_order_flags_stay_exact(monkeypatch, flags):
+    """``header_in_order`` (no query-order load where the header says the queries are in
+    plan order) and ``early_item_loads``: random trees whose queries are in plan order and
+    trees whose are not, through one reservation, against the reference; the header's flag
+    is the plan's."""
+    from deft.plan.tree_plan import dfs_preorder
+
+    small_grid(monkeypatch)
+    for key, cfg in list(configs.CONFIGS.items()):
+        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, **flags))
+    rng = np.random.default_rng(3)
+    nq, cache = 5, 160
+    attn = TreeAttention(H_Q, H_KV, D, backend="triton", device=DEV, block_kv=None if CUDA else 8,
+                         capacity=Capacity(queries=nq, tokens=cache))
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(nq, H_Q, D, generator=g).half().to(DEV)
+    k, v = (torch.randn(cache, H_KV, D, generator=g).half().to(DEV) for _ in range(2))
+    seen = set()
+    for i in range(6):
+        layout = random_tree(rng, nq, cache)
+        if i % 2:  # the same tree with its queries in plan (DFS preorder) order
+            order, _ = dfs_preorder(layout.parents)
+            pre = np.empty_like(order)
+            pre[order] = np.arange(order.shape[0])
+            by = np.argsort(pre[layout.query_nodes], kind="stable")
+            layout = TreeLayout(layout.parents, layout.node_kv_indptr, layout.kv_indices,
+                                layout.query_nodes[by], layout.query_kv_lens[by])
+        plan = attn.plan(layout)
+        in_order = bool((plan.query_order == np.arange(nq)).all())
+        assert int(attn._reserved.plan_buffer[10]) == in_order
+        seen.add(in_order)
+        out, lse = attn.run(q, k, v, return_lse=True)
+        ref_o, ref_lse = reference_attention(q, k, v, layout, D**-0.5)
+        assert_close(out.cpu(), ref_o.cpu(), torch.float16, f"{flags}, tree {i}")
+        assert_lse_close(lse.cpu(), ref_lse.cpu(), f"{flags}, tree {i}")
+    assert seen == {False, True}
+
+
 def test_a_plan_beyond_the_capacity_is_refused_and_the_buffers_keep_the_last_plan():
     attn = TreeAttention(H_Q, H_KV, D, backend="triton", device=DEV, block_kv=None if CUDA else 8,
                          capacity=Capacity(queries=2, tokens=64))

@@ -856,14 +856,15 @@ def test_sweep_plans_need_no_gpu(capsys):
     two that share a label other than that are refused."""
     from benchmarks import sweep
 
-    sweep.main(["--plans", "--sweep", "tails,checks", "few-shot b=20"])
+    sweep.main(["--plans", "--sweep", "tails,checks,order", "few-shot b=20"])
     sweep.main(["--plans", "--sweep", "factors", "--factors", "2", "few-shot b=20"])
     rows = [[c.strip() for c in line.strip("|").split("|")]
             for line in capsys.readouterr().out.splitlines() if line.startswith("| few-shot")]
     digests = {r[1]: r[-1] for r in rows}
     kernel = {"shipped", "aligned mask", "ranges first", "aligned mask + ranges first",
               "checked", "deferred V checks", "finite e4m3 scores",
-              "deferred V checks + finite e4m3 scores"}
+              "deferred V checks + finite e4m3 scores", "queries in order by header",
+              "item loads before the wait", "in order + early item loads"}
     apart = {"masked tile apart", "aligned mask + masked tile apart"}
     assert set(digests) == kernel | apart | {"u=2"}
     assert len({digests[v] for v in kernel}) == 1 and len({digests[v] for v in apart}) == 1
@@ -882,11 +883,12 @@ def test_sweep_plans_need_no_gpu(capsys):
 @gpu
 @pytest.mark.parametrize("name, only, kv", [
     ("tails", "shipped,aligned mask + ranges first,aligned mask + masked tile apart", "auto"),
-    ("checks", "shipped,checked,deferred V checks + finite e4m3 scores", "fp8_e4m3")])
+    ("checks", "shipped,checked,deferred V checks + finite e4m3 scores", "fp8_e4m3"),
+    ("order", "shipped,in order + early item loads", "auto")])
 def test_gpu_sweep_times_the_kernel_variants(capsys, name, only, kv):
-    """``python -m benchmarks.sweep --sweep tails|checks --graph-safe`` on a small tree: each
-    kernel and coarsening variant runs, agrees with the float64 reference, and the shipped
-    configs and coarsening are back afterwards."""
+    """``python -m benchmarks.sweep --sweep tails|checks|order --graph-safe`` on a small
+    tree: each kernel and coarsening variant runs, agrees with the float64 reference, and the
+    shipped configs and coarsening are back afterwards."""
     from benchmarks import sweep
     from deft.plan import step
 

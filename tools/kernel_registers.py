@@ -15,16 +15,18 @@ loads, no plan header) or graph-safe (TMA, plan header, a loop over work items),
 
 Usage: ``python tools/kernel_registers.py [--head-dim 128] [--rows 0,2048] [--kv bf16,fp8]
 [--launch eager,graph-safe] [--maxnreg shipped,none,168] [--block-m shipped,few,16] [--variants
-shipped,aligned,ranges,both,checked,deferred,finite,lean] [--dump DIR]``; ``--rows`` picks the
-config table's row regimes (``deft.ops.triton.configs.CONFIGS``), ``--maxnreg`` the register cap
-(``shipped``: the config's build's for that K/V), ``--block-m`` the build: ``shipped``, ``few``
-(FP8's few-row build, ``configs.few_rows_config``; skipped where there is none) or that many
-rows per program (16: ``mma.sync`` dots, converted K/V in registers). ``--variants`` the
-kernel's variants (``VARIANTS``, each a few ``KernelConfig`` flags): the masked tiles'
-``aligned`` (``aligned_mask``), ``ranges`` (``ranges_first``) or ``both``; the isolation's
-``checked`` (neither of the next two), ``deferred`` (``deferred_v_checks``), ``finite``
-(``e4m3_finite_scores``) and ``lean`` (those two). ``--dump DIR`` also writes each build's
-TTGIR, PTX, cubin and SASS (``nvdisasm``) there, to read what the compiler made of a loop.
+shipped,aligned,ranges,both,checked,deferred,finite,lean,in-order,early,order] [--dump DIR]``;
+``--rows`` picks the config table's row regimes (``deft.ops.triton.configs.CONFIGS``),
+``--maxnreg`` the register cap (``shipped``: the config's build's for that K/V), ``--block-m``
+the build: ``shipped``, ``few`` (FP8's few-row build, ``configs.few_rows_config``; skipped
+where there is none) or that many rows per program (16: ``mma.sync`` dots, converted K/V in
+registers). ``--variants`` the kernel's variants (``VARIANTS``, each a few ``KernelConfig``
+flags): the masked tiles' ``aligned`` (``aligned_mask``), ``ranges`` (``ranges_first``) or
+``both``; the isolation's ``checked`` (neither of the next two), ``deferred``
+(``deferred_v_checks``), ``finite`` (``e4m3_finite_scores``) and ``lean`` (those two); the
+graph-safe launches' ``in-order`` (``header_in_order``), ``early`` (``early_item_loads``) and
+``order`` (both). ``--dump DIR`` also writes each build's TTGIR, PTX, cubin and SASS
+(``nvdisasm``) there, to read what the compiler made of a loop.
 About 10 s a build.
 """
 
@@ -60,7 +62,9 @@ VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True}, "ranges": {"ranges
             "checked": {"deferred_v_checks": False, "e4m3_finite_scores": False},
             "deferred": {"deferred_v_checks": True, "e4m3_finite_scores": False},
             "finite": {"deferred_v_checks": False, "e4m3_finite_scores": True},
-            "lean": {"deferred_v_checks": True, "e4m3_finite_scores": True}}
+            "lean": {"deferred_v_checks": True, "e4m3_finite_scores": True},
+            "in-order": {"header_in_order": True}, "early": {"early_item_loads": True},
+            "order": {"header_in_order": True, "early_item_loads": True}}
 # The inner loops' kinds, in the table's order: K/V by TMA or gathered, masked or not.
 LOOPS = ("TMA", "TMA masked", "gathered", "gathered masked")
 H_KV, G = 8, 4  # Llama-3-8B's heads
@@ -181,6 +185,7 @@ def build_usage(cfg: configs.KernelConfig, head_dim: int, kv: torch.dtype,
         PDL=cfg.pdl, HEADER=graph_safe, SCALED=scaled, F16_DOTS=scaled,
         ALIGN_MASK=cfg.aligned_mask, RANGES_FIRST=cfg.ranges_first,
         INF_K=cfg.k_may_hold_inf(kv, torch.bfloat16), DEFER_V=cfg.deferred_v_checks,
+        IN_ORDER=graph_safe and cfg.header_in_order, EARLY=cfg.early_item_loads,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
         launch_pdl=cfg.pdl)
     with tempfile.TemporaryDirectory() as tmp:
@@ -209,7 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variants", default="shipped",
                     help="kernel variants: shipped; masked tiles: aligned (aligned_mask), ranges "
                          "(ranges_first), both; isolation: deferred (deferred_v_checks), "
-                         "finite (e4m3_finite_scores), lean (those two)")
+                         "finite (e4m3_finite_scores), lean (those two); graph-safe: in-order "
+                         "(header_in_order), early (early_item_loads), order (both)")
     ap.add_argument("--dump", metavar="DIR", type=Path,
                     help="also write each build's TTGIR, PTX, cubin and SASS into DIR")
     args = ap.parse_args(argv)

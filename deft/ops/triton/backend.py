@@ -276,7 +276,8 @@ def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, build: str, host: 
     kernels are ordered by the stream (``plan`` and ``run`` on one stream), so the upload
     waits for the old plan's launches. Allocations come first, so a failure leaves
     ``previous`` intact. With ``reserved``, the buffers and workspace offsets are always the
-    reserved ones and a header before the segments tells the kernels the plan's sizes."""
+    reserved ones and a header before the segments tells the kernels the plan's sizes (and
+    whether its queries are in plan order)."""
     starts, num_queries = packed.starts, plan.num_queries
     n = starts[-1]
     h, head_dim = heads.num_qo_heads, heads.head_dim
@@ -284,7 +285,7 @@ def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, build: str, host: 
         _check_fits(plan, packed, reserved)
         p, plse_off, lse_off = reserved.capacity.partials, reserved.plse_off, reserved.lse_off
         scratch, plan_buffer, counts = reserved.scratch, reserved.plan_buffer, None
-        host.header()[:10] = (packed.num_work, *starts[1:10])
+        host.header()[:11] = (packed.num_work, *starts[1:10], packed.sorted_queries)
         host.upload(plan_buffer, HEADER + n)
     else:
         p = max(plan.num_partials, 1)

@@ -91,6 +91,13 @@ class KernelConfig:
     # the same over one-byte K/V.
     deferred_v_checks: bool = False
     kv8_deferred_v_checks: bool = False
+    # Graph-safe launches read from the plan's header whether its queries are in plan order
+    # (which trees' are: docs/decisions.md) and then load no query order before a work
+    # item's Q rows.
+    header_in_order: bool = False
+    # A work item's query order, prefixes and lengths (stream-ordered plan arrays, like its
+    # description) load before the PDL wait, not after it.
+    early_item_loads: bool = False
 
     def k_may_hold_inf(self, k_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
         """Whether the partial kernel makes -inf scores NaN over K of ``k_dtype`` and q of

@@ -295,7 +295,7 @@ def tree_partial_kernel(
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, HEADER: tl.constexpr,
     SCALED: tl.constexpr, F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr,
-    INF_K: tl.constexpr, DEFER_V: tl.constexpr,
+    INF_K: tl.constexpr, DEFER_V: tl.constexpr, IN_ORDER: tl.constexpr, EARLY: tl.constexpr,
 ):
     # KV heads vary fastest: programs start in work-item order (largest tiles first) across
     # all heads, so the launch's last programs are its shortest ones.
@@ -308,6 +308,8 @@ def tree_partial_kernel(
         # one wave leaves the hardware to hand most pairs to the SMs that finish first.
         num_work, off_lo, off_hi, off_off, off_work, off_order, off_pre, off_len = (
             plan_header(plan))
+        # IN_ORDER: the header's 11th int says whether the plan's queries are in plan order.
+        in_order = tl.load(plan - 6) if IN_ORDER else 0
         total = num_work * h_kv
         pid = tl.program_id(0)
         # The first pair waits for the previous launch once described, as below; a program
@@ -318,11 +320,11 @@ def tree_partial_kernel(
                 off_hi, off_off, off_work, off_order, off_pre, off_len, O, LSE, counts,
                 merge_indptr, merge_partials, qk_scale, stride_qn, stride_qh, stride_kn,
                 stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
-                KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                KS, VS, stride_s, in_order, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
                 FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS,
                 ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-                DEFER_V=DEFER_V)
+                DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY)
         else:
             if PDL:
                 gdc_launch_dependents()
@@ -333,21 +335,22 @@ def tree_partial_kernel(
                 off_hi, off_off, off_work, off_order, off_pre, off_len, O, LSE, counts,
                 merge_indptr, merge_partials, qk_scale, stride_qn, stride_qh, stride_kn,
                 stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
-                KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                KS, VS, stride_s, in_order, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
                 FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False, SCALED=SCALED, F16_DOTS=F16_DOTS,
                 ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-                DEFER_V=DEFER_V)
+                DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY)
     else:
         _work_item(
             tl.program_id(0) // h_kv, tl.program_id(0) % h_kv, Q, K, V, desc_k, desc_v, PO,
             PLSE, plan, off_lo, off_hi, off_off, off_work, off_order, off_pre, off_len, O, LSE,
             counts, merge_indptr, merge_partials, qk_scale, stride_qn, stride_qh, stride_kn,
             stride_kh, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
-            KS, VS, stride_s, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK,
-            CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL,
-            SCALED=SCALED, F16_DOTS=F16_DOTS, ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST,
-            INF_K=INF_K, DEFER_V=DEFER_V)
+            KS, VS, stride_s, 0, G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE,
+            IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS, ALIGN_MASK=ALIGN_MASK,
+            RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, DEFER_V=DEFER_V, IN_ORDER=False,
+            EARLY=EARLY)
 
 
 @triton.jit
@@ -388,19 +391,49 @@ def _item_state(
 
 
 @triton.jit
+def _item_rows(row0, qs, qe, kvh, G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Which of a work item's rows (from ``row0``) hold a query, and each row's query within
+    the item's group, query head and plan position."""
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < (qe - qs) * G
+    qi = rows // G  # query index within the group
+    head = kvh * G + rows % G
+    return row_ok, qi, head, qs + qi
+
+
+@triton.jit
+def _query_rows(q_order, qpos, row_ok, in_order, SORTED: tl.constexpr, IN_ORDER: tl.constexpr):
+    """The Q row of each plan position ``qpos``: itself where the queries are in plan order
+    (``SORTED``, or ``IN_ORDER`` with ``in_order`` set: no load), else its query order."""
+    if SORTED:
+        qorig = qpos.to(tl.int64)
+    elif IN_ORDER:
+        if in_order != 0:
+            qorig = qpos.to(tl.int64)
+        else:
+            qorig = tl.load(q_order + qpos, mask=row_ok, other=0).to(tl.int64)
+    else:
+        qorig = tl.load(q_order + qpos, mask=row_ok, other=0).to(tl.int64)
+    return qorig
+
+
+@triton.jit
 def _work_item(
     w, kvh, Q, K, V, desc_k, desc_v, PO, PLSE, plan, off_lo, off_hi, off_off, off_work,
     off_order, off_pre, off_len, O, LSE, counts, merge_indptr, merge_partials, qk_scale,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_pn, stride_ph, stride_ln,
-    stride_on, stride_oh, num_heads, KS, VS, stride_s,
+    stride_on, stride_oh, num_heads, KS, VS, stride_s, in_order,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_MASK: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr, SORTED: tl.constexpr,
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, WAIT: tl.constexpr, SCALED: tl.constexpr,
     F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr, RANGES_FIRST: tl.constexpr,
-    INF_K: tl.constexpr, DEFER_V: tl.constexpr,
+    INF_K: tl.constexpr, DEFER_V: tl.constexpr, IN_ORDER: tl.constexpr, EARLY: tl.constexpr,
 ):
     """Work item ``w`` of the plan for KV head ``kvh``: its partial states. ``WAIT``: wait
-    for the previous launch (programmatic dependent launch) once the item is described.
+    for the previous launch (programmatic dependent launch) once the item is described
+    (``EARLY``: once its queries' order, prefixes and lengths are loaded too). ``IN_ORDER``:
+    where ``in_order`` (the plan header's) is set, the queries are in plan order, so their Q
+    rows need no query-order load, as with ``SORTED``.
     ``SCALED``: K/V (e.g. FP8, converted exactly to the dots' dtype as loaded) are dequantised
     by the head's scales: K's folds into the score scale, V's into the epilogue.
     ``F16_DOTS``: the dots run in fp16 (see the top). ``INF_K``, ``DEFER_V``: see the top.
@@ -430,6 +463,11 @@ def _work_item(
     # slot loads at all).
     slot0 = tl.load(desc + 6) if CONTIG or TMA else 0
     row0 = tl.load(desc + 7)
+    if EARLY:
+        row_ok, qi, head, qpos = _item_rows(row0, qs, qe, kvh, G=G, BLOCK_M=BLOCK_M)
+        qorig = _query_rows(q_order, qpos, row_ok, in_order, SORTED=SORTED, IN_ORDER=IN_ORDER)
+        pre = tl.load(q_pre + qpos, mask=row_ok, other=-1)
+        qlen = tl.load(q_len + qpos, mask=row_ok, other=0)
     if WAIT:
         # The plan arrays above come from a stream-ordered upload (PDL does not overlap a
         # copy); Q and the partial workspace (read by the previous launch's merge) wait for
@@ -438,21 +476,15 @@ def _work_item(
         gdc_launch_dependents()
         gdc_wait()
 
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < (qe - qs) * G
-    qi = rows // G  # query index within the group
-    head = kvh * G + rows % G
-    qpos = qs + qi
-    # SORTED: the queries are already in plan order, so Q rows need no q_order load first.
-    if SORTED:
-        qorig = qpos.to(tl.int64)
-    else:
-        qorig = tl.load(q_order + qpos, mask=row_ok, other=0).to(tl.int64)
+    if not EARLY:
+        row_ok, qi, head, qpos = _item_rows(row0, qs, qe, kvh, G=G, BLOCK_M=BLOCK_M)
+        qorig = _query_rows(q_order, qpos, row_ok, in_order, SORTED=SORTED, IN_ORDER=IN_ORDER)
     d = tl.arange(0, D)
     q = tl.load(Q + qorig[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
-    pre = tl.load(q_pre + qpos, mask=row_ok, other=-1)
-    qlen = tl.load(q_len + qpos, mask=row_ok, other=0)
+    if not EARLY:
+        pre = tl.load(q_pre + qpos, mask=row_ok, other=-1)
+        qlen = tl.load(q_len + qpos, mask=row_ok, other=0)
 
     v_s = 1.0
     if SCALED:
