@@ -139,7 +139,8 @@ def test_step_records_bind_the_kernels_address_parameters(monkeypatch):
     """The positions ``launch_step`` rewrites per call are the kernels' q, K, V (and their
     descriptor slots), o and lse pointers; every later parameter is a constexpr keyword;
     the two launches of a step share its inputs."""
-    from deft.ops.triton.kernels import merge_kernel, tree_partial_kernel
+    from deft.ops.triton.kernels import tree_partial_kernel
+    from deft.ops.triton.merge_kernels import merge_kernel
 
     names = tree_partial_kernel.arg_names
     assert [names[i] for i in launch._PARTIAL_INPUTS] == ["Q", "K", "V", "desc_k", "desc_v",

@@ -25,7 +25,8 @@ from ...plan import TreePlan
 from ...plan.packing import SEGMENTS
 from ..base import Capacity
 from .configs import KernelConfig, interpreting, kernel_config, kv_config
-from .kernels import merge_kernel, tree_partial_kernel
+from .kernels import tree_partial_kernel
+from .merge_kernels import merge_kernel
 from .native_launch import NativeLaunch, batched, native_launch
 
 __all__ = ["HEADER", "Reserved", "StepBuffers", "Pointer", "launch_step", "launch_merge",
