@@ -20,6 +20,7 @@ import dataclasses
 import sys
 from pathlib import Path
 from typing import Callable
+from _usage import args
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -104,4 +105,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    args(__doc__)
     main()

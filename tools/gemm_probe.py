@@ -11,17 +11,17 @@ that module takes were chosen from this table).
 Usage: python3 tools/gemm_probe.py [ROWS ...]   (GPU only; default rows 1 4 16 20)
 """
 import itertools
-import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 
 from deft.model.skinny import _launch
+from _usage import args
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
-ROWS = [int(r) for r in sys.argv[1:]] or [1, 4, 16, 20]
+ROWS = [int(r) for r in args(__doc__)] or [1, 4, 16, 20]
 CALLS = 32
 
 

@@ -7,7 +7,6 @@ shape) and checked against the float64 reference of layer 0.
 
 Usage: python3 tools/graph_safe_tax.py TREE ...   (GPU only)
 """
-import sys
 
 import numpy as np
 import torch
@@ -17,8 +16,9 @@ from deft import TreeAttention
 from deft.ops import Capacity
 from deft.ops.reference import reference_attention
 from deft.recorded import workloads_dir
+from _usage import args
 
-names = sys.argv[1:]
+names = args(__doc__)
 print("tree | variant | µs/step | µs/layer | max|diff|")
 for name, layout in available(names, workloads_dir(None)):
     n = layout.num_tokens

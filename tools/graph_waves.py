@@ -11,7 +11,6 @@ Usage: python3 tools/graph_waves.py [TREE ...]   (GPU only)
 """
 import dataclasses
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -22,10 +21,11 @@ from deft import TreeAttention
 from deft.ops import Capacity
 from deft.ops.reference import reference_attention
 from deft.ops.triton import configs, kernels
+from _usage import args
 
 VARIANTS = {"graph-safe": {}, "graph-safe, 1 wave": {"graph_waves": 1},
             "graph-safe, no register cap": {"maxnreg": None}}
-names = sys.argv[1:] or ["few-shot b=20", "speculative t=64", "speculative t=256",
+names = args(__doc__) or ["few-shot b=20", "speculative t=64", "speculative t=256",
                          "medusa APPS-256", "reasoning sorting128ToT", "long prompt 20k x64"]
 trees = dict(available(names, Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))))
 trees["1 query on 1,000 tokens"] = fan_layout(1000, 1)

@@ -11,7 +11,6 @@ Usage: python3 tools/launch_cost.py [TREE ...]   (default: small steps of the GP
 """
 import dataclasses
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -23,9 +22,10 @@ from benchmarks.attention_gpu import D, DTYPE, H_KV, H_Q, LAYERS, time_us
 from benchmarks.trees import build, fan_layout
 from deft import TreeAttention
 from deft.ops.triton import configs, launch
+from _usage import args
 
 workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
-names = sys.argv[1:] or ["speculative t=32", "reasoning keywordToT", "medusa APPS-32",
+names = args(__doc__) or ["speculative t=32", "reasoning keywordToT", "medusa APPS-32",
                          "few-shot b=20", "speculative t=256"]
 SHIPPED = dict(configs.CONFIGS)
 FUSED = {key: dataclasses.replace(cfg, fuse_merge=True) for key, cfg in SHIPPED.items()}

@@ -15,6 +15,7 @@ sampled instructions.
 import csv
 import io
 import sys
+from _usage import args
 
 
 def number(text: str) -> float:
@@ -56,4 +57,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    args(__doc__)
     main()

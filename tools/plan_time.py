@@ -6,7 +6,6 @@ once per checkout (``PYTHONPATH``).
 Usage: python3 tools/plan_time.py [TREE ...]
 """
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -15,12 +14,13 @@ from benchmarks.attention_gpu import D, H_KV, H_Q
 from benchmarks.timing import median_plan_seconds
 from benchmarks.trees import GPU_SUITE, build
 from deft import TreeAttention
+from _usage import args
 
 workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
-
+names = args(__doc__) or GPU_SUITE
 
 print(f"{'workload':26s} {'after sync':>11s} {'warm':>8s}  (µs per plan)")
-for name in sys.argv[1:] or GPU_SUITE:
+for name in names:
     layout = build(name, workloads)
     attn = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda")
     attn.plan(layout)

@@ -12,7 +12,6 @@ prompt). Each runs once to capture its graphs, then again under the profiler; th
 
 Usage: python3 tools/profile_decode_loop.py [STEP ...]   (GPU only)
 """
-import sys
 from collections import defaultdict
 
 import torch
@@ -20,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from deft.engine import SamplingParams, TreeEngine, generate, sample
 from deft.model.synthetic import load_random
+from _usage import args
 
 NEW, SKIP = 24, 4
 CUDA = torch.autograd.DeviceType.CUDA
@@ -94,4 +94,4 @@ def main(steps: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["greedy", "b=20"])
+    main(args(__doc__) or ["greedy", "b=20"])

@@ -16,7 +16,6 @@ Usage: python3 tools/profile_engine_host.py [LOOP ...]   (GPU only)
 import cProfile
 import os
 import pstats
-import sys
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from benchmarks.trees import apps_tree, medusa_parents
 from deft.engine import TreeEngine
 from deft.model.synthetic import load_random
 from deft.plan.compiled import load_library
+from _usage import args
 
 STEPS = 32
 
@@ -88,4 +88,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(args(__doc__))

@@ -14,7 +14,6 @@ Usage: python3 tools/profile_engine_step.py [STEP ...] [--json PATH]
 import json
 import os
 import re
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.trees import apps_tree, medusa_parents
 from deft.engine import SamplingParams, TreeEngine, generate, sample
 from deft.model.synthetic import load_random
+from _usage import args
 
 REPLAYS = 20
 KINDS = [("attention", r"tree_partial|merge_kernel"), ("matmul", r"gemm|gemv|cutlass|nvjet|xmma|splitK|skinny"),
@@ -97,4 +97,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(args(__doc__))

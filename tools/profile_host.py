@@ -18,7 +18,6 @@ import cProfile
 import os
 import pstats
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch
 from benchmarks.timing import median_seconds
 from benchmarks.trees import build
 from deft import Capacity, TreeAttention
+from _usage import args
 
 H_Q, H_KV, D, LAYERS = 32, 8, 128, 32
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -56,7 +56,7 @@ def triton_only(attn: TreeAttention) -> None:
 
 
 rows = []
-for name in sys.argv[1:] or ["few-shot b=20", "speculative t=32", "long prompt 20k x64"]:
+for name in args(__doc__) or ["few-shot b=20", "speculative t=32", "long prompt 20k x64"]:
     layout = build(name, workloads)
     attn = TreeAttention(H_Q, H_KV, D, backend="triton", device=DEV)
     attn.plan(layout)

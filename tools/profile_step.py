@@ -7,17 +7,17 @@ Usage: ncu --clock-control none -k regex:"tree_partial|merge_kernel" --launch-sk
            --launch-count 2 --section SpeedOfLight ... python3 tools/profile_step.py TREE
 """
 import os
-import sys
 from pathlib import Path
 
 import torch
 
 from benchmarks.trees import build
 from deft import TreeAttention
+from _usage import args
 
 H_Q, H_KV, D = 32, 8, 128
 workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
-for name in sys.argv[1:] or ["few-shot b=20", "long prompt 20k x64"]:
+for name in args(__doc__) or ["few-shot b=20", "long prompt 20k x64"]:
     layout = build(name, workloads)
     k = torch.randn(layout.num_tokens, H_KV, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
