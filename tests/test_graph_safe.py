@@ -85,16 +85,23 @@ def small_grid(monkeypatch) -> None:
     monkeypatch.setattr(backend, "_num_sms", lambda device: 4)
 
 
+def reservation(nq: int, cache: int, seed: int):
+    """A graph-safe attention reserved for ``nq`` queries over a ``cache``-slot K/V cache, and
+    random fp16 q, K and V for it."""
+    attn = TreeAttention(H_Q, H_KV, D, backend="triton", device=DEV, block_kv=None if CUDA else 8,
+                         capacity=Capacity(queries=nq, tokens=cache))
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(nq, H_Q, D, generator=g).half().to(DEV)
+    k, v = (torch.randn(cache, H_KV, D, generator=g).half().to(DEV) for _ in range(2))
+    return attn, q, k, v
+
+
 def test_plans_change_no_launch_argument_and_stay_exact(launches, monkeypatch):
     """Eight random trees through one reservation of 4 programs, which loop over work items."""
     small_grid(monkeypatch)
     rng = np.random.default_rng(0)
     nq, cache = 5, 160
-    attn = TreeAttention(H_Q, H_KV, D, backend="triton", device=DEV, block_kv=None if CUDA else 8,
-                         capacity=Capacity(queries=nq, tokens=cache))
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(nq, H_Q, D, generator=g).half().to(DEV)
-    k, v = (torch.randn(cache, H_KV, D, generator=g).half().to(DEV) for _ in range(2))
+    attn, q, k, v = reservation(nq, cache, seed=1)
     out, lse_out = torch.empty_like(q), torch.empty(nq, H_Q, device=DEV)
     first = None
     shapes, pairs = set(), 0
@@ -131,11 +138,7 @@ def test_query_order_flags_stay_exact(monkeypatch, flags):
         monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, **flags))
     rng = np.random.default_rng(3)
     nq, cache = 5, 160
-    attn = TreeAttention(H_Q, H_KV, D, backend="triton", device=DEV, block_kv=None if CUDA else 8,
-                         capacity=Capacity(queries=nq, tokens=cache))
-    g = torch.Generator().manual_seed(4)
-    q = torch.randn(nq, H_Q, D, generator=g).half().to(DEV)
-    k, v = (torch.randn(cache, H_KV, D, generator=g).half().to(DEV) for _ in range(2))
+    attn, q, k, v = reservation(nq, cache, seed=4)
     seen = set()
     for i in range(6):
         layout = random_tree(rng, nq, cache)

@@ -15,6 +15,19 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
+def _merged(acc, den, m, invalid):
+    """A merged row's output and natural-log lse from its running accumulator, sum and max;
+    both NaN where ``invalid`` (some state's lse was NaN or +inf), -inf lse where no state
+    saw a token."""
+    has = den > 0
+    bad = invalid > 0
+    out = tl.where(bad[:, None], float("nan"), acc / tl.where(has, den, 1.0)[:, None])
+    lse = tl.where(bad, float("nan"), tl.where(has, m + tl.log(tl.where(has, den, 1.0)),
+                                                float("-inf")))
+    return out, lse
+
+
+@triton.jit
 def merge_if_last(
     PO, PLSE, O, LSE, counts, merge_indptr, merge_partials, qorig, head, row_ok,
     stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads, D: tl.constexpr,
@@ -55,11 +68,7 @@ def merge_if_last(
             acc = acc * a[:, None] + o * b[:, None]
             den = den * a + b
             m = m_new
-        has = den > 0
-        bad = invalid > 0
-        out = tl.where(bad[:, None], float("nan"), acc / tl.where(has, den, 1.0)[:, None])
-        lse = tl.where(bad, float("nan"), tl.where(has, m + tl.log(tl.where(has, den, 1.0)),
-                                                    float("-inf")))
+        out, lse = _merged(acc, den, m, invalid)
         tl.store(O + qorig[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
                  out.to(O.dtype.element_ty), mask=last[:, None])
         tl.store(LSE + qorig * num_heads + head, lse, mask=last)
@@ -117,11 +126,7 @@ def merge_kernel(
         acc = acc * a[:, None] + tl.sum(tl.where(b[:, :, None] > 0, o * b[:, :, None], 0.0), 0)
         den = den * a + tl.sum(b, 0)
         m = m_new
-    has = den > 0
-    bad = invalid > 0
-    out = tl.where(bad[:, None], float("nan"), acc / tl.where(has, den, 1.0)[:, None])
-    lse = tl.where(bad, float("nan"), tl.where(has, m + tl.log(tl.where(has, den, 1.0)),
-                                                float("-inf")))
+    out, lse = _merged(acc, den, m, invalid)
     n64 = n.to(tl.int64)
     tl.store(O + n64 * stride_on + heads[:, None] * stride_oh + d[None, :],
              out.to(O.dtype.element_ty), mask=h_ok[:, None])
