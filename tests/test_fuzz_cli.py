@@ -63,6 +63,13 @@ def test_any_bytes_as_prompts(paths, capsys, command, prompts, chat):
     run(argv + ["--chat"] * chat, capsys)
 
 
+def test_an_undecodable_argument_taken_for_a_flag_is_one_error_line(paths, capsys):
+    """A prompt after the first that starts with ``-`` is an unknown flag to argparse: the
+    error names it with its undecodable byte escaped, on a stream (pytest's) that escapes
+    nothing itself."""
+    run(["beam", "", as_argv(b"-\x80"), "-k", "2", "--model", paths["model"]], capsys)
+
+
 def options(command: str) -> dict[str, argparse.Action]:
     """``command``'s flags (long names) and their actions, read from the real parser."""
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))

@@ -6,14 +6,17 @@ same tokens, log-probabilities, top pairs and finish reasons, same cache state a
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import pytest
 import torch
 
 from conftest import run_batch
+from deft import CacheFullError
 from deft.engine import SamplingParams, TreeEngine
 from deft.engine.decoding import Batch, Request
+from deft.model import load_random
 
 run = partial(run_batch, limit=400)
 
@@ -122,3 +125,31 @@ def test_extend_reads_device_tokens(smol, prompts):
         with pytest.raises(ValueError, match=match):
             engine.extend(items, device_tokens=bad)
     assert engine.cache.num_tokens(root) == len(ids) - 1  # nothing changed
+
+
+def test_a_step_short_of_pages_lands_its_drawn_tokens_first():
+    """Three samples whose pages fit only because one ends early on a stop token: with the
+    tokens drawn on the device, the step that needs a fresh page per branch lands them
+    first (the stopped branch's pages come back), as the batch that waits for its tokens
+    does, instead of raising ``CacheFullError``."""
+    model, tok = load_random("random:tiny")
+    prompt = list(range(40, 54))  # 14 tokens: two pages of 8, the second shared part-full
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=11)
+
+    def sample(pages: int, overlap: bool, params: SamplingParams) -> Request:
+        engine = TreeEngine(model, tok, num_pages=pages, page_size=8, prefill_chunk=64)
+        req = Request(prompt, 3, params)
+        batch = Batch(engine, overlap=overlap)
+        batch.add(req)
+        run(batch)
+        assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == pages
+        return req
+
+    free = sample(64, False, params)
+    # Branch 2 stops on its 11th token: its tokens need no third page of their own.
+    stop = dataclasses.replace(params, stop_token_ids=frozenset([free.branches[2].tokens[10]]))
+    with pytest.raises(CacheFullError):  # without the stop, the three do not fit in 9 pages
+        sample(9, False, params)
+    want = [(b.tokens, b.finish_reason) for b in sample(9, False, stop).branches]
+    assert [len(t) for t, _ in want] == [12, 12, 11] and want[2][1] == "stop"
+    assert [(b.tokens, b.finish_reason) for b in sample(9, True, stop).branches] == want

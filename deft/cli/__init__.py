@@ -7,7 +7,7 @@ import sys
 from typing import Sequence
 
 from . import bench, demo, generate, replay, serve, speculate
-from .common import CliError, Parser, choose_device
+from .common import CliError, Parser, choose_device, printable
 
 __all__ = ["CliError", "build_parser", "main"]
 
@@ -34,12 +34,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args.func(args)
     except CliError as exc:
-        print(f"deft: error: {exc}", file=sys.stderr)
+        print(printable(f"deft: error: {exc}"), file=sys.stderr)
         return 2
     except RuntimeError as exc:
         group = sys.modules.get("deft.distributed.group")  # only loaded under --tp
         if group is None or not isinstance(exc, group.TensorParallelError):
             raise
-        print(f"deft: error: {exc}", file=sys.stderr)
+        print(printable(f"deft: error: {exc}"), file=sys.stderr)
         return 1
     return 0

@@ -37,6 +37,7 @@ __all__ = [
     "load_from",
     "model_flags",
     "pages_for",
+    "printable",
     "progress",
     "prompt_flags",
     "prompt_text",
@@ -57,11 +58,17 @@ class CliError(Exception):
     """A user error: printed as one line, exit code 2."""
 
 
+def printable(text: str) -> str:
+    """``text`` with the surrogates that undecodable argument bytes become escaped
+    (``\\udc80``), so that any stream writes it, not only one that escapes them itself."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class Parser(argparse.ArgumentParser):
     """Argument errors as one line on stderr (exit code 2), pointing to ``--help``."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, printable(f"{self.prog}: error: {message} (see {self.prog} --help)\n"))
 
 
 # ------------------------------------------------------------------ shared flags

@@ -69,7 +69,8 @@ class Batch:
     With ``overlap`` (default: the engine's, on for CUDA) a step draws the sampled tokens on the
     device and feeds them to its forward there; the host reads them at the next step, while
     the GPU computes (:mod:`deft.engine.inflight`): stop tokens are seen one step late, the
-    results are the same. Steps that sample a ``keep_last`` branch wait for their tokens;
+    results are the same (a step that does not fit in the free pages waits for its tokens
+    first, so that a drawn stop token's pages come back as they would without overlap). Steps that sample a ``keep_last`` branch wait for their tokens;
     searches read their logits on the host (a step with one waits for the last step).
     """
 
@@ -137,7 +138,14 @@ class Batch:
             if r.search.done if r.search is not None else all(b.done for b in r.branches):
                 r.status = "done"
         self._start(self.scheduler.admit(len(self.live)))
-        feeding, searches = self.scheduler.fit([b for b in self.live if b.feed], searches)
+        feeding = [b for b in self.live if b.feed]
+        if self._inflight is not None and self.scheduler.short(feeding, searches):
+            # A drawn stop token frees its branch's pages only once it lands: land the
+            # drawn tokens now (this step waits for them) before preempting or failing.
+            self.sampled += self._land()
+            self.live = [b for b in self.live if not b.done]
+            feeding = [b for b in self.live if b.feed]
+        feeding, searches = self.scheduler.fit(feeding, searches)
         if not feeding and not searches:
             return self._inflight is not None
         chunk = engine.prefill_chunk

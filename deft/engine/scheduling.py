@@ -107,14 +107,17 @@ class BatchScheduler:
         self.running += admit
         return admit
 
+    def short(self, feeding: list[Branch], searches: list[Search]) -> bool:
+        """Whether ``feeding`` and ``searches`` need more pages than are free, once
+        ``prefixes`` has evicted what it may."""
+        return not self._room(self._need(feeding, searches), ())
+
     def fit(self, feeding: list[Branch], searches: list[Search]) -> tuple[list[Branch], list[Search]]:
         """``feeding`` and ``searches`` cut to what fits the free pages (see the class docstring)."""
-        ps, cache = self.engine.config.page_size, self.engine.cache
-        chunk = self.engine.prefill_chunk
+        cache = self.engine.cache
 
-        def need() -> int:  # as the engine counts: ceil(n / page_size) per item and tree
-            return (sum(-(-min(len(b.feed), chunk) // ps) for b in feeding)
-                    + sum(-(-len(f[-1]) // ps) for s in searches for f in (*s.feed, *s.trees)))
+        def need() -> int:
+            return self._need(feeding, searches)
 
         if need() > cache.num_free_pages and self.prefixes is not None:
             self.prefixes.evict(need() - cache.num_free_pages)
@@ -133,6 +136,13 @@ class BatchScheduler:
             else:
                 break
         return feeding, searches
+
+    def _need(self, feeding: list[Branch], searches: list[Search]) -> int:
+        """The pages a step of ``feeding`` and ``searches`` may take, as the engine counts them:
+        ``ceil(n / page_size)`` per item and draft tree."""
+        ps, chunk = self.engine.config.page_size, self.engine.prefill_chunk
+        return (sum(-(-min(len(b.feed), chunk) // ps) for b in feeding)
+                + sum(-(-len(f[-1]) // ps) for s in searches for f in (*s.feed, *s.trees)))
 
     def _room(self, want: int, spare: Collection[int]) -> bool:
         """Whether ``want`` pages are free, once ``prefixes`` has evicted what it may but the
