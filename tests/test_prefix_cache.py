@@ -168,3 +168,30 @@ def test_the_pages_on_running_paths_are_counted_without_walking_them(seed):
     assert cache.idle_pages() == engine.cache.allocator.num_used
     cache.clear()
     assert cache.idle_pages() == 0 and engine.cache.live_nodes == []
+
+
+def test_a_preempted_requests_prompt_entry_is_evicted_for_the_step_that_needs_its_pages():
+    """Two pinned prompts fill the cache; the next step is short of a page. Preempting the
+    younger request unpins its prompt's entry, which the step then evicts, so the older
+    request goes on (instead of a ``CacheFullError``); both equal their runs alone."""
+    model, tok = load_random("random:tiny")
+    specs = [([214], 3, SamplingParams(max_new_tokens=6, temperature=1.0, seed=1)),
+             (list(range(100, 131)), 1, SamplingParams(max_new_tokens=4))]
+
+    def run(pages: int, which: list[int]) -> tuple[list, int]:
+        engine = TreeEngine(model, tok, num_pages=pages, page_size=4, prefill_chunk=64)
+        prefixes = PrefixCache(engine.cache)
+        batch = Batch(engine, prefixes=prefixes)
+        reqs = [Request(*specs[i], pin_prompt=True) for i in which]
+        batch.add(reqs[0])
+        batch.step()
+        for r in reqs[1:]:  # joins once the first one runs
+            batch.add(r)
+        run_batch(batch)
+        prefixes.clear()
+        assert engine.cache.live_nodes == [] and engine.cache.num_free_pages == pages
+        return [[b.tokens for b in r.branches] for r in reqs], batch.stats["preempted"]
+
+    alone = [run(64, [i])[0][0] for i in range(2)]
+    got, preempted = run(14, [0, 1])
+    assert got == alone and preempted == 1

@@ -58,8 +58,9 @@ class BatchScheduler:
     start with its first page (fed once). When a step's tokens do not fit in
     the free pages, ``prefixes`` is asked to evict, then prompt chunks are deferred (never
     the oldest request's), then the youngest request is preempted: ``cancel`` releases it
-    and it waits first in line, to restart from its prompt; nothing is admitted until a
-    running request leaves. Search tokens are never deferred (a draft tree of ``t`` tokens
+    and it waits first in line, to restart from its prompt; ``prefixes`` is asked again
+    after each cut (a preempted request's prompt entry is no longer pinned); nothing is
+    admitted until a running request leaves. Search tokens are never deferred (a draft tree of ``t`` tokens
     may need ``ceil(t / page_size)`` fresh pages).
     """
 
@@ -114,15 +115,10 @@ class BatchScheduler:
 
     def fit(self, feeding: list[Branch], searches: list[Search]) -> tuple[list[Branch], list[Search]]:
         """``feeding`` and ``searches`` cut to what fits the free pages (see the class docstring)."""
-        cache = self.engine.cache
-
-        def need() -> int:
-            return self._need(feeding, searches)
-
-        if need() > cache.num_free_pages and self.prefixes is not None:
-            self.prefixes.evict(need() - cache.num_free_pages)
         order = {id(r): i for i, r in enumerate(self.running)}
-        while need() > cache.num_free_pages:
+        # Evict first, and again after each cut: a preempted request's prompt entry is
+        # evictable once it no longer runs.
+        while not self._room(self._need(feeding, searches), ()):
             oldest = self.running[0] if self.running else None
             prompts = [b for b in feeding if b.owner is not None and b.owner is not oldest
                        and not b.tokens and b.source < 0]
