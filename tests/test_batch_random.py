@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from deft import CacheFullError
 from deft.engine import NgramDrafter, SamplingParams, TreeEngine
@@ -78,7 +78,7 @@ def run_alone(model, spec: tuple, pages: int, page: int, chunk: int) -> list:  #
     return outcome(spec, req, model[1])
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**31))
 def test_random_requests_equal_their_solo_runs_and_free_every_page(tiny, seed):
     rng = random.Random(seed)

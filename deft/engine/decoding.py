@@ -70,8 +70,9 @@ class Batch:
     device and feeds them to its forward there; the host reads them at the next step, while
     the GPU computes (:mod:`deft.engine.inflight`): stop tokens are seen one step late, the
     results are the same (a step that does not fit in the free pages waits for its tokens
-    first, so that a drawn stop token's pages come back as they would without overlap). Steps that sample a ``keep_last`` branch wait for their tokens;
-    searches read their logits on the host (a step with one waits for the last step).
+    first, so that a drawn stop token's pages come back as they would without overlap).
+    Steps that sample a ``keep_last`` branch wait for their tokens; searches read their
+    logits on the host (a step with one waits for the last step).
     """
 
     def __init__(self, engine: TreeEngine, max_running: int | None = None,
@@ -139,7 +140,7 @@ class Batch:
                 r.status = "done"
         self._start(self.scheduler.admit(len(self.live)))
         feeding = [b for b in self.live if b.feed]
-        if self._inflight is not None and self.scheduler.short(feeding, searches):
+        if self._inflight is not None and self.scheduler.short_of_pages(feeding, searches):
             # A drawn stop token frees its branch's pages only once it lands: land the
             # drawn tokens now (this step waits for them) before preempting or failing.
             self.sampled += self._land()

@@ -60,8 +60,8 @@ class BatchScheduler:
     the oldest request's), then the youngest request is preempted: ``cancel`` releases it
     and it waits first in line, to restart from its prompt; ``prefixes`` is asked again
     after each cut (a preempted request's prompt entry is no longer pinned); nothing is
-    admitted until a running request leaves. Search tokens are never deferred (a draft tree of ``t`` tokens
-    may need ``ceil(t / page_size)`` fresh pages).
+    admitted until a running request leaves. Search tokens are never deferred (a draft
+    tree of ``t`` tokens may need ``ceil(t / page_size)`` fresh pages).
     """
 
     def __init__(self, engine: TreeEngine, max_running: int | None, prefixes: PrefixStore | None,
@@ -108,7 +108,7 @@ class BatchScheduler:
         self.running += admit
         return admit
 
-    def short(self, feeding: list[Branch], searches: list[Search]) -> bool:
+    def short_of_pages(self, feeding: list[Branch], searches: list[Search]) -> bool:
         """Whether ``feeding`` and ``searches`` need more pages than are free, once
         ``prefixes`` has evicted what it may."""
         return not self._room(self._need(feeding, searches), ())
