@@ -111,14 +111,15 @@ class BatchScheduler:
     def short_of_pages(self, feeding: list[Branch], searches: list[Search]) -> bool:
         """Whether ``feeding`` and ``searches`` need more pages than are free, once
         ``prefixes`` has evicted what it may."""
-        return not self._room(self._need(feeding, searches), ())
+        want = self._need(feeding, searches)
+        return want > self.engine.cache.num_free_pages and not self._room(want, ())
 
     def fit(self, feeding: list[Branch], searches: list[Search]) -> tuple[list[Branch], list[Search]]:
         """``feeding`` and ``searches`` cut to what fits the free pages (see the class docstring)."""
         order = {id(r): i for i, r in enumerate(self.running)}
         # Evict first, and again after each cut: a preempted request's prompt entry is
         # evictable once it no longer runs.
-        while not self._room(self._need(feeding, searches), ()):
+        while self.short_of_pages(feeding, searches):
             oldest = self.running[0] if self.running else None
             prompts = [b for b in feeding if b.owner is not None and b.owner is not oldest
                        and not b.tokens and b.source < 0]
