@@ -15,6 +15,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from conftest import run_batch
 from deft import CacheFullError
 from deft.engine import NgramDrafter, SamplingParams, TreeEngine
 from deft.engine.beams import BeamParams
@@ -73,8 +74,7 @@ def run_alone(model, spec: tuple, pages: int, page: int, chunk: int) -> list:  #
     engine = TreeEngine(*model, num_pages=pages, page_size=page, prefill_chunk=chunk)
     batch, req = Batch(engine), request(spec)
     batch.add(req)
-    while batch.step():
-        pass
+    run_batch(batch)
     return outcome(spec, req, model[1])
 
 
