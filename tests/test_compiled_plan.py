@@ -335,6 +335,41 @@ def test_built_at_install():
     assert Path(compiled.load_library().__file__).parent == Path(compiled.__file__).parent
 
 
+_UNDER_UBSAN = """
+import importlib.util, sys
+import pytest
+spec = importlib.util.spec_from_file_location("deft.plan._flatten_plan", sys.argv[1])
+sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sys.modules[spec.name])
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-k", sys.argv[2], __file__]))
+"""
+
+
+@needs_cc
+def test_no_undefined_behaviour(tmp_path):
+    """Built with ``-fsanitize=undefined`` (every report fatal), the planner runs this file's
+    edge cases (huge tiles, malformed input, random forests and coarsening parameters)
+    without one: signed overflow and the like stay invisible in the normal build."""
+    root = Path(__file__).resolve().parents[1]
+    flags = "-fsanitize=undefined -fno-sanitize-recover=all -g -O1"
+    env = dict(os.environ, CFLAGS=flags, LDFLAGS="-fsanitize=undefined")
+    built = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib",
+                            str(tmp_path / "lib"), "--build-temp", str(tmp_path / "tmp")],
+                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    lib = list((tmp_path / "lib").rglob("_flatten_plan*"))
+    if built.returncode or not lib:
+        pytest.skip(f"no UBSan build here: {built.stderr[-300:]}")
+    script = tmp_path / "under_ubsan.py"
+    script.write_text(_UNDER_UBSAN.replace("__file__", repr(__file__)))
+    cases = "huge or malformed or special or random or apart"
+    run = subprocess.run([sys.executable, str(script), str(lib[0]), cases], cwd=root,
+                         env=dict(os.environ, UBSAN_OPTIONS="print_stacktrace=1"),
+                         capture_output=True, text=True, timeout=600)
+    assert "runtime error" not in run.stderr, run.stderr[-3000:]
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout
+
+
 def test_not_built_falls_back_to_numpy(monkeypatch):
     real = importlib.import_module
 

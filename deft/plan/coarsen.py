@@ -24,6 +24,7 @@ __all__ = ["Coarsening", "group_runs", "plan_runs", "coarsen_plan", "coarsen_fac
            "resident_wave"]
 
 _I = np.int64
+_INT64_MAX = 2**63 - 1  # the compiled planner's bound: the launch model saturates there
 
 
 class Coarsening(NamedTuple):
@@ -130,13 +131,14 @@ def refine(plan: TreePlan, c: Coarsening) -> TreePlan:
 def list_makespan(classes: list[tuple[int, int]], slots: int) -> int:
     """Makespan of ``(programs, cost)`` classes started in that order, each program on the
     least-loaded of ``slots`` identical slots. Slot loads are kept as (load, slots) groups,
-    so a class costs a few heap operations."""
+    so a class costs a few heap operations. Loads saturate at ``2**63 - 1``, the compiled
+    planner's int64 bound."""
     groups = [(0, slots)]
     for left, cost in classes:
         while left > 0:
             load, m = heapq.heappop(groups)
             k = min(m, left)
-            heapq.heappush(groups, (load + cost, k))
+            heapq.heappush(groups, (min(load + cost, _INT64_MAX), k))
             if m > k:
                 heapq.heappush(groups, (load, m - k))
             left -= k
@@ -155,7 +157,7 @@ def lpt_makespan(runs: list[tuple[int, int]], u: int, heads: int, block_kv: int,
         for length, n in ((u, r // u), (r % u, 1)):
             if length and n:
                 count[length] = count.get(length, 0) + n * c * heads
-    return list_makespan([(count[length], length * block_kv + program_cost)
+    return list_makespan([(count[length], min(length * block_kv + program_cost, _INT64_MAX))
                           for length in sorted(count, reverse=True)], slots)
 
 

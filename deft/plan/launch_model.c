@@ -1,6 +1,18 @@
 /* The coarsening rule's launch model (deft.plan.coarsen.lpt_makespan, lpt_factor,
  * resident_wave); included by flatten_plan.c (one extension module), after its types. */
 
+/* a + b and a * b for a, b >= 0, saturating at INT64_MAX (as deft.plan.coarsen's model does):
+ * a tile size near 2**63 must not overflow the model's loads. */
+static i64 sat_add(i64 a, i64 b) {
+    i64 r;
+    return __builtin_add_overflow(a, b, &r) ? INT64_MAX : r;
+}
+
+static i64 sat_mul(i64 a, i64 b) {
+    i64 r;
+    return __builtin_mul_overflow(a, b, &r) ? INT64_MAX : r;
+}
+
 /* Binary min-heap of (load, count) groups of launch slots, by load. */
 static void heap_push(i64 *load, i64 *count, i64 *n, i64 v, i64 c) {
     i64 i = (*n)++;
@@ -44,11 +56,11 @@ static i64 lpt_makespan(const i64 *run_len, const i64 *run_chunks, i64 nruns, i6
     }
     heap_push(load, group, &n, 0, slots);
     for (i64 len = u; len >= 1; len--) {
-        i64 left = count[len], cost = len * block_kv + program_cost;
+        i64 left = count[len], cost = sat_add(sat_mul(len, block_kv), program_cost);
         while (left > 0) {
             i64 v = load[0], m = group[0], k = m < left ? m : left;
             heap_pop(load, group, &n);
-            heap_push(load, group, &n, v + cost, k);
+            heap_push(load, group, &n, sat_add(v, cost), k);
             if (m > k) heap_push(load, group, &n, v, m - k);
             left -= k;
         }
