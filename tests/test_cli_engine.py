@@ -141,7 +141,10 @@ def test_replay_command(loaded, capsys, tmp_path):
     assert out["kv_ratio"] > 1 and out["tokens_per_s"] > 0
     assert main(["replay", str(path)]) == 0
     assert "9 iterations, 40-token prompt, 5 thoughts" in capsys.readouterr().out
+    malformed = tmp_path / "malformed.json"
+    malformed.write_text(path.read_text().replace('"end": 9', '"end": null'))
     for argv, message in [([str(tmp_path / "none.json")], "TRACE: "), ([str(path), "--record", "1"], "record: "),
+                          ([str(malformed)], "thought 4: end is not an integer: None"),
                           ([str(path), "--iterations", "0"], "--iterations: ")]:
         assert main(["replay", *argv]) == 2
         err = capsys.readouterr().err

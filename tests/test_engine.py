@@ -8,6 +8,7 @@ Float32 logits of the same sequence computed through different trees agree withi
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import numpy as np
@@ -409,3 +410,51 @@ def test_trace_errors(tmp_path, workloads):
         load_trace(bad)
     with pytest.raises(FileNotFoundError, match="no such trace file"):
         load_trace(tmp_path / "none.json")
+
+
+_THOUGHTS = {"0": {"value": 12, "start": -11, "end": 0, "children": [1, 2]},
+             "1": {"value": 3, "start": 1, "end": 3, "children": [3]},
+             "2": {"value": 2, "start": 1, "end": 2, "children": []},
+             "3": {"value": 1, "start": 4, "end": 4, "children": []}}
+
+
+def _edit(node: str, **fields) -> dict:
+    return {**_THOUGHTS, node: {**_THOUGHTS[node], **fields}}
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"x": _THOUGHTS["0"]}, "not an object keyed by thought ids"),
+    ({k: v for k, v in _THOUGHTS.items() if k != "0"}, "no thought 0"),
+    ({**_THOUGHTS, "2": {"value": 2}}, "thought 2: expected an object with value, start, end"),
+    (_edit("3", end=4.5), "thought 3: end is not an integer: 4.5"),
+    (_edit("1", value=None), "thought 1: value is not an integer"),
+    (_edit("0", value=0), "thought 0: a prompt of 0 tokens"),
+    (_edit("2", start=0), r"thought 2: start 0, end 2 \(expected 1 <= start <= end \+ 1\)"),
+    (_edit("2", start=5), "thought 2: start 5, end 2"),
+    (_edit("1", children="3"), "thought 1: children is not a list"),
+    (_edit("1", children=[3, 7]), "thought 1: child 7 is not a thought"),
+    (_edit("3", children=[0]), "thought 3: child 0 is not a thought"),
+    (_edit("2", children=[3], end=3), "thought 3 is a child of both 1 and 2"),
+    (_edit("1", children=[]), "thought 3: no thought lists it as a child"),
+    (_edit("3", start=3, end=4), "thought 3 starts at 3, before its parent 1 has ended"),
+    (_edit("3", children=[3]), "thought 3 is a child of both 1 and 3"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_a_malformed_trace_is_a_value_error_naming_its_thought(tmp_path, data, message):
+    """Every rule the replay relies on is checked when the trace is read, not halfway
+    through a replay (a KeyError, or a prompt of 10**12 random tokens)."""
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps([{"incompleted": False, "prompt": "", "data": _THOUGHTS}]))
+    assert len(load_trace(path)) == 4
+    path.write_text(json.dumps([{"incompleted": False, "prompt": "", "data": data}]))
+    with pytest.raises(ValueError, match=message):
+        load_trace(path)
+
+
+def test_a_prompt_past_the_context_is_refused_before_it_is_drawn(engine, tmp_path):
+    path = tmp_path / "t.json"
+    data = _edit("0", value=10**12)
+    path.write_text(json.dumps([{"incompleted": False, "prompt": "", "data": data}]))
+    with pytest.raises(ValueError, match=f"a prompt of {10**12} tokens, more than the model's "
+                                         f"context of {engine.max_positions}"):
+        replay_trace(engine, path)
+    assert_empty(engine)

@@ -69,7 +69,11 @@ class ReplayReport:
 
 
 def load_trace(path: str | os.PathLike[str], record: int = 0) -> dict[int, dict[str, Any]]:
-    """Thought ``id -> {value, start, end, children}`` of complete record ``record`` of ``path``."""
+    """Thought ``id -> {value, start, end, children}`` of complete record ``record`` of ``path``.
+
+    ``ValueError`` names the first rule the record breaks (see :func:`_check_thoughts`), so
+    that a replay never fails halfway through on a malformed file.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such trace file")
@@ -78,9 +82,57 @@ def load_trace(path: str | os.PathLike[str], record: int = 0) -> dict[int, dict[
         if not is_int(record) or not 0 <= record < len(records):
             raise ValueError(f"record: expected an index in [0, {len(records)}) (complete records "
                              f"of {path.name}), got {record!r}")
-        return {int(k): v for k, v in records[record]["data"].items()}
+        raw = records[record]["data"]
+        if not isinstance(raw, dict) or not all(k.isdecimal() for k in raw):
+            raise TypeError(f"record {record}'s data is not an object keyed by thought ids")
+        data = {int(k): v for k, v in raw.items()}
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{path}: not a reasoning trace ({exc})") from exc
+    try:
+        _check_thoughts(data)
+    except ValueError as exc:
+        raise ValueError(f"{path}: record {record}: {exc}") from None
+    return data
+
+
+def _check_thoughts(data: dict[int, Any]) -> None:
+    """The rules a replay relies on. Thought 0 is the prompt, of ``value >= 1`` tokens; every
+    other thought has integer ``start`` >= 1 and ``end`` (``end = start - 1`` for one with no
+    tokens), is the child of exactly one thought, and starts after its parent has started and
+    ended (it forks the parent's last token)."""
+    if 0 not in data:
+        raise ValueError("no thought 0 (the prompt)")
+    parent: dict[int, int] = {}
+    for n, v in sorted(data.items()):
+        if not isinstance(v, dict) or not {"value", "start", "end", "children"} <= v.keys():
+            raise ValueError(f"thought {n}: expected an object with value, start, end and children")
+        for key in ("value", "start", "end"):
+            if not is_int(v[key]):
+                raise ValueError(f"thought {n}: {key} is not an integer: {v[key]!r}")
+        if n == 0 and v["value"] < 1:
+            raise ValueError(f"thought 0: a prompt of {v['value']} tokens (expected at least 1)")
+        if n != 0 and (v["start"] < 1 or v["end"] < v["start"] - 1):
+            raise ValueError(f"thought {n}: start {v['start']}, end {v['end']} (expected "
+                             f"1 <= start <= end + 1)")
+        kids = v["children"]
+        if not isinstance(kids, list) or not all(is_int(c) for c in kids):
+            raise ValueError(f"thought {n}: children is not a list of thought ids: {kids!r}")
+        for c in kids:
+            if c == 0 or c not in data:
+                raise ValueError(f"thought {n}: child {c} is not a thought of the record other "
+                                 f"than 0")
+            if c in parent:
+                raise ValueError(f"thought {c} is a child of both {parent[c]} and {n}")
+            parent[c] = n
+    for n, v in data.items():
+        if n == 0:
+            continue
+        if n not in parent:
+            raise ValueError(f"thought {n}: no thought lists it as a child")
+        p = data[parent[n]]
+        if parent[n] != 0 and v["start"] <= max(p["start"], p["end"]):
+            raise ValueError(f"thought {n} starts at {v['start']}, before its parent "
+                             f"{parent[n]} has ended (start {p['start']}, end {p['end']})")
 
 
 def replay_trace(
@@ -106,6 +158,9 @@ def replay_trace(
         raise ValueError(f"tokens: expected one of {', '.join(TOKEN_MODES)}, got {tokens!r}")
     max_iterations = int_at_least(max_iterations, "max_iterations", 1, or_none=True)
     data = load_trace(path, record)
+    if data[0]["value"] > engine.max_positions:
+        raise ValueError(f"a prompt of {data[0]['value']} tokens, more than the model's context "
+                         f"of {engine.max_positions}")
     last = max(v["end"] for v in data.values())
     if max_iterations is not None:
         last = min(last, max_iterations)
