@@ -39,13 +39,17 @@ def workloads_dir(path: str | os.PathLike[str] | None = None) -> Path:
                             + "); set DEFT_WORKLOADS to their directory or pass it")
 
 
-def load_medusa_choices(path: str | os.PathLike[str]) -> list[list[int]]:
-    """Draft-tree paths from a Medusa choices file (``Tree_Structure`` or ``paths`` key)."""
+def load_medusa_choices(path: str | os.PathLike[str]) -> Any:
+    """Draft-tree paths from a Medusa choices file (``Tree_Structure`` or ``paths`` key), as
+    stored: :meth:`deft.engine.TreeShape.from_choices` checks them."""
     with open(path) as f:
-        data = json.load(f)
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not JSON ({exc})") from None
     for key in ("Tree_Structure", "paths"):
         if isinstance(data, dict) and key in data:
-            return [list(map(int, p)) for p in data[key]]
+            return data[key]
     raise ValueError(f"{path}: expected a JSON object with 'Tree_Structure' or 'paths'")
 
 

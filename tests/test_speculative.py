@@ -45,6 +45,12 @@ def test_shape_from_medusa_choices(workloads):
     ([[0], [1, 0], [0, 0, 0]], r"path \[1, 0\] has no parent path \[1\]"),
     ([[0], []], "non-empty paths"),
     ([["a"]], "lists of integers"),
+    ([[0.5]], "lists of integers"),
+    ([[True]], "lists of integers"),
+    ([[float("inf")]], "lists of integers"),
+    ("01", "lists of integers"),
+    (None, "lists of integers"),
+    ([[[0]]], "lists of integers"),
 ])
 def test_shape_errors(choices, message):
     with pytest.raises(ValueError, match=message):
@@ -466,6 +472,21 @@ def test_cli_json(capsys, smol, smol_prompts, workloads):
 def test_cli_errors(argv, message):
     with pytest.raises(CliError, match=message) as info:
         run_cli(["speculate", *argv])
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"paths": [[0], [0.5]]}', r"^--tree: choices: expected a list of lists of integers"),
+    ('{"paths": [[1e400]]}', r"^--tree: choices: expected a list of lists of integers"),
+    ("{paths", r"^--tree: .*bad\.json: not JSON"),
+    ("[[0]]", r"^--tree: .*bad\.json: expected a JSON object with 'Tree_Structure' or 'paths'"),
+])
+def test_cli_a_malformed_tree_file_is_one_error_line(tmp_path, text, message):
+    """Before the model loads: no traceback (``1e400`` is a float infinity), no rank rounded
+    from a float."""
+    (tmp_path / "bad.json").write_text(text)
+    with pytest.raises(CliError, match=message) as info:
+        run_cli(["speculate", "x", "--tree", str(tmp_path / "bad.json")])
     assert "\n" not in str(info.value)
 
 

@@ -73,7 +73,10 @@ def _generate(args: argparse.Namespace) -> list:
     except ValueError as exc:
         raise common.flag_error(exc) from exc
     kind = ModelDrafter if args.drafter == "model" else NgramDrafter
-    shape = as_shape(args.tree and TreeShape.from_file(args.tree), kind.default_shape)
+    try:
+        shape = as_shape(args.tree and TreeShape.from_file(args.tree), kind.default_shape)
+    except ValueError as exc:
+        raise CliError(f"--tree: {exc}") from exc
     model, tok = parallel.load(args)
     prompts = [tok.apply_chat_template(p) if args.chat else tok.encode(p) for p in args.prompt]
     # The engine checks free pages per append, rounded up: a page per draft node covers the

@@ -22,10 +22,15 @@ from typing import Sequence, Union
 
 import torch
 
-from ..checks import int_at_least, int_in_range, positive_int, real_number
+from ..checks import int_at_least, int_in_range, is_int, positive_int, real_number
 from ..recorded import load_medusa_choices
 
 __all__ = ["TreeShape", "TopKShape", "Shape", "DraftTree", "Candidates", "TreeGrower", "as_shape"]
+
+
+def _iterable(obj: object) -> Sequence[object]:
+    """``obj`` if it is a sequence, else a one-item list of it (which then fails the check)."""
+    return obj if isinstance(obj, Sequence) else [obj]
 
 
 @dataclass(frozen=True)
@@ -79,10 +84,11 @@ class TreeShape:
         """The shape of Medusa choice paths: ``[r0, r1, ...]`` is the draft reached by
         taking candidate ``r0`` of the root, then candidate ``r1`` of that node, ...
         Every path's prefix must be a path too (or empty)."""
-        try:
-            paths = sorted({tuple(int(r) for r in p) for p in choices}, key=lambda p: (len(p), p))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"choices: expected a list of lists of integers ({exc})") from exc
+        if isinstance(choices, (str, bytes)) or not all(
+                isinstance(p, Sequence) and not isinstance(p, (str, bytes)) and all(map(is_int, p))
+                for p in _iterable(choices)):
+            raise ValueError(f"choices: expected a list of lists of integers, got {choices!r:.200}")
+        paths = sorted({tuple(int(r) for r in p) for p in choices}, key=lambda p: (len(p), p))
         index: dict[tuple[int, ...], int] = {(): 0}
         parents, ranks = [-1], [0]
         for path in paths:
