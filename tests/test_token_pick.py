@@ -74,6 +74,19 @@ def test_sampled_noise_is_keyed_by_the_seed_not_the_chunking():
     assert not torch.equal(tokens, pick(x, 1.0, 54321, programs=6)[0])
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-30, 1e-12])
+def test_a_tiny_temperature_picks_the_argmax(temperature):
+    """``logit / T`` overflows float32 for a tiny ``T`` (every positive logit at inf: the
+    first of them won); the draw must tend to the argmax, as ``softmax(x / T)`` does."""
+    gen = torch.Generator().manual_seed(3)
+    x = (30 * torch.randn(4, 3000, generator=gen)).to(DEV)
+    x[:, 0] = 1.0  # a positive logit that is not the maximum, first in every row
+    tokens = check(x, 8, temperature)
+    assert torch.equal(tokens.cpu(), x.argmax(-1).cpu())
+    probs = probabilities(x, SamplingParams(temperature=temperature))
+    assert torch.equal(probs, torch.zeros_like(probs).scatter_(-1, x.argmax(-1, keepdim=True), 1.0))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_temperature_samples_follow_the_softmax():

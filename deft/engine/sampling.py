@@ -23,7 +23,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     x = logits.float()
     if params.greedy:
         return torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
-    x = x / params.temperature
+    # Shifted by the row's maximum first: under a tiny temperature x / T overflows to inf
+    # (and softmax to NaN), where (x - max) / T only underflows to -inf (the argmax's limit).
+    x = (x - x.amax(-1, keepdim=True)) / params.temperature
     if 0 < params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

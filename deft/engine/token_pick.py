@@ -11,7 +11,10 @@ folds a row's chunks.
 The key is the logit (greedy: the first maximal index, as ``torch.argmax`` returns), or, to
 sample at temperature ``T``, ``logit / T + g`` with ``g`` standard Gumbel noise from
 Triton's Philox generator keyed by ``seed`` and the entry's position: the argmax of that is
-a draw from ``softmax(logits / T)`` (the Gumbel-max trick). The log-probability is the
+a draw from ``softmax(logits / T)`` (the Gumbel-max trick). For ``T <= 1`` the key is
+``logit + T * g``, the same argmax scaled by ``T``: ``logit / T`` overflows float32 under a
+tiny ``T`` (every positive logit then ties at inf), where ``T * g`` only vanishes, leaving
+the argmax. The log-probability is the
 pick's under the unscaled logits (``logit - logsumexp``). A row of ``-inf`` picks index 0
 with ``logsumexp`` ``-inf``; NaN logits are not supported.
 """
@@ -30,7 +33,7 @@ _BLOCK = 1024  # entries a program reads per iteration
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed per call: one compiled kernel
-def _chunk_kernel(X, KEY, RAW, IDX, MAX, SUM, V, stride, chunks, seed, inv_t,
+def _chunk_kernel(X, KEY, RAW, IDX, MAX, SUM, V, stride, chunks, seed, x_scale, g_scale,
                   CHUNK: tl.constexpr, BLOCK: tl.constexpr, SAMPLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -45,7 +48,7 @@ def _chunk_kernel(X, KEY, RAW, IDX, MAX, SUM, V, stride, chunks, seed, inv_t,
         x = tl.load(X + row * stride + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         if SAMPLE:
             u = tl.rand(seed, (row * V + cols).to(tl.int32))  # the same noise for any chunking
-            key = x * inv_t - tl.log(-tl.log(u))
+            key = x * x_scale - tl.log(-tl.log(u)) * g_scale
         else:
             key = x
         better = key > best  # strictly greater: a lane keeps its first
@@ -122,9 +125,9 @@ def pick(logits: torch.Tensor, temperature: float = 0.0, seed: int = 0,
     parts = torch.empty((4, rows, chunks), dtype=torch.float32, device=dev)
     first = torch.empty((rows, chunks), dtype=torch.int32, device=dev)
     sample = temperature > 0
+    x_scale, g_scale = (1.0, temperature) if temperature <= 1 else (1.0 / temperature, 1.0)
     _chunk_kernel[(rows, chunks)](logits, parts[0], parts[1], first, parts[2], parts[3], vocab,
-                                  logits.stride(0), chunks, seed,
-                                  1.0 / temperature if sample else 1.0, CHUNK=chunk,
+                                  logits.stride(0), chunks, seed, x_scale, g_scale, CHUNK=chunk,
                                   BLOCK=_BLOCK, SAMPLE=sample, num_warps=4)
     _fold_kernel[(rows,)](parts[0], parts[1], first, parts[2], parts[3], tokens, logp, lse,
                           vocab, chunks, BLOCK_C=triton.next_power_of_2(chunks), num_warps=4)
