@@ -340,10 +340,21 @@ def test_beam_search_errors(engine):
                           "num_return_sequences: expected at most num_beams=2"),
                           ({"num_beams": 2, "early_stopping": "sometimes"}, "early_stopping"),
                           ({"num_beams": 2, "length_penalty": float("inf")}, "length_penalty"),
+                          ({"num_beams": 2, "length_penalty": 1000},  # 6 ** 1000 overflowed
+                           r"length_penalty: expected a number in \[-32, 32\], got 1000"),
+                          ({"num_beams": 2, "length_penalty": -32.5}, "length_penalty"),
                           ({"num_beams": 2, "max_new_tokens": 0}, "max_new_tokens"),
                           ({"num_beams": 2, "stop_token_ids": ["x"]}, "stop_token_ids")]:
         with pytest.raises(ValueError, match=match):
             beam_search(engine, "hi", **kwargs)
+
+
+def test_the_cli_caps_the_length_penalty_as_the_engine_does():
+    """The CLI keeps its own copy of the cap (it starts without importing the engine)."""
+    from deft.cli import generate
+    from deft.engine.beams import MAX_LENGTH_PENALTY
+
+    assert generate.MAX_LENGTH_PENALTY == MAX_LENGTH_PENALTY
 
 
 def test_tree_search_expands_scores_and_releases(engine, prompts):

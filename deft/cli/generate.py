@@ -14,7 +14,8 @@ from .common import CliError, in_range
 __all__ = ["MAX_BEAMS", "MAX_SAMPLES", "add_parsers"]
 
 MAX_SAMPLES, MAX_BEAMS = 256, 64
-MAX_LENGTH_PENALTY = 32  # length ** 32 stays finite for any length a context can hold (< 2**24)
+# deft.engine.beams.MAX_LENGTH_PENALTY, kept here so that the CLI starts without the engine
+MAX_LENGTH_PENALTY = 32
 EARLY_STOPPING = {"false": False, "true": True, "never": "never"}
 
 

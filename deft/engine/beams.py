@@ -36,9 +36,12 @@ from .params import GenerationResult, SamplingParams
 if TYPE_CHECKING:
     from .requests import Request
 
-__all__ = ["BeamParams", "BeamSearch"]
+__all__ = ["BeamParams", "BeamSearch", "MAX_LENGTH_PENALTY"]
 
 _F = np.float32
+# |length_penalty| at most this: length ** 32 stays finite (float64) for any length a context
+# can hold (< 2**24); 6 ** 1000 is an OverflowError.
+MAX_LENGTH_PENALTY = 32
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,10 @@ class BeamParams:
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping: expected True, False or 'never', "
                              f"got {self.early_stopping!r}")
-        object.__setattr__(self, "length_penalty", real_number(self.length_penalty, "length_penalty"))
+        object.__setattr__(self, "length_penalty", real_number(
+            self.length_penalty, "length_penalty",
+            f"a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]",
+            lambda x: abs(x) <= MAX_LENGTH_PENALTY))
         stop = SamplingParams(stop_token_ids=self.stop_token_ids).stop_token_ids  # validated
         object.__setattr__(self, "stop_token_ids", stop)
 

@@ -11,10 +11,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..engine.beams import MAX_LENGTH_PENALTY
+
 __all__ = ["ChatRequest", "CompletionRequest", "Message", "SpeculativeOptions", "error_body"]
 
 MAX_N = 64
-MAX_LENGTH_PENALTY = 32  # as the CLI's: length ** 32 stays finite for any context length
 
 
 class SpeculativeOptions(BaseModel):
