@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import random_forest
 from deft import PLAN_KINDS, TreeAttention, TreeLayout, merge_states
-from deft.ops.reference import visibility_mask
+from deft.ops.reference import reference_attention, visibility_mask
 from deft.ops.torch_backend import TorchBackend, _Dense
 from benchmarks.trees import few_shot_layout
 
@@ -245,6 +245,30 @@ def test_triton_merge_modes(monkeypatch, fused):
     poison = [(int(layout.kv_indices[3]), 0, 1, float("nan"), "v"),  # the prompt: every query
               (int(layout.kv_indices[35]), 1, 0, float("-inf"), "k")]  # the first branch
     assert_isolated(run_poisoned(attn, q, k, v, poison), attn.run(q, k, v, return_lse=True),
+                    expected_nan(layout, [p[:2] for p in poison]), f"fused={fused}")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["merge-launch", "fused-merge"])
+def test_triton_padded_head_dim(monkeypatch, fused):
+    """Heads of 24 in blocks of 32: poison at either end of a head (its last element, the
+    next head's first, which sits right after it in memory) reaches only the queries that
+    see it; the padding never loads a neighbour's value."""
+    pytest.importorskip("triton")
+
+    from deft.ops.triton import configs
+
+    for key, cfg in list(configs.CONFIGS.items()):
+        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, fuse_merge=fused))
+    d = 24
+    layout = few_shot_layout(30, 3, 9)
+    q, k, v = clean_inputs(layout, torch.float32, device=DEV, d=d)
+    attn = planned("triton", layout, device=DEV, d=d)
+    poison = [(int(layout.kv_indices[35]), 0, d - 1, float("nan"), "k"),  # the first branch
+              (int(layout.kv_indices[52]), 1, 0, float("inf"), "v")]  # the third branch
+    ref = reference_attention(q.double(), k.double(), v.double(), layout, d**-0.5)
+    clean = attn.run(q, k, v, return_lse=True)
+    torch.testing.assert_close(clean[0].double().cpu(), ref[0].cpu(), atol=1e-5, rtol=1e-5)
+    assert_isolated(run_poisoned(attn, q, k, v, poison), clean,
                     expected_nan(layout, [p[:2] for p in poison]), f"fused={fused}")
 
 

@@ -87,9 +87,36 @@ def test_merge_states_triton_path(heads):
     torch.testing.assert_close(lse, ref_lse)
 
 
-def test_non_power_of_two_head_dim_is_rejected():
-    attn = TreeAttention(2, 1, 48, backend="triton", device=DEV)
-    with pytest.raises(ValueError, match="head_dim: the triton backend needs a power of two >= 16, got 48"):
+@pytest.mark.parametrize("d", [8, 24, 48, 96])  # 96: Phi-3-mini's heads, in blocks of 128
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_head_dims_that_are_not_powers_of_two(d, dtype):
+    """Blocks span the head dim rounded up to a power of two (at least 16); the padding
+    loads as 0 and is never stored, so q, K/V and o keep their own shapes."""
+    assert configs.block_head_dim(d) == {8: 16, 24: 32, 48: 64, 96: 128}[d]
+    check(TINY["branches"], 4, 2, d, dtype, paged=8 if d == 24 else 0)
+
+
+@pytest.mark.parametrize("d", [24, 96])
+def test_merge_states_triton_path_of_a_padded_head_dim(d):
+    from deft.ops.triton.launch import launch_merge
+
+    g = torch.Generator().manual_seed(d)
+    v, s = torch.randn(2, 3, 2, d, generator=g).to(DEV), torch.randn(2, 3, 2, generator=g).to(DEV)
+    wide = torch.full((2, 2, d + 8), 7.0, device=DEV)
+    o = wide[..., :d]  # rows wider than the head: the columns past it stay untouched
+    lse = torch.empty(2, 2, device=DEV)
+    launch_merge(v.view(6, 2, d), s.view(6, 2), o, lse,
+                 torch.arange(0, 7, 3, dtype=torch.int32, device=DEV),
+                 torch.arange(6, dtype=torch.int32, device=DEV))
+    ref_o, ref_lse = merge_states(v, s)
+    torch.testing.assert_close(o, ref_o)
+    torch.testing.assert_close(lse, ref_lse)
+    assert bool((wide[..., d:] == 7).all())
+
+
+def test_a_head_dim_past_the_largest_block_is_rejected():
+    attn = TreeAttention(2, 1, 320, backend="triton", device=DEV)
+    with pytest.raises(ValueError, match="head_dim: the triton backend takes 1 to 256, got 320"):
         attn.plan(TINY["fan"])
 
 
@@ -99,7 +126,7 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 @pytest.mark.parametrize("gqa", [1, 4, 8])
 def test_gpu_random_forests(dtype, d, gqa):
     rng = np.random.default_rng(d * gqa)
@@ -405,6 +432,27 @@ def test_gpu_tma_path(monkeypatch, dtype, d, gqa):
     graph.replay()
     torch.cuda.synchronize()
     assert_close(out.cpu(), ref_o.cpu(), dtype, "tma in a CUDA graph")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_padded_head_dim_in_a_graph(dtype):
+    """Phi-3's heads of 96 (blocks of 128) load gathered, in a CUDA graph too: a TMA box
+    would span the next head's columns."""
+    layout = few_shot_layout(1500, 7, 77)
+    q, k, v = random_qkv(layout, 32, 8, 96, dtype, 2, device="cuda")
+    ref_o, _ = reference_attention(q, k, v, layout, 96**-0.5)
+    attn = TreeAttention(32, 8, 96, backend="triton", device="cuda")
+    attn.plan(layout)
+    assert attn._prepared.contiguous and not attn._prepared.tma
+    out = torch.empty_like(q)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.run(q, k, v, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out.cpu(), ref_o.cpu(), dtype, "head_dim 96 in a CUDA graph")
 
 
 @pytest.mark.gpu
@@ -917,5 +965,7 @@ def test_config_table_by_arch_head_dim_and_rows(monkeypatch):
     assert [configs.kernel_config(128, r).merge_heads for r in (9, 10, 99, 100, 1000)] == [1, 4, 4, 8, 8]
     assert configs.kernel_config(64, 1000).merge_heads == 2  # no regimes of its own above 0
     assert configs.kernel_config(32, 100).merge_heads == 8  # head_dim 128's table
+    assert configs.kernel_config(40, 1000).merge_heads == 2  # blocks of 64: that table
+    assert configs.kernel_config(96, 100).merge_heads == 8  # blocks of 128
     monkeypatch.setattr(configs, "arch_of", lambda device: "sm100")
     assert configs.kernel_config(128, 10).merge_heads == 4  # sm90's table

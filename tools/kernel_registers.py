@@ -173,16 +173,17 @@ def build_usage(cfg: configs.KernelConfig, head_dim: int, kv: torch.dtype,
     lse = torch.empty(16, h_q, dtype=torch.float32)
     scale = torch.ones(H_KV, dtype=torch.float32)
     scaled = kv.itemsize == 1
+    block_d = configs.block_head_dim(d)  # TMA boxes hold whole heads: padded heads load gathered
     desc = (TensorDescriptor(cache, [256, H_KV * d], [H_KV * d, 1], [cfg.block_n, d])
-            if graph_safe else cache)
+            if graph_safe and d == block_d else cache)
     offsets = (0,) * 7 if graph_safe else (256, 512, 768, 768, 896, 912, 928)
     args = [q, cache, cache, desc, desc, q, lse, plan, *offsets, q, lse, plan, plan, plan,
             d**-0.5 * math.log2(math.e), h_q * d, d, H_KV * d, d, h_q * d, d, h_q, h_q * d, d,
             h_q, scale if scaled else q, scale if scaled else q, int(scaled)]
     compiled = kernels.tree_partial_kernel.warmup(
-        *args, grid=(1,), G=G, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_MASK=True,
-        CONTIG=False, TMA=graph_safe, SORTED=False, FUSE_MERGE=cfg.fuse_merge, IEEE=False,
-        PDL=cfg.pdl, HEADER=graph_safe, SCALED=scaled, F16_DOTS=scaled,
+        *args, grid=(1,), G=G, D=block_d, HEAD_D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        USE_MASK=True, CONTIG=False, TMA=graph_safe and d == block_d, SORTED=False,
+        FUSE_MERGE=cfg.fuse_merge, IEEE=False, PDL=cfg.pdl, HEADER=graph_safe, SCALED=scaled, F16_DOTS=scaled,
         ALIGN_MASK=cfg.aligned_mask, RANGES_FIRST=cfg.ranges_first,
         INF_K=cfg.k_may_hold_inf(kv, torch.bfloat16), DEFER_V=cfg.deferred_v_checks,
         IN_ORDER=graph_safe and cfg.header_in_order, EARLY=cfg.early_item_loads,

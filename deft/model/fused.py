@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..ops.triton.merge_kernels import head_cols
+
 __all__ = ["rms_norm", "rope_write", "silu_mul"]
 
 
@@ -67,12 +69,14 @@ def _quantize(x, scale, TOP: tl.constexpr):
 
 @triton.jit
 def _rotate(X, row_stride, heads, cos, sin, OUT, out_row, out_head, S, stride_s,
-            HP: tl.constexpr, HALF: tl.constexpr, SCALED: tl.constexpr, TOP: tl.constexpr):
+            HP: tl.constexpr, HALF: tl.constexpr, SCALED: tl.constexpr, TOP: tl.constexpr,
+            HALF_P: tl.constexpr):
     """Rotate-half RoPE of ``heads`` heads at ``X`` (rows of ``2 * HALF``) into ``OUT``
-    (``SCALED``: quantised by the heads' scales at ``S``)."""
+    (``SCALED``: quantised by the heads' scales at ``S``), ``HALF_P`` (``HALF`` rounded up to
+    a power of two) columns at a time."""
     hh = tl.arange(0, HP)[:, None]
-    c = tl.arange(0, HALF)[None, :]
-    ok = hh < heads
+    c = tl.arange(0, HALF_P)[None, :]
+    ok = head_cols(hh < heads, c, HALF, HALF_P)
     x1 = tl.load(X + hh * row_stride + c, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(X + hh * row_stride + HALF + c, mask=ok, other=0.0).to(tl.float32)
     y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
@@ -88,21 +92,25 @@ def _rotate(X, row_stride, heads, cos, sin, OUT, out_row, out_head, S, stride_s,
 def _rope_write_kernel(QKV, TABLE, POS, SLOTS, Q_OUT, K, V, KS, VS, h, h_kv, stride_qkv,
                        stride_t, stride_qo, stride_kn, stride_kh, stride_s,
                        HP: tl.constexpr, HKP: tl.constexpr, HALF: tl.constexpr,
-                       SCALED: tl.constexpr, TOP: tl.constexpr):
+                       SCALED: tl.constexpr, TOP: tl.constexpr, HALF_P: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + row).to(tl.int64)
     slot = tl.load(SLOTS + row).to(tl.int64)
-    c = tl.arange(0, HALF)[None, :]
-    cos = tl.load(TABLE + pos * stride_t + c).to(tl.float32)
-    sin = tl.load(TABLE + pos * stride_t + HALF + c).to(tl.float32)
+    c = tl.arange(0, HALF_P)[None, :]
+    if HALF < HALF_P:  # a head dim that is not a power of two (Phi-3's 96)
+        cos = tl.load(TABLE + pos * stride_t + c, mask=c < HALF, other=0.0).to(tl.float32)
+        sin = tl.load(TABLE + pos * stride_t + HALF + c, mask=c < HALF, other=0.0).to(tl.float32)
+    else:
+        cos = tl.load(TABLE + pos * stride_t + c).to(tl.float32)
+        sin = tl.load(TABLE + pos * stride_t + HALF + c).to(tl.float32)
     d = 2 * HALF
     base = QKV + row * stride_qkv
-    _rotate(base, d, h, cos, sin, Q_OUT, row * stride_qo, d, KS, 0, HP, HALF, False, TOP)
+    _rotate(base, d, h, cos, sin, Q_OUT, row * stride_qo, d, KS, 0, HP, HALF, False, TOP, HALF_P)
     _rotate(base + h * d, d, h_kv, cos, sin, K, slot * stride_kn, stride_kh, KS, stride_s, HKP,
-            HALF, SCALED, TOP)
+            HALF, SCALED, TOP, HALF_P)
     hh = tl.arange(0, HKP)[:, None]
-    cd = tl.arange(0, 2 * HALF)[None, :]
-    ok = hh < h_kv
+    cd = tl.arange(0, 2 * HALF_P)[None, :]
+    ok = head_cols(hh < h_kv, cd, 2 * HALF, 2 * HALF_P)
     v = tl.load(base + (h + h_kv) * d + hh * d + cd, mask=ok, other=0.0)
     if SCALED:
         v = _quantize(v.to(tl.float32), tl.load(VS + hh * stride_s, mask=ok, other=1.0), TOP)
@@ -131,7 +139,8 @@ def rope_write(qkv: torch.Tensor, table: torch.Tensor, positions: torch.Tensor,
                              qkv.stride(0), table.stride(0), q.stride(0), k_cache.stride(0),
                              k_cache.stride(1), int(scaled and k_scale.shape[0] > 1),
                              HP=triton.next_power_of_2(num_heads),
-                             HKP=triton.next_power_of_2(h_kv), HALF=d // 2, SCALED=scaled,
+                             HKP=triton.next_power_of_2(h_kv), HALF=d // 2,
+                             HALF_P=triton.next_power_of_2(d // 2), SCALED=scaled,
                              TOP=torch.finfo(k_cache.dtype).max, num_warps=4)
     return q
 

@@ -22,14 +22,16 @@ from ...layout import TreeLayout
 from ...plan import Coarsening, plan_step
 from ...plan.packing import WORK_FIELDS, PackedPlan, few_rows_share, segment_starts
 from ..base import Backend, Capacity, CapacityError, Heads
-from .configs import (KernelConfig, few_rows_config, interpreting, kernel_config, kv_config,
-                      light_config)
+from .configs import (KernelConfig, block_head_dim, few_rows_config, interpreting, kernel_config,
+                      kv_config, light_config)
 from .launch import (HEADER, Pointer, Reserved, StepBuffers, has_tma, launch_signature,
                      launch_step)
 from .native_launch import driver_launch
 from .upload import Staging, staging
 
-__all__ = ["HostStep", "TritonBackend"]
+__all__ = ["HostStep", "TritonBackend", "MAX_HEAD_DIM"]
+
+MAX_HEAD_DIM = 256  # the largest block the config table has (heads pad up to a power of two)
 
 
 @functools.lru_cache(maxsize=None)
@@ -253,8 +255,8 @@ def _plan_for(layout: TreeLayout, plan_kind: str, block_kv: int, heads: Heads,
 
 
 def _check_head_dim(d: int) -> None:
-    if d & (d - 1) or d < 16:
-        raise ValueError(f"head_dim: the triton backend needs a power of two >= 16, got {d}")
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim: the triton backend takes 1 to {MAX_HEAD_DIM}, got {d}")
 
 
 def _check_fits(plan: Any, packed: PackedPlan, r: Reserved) -> None:
@@ -312,7 +314,8 @@ def _upload(plan: Any, packed: PackedPlan, cfg: KernelConfig, build: str, host: 
         # Graph-safe launches are specialised on nothing a plan decides.
         needs_mask=graph or plan.needs_mask,
         contiguous=not graph and cfg.contig and packed.all_contiguous,
-        tma=cfg.contig and cfg.tma and (graph or packed.any_contiguous) and has_tma(device),
+        tma=(cfg.contig and cfg.tma and (graph or packed.any_contiguous) and has_tma(device)
+             and head_dim == block_head_dim(head_dim)),  # a TMA box is a whole, unpadded head
         sorted_queries=not graph and packed.sorted_queries, counts=counts,
         native=({} if device.type == "cuda" and not interpreting() and driver_launch() is not None
                 else None),

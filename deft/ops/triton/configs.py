@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["KernelConfig", "CONFIGS", "kernel_config", "kv_config", "few_rows_config",
-           "light_config", "interpreting", "arch_of"]
+           "light_config", "interpreting", "arch_of", "block_head_dim"]
 
 
 @dataclass(frozen=True)
@@ -158,8 +158,16 @@ def arch_of(device: torch.device | None) -> str:
     return f"sm{major}{minor}"
 
 
+def block_head_dim(head_dim: int) -> int:
+    """The head dim the kernels' blocks span: ``head_dim`` rounded up to a power of two, at
+    least 16 (``tl.dot``'s smallest); the columns past ``head_dim`` are padding."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
 def kernel_config(head_dim: int, rows: int = 0, device: torch.device | None = None) -> KernelConfig:
-    """The config of a step of ``rows`` (query, query head) rows on ``device``."""
+    """The config of a step of ``rows`` (query, query head) rows on ``device``, for heads of
+    ``head_dim`` (the table's of its :func:`block_head_dim`)."""
+    head_dim = block_head_dim(head_dim)
     arch = arch_of(device)
     if arch == "interpreter":
         head_dim = 0

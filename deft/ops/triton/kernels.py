@@ -37,6 +37,11 @@ one non-finite V value makes its column of every row's accumulator non-finite (0
 NaN, and NaN and inf persist through the online softmax), so a work item whose state comes
 out finite loaded none, and one that does not is computed again with the checks.
 
+``D`` is the head dim rounded up to a power of two (Triton's blocks), ``HEAD_D`` the head's
+own: where they differ (Phi-3's 96 in blocks of 128), q and K/V load their padding columns
+as 0, which adds 0 to every score and output column, and only the head's columns are
+stored; such heads load gathered (a TMA box would take the next head's columns).
+
 The merge of partial states (its own launch, or fused: ``merge_if_last``) lives in
 ``merge_kernels.py``.
 """
@@ -48,7 +53,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ...plan.visibility import visible
-from .merge_kernels import merge_if_last
+from .merge_kernels import head_cols, merge_if_last
 
 # The planner's predicate, compiled with this module's globals (Triton resolves names there).
 _visible = triton.jit(types.FunctionType(visible.__code__, globals(), "visible"))
@@ -120,6 +125,7 @@ def _tile_loop(
     row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
     D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
     IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr, INF_K: tl.constexpr, CHECK_V: tl.constexpr,
+    HEAD_D: tl.constexpr,
 ):
     """Online softmax of the query rows over plan tokens ``[tok0, tok1)``, ``BLOCK_N`` at a time.
 
@@ -142,7 +148,8 @@ def _tile_loop(
             ahead = offs + BLOCK_N
             next_slot = tl.load(tok_slot + ahead, mask=ahead < tok1, other=0)
         kv_off = slot[:, None] * stride_kn + kvh * stride_kh + d[None, :]
-        k = tl.load(K + kv_off, mask=tok_ok[:, None], other=0.0).to(q.dtype)
+        kv_ok = head_cols(tok_ok[:, None], d[None, :], HEAD_D, D)
+        k = tl.load(K + kv_off, mask=kv_ok, other=0.0).to(q.dtype)
         s = _scores(q, k, IEEE)
         vis = tok_ok[None, :] & row_ok[:, None]
         if MASKED:
@@ -156,7 +163,7 @@ def _tile_loop(
             s = _no_neg_inf(s)
         s = tl.where(vis, s, float("-inf"))
         p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
-        v = tl.load(V + kv_off, mask=tok_ok[:, None], other=0.0).to(q.dtype)
+        v = tl.load(V + kv_off, mask=kv_ok, other=0.0).to(q.dtype)
         if MASKED and CHECK_V:  # padding loads as 0; unmasked blocks need none (see the top)
             p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
             v = tl.where(_finite(v), v, 0.0)
@@ -250,11 +257,12 @@ def _tile(
     D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
     TMA: tl.constexpr, IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr,
-    INF_K: tl.constexpr, CHECK_V: tl.constexpr,
+    INF_K: tl.constexpr, CHECK_V: tl.constexpr, HEAD_D: tl.constexpr,
 ):
     """The tile's online softmax. ``TMA``: a tile of consecutive slots (``slot0 >= 0``; all
     tiles when ``CONTIG``) loads by TMA, any other by gathered loads."""
     if TMA and (CONTIG or slot0 >= 0):
+        tl.static_assert(HEAD_D == D, "a TMA box is a whole head: padded heads load gathered")
         m_i, l_i, acc = _tma_tile(
             q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre,
             qlen, m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, IEEE=IEEE,
@@ -265,7 +273,7 @@ def _tile(
             q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre,
             qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
             D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, CONTIG=CONTIG, IEEE=IEEE,
-            ALIGN_MASK=ALIGN_MASK, INF_K=INF_K, CHECK_V=CHECK_V)
+            ALIGN_MASK=ALIGN_MASK, INF_K=INF_K, CHECK_V=CHECK_V, HEAD_D=HEAD_D)
     return m_i, l_i, acc
 
 
@@ -296,6 +304,7 @@ def tree_partial_kernel(
     SCALED: tl.constexpr, F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr,
     INF_K: tl.constexpr, DEFER_V: tl.constexpr, IN_ORDER: tl.constexpr, EARLY: tl.constexpr,
+    HEAD_D: tl.constexpr,
 ):
     # KV heads vary fastest: programs start in work-item order (largest tiles first) across
     # all heads, so the launch's last programs are its shortest ones.
@@ -324,7 +333,7 @@ def tree_partial_kernel(
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
                 FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS,
                 ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-                DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY)
+                DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY, HEAD_D=HEAD_D)
         else:
             if PDL:
                 gdc_launch_dependents()
@@ -339,7 +348,7 @@ def tree_partial_kernel(
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
                 FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False, SCALED=SCALED, F16_DOTS=F16_DOTS,
                 ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-                DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY)
+                DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY, HEAD_D=HEAD_D)
     else:
         _work_item(
             tl.program_id(0) // h_kv, tl.program_id(0) % h_kv, Q, K, V, desc_k, desc_v, PO,
@@ -350,7 +359,7 @@ def tree_partial_kernel(
             USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE,
             IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS, ALIGN_MASK=ALIGN_MASK,
             RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, DEFER_V=DEFER_V, IN_ORDER=False,
-            EARLY=EARLY)
+            EARLY=EARLY, HEAD_D=HEAD_D)
 
 
 @triton.jit
@@ -360,6 +369,7 @@ def _item_state(
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_MASK: tl.constexpr,
     CONTIG: tl.constexpr, TMA: tl.constexpr, IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr, INF_K: tl.constexpr, CHECK_V: tl.constexpr,
+    HEAD_D: tl.constexpr,
 ):
     """A work item's online-softmax state (running max, sum, accumulator) over its tile.
     ``CHECK_V``: masked blocks check V's values (see the top)."""
@@ -377,7 +387,8 @@ def _item_state(
             q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, split, split,
             slot0, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
             D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE,
-            ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, CHECK_V=CHECK_V)
+            ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, CHECK_V=CHECK_V,
+            HEAD_D=HEAD_D)
     if USE_MASK:
         if split < tok1:
             slot_m = tl.where(slot0 >= 0, slot0 + (split - tok0), -1)
@@ -386,7 +397,7 @@ def _item_state(
                 mask_from, slot_m, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn,
                 stride_kh, D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA,
                 IEEE=IEEE, ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-                CHECK_V=CHECK_V)
+                CHECK_V=CHECK_V, HEAD_D=HEAD_D)
     return m_i, l_i, acc
 
 
@@ -428,6 +439,7 @@ def _work_item(
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, WAIT: tl.constexpr, SCALED: tl.constexpr,
     F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr, RANGES_FIRST: tl.constexpr,
     INF_K: tl.constexpr, DEFER_V: tl.constexpr, IN_ORDER: tl.constexpr, EARLY: tl.constexpr,
+    HEAD_D: tl.constexpr,
 ):
     """Work item ``w`` of the plan for KV head ``kvh``: its partial states. ``WAIT``: wait
     for the previous launch (programmatic dependent launch) once the item is described
@@ -481,7 +493,7 @@ def _work_item(
         qorig = _query_rows(q_order, qpos, row_ok, in_order, SORTED=SORTED, IN_ORDER=IN_ORDER)
     d = tl.arange(0, D)
     q = tl.load(Q + qorig[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
+                mask=head_cols(row_ok[:, None], d[None, :], HEAD_D, D), other=0.0)
     if not EARLY:
         pre = tl.load(q_pre + qpos, mask=row_ok, other=-1)
         qlen = tl.load(q_len + qpos, mask=row_ok, other=0)
@@ -496,7 +508,8 @@ def _work_item(
         q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, mask_from, slot0,
         kvh, pre, qlen, row_ok, qk_scale, stride_kn, stride_kh, D=D, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE,
-        ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, CHECK_V=not DEFER_V)
+        ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, CHECK_V=not DEFER_V,
+        HEAD_D=HEAD_D)
     if DEFER_V:
         # A row may have taken a NaN/inf V row that it does not see (0 * NaN). Non-finite
         # values persist, so a state without them proves that none did; else the item is
@@ -508,7 +521,7 @@ def _work_item(
                 mask_from, slot0, kvh, pre, qlen, row_ok, qk_scale, stride_kn, stride_kh, D=D,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=False,
                 IEEE=IEEE, ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-                CHECK_V=True)
+                CHECK_V=True, HEAD_D=HEAD_D)
 
     has = l_i > 0
     o = acc * (v_s / tl.where(has, l_i, 1.0))[:, None]
@@ -520,9 +533,9 @@ def _work_item(
     lse = tl.where(bad, float("nan"), lse)
     pid = (p0 + qi).to(tl.int64)
     tl.store(PO + pid[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :],
-             o.to(PO.dtype.element_ty), mask=row_ok[:, None])
+             o.to(PO.dtype.element_ty), mask=head_cols(row_ok[:, None], d[None, :], HEAD_D, D))
     tl.store(PLSE + pid * stride_ln + head, lse, mask=row_ok)
     if FUSE_MERGE:
         merge_if_last(PO, PLSE, O, LSE, counts, merge_indptr, merge_partials, qorig, head,
                       row_ok, stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads,
-                      D=D)
+                      D=D, HEAD_D=HEAD_D)

@@ -24,7 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ...plan import TreePlan
 from ...plan.packing import SEGMENTS
 from ..base import Capacity
-from .configs import KernelConfig, interpreting, kernel_config, kv_config
+from .configs import KernelConfig, block_head_dim, interpreting, kernel_config, kv_config
 from .kernels import tree_partial_kernel
 from .merge_kernels import merge_kernel
 from .native_launch import NativeLaunch, batched, native_launch
@@ -186,7 +186,8 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
                 sm_scale * math.log2(math.e),
                 qs[0], qs[1], ks[0], ks[1], h * d_, d_, h, os_[0], os_[1], h_q, k_s, v_s,
                 s_stride]
-        kw = dict(G=h_q // h_kv, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        kw = dict(G=h_q // h_kv, D=block_head_dim(d), HEAD_D=d, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n,
                   USE_MASK=prepared.needs_mask, CONTIG=prepared.contiguous, TMA=False,
                   SORTED=prepared.sorted_queries, FUSE_MERGE=fused,
                   IEEE=q.dtype == torch.float32, PDL=pdl, HEADER=header, SCALED=scaled,
@@ -344,7 +345,8 @@ def launch_merge(po: _Ptr, plse: _Ptr, o: torch.Tensor, lse: _Ptr, indptr: _Ptr,
     grid = (n, -(-h // heads))
     args = (po, plse, o, lse, indptr, indices, h, *strides, *o.stride()[:2])
     kernel = merge_kernel[grid](
-        *args, D=d, BLOCK_S=4 if small else block, BLOCK_H=heads, PDL=pdl, HEADER=header,
+        *args, D=block_head_dim(d), HEAD_D=d, BLOCK_S=4 if small else block, BLOCK_H=heads,
+        PDL=pdl, HEADER=header,
         num_warps=1 if small else warps, launch_pdl=pdl,
     )
     return kernel, grid, args

@@ -5,6 +5,9 @@ live in ``launch.py``).
 through the reduction map (CSR), a block of them per step, into ``o`` (output dtype) and
 ``lse`` (natural log). A state with an ``lse`` of NaN or +inf makes its row NaN.
 
+``D`` is the head dim rounded up to a power of two, ``HEAD_D`` the head's own (see
+:func:`head_cols`).
+
 ``merge_if_last``: the fused merge, called by ``kernels.tree_partial_kernel`` with
 ``FUSE_MERGE``: the program that writes a row's last partial state merges the row.
 """
@@ -12,6 +15,18 @@ through the reduction map (CSR), a block of them per step, into ``o`` (output dt
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def head_cols(mask, d, HEAD_D: tl.constexpr, D: tl.constexpr):
+    """``mask`` over a block of head rows of ``D`` columns (``d``: their column offsets,
+    broadcast like ``mask``), and where the head dim is padded to the power of two ``D``
+    (``HEAD_D < D``: e.g. Phi-3's 96) only the head's first ``HEAD_D`` columns: padding
+    loads as 0 and is never stored. A head dim that is a power of two adds nothing."""
+    if HEAD_D < D:
+        return mask & (d < HEAD_D)
+    else:
+        return mask
 
 
 @triton.jit
@@ -31,6 +46,7 @@ def _merged(acc, den, m, invalid):
 def merge_if_last(
     PO, PLSE, O, LSE, counts, merge_indptr, merge_partials, qorig, head, row_ok,
     stride_pn, stride_ph, stride_ln, stride_on, stride_oh, num_heads, D: tl.constexpr,
+    HEAD_D: tl.constexpr,
 ):
     """Count this program's partial states per (query, head); the program that writes the
     last one of a row merges that row's states into ``O``/``LSE`` and resets its count.
@@ -59,7 +75,8 @@ def merge_if_last(
             s = tl.load(PLSE + p * stride_ln + head, mask=ok, other=float("-inf"),
                         cache_modifier=".cg")
             o = tl.load(PO + p[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :],
-                        mask=ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+                        mask=head_cols(ok[:, None], d[None, :], HEAD_D, D), other=0.0,
+                        cache_modifier=".cg").to(tl.float32)
             invalid = tl.maximum(invalid, tl.where(s < float("inf"), 0, 1))
             m_new = tl.maximum(m, s)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -70,7 +87,7 @@ def merge_if_last(
             m = m_new
         out, lse = _merged(acc, den, m, invalid)
         tl.store(O + qorig[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
-                 out.to(O.dtype.element_ty), mask=last[:, None])
+                 out.to(O.dtype.element_ty), mask=head_cols(last[:, None], d[None, :], HEAD_D, D))
         tl.store(LSE + qorig * num_heads + head, lse, mask=last)
         tl.store(counts + cidx, 0, mask=last)
 
@@ -81,7 +98,7 @@ def merge_kernel(
     num_heads,
     stride_pn, stride_ph, stride_ln, stride_on, stride_oh,
     D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
-    HEADER: tl.constexpr,
+    HEADER: tl.constexpr, HEAD_D: tl.constexpr,
 ):
     n = tl.program_id(0)
     if HEADER:
@@ -117,7 +134,8 @@ def merge_kernel(
         s = tl.load(PLSE + p[:, None] * stride_ln + heads[None, :], mask=ok,
                     other=float("-inf"))
         o = tl.load(PO + p[:, None, None] * stride_pn + heads[None, :, None] * stride_ph
-                    + d[None, None, :], mask=ok[:, :, None], other=0.0).to(tl.float32)
+                    + d[None, None, :], mask=head_cols(ok[:, :, None], d[None, None, :], HEAD_D, D),
+                    other=0.0).to(tl.float32)
         invalid = tl.maximum(invalid, tl.max(tl.where(s < float("inf"), 0, 1), 0))
         m_new = tl.maximum(m, tl.max(s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -129,5 +147,5 @@ def merge_kernel(
     out, lse = _merged(acc, den, m, invalid)
     n64 = n.to(tl.int64)
     tl.store(O + n64 * stride_on + heads[:, None] * stride_oh + d[None, :],
-             out.to(O.dtype.element_ty), mask=h_ok[:, None])
+             out.to(O.dtype.element_ty), mask=head_cols(h_ok[:, None], d[None, :], HEAD_D, D))
     tl.store(LSE + n64 * num_heads + heads, lse, mask=h_ok)
