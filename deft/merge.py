@@ -85,13 +85,16 @@ def merge_state_in_place(
 def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge ``S`` states per row: ``v [N, S, H, D]``, ``s [N, S, H]`` → ``[N, H, D]``, ``[N, H]``.
 
-    On CUDA (head_dim a power of two from 16 to 256) this runs the Triton merge kernel.
+    On CUDA (head_dim up to 256) this runs the Triton merge kernel.
     """
     _check_pair(v, s, "v", "s")
     if v.dim() != 4:
         raise ValueError(f"v: expected 4 dimensions [N, S, H, D], got shape {tuple(v.shape)}")
-    if v.is_cuda and v.dtype != torch.float64 and v.shape[-1] in (16, 32, 64, 128, 256):
-        return _merge_states_triton(v, s)
+    if v.is_cuda and v.dtype != torch.float64:
+        from .ops.triton.backend import MAX_HEAD_DIM
+
+        if v.shape[-1] <= MAX_HEAD_DIM:
+            return _merge_states_triton(v, s)
     acc = torch.float64 if v.dtype == torch.float64 else torch.float32
     s32 = s.to(acc)
     m = s32.amax(dim=1) if s.shape[1] else s32.new_full((s.shape[0], s.shape[2]), float("-inf"))
