@@ -54,6 +54,8 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=24, sliding_window=None)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(original_max_position_embeddings=256)),
     "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM", longrope(16)),
+    # Phi-4-mini's partial rotary (RoPE on 12 of each head's 16 dims) and LongRoPE over them
+    "phi4_mini": ("Phi3Config", "Phi3ForCausalLM", dict(partial_rotary_factor=0.75, **longrope(12))),
     # Sliding and full layers (their own RoPE, linear scaling on the full ones), a softmax scale
     # not head_dim's, an embedding scale sqrt(48) that bf16 rounds; the window caps the context.
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
@@ -100,7 +102,9 @@ def test_logits_match_transformers(checkpoint):
     assert (c.qkv_bias, c.qk_norm) == (family == "qwen2", family in ("qwen3", "gemma3_text"))
     # Qwen2's unused sliding_window caps nothing; Gemma 3's sliding layers cap the context, and
     # LongRoPE's original context does.
-    assert c.max_position_embeddings == {"gemma3_text": 128, "phi3_longrope": 64}.get(family, 256)
+    assert c.max_position_embeddings == {"gemma3_text": 128, "phi3_longrope": 64,
+                                         "phi4_mini": 64}.get(family, 256)
+    assert c.rotary_dim == (12 if family == "phi4_mini" else c.head_dim)
     prompts = [p for p in TINY_PROMPTS if len(p) <= c.max_position_embeddings]
     for ids, got in zip(prompts, forest_logits(model, prompts)):
         assert_logits(got, reference_logits(ref, ids), ATOL, f"{family}, {len(ids)} tokens")
@@ -169,7 +173,8 @@ def write_llama_cpp_gguf(path, arch: str, ref, names: dict[str, str] = GGUF_NAME
                   layer_norm_rms_eps=c.rms_norm_eps)
     if arch == "phi3":  # as Phi3MiniModel writes it: no key/value length, a window (0: none)
         rope, original = c.rope_parameters, c.original_max_position_embeddings
-        values.update(key_length=None, value_length=None, rope_dimension_count=head_dim,
+        rotary = int(head_dim * getattr(c, "partial_rotary_factor", 1.0))
+        values.update(key_length=None, value_length=None, rope_dimension_count=rotary,
                       sliding_window=c.sliding_window or 0, rope_scaling_orig_ctx_len=original)
         if rope["rope_type"] == "longrope":
             scale = c.max_position_embeddings / original
@@ -201,15 +206,16 @@ def write_llama_cpp_gguf(path, arch: str, ref, names: dict[str, str] = GGUF_NAME
     w.close()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "phi3_longrope"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "phi3_longrope", "phi4_mini"])
 def test_gguf_matches_transformers(family, tmp_path):
     ref = build_checkpoint(tmp_path / "hf", family, seed=1)
     path = tmp_path / f"{family}.gguf"
-    write_llama_cpp_gguf(path, family.split("_")[0], ref)
+    write_llama_cpp_gguf(path, "phi3" if family == "phi4_mini" else family.split("_")[0], ref)
     model, tok = load_model(path)
     c = model.config
     assert (c.qkv_bias, c.qk_norm) == (family == "qwen2", family == "qwen3")
-    assert c.max_position_embeddings == (64 if family == "phi3_longrope" else 256)
+    assert c.max_position_embeddings == (64 if family in ("phi3_longrope", "phi4_mini") else 256)
+    assert c.rotary_dim == (12 if family == "phi4_mini" else c.head_dim)
     prompts = [p for p in TINY_PROMPTS if len(p) <= c.max_position_embeddings]
     for ids, got in zip(prompts, forest_logits(model, prompts)):
         assert_logits(got, reference_logits(ref, ids), ATOL, f"{family} GGUF, {len(ids)} tokens")
@@ -340,7 +346,7 @@ def test_longrope_config_is_capped_at_the_original_context():
                                          r"position_embeddings=64 \(LongRoPE's short factors hold only within "
                                          r"it\), got 65"):
         LlamaConfig(100, 64, 96, 1, 4, 2, rope_scaling=scaling, max_position_embeddings=65)
-    with pytest.raises(ValueError, match=r"rope_scaling.short_factor: expected head_dim // 2 = 8 values, got 4"):
+    with pytest.raises(ValueError, match=r"rope_scaling.short_factor: expected rotary_dim // 2 = 8 values, got 4"):
         LlamaConfig(100, 64, 96, 1, 4, 2, max_position_embeddings=64,
                     rope_scaling=RopeScaling("longrope", 4.0, original_max_position_embeddings=64,
                                              short_factor=(1.0,) * 4))
@@ -437,7 +443,7 @@ def test_named_dtype_and_memory_mapped_load(checkpoint):
 @pytest.mark.parametrize("family, change, message", [
     ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling: expected a type of linear, "
      "llama3, longrope, got 'yarn'"),
-    ("phi3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor: expected 1.0 (partial RoPE is not supported)"),
+    ("phi3", {"partial_rotary_factor": 1.5}, "partial_rotary_factor: expected a number in (0, 1], got 1.5"),
     ("qwen2", {"hidden_act": "gelu"}, "hidden_act: expected one of silu, gelu_pytorch_tanh, got 'gelu'"),
 ])
 def test_unsupported_features_name_themselves(tmp_path, family, change, message):

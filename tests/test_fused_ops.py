@@ -39,11 +39,14 @@ def test_rms_norm_with_and_without_residual(dtype, hidden):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [16, 24, 96])  # 24 and Phi-3's 96: blocks padded past the head
-def test_rope_write_rotates_q_and_writes_k_v_to_their_slots(dtype, d):
+# 24 and Phi-3's 96: blocks padded past the head; rotary 12 of 16 and Phi-4-mini's 96 of 128:
+# partial rotary, the rest of each head passed through
+@pytest.mark.parametrize("d, rotary", [(16, 16), (24, 24), (96, 96), (16, 12), (128, 96)])
+def test_rope_write_rotates_q_and_writes_k_v_to_their_slots(dtype, d, rotary):
     torch.manual_seed(1)
     config = LlamaConfig(vocab_size=8, hidden_size=96, intermediate_size=8, num_layers=1,
-                         num_heads=6, num_kv_heads=3, max_position_embeddings=64, head_dim=d)
+                         num_heads=6, num_kv_heads=3, max_position_embeddings=64, head_dim=d,
+                         rotary_dim=rotary)
     h, h_kv = 6, 3
     table = rope_table(config, dtype, DEV)
     n = 7
@@ -71,15 +74,15 @@ def test_silu_mul(dtype):
     close(fused.silu_mul(gu), torch.nn.functional.silu(gate) * up, dtype)
 
 
-@pytest.mark.parametrize("head_dim", [16, 24])
-def test_fused_forward_equals_the_plain_forward(head_dim):
+@pytest.mark.parametrize("head_dim, rotary", [(16, 16), (24, 24), (16, 12)])
+def test_fused_forward_equals_the_plain_forward(head_dim, rotary):
     """A whole model step, every layer through the fused kernels, against the plain ops."""
     from deft import TreeKVCache
 
     torch.manual_seed(3)
     config = LlamaConfig(vocab_size=40, hidden_size=64, intermediate_size=80, num_layers=2,
                          num_heads=4, num_kv_heads=2, max_position_embeddings=64,
-                         head_dim=head_dim)
+                         head_dim=head_dim, rotary_dim=rotary)
     model = LlamaModel(config).eval().requires_grad_(False).to(DEV)
     cache = TreeKVCache(4, 4)
     root = cache.add_root(0)

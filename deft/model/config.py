@@ -31,10 +31,10 @@ def _pos_float(value: Any, name: str) -> float:
     return real_number(value, name, "a positive finite number", lambda x: x > 0)
 
 
-def _check_count(factors: tuple[float, ...], name: str, head_dim: int) -> tuple[float, ...]:
-    """``factors``, one per rotated pair of ``head_dim``."""
-    if len(factors) != head_dim // 2:
-        raise ValueError(f"{name}: expected head_dim // 2 = {head_dim // 2} values, got {len(factors)}")
+def _check_count(factors: tuple[float, ...], name: str, rotary_dim: int) -> tuple[float, ...]:
+    """``factors``, one per rotated pair of ``rotary_dim``."""
+    if len(factors) != rotary_dim // 2:
+        raise ValueError(f"{name}: expected rotary_dim // 2 = {rotary_dim // 2} values, got {len(factors)}")
     return factors
 
 
@@ -139,8 +139,10 @@ def rope_from_hf(
 class LlamaConfig:
     """Shape and numerics of a Llama-family decoder.
 
-    ``head_dim`` defaults to ``hidden_size // num_heads``. ``rope_freq_factors``
-    (``head_dim // 2`` divisors of the inverse frequencies, what GGUF's ``rope_freqs``
+    ``head_dim`` defaults to ``hidden_size // num_heads``; ``rotary_dim`` (default
+    ``head_dim``) is how many of a head's leading dims RoPE rotates, the rest passing through
+    (partial rotary: Phi-4-mini's 96 of 128). ``rope_freq_factors``
+    (``rotary_dim // 2`` divisors of the inverse frequencies, what GGUF's ``rope_freqs``
     tensor stores for Llama 3.1) applies on top of ``rope_scaling``. ``attention_bias``:
     q/k/v and o projections have biases; ``qkv_bias``: only q/k/v do (Qwen2); ``qk_norm``:
     each q and k head is RMS-normalised over ``head_dim`` before RoPE (Qwen3), one weight
@@ -166,6 +168,7 @@ class LlamaConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int = 0
+    rotary_dim: int = 0
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
@@ -199,8 +202,14 @@ class LlamaConfig:
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         positive_int(self.head_dim, "head_dim")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim: expected an even number (rotate-half RoPE), got {self.head_dim}")
+        if self.rotary_dim == 0:  # RoPE over the whole head
+            if self.head_dim % 2:
+                raise ValueError(f"head_dim: expected an even number (rotate-half RoPE), got "
+                                 f"{self.head_dim}")
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        r = int_in_range(self.rotary_dim, "rotary_dim", 2, self.head_dim)
+        if r % 2:
+            raise ValueError(f"rotary_dim: expected an even number (rotate-half RoPE), got {r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, got {self.num_heads}"
@@ -213,7 +222,7 @@ class LlamaConfig:
             if s is not None and not isinstance(s, RopeScaling):
                 raise TypeError(f"{name}: expected a RopeScaling or None, got {type(s).__name__}")
             if s is not None and s.kind == "longrope":
-                _check_count(s.short_factor, f"{name}.short_factor", self.head_dim)
+                _check_count(s.short_factor, f"{name}.short_factor", self.rotary_dim)
                 if self.max_position_embeddings > s.original_max_position_embeddings:
                     raise ValueError(
                         f"max_position_embeddings: expected at most {name}.original_max_position_"
@@ -233,7 +242,7 @@ class LlamaConfig:
         if self.rope_freq_factors is not None:
             factors = tuple(_pos_float(f, "rope_freq_factors[i]") for f in self.rope_freq_factors)
             object.__setattr__(self, "rope_freq_factors", _check_count(factors, "rope_freq_factors",
-                                                                       self.head_dim))
+                                                                       self.rotary_dim))
         for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "qkv_bias", "qk_norm",
                      "norm_plus_one", "sandwich_norms"):
             if not isinstance(getattr(self, name), bool):
@@ -284,6 +293,12 @@ class LlamaConfig:
         window = None if window is None else positive_int(window, "sliding_window")
         max_pos, cap = _longrope_context(scaling, max_pos)
         heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or 0
+        factor = config.get("partial_rotary_factor", 1.0)
+        if isinstance(factor, bool) or not isinstance(factor, Real) or not 0 < factor <= 1:
+            raise ValueError(f"partial_rotary_factor: expected a number in (0, 1], got {factor!r}")
+        # transformers' rotary dims: int(head_dim * factor)
+        hd = head_dim or (config["hidden_size"] // heads if heads else 0)
         built = cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -291,7 +306,8 @@ class LlamaConfig:
             num_layers=config["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or 0,
+            head_dim=head_dim,
+            rotary_dim=int(hd * factor) if factor != 1 else 0,
             rms_norm_eps=config.get("rms_norm_eps", 1e-5),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -337,12 +353,10 @@ class LlamaConfig:
         hidden = num("embedding_length")
         heads = positive_int(num("attention.head_count"), f"{arch}.attention.head_count")
         head_dim = num("attention.key_length", 0) or (hidden // heads)
-        rope_dim = num("rope.dimension_count", head_dim)
-        if rope_dim != head_dim:
-            raise ValueError(
-                f"{arch}.rope.dimension_count: expected head_dim={head_dim} (partial RoPE is not "
-                f"supported), got {rope_dim}"
-            )
+        rope_dim = num("rope.dimension_count", head_dim)  # partial rotary below head_dim
+        if not 2 <= rope_dim <= head_dim or rope_dim % 2:
+            raise ValueError(f"{arch}.rope.dimension_count: expected an even number from 2 to "
+                             f"head_dim={head_dim}, got {rope_dim}")
         scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
         scaling = None
         if not isinstance(scaling_type, str) or scaling_type not in ("none", "linear"):
@@ -371,6 +385,7 @@ class LlamaConfig:
             num_heads=heads,
             num_kv_heads=num("attention.head_count_kv", heads),
             head_dim=head_dim,
+            rotary_dim=rope_dim,
             rms_norm_eps=num("attention.layer_norm_rms_epsilon", 1e-5, float),
             rope_theta=num("rope.freq_base", 10000.0, float),
             rope_scaling=scaling,

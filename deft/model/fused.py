@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops.triton.merge_kernels import head_cols
+from ..ops.columns import head_cols
 
 __all__ = ["rms_norm", "rope_write", "silu_mul"]
 
@@ -70,10 +70,11 @@ def _quantize(x, scale, TOP: tl.constexpr):
 @triton.jit
 def _rotate(X, row_stride, heads, cos, sin, OUT, out_row, out_head, S, stride_s,
             HP: tl.constexpr, HALF: tl.constexpr, SCALED: tl.constexpr, TOP: tl.constexpr,
-            HALF_P: tl.constexpr):
-    """Rotate-half RoPE of ``heads`` heads at ``X`` (rows of ``2 * HALF``) into ``OUT``
-    (``SCALED``: quantised by the heads' scales at ``S``), ``HALF_P`` (``HALF`` rounded up to
-    a power of two) columns at a time."""
+            HALF_P: tl.constexpr, PASS: tl.constexpr, PASS_P: tl.constexpr):
+    """Rotate-half RoPE of the first ``2 * HALF`` dims of ``heads`` heads at ``X`` into
+    ``OUT``, and the ``PASS`` dims after them as they are (partial rotary); ``SCALED``:
+    quantised by the heads' scales at ``S``. ``HALF_P``, ``PASS_P``: those counts rounded up
+    to powers of two (the blocks' widths)."""
     hh = tl.arange(0, HP)[:, None]
     c = tl.arange(0, HALF_P)[None, :]
     ok = head_cols(hh < heads, c, HALF, HALF_P)
@@ -81,18 +82,26 @@ def _rotate(X, row_stride, heads, cos, sin, OUT, out_row, out_head, S, stride_s,
     x2 = tl.load(X + hh * row_stride + HALF + c, mask=ok, other=0.0).to(tl.float32)
     y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
     if SCALED:
-        s = tl.load(S + hh * stride_s, mask=ok, other=1.0)
+        s = tl.load(S + hh * stride_s, mask=hh < heads, other=1.0)
         y1, y2 = _quantize(y1, s, TOP), _quantize(y2, s, TOP)
     ty = OUT.dtype.element_ty
     tl.store(OUT + out_row + hh * out_head + c, y1.to(ty), mask=ok)
     tl.store(OUT + out_row + hh * out_head + HALF + c, y2.to(ty), mask=ok)
+    if PASS > 0:
+        p = 2 * HALF + tl.arange(0, PASS_P)[None, :]
+        p_ok = head_cols(hh < heads, p, 2 * HALF + PASS, 2 * HALF + PASS_P)
+        y = tl.load(X + hh * row_stride + p, mask=p_ok, other=0.0)
+        if SCALED:
+            y = _quantize(y.to(tl.float32), s, TOP)
+        tl.store(OUT + out_row + hh * out_head + p, y.to(ty), mask=p_ok)
 
 
 @triton.jit
 def _rope_write_kernel(QKV, TABLE, POS, SLOTS, Q_OUT, K, V, KS, VS, h, h_kv, stride_qkv,
                        stride_t, stride_qo, stride_kn, stride_kh, stride_s,
                        HP: tl.constexpr, HKP: tl.constexpr, HALF: tl.constexpr,
-                       SCALED: tl.constexpr, TOP: tl.constexpr, HALF_P: tl.constexpr):
+                       SCALED: tl.constexpr, TOP: tl.constexpr, HALF_P: tl.constexpr,
+                       D: tl.constexpr, D_P: tl.constexpr, PASS_P: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + row).to(tl.int64)
     slot = tl.load(SLOTS + row).to(tl.int64)
@@ -103,17 +112,18 @@ def _rope_write_kernel(QKV, TABLE, POS, SLOTS, Q_OUT, K, V, KS, VS, h, h_kv, str
     else:
         cos = tl.load(TABLE + pos * stride_t + c).to(tl.float32)
         sin = tl.load(TABLE + pos * stride_t + HALF + c).to(tl.float32)
-    d = 2 * HALF
+    d = D
     base = QKV + row * stride_qkv
-    _rotate(base, d, h, cos, sin, Q_OUT, row * stride_qo, d, KS, 0, HP, HALF, False, TOP, HALF_P)
+    _rotate(base, d, h, cos, sin, Q_OUT, row * stride_qo, d, KS, 0, HP, HALF, False, TOP, HALF_P,
+            D - 2 * HALF, PASS_P)
     _rotate(base + h * d, d, h_kv, cos, sin, K, slot * stride_kn, stride_kh, KS, stride_s, HKP,
-            HALF, SCALED, TOP, HALF_P)
+            HALF, SCALED, TOP, HALF_P, D - 2 * HALF, PASS_P)
     hh = tl.arange(0, HKP)[:, None]
-    cd = tl.arange(0, 2 * HALF_P)[None, :]
-    ok = head_cols(hh < h_kv, cd, 2 * HALF, 2 * HALF_P)
+    cd = tl.arange(0, D_P)[None, :]
+    ok = head_cols(hh < h_kv, cd, D, D_P)
     v = tl.load(base + (h + h_kv) * d + hh * d + cd, mask=ok, other=0.0)
     if SCALED:
-        v = _quantize(v.to(tl.float32), tl.load(VS + hh * stride_s, mask=ok, other=1.0), TOP)
+        v = _quantize(v.to(tl.float32), tl.load(VS + hh * stride_s, mask=hh < h_kv, other=1.0), TOP)
     tl.store(V + slot * stride_kn + hh * stride_kh + cd, v.to(V.dtype.element_ty), mask=ok)
 
 
@@ -124,9 +134,10 @@ def rope_write(qkv: torch.Tensor, table: torch.Tensor, positions: torch.Tensor,
     """Rotated q ``[N, H, D]`` of ``qkv [N, H + 2 H_kv, D]``; rotated k and v go to
     ``k_cache, v_cache [slots, H_kv, D]`` at ``slots``, divided by ``k_scale``, ``v_scale``
     (float32 ``[1]`` or ``[H_kv]``, both or neither) and saturated when given. ``table
-    [P, D]``: cos then sin."""
+    [P, R]``: cos then sin of the ``R <= D`` leading dims RoPE rotates (the rest pass
+    through)."""
     n, heads, d = qkv.shape
-    h_kv = (heads - num_heads) // 2
+    h_kv, half = (heads - num_heads) // 2, table.shape[1] // 2
     q = torch.empty((n, num_heads, d), dtype=qkv.dtype, device=qkv.device)
     if n == 0:
         return q
@@ -139,8 +150,10 @@ def rope_write(qkv: torch.Tensor, table: torch.Tensor, positions: torch.Tensor,
                              qkv.stride(0), table.stride(0), q.stride(0), k_cache.stride(0),
                              k_cache.stride(1), int(scaled and k_scale.shape[0] > 1),
                              HP=triton.next_power_of_2(num_heads),
-                             HKP=triton.next_power_of_2(h_kv), HALF=d // 2,
-                             HALF_P=triton.next_power_of_2(d // 2), SCALED=scaled,
+                             HKP=triton.next_power_of_2(h_kv), HALF=half,
+                             HALF_P=triton.next_power_of_2(half), D=d,
+                             D_P=triton.next_power_of_2(d),
+                             PASS_P=triton.next_power_of_2(max(d - 2 * half, 1)), SCALED=scaled,
                              TOP=torch.finfo(k_cache.dtype).max, num_warps=4)
     return q
 

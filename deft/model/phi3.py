@@ -40,10 +40,8 @@ _ORIGINAL_CONTEXT = 4096
 def phi3_config(raw: Mapping[str, Any]) -> LlamaConfig:
     """A Phi-3 ``config.json`` as a :class:`LlamaConfig`, read as transformers' Phi3Config
     reads it: ``su`` and ``yarn`` RoPE are LongRoPE, whose original context is the top-level
-    ``original_max_position_embeddings``. Partial rotary is refused by name."""
-    factor = raw.get("partial_rotary_factor", 1.0)
-    if factor != 1.0:
-        raise ValueError(f"partial_rotary_factor: expected 1.0 (partial RoPE is not supported), got {factor!r}")
+    ``original_max_position_embeddings``. Partial rotary (``partial_rotary_factor``: Phi-4-mini)
+    is read by :meth:`LlamaConfig.from_hf_config`, as for any family."""
     rope = raw.get("rope_scaling") or raw.get("rope_parameters")
     if isinstance(rope, Mapping) and rope.get("rope_type", rope.get("type")) in _LONGROPE_NAMES:
         rope = {**rope, "rope_type": "longrope", "original_max_position_embeddings":

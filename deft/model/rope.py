@@ -19,9 +19,9 @@ def _rope(config: LlamaConfig, local: bool) -> tuple[float, RopeScaling | None]:
 
 
 def rope_inv_freq(config: LlamaConfig, local: bool = False) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` float32 on the CPU, scaled as the config says
+    """Inverse frequencies ``[rotary_dim // 2]`` float32 on the CPU, scaled as the config says
     (``local``: those of the ``local_rope_layers``)."""
-    d = config.head_dim
+    d = config.rotary_dim
     theta, s = _rope(config, local)
     arange = torch.arange(0, d, 2, dtype=torch.int64, device="cpu")
     powers = theta ** (arange.float() / d)
@@ -46,7 +46,7 @@ def rope_inv_freq(config: LlamaConfig, local: bool = False) -> torch.Tensor:
 def rope_table(
     config: LlamaConfig, dtype: torch.dtype, device: str | torch.device = "cpu", local: bool = False
 ) -> torch.Tensor:
-    """``[max_position_embeddings, head_dim]``: cos of every angle, then sin, each times the
+    """``[max_position_embeddings, rotary_dim]``: cos of every angle, then sin, each times the
     scaling's ``attention_factor``, in ``dtype`` (``local``: of the ``local_rope_layers``' RoPE).
 
     Angles are computed in float32 (like the reference implementation) and only then
@@ -65,6 +65,9 @@ def rope_table(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [N, H, D]`` by per-token ``cos, sin [N, 1, D/2]`` (rotate-half pairing)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    """Rotate ``x [N, H, D]`` by per-token ``cos, sin [N, 1, R/2]`` (rotate-half pairing over
+    the leading ``R <= D`` dims; the rest pass through: partial rotary)."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    return torch.cat(rotated if 2 * half == x.shape[-1] else [*rotated, x[..., 2 * half:]], dim=-1)

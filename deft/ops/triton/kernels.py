@@ -53,7 +53,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ...plan.visibility import visible
-from .merge_kernels import head_cols, merge_if_last
+from ..columns import head_cols
+from .merge_kernels import merge_if_last
 
 # The planner's predicate, compiled with this module's globals (Triton resolves names there).
 _visible = triton.jit(types.FunctionType(visible.__code__, globals(), "visible"))

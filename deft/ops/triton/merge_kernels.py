@@ -6,7 +6,7 @@ through the reduction map (CSR), a block of them per step, into ``o`` (output dt
 ``lse`` (natural log). A state with an ``lse`` of NaN or +inf makes its row NaN.
 
 ``D`` is the head dim rounded up to a power of two, ``HEAD_D`` the head's own (see
-:func:`head_cols`).
+:func:`deft.ops.columns.head_cols`).
 
 ``merge_if_last``: the fused merge, called by ``kernels.tree_partial_kernel`` with
 ``FUSE_MERGE``: the program that writes a row's last partial state merges the row.
@@ -16,17 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-
-@triton.jit
-def head_cols(mask, d, HEAD_D: tl.constexpr, D: tl.constexpr):
-    """``mask`` over a block of head rows of ``D`` columns (``d``: their column offsets,
-    broadcast like ``mask``), and where the head dim is padded to the power of two ``D``
-    (``HEAD_D < D``: e.g. Phi-3's 96) only the head's first ``HEAD_D`` columns: padding
-    loads as 0 and is never stored. A head dim that is a power of two adds nothing."""
-    if HEAD_D < D:
-        return mask & (d < HEAD_D)
-    else:
-        return mask
+from ..columns import head_cols
 
 
 @triton.jit
