@@ -23,7 +23,8 @@ transformers = pytest.importorskip("transformers")
 GPU_SHAPE = {"hidden_size": 128, "head_dim": 32}  # 4 heads of 32
 PADDED = {"hidden_size": 96, "head_dim": 24}  # 4 heads of 24, in blocks of 32
 # LongRoPE's factors for that head_dim, and an original context that holds every prompt
-GPU_CHANGES = {"phi3": PADDED, "phi3_longrope": {**PADDED, **longrope(24, original=128)}}
+GPU_CHANGES = {"phi3": PADDED, "phi3_longrope": {**PADDED, **longrope(24, original=128)},
+               "phi4_mini": longrope(24, original=128)}  # RoPE on 24 of 32 dims
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
