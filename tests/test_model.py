@@ -513,6 +513,9 @@ def test_missing_tensor_and_tokenizer(tiny, tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"num_attention_heads": 4, "num_key_value_heads": 3}, "num_heads: expected a multiple of num_kv_heads=3"),
     ({"head_dim": 25}, "head_dim: expected an even number"),
+    ({"partial_rotary_factor": 0.75, "head_dim": 18}, "rotary_dim: expected an even number .*, got 13"),
+    ({"partial_rotary_factor": 0.01}, "partial_rotary_factor: rotates 0 of a head's 24 dims, expected at least 2"),
+    ({"partial_rotary_factor": 0}, r"partial_rotary_factor: expected a number in \(0, 1\], got 0"),
     ({"hidden_act": "gelu"}, "hidden_act: expected one of silu, gelu_pytorch_tanh, got 'gelu'"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
                        "high_freq_factor": 1.0}}, "high_freq_factor: expected > low_freq_factor"),

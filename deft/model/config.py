@@ -299,6 +299,9 @@ class LlamaConfig:
             raise ValueError(f"partial_rotary_factor: expected a number in (0, 1], got {factor!r}")
         # transformers' rotary dims: int(head_dim * factor)
         hd = head_dim or (config["hidden_size"] // heads if heads else 0)
+        if factor != 1 and int(hd * factor) < 2:
+            raise ValueError(f"partial_rotary_factor: rotates {int(hd * factor)} of a head's {hd} "
+                             f"dims, expected at least 2")
         built = cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
