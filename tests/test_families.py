@@ -104,7 +104,7 @@ def test_logits_match_transformers(checkpoint):
     # LongRoPE's original context does.
     assert c.max_position_embeddings == {"gemma3_text": 128, "phi3_longrope": 64,
                                          "phi4_mini": 64}.get(family, 256)
-    assert c.rotary_dim == (12 if family == "phi4_mini" else c.head_dim)
+    assert c.rope_dim == (12 if family == "phi4_mini" else c.head_dim)
     prompts = [p for p in TINY_PROMPTS if len(p) <= c.max_position_embeddings]
     for ids, got in zip(prompts, forest_logits(model, prompts)):
         assert_logits(got, reference_logits(ref, ids), ATOL, f"{family}, {len(ids)} tokens")
@@ -215,7 +215,7 @@ def test_gguf_matches_transformers(family, tmp_path):
     c = model.config
     assert (c.qkv_bias, c.qk_norm) == (family == "qwen2", family == "qwen3")
     assert c.max_position_embeddings == (64 if family in ("phi3_longrope", "phi4_mini") else 256)
-    assert c.rotary_dim == (12 if family == "phi4_mini" else c.head_dim)
+    assert c.rope_dim == (12 if family == "phi4_mini" else c.head_dim)
     prompts = [p for p in TINY_PROMPTS if len(p) <= c.max_position_embeddings]
     for ids, got in zip(prompts, forest_logits(model, prompts)):
         assert_logits(got, reference_logits(ref, ids), ATOL, f"{family} GGUF, {len(ids)} tokens")
@@ -346,7 +346,7 @@ def test_longrope_config_is_capped_at_the_original_context():
                                          r"position_embeddings=64 \(LongRoPE's short factors hold only within "
                                          r"it\), got 65"):
         LlamaConfig(100, 64, 96, 1, 4, 2, rope_scaling=scaling, max_position_embeddings=65)
-    with pytest.raises(ValueError, match=r"rope_scaling.short_factor: expected rotary_dim // 2 = 8 values, got 4"):
+    with pytest.raises(ValueError, match=r"rope_scaling.short_factor: expected one per rotated pair of dims, 8 values, got 4"):
         LlamaConfig(100, 64, 96, 1, 4, 2, max_position_embeddings=64,
                     rope_scaling=RopeScaling("longrope", 4.0, original_max_position_embeddings=64,
                                              short_factor=(1.0,) * 4))

@@ -31,10 +31,11 @@ def _pos_float(value: Any, name: str) -> float:
     return real_number(value, name, "a positive finite number", lambda x: x > 0)
 
 
-def _check_count(factors: tuple[float, ...], name: str, rotary_dim: int) -> tuple[float, ...]:
-    """``factors``, one per rotated pair of ``rotary_dim``."""
-    if len(factors) != rotary_dim // 2:
-        raise ValueError(f"{name}: expected rotary_dim // 2 = {rotary_dim // 2} values, got {len(factors)}")
+def _check_count(factors: tuple[float, ...], name: str, rope_dim: int) -> tuple[float, ...]:
+    """``factors``, one per rotated pair of the ``rope_dim`` dims RoPE rotates."""
+    if len(factors) != rope_dim // 2:
+        raise ValueError(f"{name}: expected one per rotated pair of dims, {rope_dim // 2} values, "
+                         f"got {len(factors)}")
     return factors
 
 
@@ -139,9 +140,9 @@ def rope_from_hf(
 class LlamaConfig:
     """Shape and numerics of a Llama-family decoder.
 
-    ``head_dim`` defaults to ``hidden_size // num_heads``; ``rotary_dim`` (default
-    ``head_dim``) is how many of a head's leading dims RoPE rotates, the rest passing through
-    (partial rotary: Phi-4-mini's 96 of 128). ``rope_freq_factors``
+    ``head_dim`` defaults to ``hidden_size // num_heads``; ``rotary_dim`` (0: the whole head;
+    :attr:`rope_dim` is the count in effect) is how many of a head's leading dims RoPE
+    rotates, the rest passing through (partial rotary: Phi-4-mini's 96 of 128). ``rope_freq_factors``
     (``rotary_dim // 2`` divisors of the inverse frequencies, what GGUF's ``rope_freqs``
     tensor stores for Llama 3.1) applies on top of ``rope_scaling``. ``attention_bias``:
     q/k/v and o projections have biases; ``qkv_bias``: only q/k/v do (Qwen2); ``qk_norm``:
@@ -206,10 +207,9 @@ class LlamaConfig:
             if self.head_dim % 2:
                 raise ValueError(f"head_dim: expected an even number (rotate-half RoPE), got "
                                  f"{self.head_dim}")
-            object.__setattr__(self, "rotary_dim", self.head_dim)
-        r = int_in_range(self.rotary_dim, "rotary_dim", 2, self.head_dim)
-        if r % 2:
-            raise ValueError(f"rotary_dim: expected an even number (rotate-half RoPE), got {r}")
+        elif int_in_range(self.rotary_dim, "rotary_dim", 2, self.head_dim) % 2:
+            raise ValueError(f"rotary_dim: expected an even number (rotate-half RoPE), got "
+                             f"{self.rotary_dim}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, got {self.num_heads}"
@@ -222,7 +222,7 @@ class LlamaConfig:
             if s is not None and not isinstance(s, RopeScaling):
                 raise TypeError(f"{name}: expected a RopeScaling or None, got {type(s).__name__}")
             if s is not None and s.kind == "longrope":
-                _check_count(s.short_factor, f"{name}.short_factor", self.rotary_dim)
+                _check_count(s.short_factor, f"{name}.short_factor", self.rope_dim)
                 if self.max_position_embeddings > s.original_max_position_embeddings:
                     raise ValueError(
                         f"max_position_embeddings: expected at most {name}.original_max_position_"
@@ -242,11 +242,16 @@ class LlamaConfig:
         if self.rope_freq_factors is not None:
             factors = tuple(_pos_float(f, "rope_freq_factors[i]") for f in self.rope_freq_factors)
             object.__setattr__(self, "rope_freq_factors", _check_count(factors, "rope_freq_factors",
-                                                                       self.rotary_dim))
+                                                                       self.rope_dim))
         for name in ("tie_word_embeddings", "attention_bias", "mlp_bias", "qkv_bias", "qk_norm",
                      "norm_plus_one", "sandwich_norms"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+
+    @property
+    def rope_dim(self) -> int:
+        """How many of a head's leading dims RoPE rotates (``rotary_dim``, else the head's)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def sm_scale(self) -> float:
@@ -388,7 +393,7 @@ class LlamaConfig:
             num_heads=heads,
             num_kv_heads=num("attention.head_count_kv", heads),
             head_dim=head_dim,
-            rotary_dim=rope_dim,
+            rotary_dim=0 if rope_dim == head_dim else rope_dim,
             rms_norm_eps=num("attention.layer_norm_rms_epsilon", 1e-5, float),
             rope_theta=num("rope.freq_base", 10000.0, float),
             rope_scaling=scaling,

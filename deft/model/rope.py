@@ -19,9 +19,9 @@ def _rope(config: LlamaConfig, local: bool) -> tuple[float, RopeScaling | None]:
 
 
 def rope_inv_freq(config: LlamaConfig, local: bool = False) -> torch.Tensor:
-    """Inverse frequencies ``[rotary_dim // 2]`` float32 on the CPU, scaled as the config says
+    """Inverse frequencies ``[rope_dim // 2]`` float32 on the CPU, scaled as the config says
     (``local``: those of the ``local_rope_layers``)."""
-    d = config.rotary_dim
+    d = config.rope_dim
     theta, s = _rope(config, local)
     arange = torch.arange(0, d, 2, dtype=torch.int64, device="cpu")
     powers = theta ** (arange.float() / d)
@@ -46,7 +46,7 @@ def rope_inv_freq(config: LlamaConfig, local: bool = False) -> torch.Tensor:
 def rope_table(
     config: LlamaConfig, dtype: torch.dtype, device: str | torch.device = "cpu", local: bool = False
 ) -> torch.Tensor:
-    """``[max_position_embeddings, rotary_dim]``: cos of every angle, then sin, each times the
+    """``[max_position_embeddings, rope_dim]``: cos of every angle, then sin, each times the
     scaling's ``attention_factor``, in ``dtype`` (``local``: of the ``local_rope_layers``' RoPE).
 
     Angles are computed in float32 (like the reference implementation) and only then
