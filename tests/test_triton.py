@@ -96,6 +96,21 @@ def test_head_dims_that_are_not_powers_of_two(d, dtype):
     check(TINY["branches"], 4, 2, d, dtype, paged=8 if d == 24 else 0)
 
 
+@pytest.mark.skipif(CUDA, reason="interpreted: the GPU's is test_gpu_padded_head_dim_in_a_graph")
+def test_graph_safe_plans_of_a_padded_head_dim():
+    """Two plans into one reservation (the engine's replayed mode), heads of 24: exact, and
+    without TMA (a box would take the next head's columns)."""
+    from deft.ops import Capacity
+
+    attn = TreeAttention(4, 2, 24, backend="triton", block_kv=8, capacity=Capacity(3, 128))
+    for seed, layout in enumerate((TINY["branches"], few_shot_layout(30, 3, 9))):
+        q, k, v = random_qkv(layout, 4, 2, 24, torch.float16, seed)
+        attn.plan(layout)
+        assert attn._prepared.reserved is not None and not attn._prepared.tma
+        assert_close(attn.run(q, k, v), reference_attention(q, k, v, layout, 24**-0.5)[0],
+                     torch.float16, f"graph-safe plan {seed}")
+
+
 @pytest.mark.parametrize("d", [24, 96])
 def test_merge_states_triton_path_of_a_padded_head_dim(d):
     from deft.ops.triton.launch import launch_merge
