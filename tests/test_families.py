@@ -54,6 +54,8 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=24, sliding_window=None)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(original_max_position_embeddings=256)),
     "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM", longrope(16)),
+    # SmolLM3: no RoPE in its second layer (every fourth in the real models)
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0])),
     # Phi-4-mini's partial rotary (RoPE on 12 of each head's 16 dims) and LongRoPE over them
     "phi4_mini": ("Phi3Config", "Phi3ForCausalLM", dict(partial_rotary_factor=0.75, **longrope(12))),
     # Sliding and full layers (their own RoPE, linear scaling on the full ones), a softmax scale
@@ -480,3 +482,19 @@ def test_cli_dtype_and_auto_device(checkpoint, capsys):
                  "--max-new-tokens", "2", "--json"]) == 0
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert f"model on {device} (--device auto), bfloat16, loaded in" in capsys.readouterr().err
+
+
+def test_smollm3_nope_layers_from_the_config():
+    """transformers' reading: a 0 in ``no_rope_layers`` marks a layer without RoPE; absent,
+    every ``no_rope_layer_interval``-th layer (4 by default)."""
+    from deft.model.smollm3 import smollm3_config
+
+    base = dict(vocab_size=10, hidden_size=16, intermediate_size=8, num_hidden_layers=8,
+                num_attention_heads=2)
+    assert smollm3_config(base).nope_layers == (3, 7)
+    assert smollm3_config({**base, "no_rope_layer_interval": 2}).nope_layers == (1, 3, 5, 7)
+    assert smollm3_config({**base, "no_rope_layers": [0] + [1] * 7}).nope_layers == (0,)
+    with pytest.raises(ValueError, match=r"no_rope_layers: expected a 0 or 1 per layer \(8\), got \[1\]"):
+        smollm3_config({**base, "no_rope_layers": [1]})
+    with pytest.raises(ValueError, match="no_rope_layer_interval: expected a positive integer, got 0"):
+        smollm3_config({**base, "no_rope_layer_interval": 0})

@@ -74,15 +74,16 @@ def test_silu_mul(dtype):
     close(fused.silu_mul(gu), torch.nn.functional.silu(gate) * up, dtype)
 
 
-@pytest.mark.parametrize("head_dim, rotary", [(16, 16), (24, 24), (16, 12)])
-def test_fused_forward_equals_the_plain_forward(head_dim, rotary):
+@pytest.mark.parametrize("head_dim, rotary, nope", [(16, 16, ()), (24, 24, ()), (16, 12, ()),
+                                                    (16, 16, (1,))])  # SmolLM3's NoPE layers
+def test_fused_forward_equals_the_plain_forward(head_dim, rotary, nope):
     """A whole model step, every layer through the fused kernels, against the plain ops."""
     from deft import TreeKVCache
 
     torch.manual_seed(3)
     config = LlamaConfig(vocab_size=40, hidden_size=64, intermediate_size=80, num_layers=2,
                          num_heads=4, num_kv_heads=2, max_position_embeddings=64,
-                         head_dim=head_dim, rotary_dim=rotary)
+                         head_dim=head_dim, rotary_dim=rotary, nope_layers=nope)
     model = LlamaModel(config).eval().requires_grad_(False).to(DEV)
     cache = TreeKVCache(4, 4)
     root = cache.add_root(0)

@@ -156,7 +156,8 @@ class LlamaConfig:
     by it (rounded to the weights' dtype); ``query_pre_attn_scalar``: the softmax scale is its
     inverse square root (default: ``head_dim``'s); ``local_rope_layers``: the layers whose
     RoPE is ``local_rope_theta``/``local_rope_scaling`` instead of
-    ``rope_theta``/``rope_scaling`` (Gemma 3's sliding-window layers).
+    ``rope_theta``/``rope_scaling`` (Gemma 3's sliding-window layers); ``nope_layers``: the
+    layers whose q and k take no RoPE at all (SmolLM3's every fourth).
 
     ``context_cap``: what lowered ``max_position_embeddings`` below the checkpoint's own
     context (e.g. ``"its sliding window"``), said in the errors of a prompt beyond it.
@@ -188,6 +189,7 @@ class LlamaConfig:
     local_rope_theta: float = 10000.0
     local_rope_scaling: RopeScaling | None = None
     local_rope_layers: tuple[int, ...] = ()
+    nope_layers: tuple[int, ...] = ()
     context_cap: str = ""
 
     def __post_init__(self) -> None:
@@ -234,11 +236,12 @@ class LlamaConfig:
                                _pos_float(self.query_pre_attn_scalar, "query_pre_attn_scalar"))
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act: expected one of {', '.join(ACTIVATIONS)}, got {self.hidden_act!r}")
-        local = tuple(int_in_range(i, f"local_rope_layers[{j}]", 0, self.num_layers - 1)
-                      for j, i in enumerate(self.local_rope_layers))
-        if list(local) != sorted(set(local)):
-            raise ValueError(f"local_rope_layers: expected increasing layer indices, got {local}")
-        object.__setattr__(self, "local_rope_layers", local)
+        for name in ("local_rope_layers", "nope_layers"):
+            layers = tuple(int_in_range(i, f"{name}[{j}]", 0, self.num_layers - 1)
+                           for j, i in enumerate(getattr(self, name)))
+            if list(layers) != sorted(set(layers)):
+                raise ValueError(f"{name}: expected increasing layer indices, got {layers}")
+            object.__setattr__(self, name, layers)
         if self.rope_freq_factors is not None:
             factors = tuple(_pos_float(f, "rope_freq_factors[i]") for f in self.rope_freq_factors)
             object.__setattr__(self, "rope_freq_factors", _check_count(factors, "rope_freq_factors",

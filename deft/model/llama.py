@@ -17,7 +17,7 @@ from torch import nn
 from ..attention import TreeAttention
 from ..cache.pool import KVPool, KVSpec
 from .config import LlamaConfig
-from .rope import apply_rope, rope_table
+from .rope import apply_rope, identity_table, rope_table
 
 __all__ = ["LlamaModel", "build_model", "fuse_hf_weights"]
 
@@ -88,8 +88,8 @@ class LlamaLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [N, hidden]
-        cos: torch.Tensor,  # [N, 1, D/2]
-        sin: torch.Tensor,  # [N, 1, D/2]
+        cos: torch.Tensor | None,  # [N, 1, D/2]; None: no RoPE in this layer (nope_layers)
+        sin: torch.Tensor | None,  # [N, 1, D/2]
         write_slots: torch.Tensor,  # [N]
         attn: TreeAttention,
         pool: KVPool,
@@ -98,7 +98,9 @@ class LlamaLayer(nn.Module):
     ) -> torch.Tensor:
         n, h, h_kv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.project_qkv(self.attn_norm(x))
-        qk = apply_rope(qkv[:, :h + h_kv], cos, sin)  # q and k heads rotated together
+        qk = qkv[:, :h + h_kv]
+        if cos is not None:
+            qk = apply_rope(qk, cos, sin)  # q and k heads rotated together
         pool.write(layer, write_slots, qk[:, h:], qkv[:, h + h_kv:])
         k_scale, v_scale = pool.scales(layer)
         o = attn.run(qk[:, :h].contiguous(), pool.k_slots[layer], pool.v_slots[layer],
@@ -190,6 +192,11 @@ class LlamaModel(nn.Module):
             config, self.embed.weight.dtype, self.embed.weight.device, local=True)
             if config.local_rope_layers else None, persistent=False)
         self._local = frozenset(config.local_rope_layers)
+        # The fused path's table of the config's nope_layers: the identity rotation.
+        self.register_buffer("nope_rope", identity_table(
+            config, self.embed.weight.dtype, self.embed.weight.device)
+            if config.nope_layers else None, persistent=False)
+        self._nope = frozenset(config.nope_layers)
 
     @property
     def device(self) -> torch.device:
@@ -287,7 +294,8 @@ class LlamaModel(nn.Module):
             # layer writes it (stream order): one buffer serves them all.
             out = torch.empty((x.shape[0], c.num_heads, c.head_dim), dtype=x.dtype, device=x.device)
             for i, layer in enumerate(self.layers):
-                x, delta = layer.forward_fused(x, delta, positions, self.rope, write_slots,
+                table = self.nope_rope if i in self._nope else self.rope
+                x, delta = layer.forward_fused(x, delta, positions, table, write_slots,
                                                attn, pool, i, out, captured)
             if logits_rows is not None:
                 x, delta = x[logits_rows], delta[logits_rows]
@@ -297,7 +305,8 @@ class LlamaModel(nn.Module):
         rope, local = (None if t is None else t[positions].unsqueeze(1).chunk(2, dim=-1)
                        for t in (self.rope, self.local_rope))
         for i, layer in enumerate(self.layers):
-            x = layer(x, *(local if i in self._local else rope), write_slots, attn, pool, i, captured)
+            cos_sin = (None, None) if i in self._nope else local if i in self._local else rope
+            x = layer(x, *cos_sin, write_slots, attn, pool, i, captured)
         if logits_rows is not None:
             x = x[logits_rows]
         logits = F.linear(self.norm(x), head)  # [N or R, vocab]
@@ -433,4 +442,6 @@ def build_model(
     model.rope = rope_table(config, dtype, device)
     if config.local_rope_layers:
         model.local_rope = rope_table(config, dtype, device, local=True)
+    if config.nope_layers:
+        model.nope_rope = identity_table(config, dtype, device)
     return model.requires_grad_(False).eval()

@@ -16,6 +16,7 @@ from .gguf_loader import load_gguf
 from .hf_loader import load_hf, read_json
 from .phi3 import PHI3
 from .qwen import QWEN2, QWEN3
+from .smollm3 import SMOLLM3
 from .tokenizer import Tokenizer
 
 __all__ = ["load_model", "default_model_path", "resolve_device", "resolve_dtype", "DEFAULT_GGUF"]
@@ -32,6 +33,7 @@ register_family(Family("mistral", hf_model_types=("mistral",), load_hf=load_hf,
 register_family(QWEN2)
 register_family(QWEN3)
 register_family(PHI3)
+register_family(SMOLLM3)
 register_family(GEMMA3)
 register_family(GEMMA3_MULTIMODAL)
 refuse(GEMMA2_REFUSED, hf_model_types=("gemma2",), gguf_architectures=("gemma2",))

@@ -9,7 +9,7 @@ import torch
 
 from .config import LlamaConfig, RopeScaling
 
-__all__ = ["rope_inv_freq", "rope_table", "apply_rope"]
+__all__ = ["rope_inv_freq", "rope_table", "identity_table", "apply_rope"]
 
 
 def _rope(config: LlamaConfig, local: bool) -> tuple[float, RopeScaling | None]:
@@ -62,6 +62,15 @@ def rope_table(
     s = _rope(config, local)[1]
     scale = 1.0 if s is None else s.attention_factor
     return (torch.cat([angles.cos(), angles.sin()], dim=-1) * scale).to(device=device, dtype=dtype)
+
+
+def identity_table(config: LlamaConfig, dtype: torch.dtype,
+                   device: str | torch.device = "cpu") -> torch.Tensor:
+    """A table like :func:`rope_table`'s whose rotation is the identity (cos 1, sin 0): the
+    fused RoPE write of ``nope_layers`` (exact for finite q and k)."""
+    half = config.rope_dim // 2
+    row = torch.cat([torch.ones(half), torch.zeros(half)]).to(dtype)
+    return row.expand(config.max_position_embeddings, -1).to(device).contiguous()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
