@@ -113,6 +113,8 @@ def test_graph_safe_plans_of_a_padded_head_dim():
 
 @pytest.mark.parametrize("d", [24, 96])
 def test_merge_states_triton_path_of_a_padded_head_dim(d):
+    """The merge kernel over heads padded to a power of two: exact, and it stores only the
+    head's columns."""
     from deft.ops.triton.launch import launch_merge
 
     g = torch.Generator().manual_seed(d)
