@@ -106,7 +106,7 @@ def _rope_write_kernel(QKV, TABLE, POS, SLOTS, Q_OUT, K, V, KS, VS, h, h_kv, str
     pos = tl.load(POS + row).to(tl.int64)
     slot = tl.load(SLOTS + row).to(tl.int64)
     c = tl.arange(0, HALF_P)[None, :]
-    if HALF < HALF_P:  # a head dim that is not a power of two (Phi-3's 96)
+    if HALF < HALF_P:  # a rotated half that is not a power of two (48: Phi-3, Phi-4-mini)
         cos = tl.load(TABLE + pos * stride_t + c, mask=c < HALF, other=0.0).to(tl.float32)
         sin = tl.load(TABLE + pos * stride_t + HALF + c, mask=c < HALF, other=0.0).to(tl.float32)
     else:
