@@ -28,11 +28,6 @@ from ..recorded import load_medusa_choices
 __all__ = ["TreeShape", "TopKShape", "Shape", "DraftTree", "Candidates", "TreeGrower", "as_shape"]
 
 
-def _iterable(obj: object) -> Sequence[object]:
-    """``obj`` if it is a sequence, else a one-item list of it (which then fails the check)."""
-    return obj if isinstance(obj, Sequence) else [obj]
-
-
 @dataclass(frozen=True)
 class TreeShape:
     """A fixed draft-tree shape.
@@ -84,9 +79,11 @@ class TreeShape:
         """The shape of Medusa choice paths: ``[r0, r1, ...]`` is the draft reached by
         taking candidate ``r0`` of the root, then candidate ``r1`` of that node, ...
         Every path's prefix must be a path too (or empty)."""
-        if isinstance(choices, (str, bytes)) or not all(
-                isinstance(p, Sequence) and not isinstance(p, (str, bytes)) and all(map(is_int, p))
-                for p in _iterable(choices)):
+        def ints(p: object) -> bool:  # a list of integers (not text, not floats or bools)
+            return isinstance(p, Sequence) and not isinstance(p, (str, bytes)) and all(map(is_int, p))
+
+        if not (isinstance(choices, Sequence) and not isinstance(choices, (str, bytes))
+                and all(map(ints, choices))):
             raise ValueError(f"choices: expected a list of lists of integers, got {choices!r:.200}")
         paths = sorted({tuple(int(r) for r in p) for p in choices}, key=lambda p: (len(p), p))
         index: dict[tuple[int, ...], int] = {(): 0}

@@ -143,7 +143,7 @@ class LlamaConfig:
     ``head_dim`` defaults to ``hidden_size // num_heads``; ``rotary_dim`` (0: the whole head;
     :attr:`rope_dim` is the count in effect) is how many of a head's leading dims RoPE
     rotates, the rest passing through (partial rotary: Phi-4-mini's 96 of 128). ``rope_freq_factors``
-    (``rotary_dim // 2`` divisors of the inverse frequencies, what GGUF's ``rope_freqs``
+    (``rope_dim // 2`` divisors of the inverse frequencies, what GGUF's ``rope_freqs``
     tensor stores for Llama 3.1) applies on top of ``rope_scaling``. ``attention_bias``:
     q/k/v and o projections have biases; ``qkv_bias``: only q/k/v do (Qwen2); ``qk_norm``:
     each q and k head is RMS-normalised over ``head_dim`` before RoPE (Qwen3), one weight

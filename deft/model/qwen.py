@@ -13,23 +13,23 @@ from .families import Family
 from .gguf_loader import load_gguf
 from .hf_loader import load_hf
 
-__all__ = ["QWEN2", "QWEN3", "qwen2_config", "qwen3_config"]
+__all__ = ["QWEN2", "QWEN3", "qwen2_config", "qwen3_config", "used_window"]
 
 
-def _llama_keys(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """``raw`` with its window only where Qwen uses it: a Qwen2 checkpoint states
-    ``sliding_window`` even when ``use_sliding_window`` is false."""
+def used_window(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """``raw`` with its window only where ``use_sliding_window`` says it is used: Qwen2 and
+    SmolLM3 checkpoints state ``sliding_window`` even when it is not."""
     return {**raw, "sliding_window": raw.get("sliding_window") if raw.get("use_sliding_window") else None}
 
 
 def qwen2_config(raw: Mapping[str, Any]) -> LlamaConfig:
     """A Qwen2/Qwen2.5 ``config.json`` as a :class:`LlamaConfig`: q/k/v biases, no o bias."""
-    return dataclasses.replace(LlamaConfig.from_hf_config(_llama_keys(raw)), qkv_bias=True)
+    return dataclasses.replace(LlamaConfig.from_hf_config(used_window(raw)), qkv_bias=True)
 
 
 def qwen3_config(raw: Mapping[str, Any]) -> LlamaConfig:
     """A Qwen3 ``config.json`` as a :class:`LlamaConfig`: per-head q/k RMSNorm."""
-    return dataclasses.replace(LlamaConfig.from_hf_config(_llama_keys(raw)), qk_norm=True)
+    return dataclasses.replace(LlamaConfig.from_hf_config(used_window(raw)), qk_norm=True)
 
 
 QWEN2 = Family(

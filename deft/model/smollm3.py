@@ -10,6 +10,7 @@ from typing import Any, Mapping
 from .config import LlamaConfig
 from .families import Family
 from .hf_loader import load_hf
+from .qwen import used_window
 
 __all__ = ["SMOLLM3", "smollm3_config"]
 
@@ -28,8 +29,7 @@ def smollm3_config(raw: Mapping[str, Any]) -> LlamaConfig:
         flags = [int((i + 1) % interval != 0) for i in range(layers)]
     if not isinstance(flags, list) or len(flags) != layers or any(f not in (0, 1) for f in flags):
         raise ValueError(f"no_rope_layers: expected a 0 or 1 per layer ({layers}), got {flags!r}")
-    keys = {**raw, "sliding_window": raw.get("sliding_window") if raw.get("use_sliding_window") else None}
-    return dataclasses.replace(LlamaConfig.from_hf_config(keys),
+    return dataclasses.replace(LlamaConfig.from_hf_config(used_window(raw)),
                                nope_layers=tuple(i for i, f in enumerate(flags) if not f))
 
 
