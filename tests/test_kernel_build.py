@@ -3,6 +3,7 @@
 items its H200 plans hand it (``tools/work_rows.py``)."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -156,3 +157,23 @@ def test_program_timeline_summary_fits_pair_durations_and_replays_their_order(tm
     assert "ends late: 256 tokens, 4 group rows, 10 masked, TMA: 1 pairs, µs median 15.7 " \
            "from 18.4 to 34.0" in out, out
     assert "on 2 slots: in the recorded order 34.0 µs, longest first 31.1 µs" in out, out
+
+
+def test_the_few_row_orientation_experiment_matches_the_reference_and_compiles():
+    """``tools/few_rows_swap.py``: both orientations agree with the float64 reference
+    (interpreted, a tiny shape; the tool asserts it), and ``--compile-only`` compiles all
+    its builds for sm_90a without spills."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "few_rows_swap.py"), "--check", "--tiny",
+         "--branches", "3", "--branch-len", "70"],
+        capture_output=True, text=True, timeout=300, check=True, cwd=ROOT, env=env).stdout
+    assert out.count("('") == 2, out
+    if not PTXAS.exists():
+        pytest.skip("this Triton ships no ptxas")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "few_rows_swap.py"), "--compile-only"],
+        capture_output=True, text=True, timeout=300, check=True, cwd=ROOT).stdout
+    builds = re.findall(r"^(swap|rows16) \S+ \S+ \S+ Usage\(registers=(\d+), stack=\d+, "
+                        r"spill_stores=(\d+)", out, re.M)
+    assert len(builds) == 12 and all(s == "0" for *_, s in builds), out
