@@ -160,20 +160,21 @@ def test_program_timeline_summary_fits_pair_durations_and_replays_their_order(tm
 
 
 def test_the_few_row_orientation_experiment_matches_the_reference_and_compiles():
-    """``tools/few_rows_swap.py``: both orientations agree with the float64 reference
-    (interpreted, a tiny shape; the tool asserts it), and ``--compile-only`` compiles all
-    its builds for sm_90a without spills."""
+    """``tools/few_rows_swap.py``: both orientations agree with the float64 reference over
+    16-bit and FP8 K/V (interpreted, a tiny shape; the tool asserts it), and
+    ``--compile-only`` compiles all its builds for sm_90a without spills."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "few_rows_swap.py"), "--check", "--tiny",
-         "--branches", "3", "--branch-len", "70"],
-        capture_output=True, text=True, timeout=300, check=True, cwd=ROOT, env=env).stdout
-    assert out.count("('") == 2, out
+    for kv in ("bf16", "fp8"):
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "tools" / "few_rows_swap.py"), "--check", "--tiny",
+             "--branches", "3", "--branch-len", "70", "--kv", kv],
+            capture_output=True, text=True, timeout=300, check=True, cwd=ROOT, env=env).stdout
+        assert out.count("('") == 2, out
     if not PTXAS.exists():
         pytest.skip("this Triton ships no ptxas")
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "few_rows_swap.py"), "--compile-only"],
         capture_output=True, text=True, timeout=300, check=True, cwd=ROOT).stdout
-    builds = re.findall(r"^(swap|rows16) \S+ \S+ \S+ Usage\(registers=(\d+), stack=\d+, "
-                        r"spill_stores=(\d+)", out, re.M)
+    builds = re.findall(r"^(swap|rows16) \S+ \S+ \S+ (bf16|fp8) Usage\(registers=(\d+), "
+                        r"stack=\d+, spill_stores=(\d+)", out, re.M)
     assert len(builds) == 12 and all(s == "0" for *_, s in builds), out
