@@ -20,8 +20,9 @@ bound on what the orientation saves, not a kernel the contract allows as is).
 
 Usage: ``python tools/few_rows_swap.py [--kv bf16|fp8] [--prompt 4000] [--branches 20]
 [--branch-len 200]`` (GPU; ``fp8``: e4m3 K/V with per-head scales, converted to fp16 in
-registers for both products, q in fp16, as the shipped kernel's ``F16_DOTS``); ``--check`` runs the correctness check alone (the Triton interpreter on a CPU works,
-with a tiny shape: ``TRITON_INTERPRET=1 python tools/few_rows_swap.py --check --tiny``);
+registers for both products, q in fp16, as the shipped kernel's ``F16_DOTS``); ``--check``
+runs the correctness check alone (the Triton interpreter on a CPU works, with a tiny shape:
+``TRITON_INTERPRET=1 python tools/few_rows_swap.py --check --tiny``);
 ``--compile-only`` compiles each build for sm_90a on any machine and prints its registers,
 spills and instructions per K/V block loop (``tools/kernel_registers.py``).
 """
@@ -49,7 +50,6 @@ from deft.ops.reference import reference_attention  # noqa: E402
 from benchmarks.trees import few_shot_layout  # noqa: E402
 
 LAYERS = 32
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -206,7 +206,8 @@ def compile_only() -> None:
             cubin.write_bytes(c.asm["cubin"])
             sass = subprocess.run([str(kr.PTXAS.parent / "nvdisasm"), "-c", "-g", str(cubin)],
                                   capture_output=True, text=True, check=True).stdout
-        print(f"{kind} n{bn} w{w} s{st} {'fp8' if fp8 else 'bf16'}", kr.ptxas_usage(c.asm["ptx"], None, sass), flush=True)
+        usage = kr.ptxas_usage(c.asm["ptx"], None, sass)
+        print(f"{kind} n{bn} w{w} s{st} {'fp8' if fp8 else 'bf16'}", usage, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
