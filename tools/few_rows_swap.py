@@ -257,9 +257,10 @@ def main(argv: list[str] | None = None) -> None:
         print(rows[-1], flush=True)
     if args.check:
         return
+    whole = few_shot_layout(args.prompt, args.branches, args.branch_len)
     for label, lay in (("branches alone", layout),
                        ("prompt alone", few_shot_layout(args.prompt, args.branches, 1)),
-                       ("whole tree", few_shot_layout(args.prompt, args.branches, args.branch_len))):
+                       ("whole tree", whole)):
         n = int(lay.kv_indices.max()) + 1
         qq = torch.randn(lay.num_queries, h_q, d, device=dev, dtype=dtype)
         kk, vv = (torch.randn(n, h_kv, d, device=dev, dtype=dtype) for _ in range(2))
