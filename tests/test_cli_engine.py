@@ -113,6 +113,23 @@ def test_argument_errors_are_one_line(capsys):
     assert err == "deft sample: error: the following arguments are required: -n (see deft sample --help)\n"
 
 
+@pytest.mark.parametrize("argv,err", [
+    (["sample", PROMPT, "-n", "2", "--max-tokens", "3"],
+     "deft sample: error: unrecognized arguments: --max-tokens 3; did you mean "
+     "--max-new-tokens? (see deft sample --help)\n"),
+    (["bench", "attention", "--workload=x", "--devise", "cpu"],
+     "deft bench attention: error: unrecognized arguments: --devise cpu; did you mean "
+     "--device? (see deft bench attention --help)\n"),
+    (["generate", PROMPT, "--zzz"],
+     "deft generate: error: unrecognized arguments: --zzz (see deft generate --help)\n"),
+])
+def test_an_unknown_option_is_named_by_its_command_with_the_nearest_one(capsys, argv, err):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == err
+
+
 def test_model_errors(tmp_path, capsys):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 40)

@@ -4,6 +4,7 @@ once here), model loading, value checks and progress lines."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
 import sys
 import time
@@ -65,10 +66,33 @@ def printable(text: str) -> str:
 
 
 class Parser(argparse.ArgumentParser):
-    """Argument errors as one line on stderr (exit code 2), pointing to ``--help``."""
+    """Argument errors as one line on stderr (exit code 2), pointing to ``--help``. Options
+    the command does not know are reported by the command itself, with the nearest option it
+    has (``--max-tokens``: did you mean ``--max-new-tokens``?)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, printable(f"{self.prog}: error: {message} (see {self.prog} --help)\n"))
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = self._command(parsed)
+            known = list(command._option_string_actions)
+            hints = [f"did you mean {close[0]}?" for x in extras if x.startswith("-")
+                     for close in [difflib.get_close_matches(x.split("=")[0], known, 1, 0.7)]
+                     if close]
+            command.error("; ".join([f"unrecognized arguments: {' '.join(extras)}", *hints]))
+        return parsed
+
+    def _command(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        """The (sub)command parser that ``parsed`` was read by: the deepest chosen one."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(parsed, action.dest, None) or "")
+                if isinstance(chosen, Parser):
+                    return chosen._command(parsed)
+        return self
 
 
 # ------------------------------------------------------------------ shared flags
