@@ -47,9 +47,25 @@ from deft import TreeAttention, TreeLayout  # noqa: E402
 from deft.cache.pool import FP8, quantize  # noqa: E402
 from deft.ops.base import Capacity  # noqa: E402
 from deft.ops.reference import reference_attention  # noqa: E402
+from benchmarks.attention_gpu import time_us  # noqa: E402
 from benchmarks.trees import few_shot_layout  # noqa: E402
 
 LAYERS = 32
+
+
+@triton.jit
+def _program(starts, ends, scale, k_scale, G: tl.constexpr, ROWS: tl.constexpr,
+             FP8: tl.constexpr):
+    """This program's (query, KV head): the KV head, the query's token range, the score
+    scale in log2 units (an FP8 head's K scale folded in; its V scale goes into the output),
+    the ``ROWS`` query rows' indices and which of them are real."""
+    qi, h = tl.program_id(0), tl.program_id(1)
+    start, end = tl.load(starts + qi), tl.load(ends + qi)
+    if FP8:
+        scale = scale * tl.load(k_scale + h)
+    r = tl.arange(0, ROWS)
+    row = qi * tl.num_programs(1) * G + h * G + r
+    return h, start, end, scale * 1.4426950408889634, row, r < G
 
 
 @triton.jit
@@ -57,25 +73,18 @@ def _swap_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, starts, ends, scale, k_sca
                  G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  FP8: tl.constexpr):
     """One (query, KV head): ``sᵀ = k·qᵀ`` and ``oᵀ += vᵀ·p`` over the query's tokens."""
-    qi, h = tl.program_id(0), tl.program_id(1)
-    h_kv = tl.num_programs(1)
-    start, end = tl.load(starts + qi), tl.load(ends + qi)
-    if FP8:  # the head's scales: K's into the scores', V's into the output
-        scale = scale * tl.load(k_scale + h)
-    r = tl.arange(0, ROWS)
+    h, start, end, scale, row, live = _program(starts, ends, scale, k_scale, G, ROWS, FP8)
     d = tl.arange(0, D)
-    live = r < G
-    q_t = tl.load(q_ptr + (qi * h_kv * G + h * G + r)[None, :] * D + d[:, None],
-                  mask=live[None, :], other=0.0)  # [D, ROWS]
+    q_t = tl.load(q_ptr + row[None, :] * D + d[:, None], mask=live[None, :], other=0.0)  # [D, ROWS]
     m = tl.full([ROWS], float("-inf"), tl.float32)
     l_sum = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([D, ROWS], tl.float32)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         seen = t < end
-        kv_off = (t * h_kv + h)[:, None] * D + d[None, :]
+        kv_off = (t * tl.num_programs(1) + h)[:, None] * D + d[None, :]
         k = tl.load(k_ptr + kv_off, mask=seen[:, None], other=0.0).to(q_t.dtype)
-        s = tl.dot(k, q_t) * (scale * 1.4426950408889634)  # [BLOCK_N, ROWS], log2 units
+        s = tl.dot(k, q_t) * scale  # [BLOCK_N, ROWS], log2 units
         s = tl.where(seen[:, None], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=0))
         p = tl.exp2(s - m_new[None, :])
@@ -87,10 +96,9 @@ def _swap_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, starts, ends, scale, k_sca
     o = acc / l_sum[None, :]
     if FP8:
         o = o * tl.load(v_scale + h)
-    tl.store(o_ptr + (qi * h_kv * G + h * G + r)[None, :] * D + d[:, None],
+    tl.store(o_ptr + row[None, :] * D + d[:, None],
              o.to(o_ptr.dtype.element_ty), mask=live[None, :])
-    tl.store(lse_ptr + qi * h_kv * G + h * G + r, m / 1.4426950408889634 + tl.log(l_sum),
-             mask=live)
+    tl.store(lse_ptr + row, m / 1.4426950408889634 + tl.log(l_sum), mask=live)
 
 
 @triton.jit
@@ -98,25 +106,18 @@ def _rows_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, starts, ends, scale, k_sca
                  G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  FP8: tl.constexpr):
     """The same in the usual orientation: ``s = q·kᵀ`` (``[ROWS, BLOCK_N]``), ``o += p·v``."""
-    qi, h = tl.program_id(0), tl.program_id(1)
-    h_kv = tl.num_programs(1)
-    start, end = tl.load(starts + qi), tl.load(ends + qi)
-    if FP8:  # the head's scales: K's into the scores', V's into the output
-        scale = scale * tl.load(k_scale + h)
-    r = tl.arange(0, ROWS)
+    h, start, end, scale, row, live = _program(starts, ends, scale, k_scale, G, ROWS, FP8)
     d = tl.arange(0, D)
-    live = r < G
-    q = tl.load(q_ptr + (qi * h_kv * G + h * G + r)[:, None] * D + d[None, :],
-                mask=live[:, None], other=0.0)
+    q = tl.load(q_ptr + row[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
     m = tl.full([ROWS], float("-inf"), tl.float32)
     l_sum = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         seen = t < end
-        kv_off = (t * h_kv + h)[:, None] * D + d[None, :]
+        kv_off = (t * tl.num_programs(1) + h)[:, None] * D + d[None, :]
         k = tl.load(k_ptr + kv_off, mask=seen[:, None], other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * (scale * 1.4426950408889634)
+        s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where(seen[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
@@ -128,10 +129,9 @@ def _rows_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, starts, ends, scale, k_sca
     o = acc / l_sum[:, None]
     if FP8:
         o = o * tl.load(v_scale + h)
-    tl.store(o_ptr + (qi * h_kv * G + h * G + r)[:, None] * D + d[None, :],
+    tl.store(o_ptr + row[:, None] * D + d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=live[:, None])
-    tl.store(lse_ptr + qi * h_kv * G + h * G + r, m / 1.4426950408889634 + tl.log(l_sum),
-             mask=live)
+    tl.store(lse_ptr + row, m / 1.4426950408889634 + tl.log(l_sum), mask=live)
 
 
 KERNELS = {"swap": _swap_kernel, "rows16": _rows_kernel}
@@ -160,20 +160,9 @@ def launcher(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start
     return run, o, lse
 
 
-def graph_us(step, layers: int = LAYERS) -> float:
-    """Median µs of ``layers`` calls of ``step`` captured in one CUDA graph and replayed."""
-    step()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        for _ in range(layers):
-            step()
-    return triton.testing.do_bench(g.replay, return_mode="median") * 1e3
+def graph_us(layer) -> float:  # noqa: ANN001
+    """Median µs of ``LAYERS`` calls of ``layer`` captured in one CUDA graph and replayed."""
+    return time_us(lambda: [layer() for _ in range(LAYERS)], graph=True)
 
 
 def builds(check: bool) -> list[tuple[str, int, int, int]]:
