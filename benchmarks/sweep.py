@@ -31,17 +31,15 @@ config and coarsening (``deft.plan.coarsen.refine``):
 * ``few``: the few-row build of FP8 trees of few rows per K/V token (``kv8_few_rows``,
   shipped 16 x 64): none, 32 x 64, 16 x 32, or taken from a share of 0.3 of the token work
   in tiles of few rows (``kv8_few_share``; shipped 0.1).
-* ``model``: the coarsening's launch model for uncapped launches (those that keep
-  ``resident_per_sm`` programs per SM) on those resident slots instead of the config's
-  ``programs_per_sm``, and other program costs; and a model that charges a tile with a
-  masked part 128 or 256 tokens more, on the config's slots or the resident ones; the
-  graph-safe grid stays as shipped (docs/decisions.md, "Where a graph-safe partial launch
-  spends its time").
+* ``model``: the coarsening's launch model on the config's program slots for every launch
+  with no masked tile charged (``masked_cost``, shipped 128) or cut off (``masked_apart``):
+  the rule before this model; on the config's slots alone; a program cost of 256 tokens;
+  masked tiles charged 0 or 256; not cut off, charged 128 or not. The graph-safe grid
+  stays as shipped (docs/decisions.md, "Where a graph-safe partial launch spends its
+  time").
 * ``tails``: the masked tiles' kernel variants: the masked loop from the block boundary
   before each tile's ``mask_from`` (``aligned_mask``), a masked block's range loads before
-  its K load (``ranges_first``), and both; and a run's masked last plan tile coarsened
-  apart from the unmasked ones before it (``masked_apart``), alone and with
-  ``aligned_mask``.
+  its K load (``ranges_first``), and both.
 * ``checks``: the isolation's checks of non-finite K/V: ``checked`` (every check in
   place), masked blocks that leave V's values unchecked, with a work item whose state comes
   out non-finite computed again with the checks (``deferred_v_checks``, for every K/V
@@ -84,10 +82,9 @@ import torch
 from deft.ops.base import Capacity, Heads
 from deft.ops.reference import reference_attention
 from deft.ops.triton import backend, configs, kernels
-from deft.plan import coarsen_plan, packing, step as plan_step
-from deft.plan.coarsen import (Coarsening, coarsen_factor, group_runs, launch_programs,
-                               list_makespan, lpt_candidates, lpt_factor, plan_runs,
-                               refine as coarsen_refine, resident_wave)
+from deft.plan import coarsen_plan, step as plan_step
+from deft.plan.coarsen import (Coarsening, coarsen_factor, lpt_factor, plan_runs,
+                               resident_wave)
 from deft.plan.tree_plan import TreePlan
 from deft.recorded import workloads_dir
 
@@ -110,67 +107,23 @@ SWEEPS = ("merge", "factors", "shapes", "tma", "occupancy", "pipeline", "mergecf
 Refine = Callable[[TreePlan, Coarsening], TreePlan]
 
 
-def uncapped_model(resident: bool, program_cost: int | None) -> Refine:
-    """The coarsening rule with the launch model of uncapped launches (``resident_slots``
-    set) on their resident slots (``resident``) and charging ``program_cost`` tokens per
-    program (None: the config's); the one-wave check of the resident slots
-    (:func:`~deft.plan.coarsen.resident_wave`) still follows. Capped launches as shipped."""
-    def refine(plan: TreePlan, params: Coarsening) -> TreePlan:
-        r = params.resident_slots
-        if plan.num_tiles == 0 or not r:
-            return coarsen_refine(plan, params)
-        cost = params.program_cost if program_cost is None else program_cost
-        base = coarsen_factor(plan, params._replace(slots=0))  # the rule before the model
-        slots = r if resident else params.slots
-        best = lpt_factor(plan, base, params.g, params.block_m, params.num_kv_heads, slots,
-                          cost, params.max_factor)
-        best = resident_wave(plan_runs(plan, params.g, params.block_m), best,
-                             min(4 * base, params.max_factor), params.num_kv_heads,
-                             plan.block_kv, r, cost)
-        return coarsen_plan(plan, best)
-    return refine
-
-
-def masked_model(masked_cost: int, resident: bool) -> Refine:
-    """The coarsening rule with a launch model that charges each tile with a masked part
-    ``masked_cost`` tokens more (only a run's last plan tile can have one: its node's
-    last tokens), on the resident slots of uncapped launches (``resident``) or the
-    config's; the one-wave check of the resident slots follows as shipped."""
+def config_slots_model() -> Refine:
+    """The coarsening rule with the launch model on the config's program slots for every
+    launch (``resident_slots`` only for the one-wave check of
+    :func:`~deft.plan.coarsen.resident_wave`) and no masked tiles charged: the rule before
+    uncapped launches were modelled on the programs they keep resident."""
     def refine(plan: TreePlan, params: Coarsening) -> TreePlan:
         if plan.num_tiles == 0:
             return plan
         base = coarsen_factor(plan, params._replace(slots=0))  # the rule before the model
-        slots = params.resident_slots if resident and params.resident_slots else params.slots
-        runs = plan_runs(plan, params.g, params.block_m)
-        run_ends = np.flatnonzero(np.append(group_runs(plan)[1:], True))
-        masked = (packing.mask_from(plan) < plan.tile_indptr[1:])[run_ends]
-        heads, cost = params.num_kv_heads, params.program_cost
-        best = base
-        if slots < launch_programs(runs, base, heads) <= 8 * slots:  # as lpt_factor
-            spans = {u: _charged_makespan(runs, masked, u, heads, plan.block_kv, slots, cost,
-                                          masked_cost)
-                     for u in lpt_candidates(base, params.max_factor)}
-            best = min(spans, key=lambda u: (spans[u], u))
+        best = lpt_factor(plan, base, params.g, params.block_m, params.num_kv_heads,
+                          params.slots, params.program_cost, params.max_factor)
         if 0 < params.resident_slots < params.slots:
-            best = resident_wave(runs, best, min(4 * base, params.max_factor), heads,
-                                 plan.block_kv, params.resident_slots, cost)
-        return coarsen_plan(plan, best)
+            best = resident_wave(plan_runs(plan, params.g, params.block_m), best,
+                                 min(4 * base, params.max_factor), params.num_kv_heads,
+                                 plan.block_kv, params.resident_slots, params.program_cost)
+        return coarsen_plan(plan, best, params.masked_apart)
     return refine
-
-
-def _charged_makespan(runs: list[tuple[int, int]], masked: np.ndarray, u: int, heads: int,
-                      block_kv: int, slots: int, program_cost: int, masked_cost: int) -> int:
-    """:func:`~deft.plan.coarsen.lpt_makespan` with the tile that holds a masked run's last
-    plan tile charged ``masked_cost`` more, programs started longest first (the
-    kernel's order; a masked tile after the unmasked ones of its length)."""
-    count: dict[tuple[int, bool], int] = {}
-    for (r, c), m in zip(runs, masked.tolist()):
-        last = r % u or u
-        for length, n, mm in ((u, (r - last) // u, False), (last, 1, m)):
-            if n:
-                count[length, mm] = count.get((length, mm), 0) + n * c * heads
-    return list_makespan([(count[length, mm], length * block_kv + program_cost + masked_cost * mm)
-                          for length, mm in sorted(count, key=lambda k: (-k[0], k[1]))], slots)
 
 
 def variants(sweep: str, factors: str = "2,4,8,16,32"
@@ -230,21 +183,18 @@ def variants(sweep: str, factors: str = "2,4,8,16,32"
                 ("few m16n32", v(kv8_few_rows=(16, 32)), None),
                 ("few share 0.3", v(kv8_few_share=0.3), None)]
     elif sweep == "model":
-        out += [("model on resident slots", shipped, uncapped_model(True, None)),
-                ("model on resident slots + cost 256", shipped, uncapped_model(True, 256)),
-                ("model on resident slots + cost 384", shipped, uncapped_model(True, 384)),
-                ("model cost 256", shipped, uncapped_model(False, 256)),
-                ("masked 128", shipped, masked_model(128, False)),
-                ("masked 256", shipped, masked_model(256, False)),
-                ("resident slots + masked 128", shipped, masked_model(128, True)),
-                ("resident slots + masked 256", shipped, masked_model(256, True))]
+        out += [("before: config slots and masked tiles neither apart nor charged",
+                 v(masked_apart=False, masked_cost=0), config_slots_model()),
+                ("model on config slots", shipped, config_slots_model()),
+                ("cost 256", v(program_cost=256), None),
+                ("masked 0", v(masked_cost=0), None),
+                ("masked 256", v(masked_cost=256), None),
+                ("not apart", v(masked_apart=False), None),
+                ("not apart + masked 0", v(masked_apart=False, masked_cost=0), None)]
     elif sweep == "tails":
         out += [("aligned mask", v(aligned_mask=True), None),
                 ("ranges first", v(ranges_first=True), None),
-                ("aligned mask + ranges first", v(aligned_mask=True, ranges_first=True), None),
-                ("masked tile apart", v(masked_apart=True), None),
-                ("aligned mask + masked tile apart", v(aligned_mask=True, masked_apart=True),
-                 None)]
+                ("aligned mask + ranges first", v(aligned_mask=True, ranges_first=True), None)]
     elif sweep == "checks":
         out += [("checked", v(deferred_v_checks=False, e4m3_finite_scores=False), None),
                 ("deferred V checks", v(deferred_v_checks=True, e4m3_finite_scores=False),

@@ -156,15 +156,18 @@ def test_random_forests(seed, nodes, max_len, roots, block, heads, d, shuffle, g
 @settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 2**31), nodes=st.integers(1, 60), sms=st.integers(1, 8),
        waves=st.sampled_from([1.0, 2.0, 4.0]), per_sm=st.integers(1, 4),
-       resident=st.integers(0, 4), cost=st.sampled_from([0, 8, 128]), apart=st.booleans())
-def test_random_coarsening_parameters(seed, nodes, sms, waves, per_sm, resident, cost, apart):
-    """The compiled coarsening (launch model, resident wave, masked tiles apart) cuts the
-    tiles that ``refine`` cuts, for any parameters."""
+       resident=st.integers(0, 4), cost=st.sampled_from([0, 8, 128]), apart=st.booleans(),
+       masked=st.sampled_from([0, 8, 300]))
+def test_random_coarsening_parameters(seed, nodes, sms, waves, per_sm, resident, cost, apart,
+                                      masked):
+    """The compiled coarsening (launch model, resident wave, masked tiles apart and charged)
+    cuts the tiles that ``refine`` cuts, for any parameters."""
     from deft.plan.coarsen import refine
 
     rng = np.random.default_rng(seed)
     layout = random_forest(rng, nodes, 200, max_tokens=3000)
-    params = Coarsening(2, 16, 2, sms, waves, 0, 64, per_sm * sms, cost, resident * sms, apart)
+    params = Coarsening(2, 16, 2, sms, waves, 0, 64, per_sm * sms, cost, resident * sms, apart,
+                        masked)
     got = compiled.flatten_plan(layout, 8, params, lambda n: torch.zeros(n, dtype=torch.int32))
     want = refine(make_plan(layout, "flatten", 8), params)
     np.testing.assert_array_equal(got[0].tile_indptr, want.tile_indptr)
@@ -200,22 +203,27 @@ def test_special_trees(setting, name, block):
 
 @needs_cc
 def test_masked_tiles_apart(setting, monkeypatch):
-    """``KernelConfig.masked_apart``: both planners cut a run's masked last plan tile off
-    alike, and the packed buffers agree, on the special trees and few-shot and draft trees;
-    on the H200's configs it adds a tile to few-shot b=20 and leaves a 32k prompt with 16
-    queries as it was."""
-    for key, cfg in list(configs.CONFIGS.items()):
-        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, masked_apart=True))
+    """``KernelConfig.masked_apart`` and ``masked_cost``: both planners cut a run's masked
+    last plan tile off and charge masked tiles alike, and the packed buffers agree, on the
+    special trees and few-shot and draft trees, with each on and off; on the H200's configs
+    (both on) few-shot b=20 has one tile more than without the cut, and a 32k prompt with
+    16 queries keeps its tiles."""
     trees = {**SPECIAL, "few-shot b=20": few_shot_layout(4000, 20, 200),
              "draft tree": fan_layout(2000, 64), "32k x16": fan_layout(32 * 1024, 16)}
-    tiles = {name: assert_same(layout).num_tiles for name, layout in trees.items()}
+    shipped = dict(configs.CONFIGS)
+    tiles = {}
+    for apart, cost in ((True, 128), (True, 0), (False, 128), (False, 0)):
+        for key, cfg in shipped.items():
+            monkeypatch.setitem(configs.CONFIGS, key,
+                                dataclasses.replace(cfg, masked_apart=apart, masked_cost=cost))
+        tiles[apart, cost] = {name: assert_same(layout).num_tiles
+                              for name, layout in trees.items()}
     if setting == "gpu-like":
-        monkeypatch.undo()
-        act_as(monkeypatch, True)
-        shipped = {name: fast_plan(trees[name], 64, 32, 8, 128)[0].num_tiles
-                   for name in ("few-shot b=20", "32k x16")}
-        assert tiles["few-shot b=20"] == shipped["few-shot b=20"] + 1
-        assert tiles["32k x16"] == shipped["32k x16"]
+        configs.CONFIGS.update(shipped)
+        fast = {name: fast_plan(trees[name], 64, 32, 8, 128)[0].num_tiles
+                for name in ("few-shot b=20", "32k x16")}
+        assert fast["few-shot b=20"] == tiles[False, 128]["few-shot b=20"] + 1
+        assert fast["32k x16"] == tiles[False, 128]["32k x16"] == tiles[False, 0]["32k x16"]
 
 
 @needs_cc
@@ -228,7 +236,7 @@ def test_recorded_workloads(setting, workloads):
 def test_only_flatten_plans_fit_one_wave_of_the_resident_programs(monkeypatch, planner):
     """H200-like: 16 queries on a 32,768-token prompt (512 rows), where the uncapped
     head_dim-128 kernel keeps 2 programs per SM, take 33 tiles (one wave of 264 programs)
-    instead of the launch model's 47, over 16-bit or FP8 K/V; per-query plans keep its choice
+    instead of the launch model's 48, over 16-bit or FP8 K/V; per-query plans keep its choice
     (64 tiles), and so does any launch under a register cap (it sets the programs resident)."""
     act_as(monkeypatch, True)
     layout = fan_layout(32768, 16)
@@ -244,11 +252,11 @@ def test_only_flatten_plans_fit_one_wave_of_the_resident_programs(monkeypatch, p
     key = ("sm90", 128, 0)
     monkeypatch.setitem(configs.CONFIGS, key,
                         dataclasses.replace(configs.CONFIGS[key], maxnreg=168, kv8_maxnreg=168))
-    assert tiles("flatten") == 47
-    assert tiles("flatten", torch.float8_e4m3fn) == 47
+    assert tiles("flatten") == 48
+    assert tiles("flatten", torch.float8_e4m3fn) == 48
     monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
         configs.CONFIGS[key], maxnreg=None, resident_per_sm=None))
-    assert tiles("flatten") == 47
+    assert tiles("flatten") == 48
 
 
 @needs_cc

@@ -735,7 +735,7 @@ def test_interpreter_flag_read_as_triton_reads_it(value, expected):
 
 def test_lpt_makespan_is_list_scheduling():
     """The grouped-slot model of the launch equals longest-first list scheduling done one
-    program at a time."""
+    program at a time, with masked tiles charged and cut off too."""
     from deft.plan import coarsen
 
     rng = np.random.default_rng(0)
@@ -751,6 +751,20 @@ def test_lpt_makespan_is_list_scheduling():
         for n in sorted(lengths, reverse=True):
             loads[loads.index(min(loads))] += n * 8 + 128
         assert coarsen.lpt_makespan(runs, u, heads, 8, slots, 128) == max(loads)
+        # A masked run's last plan tile: its tile costs 40 more and starts after the
+        # unmasked ones of its length; a cut one is a tile of its own.
+        masked = rng.random(len(runs)) < 0.5
+        cut = masked & (rng.random(len(runs)) < 0.5) & np.array([r > 1 for r, _ in runs])
+        programs = []
+        for (r, c), m, x in zip(runs, masked, cut):
+            tiles = [u] * ((r - 1) // u) + [(r - 1) % u] + [1] if x else [u] * (r // u) + [r % u]
+            tiles = [t for t in tiles if t]
+            flags = [False] * (len(tiles) - 1) + [bool(m)]
+            programs += [(t, f) for t, f in zip(tiles, flags)] * (c * heads)
+        loads = [0] * slots
+        for t, f in sorted(programs, key=lambda p: (-p[0], p[1])):
+            loads[loads.index(min(loads))] += t * 8 + 128 + 40 * f
+        assert coarsen.lpt_makespan(runs, u, heads, 8, slots, 128, (masked, cut), 40) == max(loads)
 
 
 def test_coarsening_lengthens_tiles_to_cut_a_last_wave():
@@ -773,7 +787,8 @@ def test_coarsening_fits_one_wave_of_the_programs_really_resident():
     factor 11 (376 programs) is one wave; a kernel that keeps 2 programs per SM (264 slots)
     runs them as two (modelled 1,664), so the smallest factor within 4x the rule's that fits
     264, 16 (256 programs, 1,152), is taken. Out of reach (rule factor 3: at most 12, 344
-    programs) or with as many resident as modelled, the choice stays."""
+    programs), the model's choice on the 264 resident slots stays: 4 (1,024 programs), where
+    on 396 slots it chose 6; with as many resident as modelled, the choice stays."""
     from types import SimpleNamespace
 
     from deft.plan import coarsen
@@ -785,7 +800,8 @@ def test_coarsening_fits_one_wave_of_the_programs_really_resident():
     assert coarsen.lpt_makespan([(512, 1)], 16, 8, 64, 264, 128) == 1152
     assert coarsen.lpt_makespan([(512, 1)], 11, 8, 64, 264, 128) == 1664
     assert coarsen.lpt_factor(plan, 6, 4, 64, 8, 396, 128, 1024, 396) == 11
-    assert coarsen.lpt_factor(plan, 3, 4, 64, 8, 396, 128, 1024, 264) == 6
+    assert coarsen.lpt_factor(plan, 3, 4, 64, 8, 396, 128, 1024) == 6
+    assert coarsen.lpt_factor(plan, 3, 4, 64, 8, 396, 128, 1024, 264) == 4
     # 46 tiles, factor 2 (23 programs) on 15 resident slots: two waves of 2-tile programs tie
     # one wave of 4-tile ones without a program cost (the shorter tiles stay), lose with one.
     plan = SimpleNamespace(num_tiles=46, block_kv=8, tile_q_start=np.zeros(46, np.int64),
@@ -832,52 +848,39 @@ def _h200_coarsening():
     return uncapped, uncapped._replace(resident_slots=0), plans
 
 
-def test_sweep_model_variants_replan_only_uncapped_launches():
-    """``benchmarks.sweep --sweep model``: with the shipped model's slots and cost its
-    coarsening is the shipped rule, for uncapped (264 resident of 396 modelled slots) and
-    capped launches alike; on the resident slots with a 256-token program cost it plans
-    few-shot b=20 at factor 9 instead of 6 (the H200's parameters), and leaves a capped
-    launch's plan as shipped."""
-    from benchmarks.sweep import uncapped_model
+def test_sweep_config_slots_model_is_the_rule_before_resident_slots():
+    """``benchmarks.sweep --sweep model``'s "model on config slots": for capped launches
+    (no resident slots) the shipped rule on four trees; for uncapped ones (264 resident of
+    396 modelled slots, the H200's parameters) the rule before such launches were modelled
+    on their resident programs: few-shot b=20 at factor 6, where the shipped rule takes 8."""
+    from benchmarks.sweep import config_slots_model
     from deft.plan import coarsen
 
     uncapped, capped, plans = _h200_coarsening()
     for plan in plans:
-        for params in (uncapped, capped):
-            ours = uncapped_model(False, None)(plan, params)
-            assert np.array_equal(ours.tile_indptr, coarsen.refine(plan, params).tile_indptr)
+        ours = config_slots_model()(plan, capped)
+        assert np.array_equal(ours.tile_indptr, coarsen.refine(plan, capped).tile_indptr)
     few_shot = plans[0]
-    assert coarsen.coarsen_factor(few_shot, uncapped) == 6
-    moved = uncapped_model(True, 256)(few_shot, uncapped)
-    assert np.array_equal(moved.tile_indptr, coarsen.coarsen_plan(few_shot, 9).tile_indptr)
-    kept = uncapped_model(True, 256)(few_shot, capped)
-    assert np.array_equal(kept.tile_indptr, coarsen.refine(few_shot, capped).tile_indptr)
+    assert coarsen.coarsen_factor(few_shot, uncapped) == 8
+    before = config_slots_model()(few_shot, uncapped)
+    assert np.array_equal(before.tile_indptr, coarsen.coarsen_plan(few_shot, 6).tile_indptr)
 
 
-def test_sweep_masked_model_charges_masked_tiles():
-    """``benchmarks.sweep.masked_model``: charging masked tiles nothing reproduces the shipped
-    coarsening exactly, uncapped and capped, on four trees (on the resident slots: the
-    ``uncapped_model`` variant's); 128 tokens more per masked tile plan few-shot b=50 at
-    factor 6 instead of 9 (its 50 one-query branches end masked), and on the resident slots
-    few-shot b=20 at 10 instead of 6 (the H200's parameters)."""
-    from benchmarks.sweep import masked_model, uncapped_model
+def test_masked_tiles_charged_in_the_launch_model():
+    """``Coarsening.masked_cost``: 128 tokens more per tile with a masked part plan few-shot
+    b=50 at factor 6 instead of 9 on a capped launch (its 50 one-query branches end masked)
+    and few-shot b=20 at 10 instead of 8 on an uncapped one (the H200's parameters); a
+    32k-token prompt with 16 queries, whose tiles have none, stays."""
     from deft.plan import coarsen
 
     uncapped, capped, plans = _h200_coarsening()
-    for plan in plans:
-        for params in (uncapped, capped):
-            ours = masked_model(0, False)(plan, params)
-            assert np.array_equal(ours.tile_indptr, coarsen.refine(plan, params).tile_indptr)
-            ours = masked_model(0, True)(plan, params)
-            assert np.array_equal(ours.tile_indptr,
-                                  uncapped_model(True, None)(plan, params).tile_indptr)
-    b20, b50 = plans[:2]
-    assert coarsen.coarsen_factor(b50, uncapped) == 9
-    moved = masked_model(128, False)(b50, uncapped)
-    assert np.array_equal(moved.tile_indptr, coarsen.coarsen_plan(b50, 6).tile_indptr)
-    assert coarsen.coarsen_factor(b20, uncapped) == 6
-    moved = masked_model(128, True)(b20, uncapped)
-    assert np.array_equal(moved.tile_indptr, coarsen.coarsen_plan(b20, 10).tile_indptr)
+    b20, b50, _, long_prompt = plans
+    assert coarsen.coarsen_factor(b50, capped) == 9
+    assert coarsen.coarsen_factor(b50, capped._replace(masked_cost=128)) == 6
+    assert coarsen.coarsen_factor(b20, uncapped._replace(masked_cost=128)) == 10
+    for params in (uncapped, capped):
+        assert (coarsen.coarsen_factor(long_prompt, params._replace(masked_cost=128))
+                == coarsen.coarsen_factor(long_prompt, params))
 
 
 @pytest.mark.skipif(CUDA, reason="sets the interpreter's config; on a GPU: the gpu tests")
@@ -916,12 +919,13 @@ def test_masked_tile_apart_cuts_only_before_a_masked_run_end(monkeypatch):
 
 def test_sweep_plans_need_no_gpu(capsys):
     """``python -m benchmarks.sweep --plans`` prints each variant's plan of a tree as an
-    H200 makes it, on the CPU: the kernel variants keep the shipped plan, a masked tile
-    apart and fixed factors change it. Two sweeps in one run list the shipped configs once;
-    two that share a label other than that are refused."""
+    H200 makes it, on the CPU: the kernel variants keep the shipped plan; the masked tile
+    not cut off, the rule before the masked-tile model and fixed factors change it. Two
+    sweeps in one run list the shipped configs once; two that share a label other than that
+    are refused."""
     from benchmarks import sweep
 
-    sweep.main(["--plans", "--sweep", "tails,checks,order", "few-shot b=20"])
+    sweep.main(["--plans", "--sweep", "tails,checks,order,model", "few-shot b=20"])
     sweep.main(["--plans", "--sweep", "factors", "--factors", "2", "few-shot b=20"])
     rows = [[c.strip() for c in line.strip("|").split("|")]
             for line in capsys.readouterr().out.splitlines() if line.startswith("| few-shot")]
@@ -930,15 +934,16 @@ def test_sweep_plans_need_no_gpu(capsys):
               "checked", "deferred V checks", "finite e4m3 scores",
               "deferred V checks + finite e4m3 scores", "queries in order by header",
               "item loads before the wait", "in order + early item loads"}
-    apart = {"masked tile apart", "aligned mask + masked tile apart"}
-    assert set(digests) == kernel | apart | {"u=2"}
-    assert len({digests[v] for v in kernel}) == 1 and len({digests[v] for v in apart}) == 1
-    assert len({digests["shipped"], digests["masked tile apart"], digests["u=2"]}) == 3
+    model = {label for label, _, _ in sweep.variants("model")[1:]}
+    before = "before: config slots and masked tiles neither apart nor charged"
+    assert set(digests) == kernel | model | {"u=2"}
+    assert len({digests[v] for v in kernel}) == 1
+    assert len({digests[v] for v in ("shipped", "not apart", before, "u=2")}) == 4
     labels = [label for name in sweep.SWEEPS for label, _, _ in sweep.variants(name)]
     assert not [label for label in labels if "," in label]  # --only takes a comma list
     assert all(r[2] == "default" and int(r[3]) > 1 for r in rows)
     tiles = {r[1]: int(r[3]) for r in rows}
-    assert tiles["masked tile apart"] == tiles["shipped"] + 1  # the prompt's masked end
+    assert tiles["not apart"] == tiles["shipped"] - 1  # the prompt's masked end
     assert [r[1] for r in rows].count("shipped") == 2  # once in each of the two runs
     with pytest.raises(SystemExit):
         sweep.main(["--plans", "--sweep", "pipeline,ring", "few-shot b=20"])  # "n32 s4" twice

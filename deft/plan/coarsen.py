@@ -19,9 +19,9 @@ from ..checks import positive_int
 from .packing import mask_from
 from .tree_plan import TreePlan, assemble
 
-__all__ = ["Coarsening", "group_runs", "plan_runs", "coarsen_plan", "coarsen_factor", "refine",
-           "list_makespan", "lpt_makespan", "lpt_candidates", "lpt_factor", "launch_programs",
-           "resident_wave"]
+__all__ = ["Coarsening", "group_runs", "plan_runs", "run_masks", "coarsen_plan", "coarsen_factor",
+           "refine", "list_makespan", "lpt_makespan", "lpt_candidates", "lpt_factor",
+           "launch_programs", "resident_wave"]
 
 _I = np.int64
 _INT64_MAX = 2**63 - 1  # the compiled planner's bound: the launch model saturates there
@@ -44,6 +44,9 @@ class Coarsening(NamedTuple):
     resident_slots: int = 0
     # A run's masked last plan tile becomes a tile of its own (see :func:`coarsen_plan`).
     masked_apart: bool = False
+    # The launch model charges a tile that holds a masked part this many tokens more (its
+    # loop over the masked tokens: per-token ranges and mask), see :func:`run_masks`.
+    masked_cost: int = 0
 
 
 def group_runs(plan: TreePlan) -> np.ndarray:
@@ -62,6 +65,20 @@ def plan_runs(plan: TreePlan, g: int, block_m: int) -> list[tuple[int, int]]:
     lens = np.diff(np.append(starts, plan.num_tiles))
     chunks = -(-(plan.tile_q_end[starts] - plan.tile_q_start[starts]) * g // block_m)
     return list(zip(lens.tolist(), chunks.tolist()))
+
+
+def run_masks(plan: TreePlan, masked_apart: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per run of :func:`plan_runs`: whether its last plan tile has a masked part (some
+    group query may not see some of its tokens: :func:`~deft.plan.packing.mask_from` before
+    the tile's end), and whether :func:`coarsen_plan` with ``masked_apart`` cuts that tile
+    off (the run's tile before it has none)."""
+    masked = mask_from(plan) < plan.tile_indptr[1:]
+    ends = np.flatnonzero(np.append(group_runs(plan)[1:], True))
+    last = masked[ends]
+    if not masked_apart:
+        return last, np.zeros_like(last)
+    starts = np.append(0, ends[:-1] + 1)
+    return last, last & (ends > starts) & ~masked[np.maximum(ends - 1, 0)]
 
 
 def coarsen_plan(plan: TreePlan, max_tiles: int, masked_apart: bool = False) -> TreePlan:
@@ -117,8 +134,9 @@ def coarsen_factor(plan: TreePlan, c: Coarsening) -> int:
     floor = min(c.min_tile_tokens, work / c.sms)
     length = max(floor, plan.block_kv, work / (c.waves * c.sms))
     factor = min(_factor(length / plan.block_kv), c.max_factor)
+    masks = run_masks(plan, c.masked_apart) if c.masked_cost else None
     return lpt_factor(plan, factor, c.g, c.block_m, c.num_kv_heads, c.slots, c.program_cost,
-                      c.max_factor, c.resident_slots)
+                      c.max_factor, c.resident_slots, masks, c.masked_cost)
 
 
 def refine(plan: TreePlan, c: Coarsening) -> TreePlan:
@@ -146,19 +164,31 @@ def list_makespan(classes: list[tuple[int, int]], slots: int) -> int:
 
 
 def lpt_makespan(runs: list[tuple[int, int]], u: int, heads: int, block_kv: int,
-                 slots: int, program_cost: int) -> int:
+                 slots: int, program_cost: int,
+                 masks: tuple[np.ndarray, np.ndarray] | None = None,
+                 masked_cost: int = 0) -> int:
     """Makespan of the partial launch for coarsening factor ``u``, as longest-first list
     scheduling onto ``slots`` identical slots (the order programs start in: work items by
     length, KV heads fastest). A run of ``r`` plan tiles with ``c`` row chunks gives ``r // u``
     tiles of ``u`` plan tiles and one of ``r % u``, each ``c * heads`` programs of
-    ``plan tiles * block_kv + program_cost`` tokens (:func:`list_makespan`)."""
-    count: dict[int, int] = {}
-    for r, c in runs:
-        for length, n in ((u, r // u), (r % u, 1)):
+    ``plan tiles * block_kv + program_cost`` tokens (:func:`list_makespan`). With ``masks``
+    (:func:`run_masks`), the tile holding a run's masked last plan tile costs
+    ``masked_cost`` more (after the unmasked ones of its length), and a run whose masked
+    tile is cut off gives tiles of its other ``r - 1`` plan tiles and that one alone."""
+    count: dict[tuple[int, bool], int] = {}
+    last, cut = masks if masks is not None else ((False,) * len(runs),) * 2
+    for (r, c), m, x in zip(runs, last, cut):
+        if x:
+            pieces = ((u, (r - 1) // u, False), ((r - 1) % u, 1, False), (1, 1, True))
+        else:
+            full = (r - 1) // u if m else r // u  # a masked run's last tile, though full
+            pieces = ((u, full, False), (r - full * u, 1, bool(m)))
+        for length, n, mm in pieces:
             if length and n:
-                count[length] = count.get(length, 0) + n * c * heads
-    return list_makespan([(count[length], min(length * block_kv + program_cost, _INT64_MAX))
-                          for length in sorted(count, reverse=True)], slots)
+                count[length, mm] = count.get((length, mm), 0) + n * c * heads
+    return list_makespan([(count[key], min(key[0] * block_kv + program_cost + masked_cost * key[1],
+                                           _INT64_MAX))
+                          for key in sorted(count, key=lambda k: (-k[0], k[1]))], slots)
 
 
 def lpt_candidates(factor: int, max_factor: int) -> list[int]:
@@ -170,24 +200,31 @@ def lpt_candidates(factor: int, max_factor: int) -> list[int]:
 
 
 def lpt_factor(plan: TreePlan, factor: int, g: int, block_m: int, heads: int,
-               slots: int, program_cost: int, max_factor: int, resident_slots: int = 0) -> int:
-    """The coarsening factor of the shortest modelled makespan (:func:`lpt_makespan`; the
-    smallest on ties) among ``factor + i * factor // s`` for ``i = 0..s``, ``s = min(factor,
-    16)``, up to ``max_factor``: every factor up to twice the rule's when it is at most 16,
-    else 17 of them; none when the rule's factor gives one wave of programs (longer tiles
-    then only lengthen the longest program) or more than 8 (a last wave then costs little).
-    Only longer tiles than the rule's are candidates: shorter ones that the model favours run
-    slower (docs/decisions.md). Then :func:`resident_wave` with ``resident_slots``."""
+               slots: int, program_cost: int, max_factor: int, resident_slots: int = 0,
+               masks: tuple[np.ndarray, np.ndarray] | None = None,
+               masked_cost: int = 0) -> int:
+    """The coarsening factor of the shortest modelled makespan (:func:`lpt_makespan`, with
+    ``masks`` and ``masked_cost``; the smallest on ties) among ``factor + i * factor // s``
+    for ``i = 0..s``, ``s = min(factor, 16)``, up to ``max_factor``: every factor up to
+    twice the rule's when it is at most 16, else 17 of them; none when the rule's factor
+    gives one wave of programs (longer tiles then only lengthen the longest program) or
+    more than 8 (a last wave then costs little). The model runs on ``resident_slots`` where
+    the kernel keeps fewer programs than ``slots``, else on ``slots``. Only longer tiles
+    than the rule's are candidates: shorter ones that the model favours run slower
+    (docs/decisions.md). Then :func:`resident_wave` with ``resident_slots``."""
     if slots <= 0:
         return factor
+    fewer = 0 < resident_slots < slots
+    model_slots = resident_slots if fewer else slots
     runs = plan_runs(plan, g, block_m)
     best = factor
     programs = launch_programs(runs, factor, heads)
-    if slots < programs <= 8 * slots:
-        spans = {u: lpt_makespan(runs, u, heads, plan.block_kv, slots, program_cost)
+    if model_slots < programs <= 8 * model_slots:
+        spans = {u: lpt_makespan(runs, u, heads, plan.block_kv, model_slots, program_cost,
+                                 masks, masked_cost)
                  for u in lpt_candidates(factor, max_factor)}
         best = min(spans, key=lambda u: (spans[u], u))
-    if 0 < resident_slots < slots:
+    if fewer:
         best = resident_wave(runs, best, min(4 * factor, max_factor), heads, plan.block_kv,
                              resident_slots, program_cost)
     return best

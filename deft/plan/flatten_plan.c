@@ -48,8 +48,8 @@ typedef struct {
     i64 order, hi, fstart, cnt_lt, min_len, child_ptr, children, stack;  /* [nodes + 3] */
     i64 q_order, q_pre, q_len, merge_indptr, cursor;                     /* [queries + 1] */
     i64 kept, kept_qs, kept_qe, cstart, tile_indptr, tile_qs, tile_qe;  /* [tiles + 1] */
-    i64 partial_indptr, mask_from, slot0, by_len;
-    i64 bucket;                                                          /* [max_factor + 2] */
+    i64 partial_indptr, mask_from, slot0, by_len, run_flag;
+    i64 bucket;                                                    /* [2 (max_factor + 2)] */
     i64 heap_load, heap_count;                                           /* [slots + 1] */
     i64 total;
 } Ws;
@@ -71,8 +71,8 @@ static Ws ws_layout(i64 nodes, i64 tokens, i64 queries, i64 block_kv, i64 max_fa
     PLACE(cursor, nq);
     PLACE(kept, nt); PLACE(kept_qs, nt); PLACE(kept_qe, nt); PLACE(cstart, nt);
     PLACE(tile_indptr, nt); PLACE(tile_qs, nt); PLACE(tile_qe, nt); PLACE(partial_indptr, nt);
-    PLACE(mask_from, nt); PLACE(slot0, nt); PLACE(by_len, nt);
-    PLACE(bucket, max_factor + 2);
+    PLACE(mask_from, nt); PLACE(slot0, nt); PLACE(by_len, nt); PLACE(run_flag, nt);
+    PLACE(bucket, 2 * (max_factor + 2));
     PLACE(heap_load, slots + 1); PLACE(heap_count, slots + 1);  /* planning only, so last */
 #undef PLACE
     w.total = off;
@@ -121,7 +121,7 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
                         const i64 *query_kv_lens, i64 nq, i64 block_kv, i64 g, i64 block_m,
                         i64 num_kv_heads, i64 sms, double waves, i64 min_tile_tokens,
                         i64 max_factor, i64 slots, i64 program_cost, i64 resident_slots,
-                        i64 masked_apart, i64 *x, i64 ws_size) {
+                        i64 masked_apart, i64 masked_cost, i64 *x, i64 ws_size) {
     i64 nl, t0, nk = 0, ntok = 0, work = 0, factor = 1, nt = 0, sorted = 1;
     i64 all_merged = 1, nwork = 0, run_start = 0, np_;
     i64 *pre, *hi, *fstart, *cnt_lt, *min_len, *cursor, *q_order, *q_pre, *q_len;
@@ -138,7 +138,7 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
     tile_indptr = x + w.tile_indptr; tqs = x + w.tile_qs; tqe = x + w.tile_qe;
     partial_indptr = x + w.partial_indptr; merge_indptr = x + w.merge_indptr;
     pre = x + w.min_len;  /* pre[node] lives there until the queries are sorted */
-    masked = x + w.by_len;  /* per kept tile, with masked_apart; by_len is the fill's */
+    masked = x + w.by_len;  /* per kept tile, with masked_apart or masked_cost (fill's by_len) */
     cursor = x + w.children;  /* free after the preorder */
     diff = x + w.cursor;
 
@@ -173,9 +173,9 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
         qs = cnt_lt[k];
         qe = cnt_lt[ghi];
         if (qe > qs) {
-            /* masked_apart: some query of the group may not see some token of the tile
+            /* Some query of the group may not see some token of the tile
              * (deft.plan.packing.mask_from before the tile's end). */
-            if (masked_apart) {
+            if (masked_apart || masked_cost > 0) {
                 masked[nk] = 0;
                 for (i64 j = k; j < n && fstart[j] < e && !masked[nk]; j++) {
                     i64 a = fstart[j] > s ? fstart[j] : s;
@@ -210,8 +210,9 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
         if (factor >= 2 && factor < max_factor && 1.5 * (double)factor <= length / (double)block_kv)
             factor += factor / 2;
         if (factor > max_factor) factor = max_factor;
-        factor = lpt_factor(kqs, kqe, nk, factor, g, block_m, num_kv_heads, block_kv, max_factor,
-                            slots, program_cost, resident_slots, x, &w);
+        factor = lpt_factor(kqs, kqe, masked, nk, factor, g, block_m, num_kv_heads, block_kv,
+                            max_factor, slots, program_cost, resident_slots, masked_apart,
+                            masked_cost, x, &w);
     }
     for (i64 i = 0; i < nk; i++) {
         int new_run = i == 0 || kqs[i] != kqs[i - 1] || kqe[i] != kqe[i - 1];
@@ -434,7 +435,7 @@ static void release(Py_buffer *views, int n) {
 
 /* plan(parents, node_kv_indptr, query_nodes, query_kv_lens, kv_indices, block_kv, g,
  *      block_m, num_kv_heads, sms, waves, min_tile_tokens, max_factor, slots, program_cost,
- *      resident_slots, masked_apart, ws, packed_address, packed_capacity)
+ *      resident_slots, masked_apart, masked_cost, ws, packed_address, packed_capacity)
  * Plans into the int64 array ws and, when packed_address is not 0 and the buffer holds
  * packed_capacity >= the packed size int32, fills it. Returns the tuple (flags, tokens,
  * tiles, partials, work items, queries, sorted, all merged, plan-array size, 11 segment
@@ -442,24 +443,24 @@ static void release(Py_buffer *views, int n) {
  * malformed forest, -2 for arrays that are not 1-D int64 of consistent lengths. */
 static PyObject *py_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer v[6];
-    long long p[20];
+    long long p[21];
     double waves;
     i64 rc = -2, flags = -3, n, nq;
     i32 *packed;
     int got = 0;
     PyObject *res;
     (void)self;
-    if (nargs != 20) {
-        PyErr_SetString(PyExc_TypeError, "plan() takes 20 arguments");
+    if (nargs != 21) {
+        PyErr_SetString(PyExc_TypeError, "plan() takes 21 arguments");
         return NULL;
     }
-    for (int i = 5; i < 20; i++)
-        if (i != 10 && i != 17) p[i] = PyLong_AsLongLong(args[i]);
+    for (int i = 5; i < 21; i++)
+        if (i != 10 && i != 18) p[i] = PyLong_AsLongLong(args[i]);
     waves = PyFloat_AsDouble(args[10]);
-    packed = (i32 *)PyLong_AsVoidPtr(args[18]);
+    packed = (i32 *)PyLong_AsVoidPtr(args[19]);
     if (PyErr_Occurred()) return NULL;
     for (; got < 6; got++)
-        if (int64_view(args[got == 5 ? 17 : got], &v[got], got == 5) < 0) break;
+        if (int64_view(args[got == 5 ? 18 : got], &v[got], got == 5) < 0) break;
     if (got == 6) {
         const i64 *indptr = v[1].buf;
         n = v[0].len / 8;
@@ -469,9 +470,9 @@ static PyObject *py_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             i64 *x = v[5].buf;
             Py_BEGIN_ALLOW_THREADS
             rc = flatten_plan(v[0].buf, indptr, n, v[2].buf, v[3].buf, nq, p[5], p[6], p[7],
-                              p[8], p[9], waves, p[11], p[12], p[13], p[14], p[15], p[16], x,
-                              v[5].len / 8);
-            if (rc == 0 && packed && x[H_SEG + 10] <= p[19])
+                              p[8], p[9], waves, p[11], p[12], p[13], p[14], p[15], p[16], p[17],
+                              x, v[5].len / 8);
+            if (rc == 0 && packed && x[H_SEG + 10] <= p[20])
                 flags = flatten_fill(indptr, v[4].buf, x, NULL, packed);
             Py_END_ALLOW_THREADS
         }

@@ -40,29 +40,49 @@ static void heap_pop(i64 *load, i64 *count, i64 *n) {
     count[i] = c;
 }
 
+/* Run flags (run_flag[i]) of the masked-tile model (deft.plan.coarsen.run_masks). */
+enum { RUN_MASKED = 1, RUN_CUT = 2 };
+
 /* Makespan of the launch for coarsening factor u, modelled as longest-first list scheduling
  * onto `slots` identical slots (programs start in that order: deft.plan.packing sorts the work
  * items by length and the kernel's KV heads vary fastest). A run of r plan tiles with c
  * query-row chunks gives r / u tiles of u plan tiles and one of r % u, each c * heads
- * programs of (plan tiles * block_kv + program_cost) tokens. `count` has u + 1 entries. */
-static i64 lpt_makespan(const i64 *run_len, const i64 *run_chunks, i64 nruns, i64 u, i64 heads,
-                        i64 block_kv, i64 slots, i64 program_cost, i64 *count, i64 *load,
-                        i64 *group) {
-    i64 n = 0, span = 0;
-    memset(count, 0, (size_t)(u + 1) * sizeof(i64));
+ * programs of (plan tiles * block_kv + program_cost) tokens. The tile holding a RUN_MASKED
+ * run's last plan tile costs masked_cost more and starts after the unmasked ones of its
+ * length; a RUN_CUT run gives tiles of its other r - 1 plan tiles and that one alone.
+ * `count` has 2 (u + 1) entries: unmasked tiles by length, then masked ones. */
+static i64 lpt_makespan(const i64 *run_len, const i64 *run_chunks, const i64 *run_flag,
+                        i64 nruns, i64 u, i64 heads, i64 block_kv, i64 slots, i64 program_cost,
+                        i64 masked_cost, i64 *count, i64 *load, i64 *group) {
+    i64 n = 0, span = 0, *masked = count + u + 1;
+    memset(count, 0, (size_t)(2 * (u + 1)) * sizeof(i64));
     for (i64 i = 0; i < nruns; i++) {
-        count[u] += run_len[i] / u * run_chunks[i] * heads;
-        count[run_len[i] % u] += run_chunks[i] * heads;
+        i64 r = run_len[i], c = run_chunks[i] * heads, f = run_flag ? run_flag[i] : 0;
+        if (f & RUN_CUT) {
+            count[u] += (r - 1) / u * c;
+            count[(r - 1) % u] += c;
+            masked[1] += c;
+        } else if (f & RUN_MASKED) {
+            i64 full = (r - 1) / u;
+            count[u] += full * c;
+            masked[r - full * u] += c;
+        } else {
+            count[u] += r / u * c;
+            count[r % u] += c;
+        }
     }
     heap_push(load, group, &n, 0, slots);
     for (i64 len = u; len >= 1; len--) {
-        i64 left = count[len], cost = sat_add(sat_mul(len, block_kv), program_cost);
-        while (left > 0) {
-            i64 v = load[0], m = group[0], k = m < left ? m : left;
-            heap_pop(load, group, &n);
-            heap_push(load, group, &n, sat_add(v, cost), k);
-            if (m > k) heap_push(load, group, &n, v, m - k);
-            left -= k;
+        for (int mm = 0; mm < 2; mm++) {
+            i64 left = mm ? masked[len] : count[len];
+            i64 cost = sat_add(sat_add(sat_mul(len, block_kv), program_cost), mm ? masked_cost : 0);
+            while (left > 0) {
+                i64 v = load[0], m = group[0], k = m < left ? m : left;
+                heap_pop(load, group, &n);
+                heap_push(load, group, &n, sat_add(v, cost), k);
+                if (m > k) heap_push(load, group, &n, v, m - k);
+                left -= k;
+            }
         }
     }
     for (i64 i = 0; i < n; i++)
@@ -82,39 +102,50 @@ static i64 launch_programs(const i64 *run_len, const i64 *run_chunks, i64 nruns,
  * factor / s for i = 0..s, s = min(factor, 16), up to max_factor: every factor up to twice
  * the rule's when it is at most 16, else 17 of them. Longer tiles pay when fewer programs
  * leave less of a last wave; with one wave or more than 8 at the rule's factor, none is
- * tried. Then, with 0 < resident_slots < slots (deft.plan.coarsen.resident_wave): the
+ * tried. The model runs on resident_slots where 0 < resident_slots < slots, else on slots,
+ * and with masked_cost > 0 charges masked tiles (`masked` per kept tile, cut off with
+ * masked_apart). Then, with 0 < resident_slots < slots (deft.plan.coarsen.resident_wave): the
  * smallest factor up to 4x the rule's that fits one wave of resident_slots programs, if the
  * model on those slots finishes it sooner. */
-static i64 lpt_factor(const i64 *kqs, const i64 *kqe, i64 nk, i64 factor, i64 g, i64 block_m,
-                      i64 heads, i64 block_kv, i64 max_factor, i64 slots, i64 program_cost,
-                      i64 resident_slots, i64 *x, const Ws *w) {
-    i64 *run_len = x + w->mask_from, *run_chunks = x + w->slot0, nruns = 0, best = factor;
-    i64 best_span = -1, steps = factor < 16 ? factor : 16, programs, limit, lo, hi;
+static i64 lpt_factor(const i64 *kqs, const i64 *kqe, const i64 *masked, i64 nk, i64 factor,
+                      i64 g, i64 block_m, i64 heads, i64 block_kv, i64 max_factor, i64 slots,
+                      i64 program_cost, i64 resident_slots, i64 masked_apart, i64 masked_cost,
+                      i64 *x, const Ws *w) {
+    i64 *run_len = x + w->mask_from, *run_chunks = x + w->slot0, *run_flag = x + w->run_flag;
+    i64 nruns = 0, best = factor, best_span = -1, steps = factor < 16 ? factor : 16;
+    i64 programs, limit, lo, hi, model_slots;
+    i64 *count = x + w->bucket, *load = x + w->heap_load, *group = x + w->heap_count;
+    int fewer = resident_slots > 0 && resident_slots < slots;
     if (slots <= 0) return factor;
+    model_slots = fewer ? resident_slots : slots;
     for (i64 i = 0; i < nk; i++) {
         if (i == 0 || kqs[i] != kqs[i - 1] || kqe[i] != kqe[i - 1]) {
             run_len[nruns] = 0;
             run_chunks[nruns++] = ceil_div((kqe[i] - kqs[i]) * g, block_m);
         }
         run_len[nruns - 1]++;
+        if (i + 1 == nk || kqs[i + 1] != kqs[i] || kqe[i + 1] != kqe[i]) {
+            i64 r = run_len[nruns - 1];
+            run_flag[nruns - 1] = masked_cost > 0 && masked[i]
+                ? RUN_MASKED | (masked_apart && r > 1 && !masked[i - 1] ? RUN_CUT : 0) : 0;
+        }
     }
     /* In one wave the rule's factor is best (longer tiles only lengthen the longest program);
      * past 8 waves a last wave costs little. */
     programs = launch_programs(run_len, run_chunks, nruns, factor, heads);
-    if (programs > slots && programs <= 8 * slots) {
+    if (programs > model_slots && programs <= 8 * model_slots) {
         for (i64 i = 0; i <= steps; i++) {
             i64 u = factor + i * factor / steps, span;
             if (u > max_factor) break;
-            span = lpt_makespan(run_len, run_chunks, nruns, u, heads, block_kv, slots,
-                                program_cost, x + w->bucket, x + w->heap_load,
-                                x + w->heap_count);
+            span = lpt_makespan(run_len, run_chunks, run_flag, nruns, u, heads, block_kv,
+                                model_slots, program_cost, masked_cost, count, load, group);
             if (best_span < 0 || span < best_span) {
                 best_span = span;
                 best = u;
             }
         }
     }
-    if (resident_slots <= 0 || resident_slots >= slots) return best;
+    if (!fewer) return best;
     limit = 4 * factor < max_factor ? 4 * factor : max_factor;
     if (limit <= best ||
         launch_programs(run_len, run_chunks, nruns, best, heads) <= resident_slots ||
@@ -127,10 +158,10 @@ static i64 lpt_factor(const i64 *kqs, const i64 *kqe, i64 nk, i64 factor, i64 g,
         if (launch_programs(run_len, run_chunks, nruns, mid, heads) <= resident_slots) hi = mid;
         else lo = mid;
     }
-    if (lpt_makespan(run_len, run_chunks, nruns, hi, heads, block_kv, resident_slots,
-                     program_cost, x + w->bucket, x + w->heap_load, x + w->heap_count) <
-        lpt_makespan(run_len, run_chunks, nruns, best, heads, block_kv, resident_slots,
-                     program_cost, x + w->bucket, x + w->heap_load, x + w->heap_count))
+    if (lpt_makespan(run_len, run_chunks, NULL, nruns, hi, heads, block_kv, resident_slots,
+                     program_cost, 0, count, load, group) <
+        lpt_makespan(run_len, run_chunks, NULL, nruns, best, heads, block_kv, resident_slots,
+                     program_cost, 0, count, load, group))
         return hi;
     return best;
 }

@@ -83,6 +83,9 @@ class KernelConfig:
     # Coarsening cuts a run's masked last plan tile off into a tile of its own
     # (``deft.plan.coarsen.coarsen_plan``).
     masked_apart: bool = False
+    # The launch model charges a tile with a masked part this many tokens more
+    # (``deft.plan.coarsen.Coarsening.masked_cost``).
+    masked_cost: int = 0
     # Over e4m3 K (no infinities) and a 16-bit q, no score is made NaN for being -inf: only
     # a ±inf K value or an fp32 overflow could give one (``kernels._no_neg_inf``).
     e4m3_finite_scores: bool = False
@@ -107,9 +110,10 @@ class KernelConfig:
                     and q_dtype.itemsize == 2)
 
 
-# Deferred V checks over 16-bit K/V only, finite scores over e4m3 K: docs/decisions.md.
+# Deferred V checks over 16-bit K/V only, finite scores over e4m3 K, masked tiles apart and
+# charged 128 tokens: docs/decisions.md.
 _SM90 = dict(tma=True, pdl=True, graph_waves=3, kv8_maxnreg=168, deferred_v_checks=True,
-             e4m3_finite_scores=True)
+             e4m3_finite_scores=True, masked_apart=True, masked_cost=128)
 _NARROW = dict(_SM90, narrow_partials=True, maxnreg=168, kv8_block_n=64)
 CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
     ("sm90", 64, 0): KernelConfig(64, 32, 4, 3, 4.0, **_SM90),
