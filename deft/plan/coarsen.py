@@ -19,9 +19,9 @@ from ..checks import positive_int
 from .packing import mask_from
 from .tree_plan import TreePlan, assemble
 
-__all__ = ["Coarsening", "group_runs", "plan_runs", "run_masks", "coarsen_plan", "coarsen_factor",
-           "refine", "list_makespan", "lpt_makespan", "lpt_candidates", "lpt_factor",
-           "launch_programs", "resident_wave"]
+__all__ = ["Coarsening", "group_runs", "plan_runs", "masked_tiles", "run_masks", "coarsen_plan",
+           "coarsen_factor", "refine", "list_makespan", "lpt_makespan", "lpt_candidates",
+           "lpt_factor", "launch_programs", "resident_wave"]
 
 _I = np.int64
 _INT64_MAX = 2**63 - 1  # the compiled planner's bound: the launch model saturates there
@@ -67,12 +67,18 @@ def plan_runs(plan: TreePlan, g: int, block_m: int) -> list[tuple[int, int]]:
     return list(zip(lens.tolist(), chunks.tolist()))
 
 
-def run_masks(plan: TreePlan, masked_apart: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Per run of :func:`plan_runs`: whether its last plan tile has a masked part (some
-    group query may not see some of its tokens: :func:`~deft.plan.packing.mask_from` before
-    the tile's end), and whether :func:`coarsen_plan` with ``masked_apart`` cuts that tile
-    off (the run's tile before it has none)."""
-    masked = mask_from(plan) < plan.tile_indptr[1:]
+def masked_tiles(plan: TreePlan) -> np.ndarray:
+    """``[T]`` bool: the plan tile has a masked part (some group query may not see some of
+    its tokens: :func:`~deft.plan.packing.mask_from` before the tile's end)."""
+    return mask_from(plan) < plan.tile_indptr[1:]
+
+
+def run_masks(plan: TreePlan, masked_apart: bool,
+              masked: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per run of :func:`plan_runs`: whether its last plan tile has a masked part
+    (:func:`masked_tiles`, or ``masked`` when given), and whether :func:`coarsen_plan` with
+    ``masked_apart`` cuts that tile off (the run's tile before it has none)."""
+    masked = masked_tiles(plan) if masked is None else masked
     ends = np.flatnonzero(np.append(group_runs(plan)[1:], True))
     last = masked[ends]
     if not masked_apart:
@@ -81,7 +87,8 @@ def run_masks(plan: TreePlan, masked_apart: bool) -> tuple[np.ndarray, np.ndarra
     return last, last & (ends > starts) & ~masked[np.maximum(ends - 1, 0)]
 
 
-def coarsen_plan(plan: TreePlan, max_tiles: int, masked_apart: bool = False) -> TreePlan:
+def coarsen_plan(plan: TreePlan, max_tiles: int, masked_apart: bool = False,
+                 masked: np.ndarray | None = None) -> TreePlan:
     """Merge runs of consecutive tiles that serve the same query group, up to ``max_tiles``
     tiles each, into one tile: a kernel then keeps one online softmax across them and
     writes one partial state per query instead of ``max_tiles``.
@@ -91,7 +98,7 @@ def coarsen_plan(plan: TreePlan, max_tiles: int, masked_apart: bool = False) -> 
     plan tile, when some group query may not see some of its tokens and every group query
     sees all of the tile before it, stays a tile of its own, so that its masked part (the
     node's last tokens, which a kernel runs with the per-token mask) does not lengthen a
-    whole coarsened tile.
+    whole coarsened tile (``masked``: :func:`masked_tiles` of ``plan``, if known).
     """
     max_tiles = positive_int(max_tiles, "max_tiles")
     nt = plan.num_tiles
@@ -102,7 +109,7 @@ def coarsen_plan(plan: TreePlan, max_tiles: int, masked_apart: bool = False) -> 
     run_start = np.maximum.accumulate(np.where(new_run, idx, 0))
     first = new_run | ((idx - run_start) % max_tiles == 0)
     if masked_apart:
-        masked = mask_from(plan) < plan.tile_indptr[1:]
+        masked = masked_tiles(plan) if masked is None else masked
         last = np.append(new_run[1:], True)
         first[1:] |= (masked & last)[1:] & ~masked[:-1]
     starts = np.flatnonzero(first)
@@ -119,14 +126,15 @@ def _factor(ratio: float) -> int:
     return 3 * p // 2 if p >= 2 and 1.5 * p <= ratio else p
 
 
-def coarsen_factor(plan: TreePlan, c: Coarsening) -> int:
+def coarsen_factor(plan: TreePlan, c: Coarsening, masked: np.ndarray | None = None) -> int:
     """How many plan tiles of one group become one tile: about ``work / (waves * SMs)``
     tokens, where ``work`` counts (token, query-row chunk, KV head) triples, so each program
     streams about the same number of tokens. The length is at least ``min_tile_tokens``
     unless that would leave fewer programs than SMs (single-sequence decoding), and is
     rounded down to ``2^k`` or ``3 * 2^k`` plan tiles; the factor then grows by up to 2x
     where the launch model says fewer, longer programs finish sooner (:func:`lpt_factor`),
-    or up to 4x to fit one wave of the kernel's resident programs (:func:`resident_wave`)."""
+    or up to 4x to fit one wave of the kernel's resident programs (:func:`resident_wave`).
+    ``masked``: :func:`masked_tiles` of ``plan``, if known."""
     if plan.num_tiles == 0:
         return 1
     chunks = -(-(plan.tile_q_end - plan.tile_q_start) * c.g // c.block_m)
@@ -134,7 +142,7 @@ def coarsen_factor(plan: TreePlan, c: Coarsening) -> int:
     floor = min(c.min_tile_tokens, work / c.sms)
     length = max(floor, plan.block_kv, work / (c.waves * c.sms))
     factor = min(_factor(length / plan.block_kv), c.max_factor)
-    masks = run_masks(plan, c.masked_apart) if c.masked_cost else None
+    masks = run_masks(plan, c.masked_apart, masked) if c.masked_cost else None
     return lpt_factor(plan, factor, c.g, c.block_m, c.num_kv_heads, c.slots, c.program_cost,
                       c.max_factor, c.resident_slots, masks, c.masked_cost)
 
@@ -143,7 +151,8 @@ def refine(plan: TreePlan, c: Coarsening) -> TreePlan:
     """``plan`` coarsened by :func:`coarsen_factor` (and ``c.masked_apart``)."""
     if plan.num_tiles == 0:
         return plan
-    return coarsen_plan(plan, coarsen_factor(plan, c), c.masked_apart)
+    masked = masked_tiles(plan) if c.masked_apart or c.masked_cost else None
+    return coarsen_plan(plan, coarsen_factor(plan, c, masked), c.masked_apart, masked)
 
 
 def list_makespan(classes: list[tuple[int, int]], slots: int) -> int:
