@@ -92,7 +92,8 @@ def test_text_output_and_speed_line(loaded, capsys):
 def test_user_errors(loaded, capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("deft: error: ") and message in err, err
+    prog = " ".join(["deft", *argv[:2 if argv[0] == "bench" else 1]])  # the command, named
+    assert err.count("\n") == 1 and err.startswith(f"{prog}: error: ") and message in err, err
 
 
 def test_non_utf8_prompt_bytes_are_replaced(loaded, capsys):
@@ -142,7 +143,8 @@ def test_model_errors(tmp_path, capsys):
     ]:
         assert main(argv) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("deft: error: --model: ") and message in err, err
+        assert err.count("\n") == 1 and err.startswith(f"deft {argv[0]}: error: --model: ") \
+            and message in err, err
     if not torch.cuda.is_available():
         assert main(["generate", PROMPT, "--device", "cuda"]) == 2
         assert "--device cuda: no CUDA device is available" in capsys.readouterr().err
@@ -209,7 +211,7 @@ def test_kv_memory_too_small(loaded, capsys):
         "16-token page of 720.0 KiB" in err, err
     assert main(["generate", "word " * 100, "--kv-memory", "2MiB"]) == 2  # 101 tokens: 7 pages
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("deft: error: KV cache is full: needed 7 free pages of "
+    assert err.count("\n") == 1 and err.startswith("deft generate: error: KV cache is full: needed 7 free pages of "
                                                    "16 tokens, 2 free of 2 in a K/V budget of 2.0 MiB "
                                                    "(--kv-memory); raise --kv-memory"), err
 
@@ -255,7 +257,7 @@ def test_worst_case_pool_is_not_allocated_under_a_memory_limit(tmp_path):
     assert done.returncode in (0, 2), done.stderr[-2000:]
     if done.returncode == 2:
         err = [line for line in done.stderr.splitlines() if line.startswith("deft")]
-        assert err == [done.stderr.strip().splitlines()[-1]] and err[0].startswith("deft: error: KV cache is full")
+        assert err == [done.stderr.strip().splitlines()[-1]] and err[0].startswith("deft sample: error: KV cache is full")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
@@ -291,5 +293,5 @@ def test_a_gguf_model_without_the_gguf_package_is_a_user_error():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert done.stderr.count("\n") == 1 and done.stderr.startswith("deft: error: --model: "), done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("deft generate: error: --model: "), done.stderr
     assert ".gguf: reading GGUF files needs the gguf package" in done.stderr, done.stderr

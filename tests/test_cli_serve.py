@@ -42,4 +42,4 @@ def test_kv_memory_sizes_the_server_pool(tmp_path, monkeypatch, capsys):
     capsys.readouterr()  # the loads' "model on ..." lines
     assert main(["serve", "--model", str(path), "--num-pages", "7", "--kv-memory", "1MiB"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "deft: error: --kv-memory: give either --kv-memory or --num-pages, not both"]
+        "deft serve: error: --kv-memory: give either --kv-memory or --num-pages, not both"]

@@ -121,4 +121,4 @@ def test_trace_deeper_than_the_context(paths, tmp_path, capsys):
     write_tiny_gguf(short, max_position_embeddings=16)
     assert main(["replay", paths["trace"], "--model", str(short)]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("  ... ")]
-    assert len(err) == 1 and err[0].startswith("deft: error: TRACE trace.json: ") and "context of 16" in err[0]
+    assert len(err) == 1 and err[0].startswith("deft replay: error: TRACE trace.json: ") and "context of 16" in err[0]

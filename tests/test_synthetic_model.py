@@ -59,7 +59,7 @@ def test_bad_specs_say_what_is_accepted(spec, message):
 def test_a_bad_spec_is_one_line_naming_the_flag(capsys):
     assert main(["generate", "hi", "--model", "random:gpt-2"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "deft: error: --model: name: expected one of llama-3-8b, qwen3-8b, tiny, got 'gpt-2'"]
+        "deft generate: error: --model: name: expected one of llama-3-8b, qwen3-8b, tiny, got 'gpt-2'"]
 
 
 def test_byte_symbols_are_the_byte_level_alphabet():

@@ -90,7 +90,7 @@ def test_replay_and_demo_say_when_workloads_are_absent(elsewhere, monkeypatch, c
     monkeypatch.setattr(recorded, "_CHECKOUT", elsewhere / "repo")
     assert main(["replay", "keywordToT"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("deft: error: TRACE 'keywordToT': a task name needs the "
+    assert err.count("\n") == 1 and err.startswith("deft replay: error: TRACE 'keywordToT': a task name needs the "
                                                    "recorded workloads, and recorded workloads not found (tried ")
     assert reasoning_trace(None) is None
     err = capsys.readouterr().err
@@ -107,4 +107,4 @@ def test_replay_a_task_by_name_from_any_directory(elsewhere, monkeypatch, capsys
     assert main(["replay", "tiny", "--iterations", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["iterations"] == 2
     assert main(["replay", "huge"]) == 2
-    assert capsys.readouterr().err == f"deft: error: TRACE 'huge': no such task in {reasoning} (there: tiny)\n"
+    assert capsys.readouterr().err == f"deft replay: error: TRACE 'huge': no such task in {reasoning} (there: tiny)\n"

@@ -30,16 +30,17 @@ def build_parser() -> Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    prog = parser._command(args).prog  # errors name the command, as argument errors do
     choose_device(args)
     try:
         args.func(args)
     except CliError as exc:
-        print(printable(f"deft: error: {exc}"), file=sys.stderr)
+        print(printable(f"{prog}: error: {exc}"), file=sys.stderr)
         return 2
     except RuntimeError as exc:
         group = sys.modules.get("deft.distributed.group")  # only loaded under --tp
         if group is None or not isinstance(exc, group.TensorParallelError):
             raise
-        print(printable(f"deft: error: {exc}"), file=sys.stderr)
+        print(printable(f"{prog}: error: {exc}"), file=sys.stderr)
         return 1
     return 0
