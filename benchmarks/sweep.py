@@ -33,10 +33,10 @@ config and coarsening (``deft.plan.coarsen.refine``):
   in tiles of few rows (``kv8_few_share``; shipped 0.1).
 * ``model``: the coarsening's launch model on the config's program slots for every launch
   with no masked tile charged (``masked_cost``, shipped 128) or cut off (``masked_apart``):
-  the rule before this model; on the config's slots alone; a program cost of 256 tokens;
-  masked tiles charged 0 or 256; not cut off, charged 128 or not. The graph-safe grid
-  stays as shipped (docs/decisions.md, "Where a graph-safe partial launch spends its
-  time").
+  the rule before this model; on the config's slots with the cut but no charge; a program
+  cost of 256 tokens; masked tiles charged 0 or 256; not cut off, charged 128 or not. The
+  graph-safe grid stays as shipped (docs/decisions.md, "Where a graph-safe partial launch
+  spends its time").
 * ``tails``: the masked tiles' kernel variants: the masked loop from the block boundary
   before each tile's ``mask_from`` (``aligned_mask``), a masked block's range loads before
   its K load (``ranges_first``), and both.
