@@ -69,6 +69,15 @@ def _program(starts, ends, scale, k_scale, G: tl.constexpr, ROWS: tl.constexpr,
 
 
 @triton.jit
+def _block(t0, end, h, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """The K/V block at token ``t0``: which of its tokens are the query's, and their rows'
+    offsets in ``[tokens, KV heads, D]`` K/V."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    off = (t * tl.num_programs(1) + h)[:, None] * D + tl.arange(0, D)[None, :]
+    return t < end, off
+
+
+@triton.jit
 def _swap_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, starts, ends, scale, k_scale, v_scale,
                  G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  FP8: tl.constexpr):
@@ -80,9 +89,7 @@ def _swap_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, starts, ends, scale, k_sca
     l_sum = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([D, ROWS], tl.float32)
     for t0 in range(start, end, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        seen = t < end
-        kv_off = (t * tl.num_programs(1) + h)[:, None] * D + d[None, :]
+        seen, kv_off = _block(t0, end, h, BLOCK_N, D)
         k = tl.load(k_ptr + kv_off, mask=seen[:, None], other=0.0).to(q_t.dtype)
         s = tl.dot(k, q_t) * scale  # [BLOCK_N, ROWS], log2 units
         s = tl.where(seen[:, None], s, float("-inf"))
@@ -113,9 +120,7 @@ def _rows_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, starts, ends, scale, k_sca
     l_sum = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
     for t0 in range(start, end, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        seen = t < end
-        kv_off = (t * tl.num_programs(1) + h)[:, None] * D + d[None, :]
+        seen, kv_off = _block(t0, end, h, BLOCK_N, D)
         k = tl.load(k_ptr + kv_off, mask=seen[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where(seen[None, :], s, float("-inf"))
