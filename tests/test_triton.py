@@ -20,7 +20,7 @@ DEV = "cuda" if CUDA else "cpu"
 # runs the checked kernel in test_isolation's "checked-v").
 VARIANTS = {"aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
             "both": {"aligned_mask": True, "ranges_first": True},
-            "deferred": {"deferred_v_checks": True}}
+            "deferred": {"deferred_v_checks": True}, "lazy": {"lazy_rescale": True}}
 
 
 def check(layout, h_q, h_kv, d, dtype, kind="flatten", seed=0, paged=0):
@@ -922,7 +922,7 @@ def test_sweep_plans_need_no_gpu(capsys):
     H200 makes it, on the CPU: the kernel variants keep the shipped plan; the masked tile
     not cut off, the rule before the masked-tile model and fixed factors change it. Two
     sweeps in one run list the shipped configs once; two that share a label other than that
-    are refused."""
+    are refused, and so is an ``--only`` label of no variant."""
     from benchmarks import sweep
 
     sweep.main(["--plans", "--sweep", "tails,checks,order,model", "few-shot b=20"])
@@ -947,12 +947,15 @@ def test_sweep_plans_need_no_gpu(capsys):
     assert [r[1] for r in rows].count("shipped") == 2  # once in each of the two runs
     with pytest.raises(SystemExit):
         sweep.main(["--plans", "--sweep", "pipeline,ring", "few-shot b=20"])  # "n32 s4" twice
+    with pytest.raises(SystemExit):  # a label of no variant in the sweep
+        sweep.main(["--plans", "--sweep", "tails", "--only", "shipped,aligned", "few-shot b=20"])
+    assert "--only: no variant 'aligned' in --sweep tails" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("name, only, kv", [
-    ("tails", "shipped,aligned mask + ranges first,aligned mask + masked tile apart", "auto"),
+    ("tails", "shipped,aligned mask + ranges first", "auto"),
     ("checks", "shipped,checked,deferred V checks + finite e4m3 scores", "fp8_e4m3"),
     ("order", "shipped,in order + early item loads", "auto")])
 def test_gpu_sweep_times_the_kernel_variants(capsys, name, only, kv):
@@ -991,3 +994,34 @@ def test_config_table_by_arch_head_dim_and_rows(monkeypatch):
     assert configs.kernel_config(96, 100).merge_heads == 8  # blocks of 128
     monkeypatch.setattr(configs, "arch_of", lambda device: "sm100")
     assert configs.kernel_config(128, 10).merge_heads == 4  # sm90's table
+
+
+@pytest.mark.skipif(CUDA, reason="sets the interpreter's config; on a GPU: the gpu test")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("tma", [False, True], ids=["gathered", "tma"])
+def test_lazy_rescale_over_creeping_and_jumping_maxima(monkeypatch, fixed_coarsening, dtype, tma):
+    """``lazy_rescale``: scores that rise along the prompt by less than 8 (base 2) per block
+    in some (query, head) rows (the running max stays behind, probabilities up to 2^8) and by
+    more in others, one row at a time or several (the accumulator is rescaled), match the
+    float64 reference."""
+    import dataclasses
+
+    layout = few_shot_layout(200, 2, 40)
+    q, k, v = random_qkv(layout, 4, 2, 32, torch.float32, 5)
+    g = torch.Generator().manual_seed(1)
+    u = torch.nn.functional.normalize(torch.randn(32, generator=g), dim=0)
+    # K slot t leans along u by t / 8, each (query, head) row by its own amount: a score
+    # rises by about lean / 30 per token in base 2.
+    k = k + (torch.arange(k.shape[0]) / 8.0)[:, None, None] * u
+    q = q + torch.tensor([[0.5, 6.0, 12.0, 30.0], [3.0, 0.5, 30.0, 9.0]])[:, :, None] * u
+    q, k, v = (x.to(dtype=dtype, device=DEV) for x in (q, k, v))
+    ref_o, ref_lse = reference_attention(q, k, v, layout, 32**-0.5)
+    fixed_coarsening(8)
+    key = ("interpreter", 0, 0)
+    monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
+        configs.CONFIGS[key], tma=tma, lazy_rescale=True))
+    attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=8)
+    attn.plan(layout)
+    o, lse = attn.run(q, k, v, return_lse=True)
+    assert_close(o.cpu(), ref_o.cpu(), dtype, f"lazy rescale, tma={tma}")
+    assert_lse_close(lse.cpu(), ref_lse.cpu(), f"lazy rescale, tma={tma}")
