@@ -20,7 +20,7 @@ DEV = "cuda" if CUDA else "cpu"
 # runs the checked kernel in test_isolation's "checked-v").
 VARIANTS = {"aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
             "both": {"aligned_mask": True, "ranges_first": True},
-            "deferred": {"deferred_v_checks": True}, "lazy": {"lazy_rescale": True}}
+            "deferred": {"deferred_v_checks": True}}
 
 
 def check(layout, h_q, h_kv, d, dtype, kind="flatten", seed=0, paged=0):
@@ -995,33 +995,3 @@ def test_config_table_by_arch_head_dim_and_rows(monkeypatch):
     monkeypatch.setattr(configs, "arch_of", lambda device: "sm100")
     assert configs.kernel_config(128, 10).merge_heads == 4  # sm90's table
 
-
-@pytest.mark.skipif(CUDA, reason="sets the interpreter's config; on a GPU: the gpu test")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("tma", [False, True], ids=["gathered", "tma"])
-def test_lazy_rescale_over_creeping_and_jumping_maxima(monkeypatch, fixed_coarsening, dtype, tma):
-    """``lazy_rescale``: scores that rise along the prompt by less than 8 (base 2) per block
-    in some (query, head) rows (the running max stays behind, probabilities up to 2^8) and by
-    more in others, one row at a time or several (the accumulator is rescaled), match the
-    float64 reference."""
-    import dataclasses
-
-    layout = few_shot_layout(200, 2, 40)
-    q, k, v = random_qkv(layout, 4, 2, 32, torch.float32, 5)
-    g = torch.Generator().manual_seed(1)
-    u = torch.nn.functional.normalize(torch.randn(32, generator=g), dim=0)
-    # K slot t leans along u by t / 8, each (query, head) row by its own amount: a score
-    # rises by about lean / 30 per token in base 2.
-    k = k + (torch.arange(k.shape[0]) / 8.0)[:, None, None] * u
-    q = q + torch.tensor([[0.5, 6.0, 12.0, 30.0], [3.0, 0.5, 30.0, 9.0]])[:, :, None] * u
-    q, k, v = (x.to(dtype=dtype, device=DEV) for x in (q, k, v))
-    ref_o, ref_lse = reference_attention(q, k, v, layout, 32**-0.5)
-    fixed_coarsening(8)
-    key = ("interpreter", 0, 0)
-    monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
-        configs.CONFIGS[key], tma=tma, lazy_rescale=True))
-    attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=8)
-    attn.plan(layout)
-    o, lse = attn.run(q, k, v, return_lse=True)
-    assert_close(o.cpu(), ref_o.cpu(), dtype, f"lazy rescale, tma={tma}")
-    assert_lse_close(lse.cpu(), ref_lse.cpu(), f"lazy rescale, tma={tma}")

@@ -64,8 +64,7 @@ VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True}, "ranges": {"ranges
             "finite": {"deferred_v_checks": False, "e4m3_finite_scores": True},
             "lean": {"deferred_v_checks": True, "e4m3_finite_scores": True},
             "in-order": {"header_in_order": True}, "early": {"early_item_loads": True},
-            "order": {"header_in_order": True, "early_item_loads": True},
-            "lazy": {"lazy_rescale": True}}
+            "order": {"header_in_order": True, "early_item_loads": True}}
 # The inner loops' kinds, in the table's order: K/V by TMA or gathered, masked or not.
 LOOPS = ("TMA", "TMA masked", "gathered", "gathered masked")
 H_KV, G = 8, 4  # Llama-3-8B's heads
@@ -187,7 +186,7 @@ def build_usage(cfg: configs.KernelConfig, head_dim: int, kv: torch.dtype,
         FUSE_MERGE=cfg.fuse_merge, IEEE=False, PDL=cfg.pdl, HEADER=graph_safe, SCALED=scaled, F16_DOTS=scaled,
         ALIGN_MASK=cfg.aligned_mask, RANGES_FIRST=cfg.ranges_first,
         INF_K=cfg.k_may_hold_inf(kv, torch.bfloat16), DEFER_V=cfg.deferred_v_checks,
-        IN_ORDER=graph_safe and cfg.header_in_order, EARLY=cfg.early_item_loads, LAZY=cfg.lazy_rescale,
+        IN_ORDER=graph_safe and cfg.header_in_order, EARLY=cfg.early_item_loads,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
         launch_pdl=cfg.pdl)
     with tempfile.TemporaryDirectory() as tmp:

@@ -101,9 +101,6 @@ class KernelConfig:
     # A work item's query order, prefixes and lengths (stream-ordered plan arrays, like its
     # description) load before the PDL wait, not after it.
     early_item_loads: bool = False
-    # The accumulator is rescaled only in blocks where a row's running max grows by more
-    # than 8 (base 2), not in every block (``kernels._softmax_step``).
-    lazy_rescale: bool = False
 
     def k_may_hold_inf(self, k_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
         """Whether the partial kernel makes -inf scores NaN over K of ``k_dtype`` and q of

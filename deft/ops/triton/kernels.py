@@ -79,32 +79,16 @@ def _no_neg_inf(s):
 
 
 @triton.jit
-def _softmax_step(s, m_i, l_i, acc, qk_scale, LAZY: tl.constexpr):
+def _softmax_step(s, m_i, l_i, acc, qk_scale):
     """Online-softmax step of one block of raw scores ``s`` (``-inf`` where not seen): the
     block's probabilities in base 2 and the updated running max, sum and accumulator. The
-    scale folds into one FMA per score (the max commutes with a positive scale).
-
-    ``LAZY``: a row's running max moves only where the block's exceeds it by more than 8
-    (probabilities then stay below 2^8, in range for fp16, bf16 and fp32), and the
-    accumulator is rescaled only in blocks where some row's moved: most blocks of a long
-    tile skip the ``BLOCK_M x D`` multiply. Exact either way: the max is only a reference
-    point that the sum and the accumulator share."""
+    scale folds into one FMA per score (the max commutes with a positive scale)."""
     # m_i starts finite (-1e30), so no -inf - -inf: masked scores give p = 0.
-    if LAZY:
-        m_blk = tl.max(s, 1) * qk_scale
-        # NaN fails the test (its row's p are NaN anyway); +inf passes (alpha 0, p NaN).
-        m_new = tl.where(m_blk > m_i + 8.0, m_blk, m_i)
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
     l_i = l_i * alpha + tl.sum(p, 1)
-    if LAZY:
-        if tl.max(tl.where(m_new != m_i, 1, 0), 0) > 0:
-            acc = acc * alpha[:, None]
-    else:
-        acc = acc * alpha[:, None]
-    return p, m_new, l_i, acc
+    return p, m_new, l_i, acc * alpha[:, None]
 
 
 @triton.jit
@@ -142,7 +126,6 @@ def _tile_loop(
     row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
     D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
     IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr, INF_K: tl.constexpr, CHECK_V: tl.constexpr,
-    LAZY: tl.constexpr,
     HEAD_D: tl.constexpr,
 ):
     """Online softmax of the query rows over plan tokens ``[tok0, tok1)``, ``BLOCK_N`` at a time.
@@ -180,7 +163,7 @@ def _tile_loop(
         if INF_K:
             s = _no_neg_inf(s)
         s = tl.where(vis, s, float("-inf"))
-        p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale, LAZY)
+        p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
         v = tl.load(V + kv_off, mask=kv_ok, other=0.0).to(q.dtype)
         if MASKED and CHECK_V:  # padding loads as 0; unmasked blocks need none (see the top)
             p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
@@ -195,7 +178,7 @@ def _tma_block(
     m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     TAIL: tl.constexpr, IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr,
-    INF_K: tl.constexpr, CHECK_V: tl.constexpr, LAZY: tl.constexpr,
+    INF_K: tl.constexpr, CHECK_V: tl.constexpr,
 ):
     """One online-softmax step over the ``BLOCK_N`` consecutive slots from ``slot``, loaded
     by TMA. ``TAIL``: only tokens before ``tok1`` count; the box's rows past it (another
@@ -232,7 +215,7 @@ def _tma_block(
         s = tl.where(vis, s, float("-inf"))
     elif INF_K:
         s = _no_neg_inf(s)
-    p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale, LAZY)
+    p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
     v = desc_v.load([slot, kvh * D]).to(q.dtype)
     if MASKED and CHECK_V:  # unmasked blocks need no V check (see the top)
         p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
@@ -248,7 +231,7 @@ def _tma_tile(
     q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre, qlen,
     m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr, RANGES_FIRST: tl.constexpr,
-    INF_K: tl.constexpr, CHECK_V: tl.constexpr, LAZY: tl.constexpr,
+    INF_K: tl.constexpr, CHECK_V: tl.constexpr,
 ):
     """``_tile_loop`` for a tile of consecutive slots from ``slot0``, every block by TMA: no
     per-element addresses, masks or slot loads, which frees registers and issue slots."""
@@ -258,13 +241,13 @@ def _tma_tile(
             q, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, seen_to,
             slot0 + (start - tok0), kvh, pre, qlen, m_i, l_i, acc, qk_scale, D=D,
             BLOCK_N=BLOCK_N, MASKED=MASKED, TAIL=False, IEEE=IEEE, ALIGN_MASK=ALIGN_MASK,
-            RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, CHECK_V=CHECK_V, LAZY=LAZY)
+            RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, CHECK_V=CHECK_V)
     if whole < tok1:
         m_i, l_i, acc = _tma_block(
             q, desc_k, desc_v, tok_lo, tok_hi, tok_off, whole, tok1, seen_to,
             slot0 + (whole - tok0), kvh, pre, qlen, m_i, l_i, acc, qk_scale, D=D,
             BLOCK_N=BLOCK_N, MASKED=MASKED, TAIL=True, IEEE=IEEE, ALIGN_MASK=ALIGN_MASK,
-            RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, CHECK_V=CHECK_V, LAZY=LAZY)
+            RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, CHECK_V=CHECK_V)
     return m_i, l_i, acc
 
 
@@ -275,7 +258,7 @@ def _tile(
     D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
     TMA: tl.constexpr, IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr,
-    INF_K: tl.constexpr, CHECK_V: tl.constexpr, LAZY: tl.constexpr, HEAD_D: tl.constexpr,
+    INF_K: tl.constexpr, CHECK_V: tl.constexpr, HEAD_D: tl.constexpr,
 ):
     """The tile's online softmax. ``TMA``: a tile of consecutive slots (``slot0 >= 0``; all
     tiles when ``CONTIG``) loads by TMA, any other by gathered loads."""
@@ -285,13 +268,13 @@ def _tile(
             q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre,
             qlen, m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, IEEE=IEEE,
             ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-            CHECK_V=CHECK_V, LAZY=LAZY)
+            CHECK_V=CHECK_V)
     else:
         m_i, l_i, acc = _tile_loop(
             q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre,
             qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
             D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, CONTIG=CONTIG, IEEE=IEEE,
-            ALIGN_MASK=ALIGN_MASK, INF_K=INF_K, CHECK_V=CHECK_V, LAZY=LAZY, HEAD_D=HEAD_D)
+            ALIGN_MASK=ALIGN_MASK, INF_K=INF_K, CHECK_V=CHECK_V, HEAD_D=HEAD_D)
     return m_i, l_i, acc
 
 
@@ -322,7 +305,7 @@ def tree_partial_kernel(
     SCALED: tl.constexpr, F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr,
     INF_K: tl.constexpr, DEFER_V: tl.constexpr, IN_ORDER: tl.constexpr, EARLY: tl.constexpr,
-    LAZY: tl.constexpr, HEAD_D: tl.constexpr,
+    HEAD_D: tl.constexpr,
 ):
     # KV heads vary fastest: programs start in work-item order (largest tiles first) across
     # all heads, so the launch's last programs are its shortest ones.
@@ -351,7 +334,7 @@ def tree_partial_kernel(
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
                 FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS,
                 ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-                DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY, LAZY=LAZY, HEAD_D=HEAD_D)
+                DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY, HEAD_D=HEAD_D)
         else:
             if PDL:
                 gdc_launch_dependents()
@@ -366,7 +349,7 @@ def tree_partial_kernel(
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
                 FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False, SCALED=SCALED, F16_DOTS=F16_DOTS,
                 ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-                DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY, LAZY=LAZY, HEAD_D=HEAD_D)
+                DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY, HEAD_D=HEAD_D)
     else:
         _work_item(
             tl.program_id(0) // h_kv, tl.program_id(0) % h_kv, Q, K, V, desc_k, desc_v, PO,
@@ -377,7 +360,7 @@ def tree_partial_kernel(
             USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE,
             IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS, ALIGN_MASK=ALIGN_MASK,
             RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, DEFER_V=DEFER_V, IN_ORDER=False,
-            EARLY=EARLY, LAZY=LAZY, HEAD_D=HEAD_D)
+            EARLY=EARLY, HEAD_D=HEAD_D)
 
 
 @triton.jit
@@ -387,7 +370,7 @@ def _item_state(
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_MASK: tl.constexpr,
     CONTIG: tl.constexpr, TMA: tl.constexpr, IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr, INF_K: tl.constexpr, CHECK_V: tl.constexpr,
-    LAZY: tl.constexpr, HEAD_D: tl.constexpr,
+    HEAD_D: tl.constexpr,
 ):
     """A work item's online-softmax state (running max, sum, accumulator) over its tile.
     ``CHECK_V``: masked blocks check V's values (see the top)."""
@@ -406,7 +389,6 @@ def _item_state(
             slot0, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
             D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE,
             ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, CHECK_V=CHECK_V,
-            LAZY=LAZY,
             HEAD_D=HEAD_D)
     if USE_MASK:
         if split < tok1:
@@ -416,7 +398,7 @@ def _item_state(
                 mask_from, slot_m, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn,
                 stride_kh, D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA,
                 IEEE=IEEE, ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-                CHECK_V=CHECK_V, LAZY=LAZY, HEAD_D=HEAD_D)
+                CHECK_V=CHECK_V, HEAD_D=HEAD_D)
     return m_i, l_i, acc
 
 
@@ -458,7 +440,7 @@ def _work_item(
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, WAIT: tl.constexpr, SCALED: tl.constexpr,
     F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr, RANGES_FIRST: tl.constexpr,
     INF_K: tl.constexpr, DEFER_V: tl.constexpr, IN_ORDER: tl.constexpr, EARLY: tl.constexpr,
-    LAZY: tl.constexpr, HEAD_D: tl.constexpr,
+    HEAD_D: tl.constexpr,
 ):
     """Work item ``w`` of the plan for KV head ``kvh``: its partial states. ``WAIT``: wait
     for the previous launch (programmatic dependent launch) once the item is described
@@ -528,7 +510,6 @@ def _work_item(
         kvh, pre, qlen, row_ok, qk_scale, stride_kn, stride_kh, D=D, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE,
         ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, CHECK_V=not DEFER_V,
-        LAZY=LAZY,
         HEAD_D=HEAD_D)
     if DEFER_V:
         # A row may have taken a NaN/inf V row that it does not see (0 * NaN). Non-finite
@@ -541,7 +522,7 @@ def _work_item(
                 mask_from, slot0, kvh, pre, qlen, row_ok, qk_scale, stride_kn, stride_kh, D=D,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=False,
                 IEEE=IEEE, ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-                CHECK_V=True, LAZY=LAZY, HEAD_D=HEAD_D)
+                CHECK_V=True, HEAD_D=HEAD_D)
 
     has = l_i > 0
     o = acc * (v_s / tl.where(has, l_i, 1.0))[:, None]
