@@ -70,11 +70,13 @@ def timeline_kernel(
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, HEADER: tl.constexpr,
     SCALED: tl.constexpr, F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr, INF_K: tl.constexpr, DEFER_V: tl.constexpr,
+    IN_ORDER: tl.constexpr, EARLY: tl.constexpr, HEAD_D: tl.constexpr,
 ):
     """The graph-safe partial kernel's loop (``HEADER`` only), timing each pair into ``TL``."""
     h_kv = num_heads // G
     num_work, off_lo, off_hi, off_off, off_work, off_order, off_pre, off_len = (
         _plan_header(plan))
+    in_order = tl.load(plan - 6) if IN_ORDER else 0
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -88,11 +90,12 @@ def timeline_kernel(
             w, item % h_kv, Q, K, V, desc_k, desc_v, PO, PLSE, plan, off_lo, off_hi, off_off,
             off_work, off_order, off_pre, off_len, O, LSE, counts, merge_indptr,
             merge_partials, qk_scale, stride_qn, stride_qh, stride_kn, stride_kh, stride_pn,
-            stride_ph, stride_ln, stride_on, stride_oh, num_heads, KS, VS, stride_s,
+            stride_ph, stride_ln, stride_on, stride_oh, num_heads, KS, VS, stride_s, in_order,
             G=G, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG,
             TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False,
             SCALED=SCALED, F16_DOTS=F16_DOTS, ALIGN_MASK=ALIGN_MASK,
-            RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, DEFER_V=DEFER_V)
+            RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, DEFER_V=DEFER_V, IN_ORDER=IN_ORDER,
+            EARLY=EARLY, HEAD_D=HEAD_D)
         t1 = _globaltimer()
         desc = plan + off_work + w * 8
         rec = TL + item.to(tl.int64) * 10  # FIELDS per pair
