@@ -2,6 +2,7 @@
 (``tools/kernel_registers.py``: Triton for sm_90, then ``ptxas -v``), and the rows of the work
 items its H200 plans hand it (``tools/work_rows.py``)."""
 
+import inspect
 import json
 import os
 import re
@@ -178,3 +179,23 @@ def test_the_few_row_orientation_experiment_matches_the_reference_and_compiles()
     builds = re.findall(r"^(swap|rows16) \S+ \S+ \S+ (bf16|fp8) Usage\(registers=(\d+), "
                         r"stack=\d+, spill_stores=(\d+)", out, re.M)
     assert len(builds) == 12 and all(s == "0" for *_, s in builds), out
+
+
+def test_program_timeline_kernel_takes_the_partial_kernels_arguments():
+    """``tools/program_timeline.py`` stands its instrumented kernel in for the partial kernel
+    under the shipped launcher, so it takes every argument that one does (its record buffer
+    after the launch arguments) and every compile-time flag."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import program_timeline
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    from deft.ops.triton import kernels
+
+    def names(fn, constexpr: bool) -> list[str]:  # a JIT or an interpreted kernel's
+        params = inspect.signature(fn.fn).parameters.values()
+        return [p.name for p in params if ("constexpr" in str(p.annotation)) == constexpr]
+
+    timed, shipped = program_timeline.timeline_kernel, kernels.tree_partial_kernel
+    assert names(timed, False) == [*names(shipped, False), "TL"]
+    assert set(names(timed, True)) == set(names(shipped, True))
