@@ -50,6 +50,8 @@ config and coarsening (``deft.plan.coarsen.refine``):
   its header and then loads no query order (``header_in_order``; all but the Medusa
   trees' queries are in plan order); a work item's query order, prefixes and lengths
   loaded before the PDL wait (``early_item_loads``); and both.
+* ``sums``: a work item's end reads whether a row is non-finite from the row's sum, not a
+  test of each value (``sum_checks``; the epilogue's check and the deferred V checks').
 
 ``--plans`` makes each variant's plans on this machine, as an H200's backend would (its
 configs and 132 SMs), and prints their tiles, programs and build without timing anything
@@ -101,7 +103,8 @@ SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 
 TMA_SHAPES = [(64, 32, 4, 4), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2)]
 RING = [(32, 4), (64, 3), (64, 4), (128, 2), (128, 3)]
 SWEEPS = ("merge", "factors", "shapes", "tma", "occupancy", "pipeline", "mergecfg", "mergeheads",
-          "pdl", "partials", "ring", "few", "cap", "model", "tails", "checks", "order")
+          "pdl", "partials", "ring", "few", "cap", "model", "tails", "checks", "order",
+          "sums")
 
 
 Refine = Callable[[TreePlan, Coarsening], TreePlan]
@@ -208,6 +211,8 @@ def variants(sweep: str, factors: str = "2,4,8,16,32"
                 ("item loads before the wait", v(early_item_loads=True), None),
                 ("in order + early item loads", v(header_in_order=True, early_item_loads=True),
                  None)]
+    elif sweep == "sums":
+        out += [("checks by row sums", v(sum_checks=True), None)]
     elif sweep == "cap":
         out += [("no cap", v(maxnreg=None), None),
                 ("no cap resident 2", v(maxnreg=None, resident_per_sm=2), None),

@@ -20,7 +20,8 @@ DEV = "cuda" if CUDA else "cpu"
 # runs the checked kernel in test_isolation's "checked-v").
 VARIANTS = {"aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
             "both": {"aligned_mask": True, "ranges_first": True},
-            "deferred": {"deferred_v_checks": True}}
+            "deferred": {"deferred_v_checks": True},
+            "sums": {"sum_checks": True, "deferred_v_checks": True}}
 
 
 def check(layout, h_q, h_kv, d, dtype, kind="flatten", seed=0, paged=0):
@@ -995,3 +996,30 @@ def test_config_table_by_arch_head_dim_and_rows(monkeypatch):
     monkeypatch.setattr(configs, "arch_of", lambda device: "sm100")
     assert configs.kernel_config(128, 10).merge_heads == 4  # sm90's table
 
+
+
+@pytest.mark.skipif(CUDA, reason="sets the interpreter's config; on a GPU: the gpu test")
+@pytest.mark.parametrize("tma", [False, True], ids=["gathered", "tma"])
+def test_sum_checks_keep_rows_whose_sums_overflow(monkeypatch, fixed_coarsening, tma):
+    """``sum_checks`` (with deferred V checks): V values of 2e37, finite, whose rows of
+    accumulator and output sum past fp32's range: the values are tested one by one (the
+    epilogue) and the item computed again (the deferred V checks), and every row stays
+    finite and matches the float64 reference."""
+    import dataclasses
+
+    layout = few_shot_layout(6, 2, 3)
+    q, k, v = random_qkv(layout, 4, 2, 32, torch.float32, 7)
+    v = 2e37 * (1.0 + 0.1 * v.abs())
+    q, k, v = (x.to(DEV) for x in (q, k, v))
+    ref_o, ref_lse = reference_attention(q, k, v, layout, 32**-0.5)
+    fixed_coarsening(1)
+    key = ("interpreter", 0, 0)
+    monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
+        configs.CONFIGS[key], tma=tma, sum_checks=True, deferred_v_checks=True))
+    attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=8)
+    attn.plan(layout)
+    o, lse = attn.run(q, k, v, return_lse=True)
+    assert torch.isinf(o.float().sum(-1)).all()  # every output row's sum overflows fp32
+    assert torch.isfinite(o).all()
+    assert_close(o.cpu() / 2e37, ref_o.cpu() / 2e37, torch.float32, f"sum checks, tma={tma}")
+    assert_lse_close(lse.cpu(), ref_lse.cpu(), f"sum checks, tma={tma}")

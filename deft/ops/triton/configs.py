@@ -101,6 +101,10 @@ class KernelConfig:
     # A work item's query order, prefixes and lengths (stream-ordered plan arrays, like its
     # description) load before the PDL wait, not after it.
     early_item_loads: bool = False
+    # A work item's end reads whether a row is non-finite from the row's sum (its values
+    # tested one by one only where some row's sum is not finite): the epilogue's check and
+    # the deferred V checks' (``kernels._bad_rows_by_sum``).
+    sum_checks: bool = False
 
     def k_may_hold_inf(self, k_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
         """Whether the partial kernel makes -inf scores NaN over K of ``k_dtype`` and q of

@@ -73,6 +73,21 @@ def _bad_rows(x):
 
 
 @triton.jit
+def _bad_rows_by_sum(x, SUMS: tl.constexpr):
+    """``[BLOCK_M]`` bool: a row of ``x [BLOCK_M, D]`` holds a NaN or ±inf. ``SUMS``: read
+    from each row's sum (an add per value instead of a test, a select and a max), which is
+    not finite exactly when a value is not or when finite values overflow fp32; where some
+    row's sum is not finite, the values are tested one by one."""
+    if SUMS:
+        bad = _finite(tl.sum(x, 1)) == 0
+        if tl.max(bad.to(tl.int32), 0) > 0:
+            bad = _bad_rows(x) > 0
+    else:
+        bad = _bad_rows(x) > 0
+    return bad
+
+
+@triton.jit
 def _no_neg_inf(s):
     """Scores with -inf (a non-finite K row's, never a masked one's yet) made NaN."""
     return tl.where(s == float("-inf"), float("nan"), s)
@@ -305,7 +320,7 @@ def tree_partial_kernel(
     SCALED: tl.constexpr, F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr,
     INF_K: tl.constexpr, DEFER_V: tl.constexpr, IN_ORDER: tl.constexpr, EARLY: tl.constexpr,
-    HEAD_D: tl.constexpr,
+    SUMS: tl.constexpr, HEAD_D: tl.constexpr,
 ):
     # KV heads vary fastest: programs start in work-item order (largest tiles first) across
     # all heads, so the launch's last programs are its shortest ones.
@@ -334,7 +349,7 @@ def tree_partial_kernel(
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
                 FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS,
                 ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-                DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY, HEAD_D=HEAD_D)
+                DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY, SUMS=SUMS, HEAD_D=HEAD_D)
         else:
             if PDL:
                 gdc_launch_dependents()
@@ -349,7 +364,7 @@ def tree_partial_kernel(
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
                 FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False, SCALED=SCALED, F16_DOTS=F16_DOTS,
                 ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-                DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY, HEAD_D=HEAD_D)
+                DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY, SUMS=SUMS, HEAD_D=HEAD_D)
     else:
         _work_item(
             tl.program_id(0) // h_kv, tl.program_id(0) % h_kv, Q, K, V, desc_k, desc_v, PO,
@@ -360,7 +375,7 @@ def tree_partial_kernel(
             USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE,
             IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS, ALIGN_MASK=ALIGN_MASK,
             RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, DEFER_V=DEFER_V, IN_ORDER=False,
-            EARLY=EARLY, HEAD_D=HEAD_D)
+            EARLY=EARLY, SUMS=SUMS, HEAD_D=HEAD_D)
 
 
 @triton.jit
@@ -440,7 +455,7 @@ def _work_item(
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, WAIT: tl.constexpr, SCALED: tl.constexpr,
     F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr, RANGES_FIRST: tl.constexpr,
     INF_K: tl.constexpr, DEFER_V: tl.constexpr, IN_ORDER: tl.constexpr, EARLY: tl.constexpr,
-    HEAD_D: tl.constexpr,
+    SUMS: tl.constexpr, HEAD_D: tl.constexpr,
 ):
     """Work item ``w`` of the plan for KV head ``kvh``: its partial states. ``WAIT``: wait
     for the previous launch (programmatic dependent launch) once the item is described
@@ -516,7 +531,12 @@ def _work_item(
         # values persist, so a state without them proves that none did; else the item is
         # computed again with V's checks, by gathered loads (so each call site of this
         # function adds one copy of the loops, not two).
-        if tl.max(_bad_rows(acc), 0) > 0:
+        # SUMS: a row sum that overflows fp32 computes the item again too (exact, rare).
+        if SUMS:
+            again = tl.max(tl.where(_finite(tl.sum(acc, 1)), 0, 1), 0) > 0
+        else:
+            again = tl.max(_bad_rows(acc), 0) > 0
+        if again:
             m_i, l_i, acc = _item_state(
                 q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1,
                 mask_from, slot0, kvh, pre, qlen, row_ok, qk_scale, stride_kn, stride_kh, D=D,
@@ -529,7 +549,7 @@ def _work_item(
     # Natural-log lse from the base-2 running max and sum.
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
-    bad = tl.max(tl.where(_finite(o), 0, 1), 1) > 0  # the row saw a non-finite K/V row
+    bad = _bad_rows_by_sum(o, SUMS)  # the row saw a non-finite K/V row
     o = tl.where(bad[:, None], float("nan"), o)
     lse = tl.where(bad, float("nan"), lse)
     pid = (p0 + qi).to(tl.int64)
