@@ -274,7 +274,8 @@ def test_triton_padded_head_dim(monkeypatch, fused):
 
 # Kernel variants (deft.ops.triton.configs.KernelConfig): shipped, the masked loop from a
 # block boundary before mask_from, that with ranges loaded first, and V's checks deferred
-# (a work item recomputed with them where its state comes out non-finite).
+# (a work item recomputed with them where its state comes out non-finite), checked or with
+# non-finite rows found by their sums.
 VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True},
             "both": {"aligned_mask": True, "ranges_first": True},
             "deferred": {"deferred_v_checks": True},

@@ -17,7 +17,8 @@ CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 # Kernel variants (deft.ops.triton.configs.KernelConfig): the masked tiles' (not shipped) and
 # V's checks deferred (shipped on sm_90; the interpreter's config keeps V checked, and the GPU
-# runs the checked kernel in test_isolation's "checked-v").
+# runs the checked kernel in test_isolation's "checked-v"), and with them rows checked by sums
+# (not shipped).
 VARIANTS = {"aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
             "both": {"aligned_mask": True, "ranges_first": True},
             "deferred": {"deferred_v_checks": True},
@@ -995,7 +996,6 @@ def test_config_table_by_arch_head_dim_and_rows(monkeypatch):
     assert configs.kernel_config(96, 100).merge_heads == 8  # blocks of 128
     monkeypatch.setattr(configs, "arch_of", lambda device: "sm100")
     assert configs.kernel_config(128, 10).merge_heads == 4  # sm90's table
-
 
 
 @pytest.mark.skipif(CUDA, reason="sets the interpreter's config; on a GPU: the gpu test")

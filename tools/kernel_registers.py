@@ -189,7 +189,8 @@ def build_usage(cfg: configs.KernelConfig, head_dim: int, kv: torch.dtype,
         FUSE_MERGE=cfg.fuse_merge, IEEE=False, PDL=cfg.pdl, HEADER=graph_safe, SCALED=scaled, F16_DOTS=scaled,
         ALIGN_MASK=cfg.aligned_mask, RANGES_FIRST=cfg.ranges_first,
         INF_K=cfg.k_may_hold_inf(kv, torch.bfloat16), DEFER_V=cfg.deferred_v_checks,
-        IN_ORDER=graph_safe and cfg.header_in_order, EARLY=cfg.early_item_loads, SUMS=cfg.sum_checks,
+        IN_ORDER=graph_safe and cfg.header_in_order, EARLY=cfg.early_item_loads,
+        SUMS=cfg.sum_checks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
         launch_pdl=cfg.pdl)
     with tempfile.TemporaryDirectory() as tmp:

@@ -469,7 +469,8 @@ def _work_item(
     ``mask_from``, so that the unmasked part has no partial last block (run outside the
     pipelined loop); every row sees the tokens between the two, whatever ranges the planner
     left there (the compiled planner writes them only from the node segment that holds
-    ``mask_from``). ``RANGES_FIRST``: see :func:`_tma_block`."""
+    ``mask_from``). ``RANGES_FIRST``: see :func:`_tma_block`. ``SUMS``: the item's end finds
+    its non-finite rows by their sums (:func:`_bad_rows_by_sum`)."""
     tok_slot = plan
     tok_lo = plan + off_lo
     tok_hi = plan + off_hi
