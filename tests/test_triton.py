@@ -999,6 +999,7 @@ def test_config_table_by_arch_head_dim_and_rows(monkeypatch):
 
 
 @pytest.mark.skipif(CUDA, reason="sets the interpreter's config; on a GPU: the gpu test")
+@pytest.mark.filterwarnings("ignore:overflow encountered in reduce:RuntimeWarning")  # the point
 @pytest.mark.parametrize("tma", [False, True], ids=["gathered", "tma"])
 def test_sum_checks_keep_rows_whose_sums_overflow(monkeypatch, fixed_coarsening, tma):
     """``sum_checks`` (with deferred V checks): V values of 2e37, finite, whose rows of
