@@ -44,14 +44,15 @@ config and coarsening (``deft.plan.coarsen.refine``):
   place), masked blocks that leave V's values unchecked, with a work item whose state comes
   out non-finite computed again with the checks (``deferred_v_checks``, for every K/V
   width); over e4m3 K (which holds no infinities) no -inf score made NaN
-  (``e4m3_finite_scores``; no change over 16-bit K/V); and both. The timed steps' K/V are
-  finite, so no item is computed again.
+  (``e4m3_finite_scores``; no change over 16-bit K/V); and both. Then, on the shipped
+  checks: a work item's end finding its non-finite rows by their sums (``sum_checks``), a
+  -inf score made NaN by an FMA in the unmasked blocks instead of a select
+  (``inf_by_fma``; no change over e4m3 K under ``e4m3_finite_scores``), and both. The
+  timed steps' K/V are finite, so no item is computed again.
 * ``order``: a graph-safe launch reads whether the plan's queries are in plan order from
   its header and then loads no query order (``header_in_order``; all but the Medusa
   trees' queries are in plan order); a work item's query order, prefixes and lengths
   loaded before the PDL wait (``early_item_loads``); and both.
-* ``sums``: a work item's end reads whether a row is non-finite from the row's sum, not a
-  test of each value (``sum_checks``; the epilogue's check and the deferred V checks').
 
 ``--plans`` makes each variant's plans on this machine, as an H200's backend would (its
 configs and 132 SMs), and prints their tiles, programs and build without timing anything
@@ -103,8 +104,7 @@ SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 
 TMA_SHAPES = [(64, 32, 4, 4), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2)]
 RING = [(32, 4), (64, 3), (64, 4), (128, 2), (128, 3)]
 SWEEPS = ("merge", "factors", "shapes", "tma", "occupancy", "pipeline", "mergecfg", "mergeheads",
-          "pdl", "partials", "ring", "few", "cap", "model", "tails", "checks", "order",
-          "sums")
+          "pdl", "partials", "ring", "few", "cap", "model", "tails", "checks", "order")
 
 
 Refine = Callable[[TreePlan, Coarsening], TreePlan]
@@ -205,14 +205,15 @@ def variants(sweep: str, factors: str = "2,4,8,16,32"
                 ("finite e4m3 scores", v(deferred_v_checks=False, e4m3_finite_scores=True),
                  None),
                 ("deferred V checks + finite e4m3 scores",
-                 v(deferred_v_checks=True, e4m3_finite_scores=True), None)]
+                 v(deferred_v_checks=True, e4m3_finite_scores=True), None),
+                ("row checks by sums", v(sum_checks=True), None),
+                ("-inf by fma", v(inf_by_fma=True), None),
+                ("row checks by sums + -inf by fma", v(sum_checks=True, inf_by_fma=True), None)]
     elif sweep == "order":
         out += [("queries in order by header", v(header_in_order=True), None),
                 ("item loads before the wait", v(early_item_loads=True), None),
                 ("in order + early item loads", v(header_in_order=True, early_item_loads=True),
                  None)]
-    elif sweep == "sums":
-        out += [("checks by row sums", v(sum_checks=True), None)]
     elif sweep == "cap":
         out += [("no cap", v(maxnreg=None), None),
                 ("no cap resident 2", v(maxnreg=None, resident_per_sm=2), None),

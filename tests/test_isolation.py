@@ -280,7 +280,8 @@ VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True},
             "both": {"aligned_mask": True, "ranges_first": True},
             "deferred": {"deferred_v_checks": True},
             "checked": {"deferred_v_checks": False, "kv8_deferred_v_checks": False},
-            "sums": {"sum_checks": True, "deferred_v_checks": True}}
+            "sums": {"sum_checks": True, "deferred_v_checks": True},
+            "fma": {"inf_by_fma": True}}
 
 
 @pytest.mark.skipif(CUDA, reason="on a GPU, TMA runs inside graph capture: the gpu test")

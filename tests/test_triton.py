@@ -22,7 +22,8 @@ DEV = "cuda" if CUDA else "cpu"
 VARIANTS = {"aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
             "both": {"aligned_mask": True, "ranges_first": True},
             "deferred": {"deferred_v_checks": True},
-            "sums": {"sum_checks": True, "deferred_v_checks": True}}
+            "sums": {"sum_checks": True, "deferred_v_checks": True},
+            "fma": {"inf_by_fma": True}}
 
 
 def check(layout, h_q, h_kv, d, dtype, kind="flatten", seed=0, paged=0):
@@ -934,7 +935,8 @@ def test_sweep_plans_need_no_gpu(capsys):
     digests = {r[1]: r[-1] for r in rows}
     kernel = {"shipped", "aligned mask", "ranges first", "aligned mask + ranges first",
               "checked", "deferred V checks", "finite e4m3 scores",
-              "deferred V checks + finite e4m3 scores", "queries in order by header",
+              "deferred V checks + finite e4m3 scores", "row checks by sums", "-inf by fma",
+              "row checks by sums + -inf by fma", "queries in order by header",
               "item loads before the wait", "in order + early item loads"}
     model = {label for label, _, _ in sweep.variants("model")[1:]}
     before = "before: config slots and masked tiles neither apart nor charged"

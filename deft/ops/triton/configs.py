@@ -105,13 +105,20 @@ class KernelConfig:
     # tested one by one only where some row's sum is not finite): the epilogue's check and
     # the deferred V checks' (``kernels._bad_rows_by_sum``).
     sum_checks: bool = False
+    # In the unmasked blocks, a -inf score makes its probability NaN through the exponent's
+    # FMA (``score * 0`` is NaN only for a non-finite score) instead of a test and a select
+    # of every score (``kernels._softmax_step``).
+    inf_by_fma: bool = False
 
-    def k_may_hold_inf(self, k_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
-        """Whether the partial kernel makes -inf scores NaN over K of ``k_dtype`` and q of
-        ``q_dtype`` (its ``INF_K``): always, but over e4m3 K and a 16-bit q under
-        ``e4m3_finite_scores``."""
-        return not (self.e4m3_finite_scores and k_dtype == torch.float8_e4m3fn
-                    and q_dtype.itemsize == 2)
+    def k_may_hold_inf(self, k_dtype: torch.dtype, q_dtype: torch.dtype) -> int:
+        """How the partial kernel makes -inf scores NaN over K of ``k_dtype`` and q of
+        ``q_dtype`` (its ``INF_K``): 0 not at all (over e4m3 K and a 16-bit q under
+        ``e4m3_finite_scores``), else 1 by a select of every score, or 2 under
+        ``inf_by_fma``: by an FMA in the unmasked blocks, a select in the others."""
+        if (self.e4m3_finite_scores and k_dtype == torch.float8_e4m3fn
+                and q_dtype.itemsize == 2):
+            return 0
+        return 2 if self.inf_by_fma else 1
 
 
 # Deferred V checks over 16-bit K/V only, finite scores over e4m3 K, masked tiles apart and

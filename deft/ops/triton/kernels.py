@@ -30,8 +30,9 @@ every token, so a non-finite V row reaches exactly the rows that see it (a TMA b
 past its tile, seen by none, are zeroed). The epilogue makes a row with a non-finite output
 NaN (o and lse). Two variants make this cheaper (the sm90 configs take both, the first
 over e4m3 K, the second over 16-bit K/V; docs/decisions.md):
-``INF_K`` False (e4m3 K, which holds no infinities, under a 16-bit q, whose products cannot
-overflow fp32: no score is -inf) skips the -inf select; ``DEFER_V`` leaves V's values
+``INF_K`` 0 (e4m3 K, which holds no infinities, under a 16-bit q, whose products cannot
+overflow fp32: no score is -inf) skips the -inf select (``INF_K`` 2, a variant, replaces it
+with an FMA in the unmasked blocks: :func:`_softmax_step`); ``DEFER_V`` leaves V's values
 unchecked in the masked blocks (none loaded from shared memory, tested and stored back):
 one non-finite V value makes its column of every row's accumulator non-finite (0 * NaN is
 NaN, and NaN and inf persist through the online softmax), so a work item whose state comes
@@ -94,14 +95,21 @@ def _no_neg_inf(s):
 
 
 @triton.jit
-def _softmax_step(s, m_i, l_i, acc, qk_scale):
+def _softmax_step(s, m_i, l_i, acc, qk_scale, s_raw, RAW_INF: tl.constexpr):
     """Online-softmax step of one block of raw scores ``s`` (``-inf`` where not seen): the
     block's probabilities in base 2 and the updated running max, sum and accumulator. The
-    scale folds into one FMA per score (the max commutes with a positive scale)."""
+    scale folds into one FMA per score (the max commutes with a positive scale).
+    ``RAW_INF``: a non-finite score of ``s_raw`` (the scores before any mask; in the
+    unmasked blocks, every row sees every token) makes its probability NaN: the exponent's
+    offset is ``s_raw * 0 - m``, which is ``-m`` exactly for a finite score and NaN for
+    ±inf or NaN, one FMA where :func:`_no_neg_inf` takes a test and a select."""
     # m_i starts finite (-1e30), so no -inf - -inf: masked scores give p = 0.
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
+    if RAW_INF:
+        p = tl.exp2(tl.fma(s, qk_scale, tl.fma(s_raw, 0.0, -m_new[:, None])))
+    else:
+        p = tl.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
     l_i = l_i * alpha + tl.sum(p, 1)
     return p, m_new, l_i, acc * alpha[:, None]
 
@@ -175,10 +183,12 @@ def _tile_loop(
             vis = vis & _visible(pre[:, None], qlen[:, None], lo[None, :], hi[None, :], off[None, :])
             if ALIGN_MASK:  # every row sees the tokens before seen_to (see _work_item)
                 vis = vis | ((offs < seen_to)[None, :] & row_ok[:, None])
-        if INF_K:
+        s_raw = s  # padding tokens' K loads as 0: no raw score of theirs is non-finite
+        if INF_K == 1 or (INF_K and MASKED):
             s = _no_neg_inf(s)
         s = tl.where(vis, s, float("-inf"))
-        p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
+        p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale, s_raw,
+                                         RAW_INF=INF_K == 2 and not MASKED)
         v = tl.load(V + kv_off, mask=kv_ok, other=0.0).to(q.dtype)
         if MASKED and CHECK_V:  # padding loads as 0; unmasked blocks need none (see the top)
             p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
@@ -228,9 +238,10 @@ def _tma_block(
         if INF_K:
             s = _no_neg_inf(s)
         s = tl.where(vis, s, float("-inf"))
-    elif INF_K:
+    elif INF_K == 1:
         s = _no_neg_inf(s)
-    p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale)
+    p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale, s,
+                                     RAW_INF=INF_K == 2 and not (MASKED or TAIL))
     v = desc_v.load([slot, kvh * D]).to(q.dtype)
     if MASKED and CHECK_V:  # unmasked blocks need no V check (see the top)
         p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
