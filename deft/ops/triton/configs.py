@@ -110,7 +110,7 @@ class KernelConfig:
     # of every score (``kernels._softmax_step``).
     inf_by_fma: bool = False
 
-    def k_may_hold_inf(self, k_dtype: torch.dtype, q_dtype: torch.dtype) -> int:
+    def inf_k(self, k_dtype: torch.dtype, q_dtype: torch.dtype) -> int:
         """How the partial kernel makes -inf scores NaN over K of ``k_dtype`` and q of
         ``q_dtype`` (its ``INF_K``): 0 not at all (over e4m3 K and a 16-bit q under
         ``e4m3_finite_scores``), else 1 by a select of every score, or 2 under
