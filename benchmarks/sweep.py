@@ -47,8 +47,10 @@ config and coarsening (``deft.plan.coarsen.refine``):
   (``e4m3_finite_scores``; no change over 16-bit K/V); and both. Then, on the shipped
   checks: a work item's end finding its non-finite rows by their sums (``sum_checks``), a
   -inf score made NaN by an FMA in the unmasked blocks instead of a select
-  (``inf_by_fma``; no change over e4m3 K under ``e4m3_finite_scores``), and both. The
-  timed steps' K/V are finite, so no item is computed again.
+  (``inf_by_fma``; no change over e4m3 K under ``e4m3_finite_scores``), and both; the
+  end's checks on the accumulator's rows, once, with a bad row's state marked by its lse
+  alone (``acc_checks``), alone and with the other two. The timed steps' K/V are
+  finite, so no item is computed again.
 * ``order``: a graph-safe launch reads whether the plan's queries are in plan order from
   its header and then loads no query order (``header_in_order``; all but the Medusa
   trees' queries are in plan order); a work item's query order, prefixes and lengths
@@ -208,7 +210,10 @@ def variants(sweep: str, factors: str = "2,4,8,16,32"
                  v(deferred_v_checks=True, e4m3_finite_scores=True), None),
                 ("row checks by sums", v(sum_checks=True), None),
                 ("-inf by fma", v(inf_by_fma=True), None),
-                ("row checks by sums + -inf by fma", v(sum_checks=True, inf_by_fma=True), None)]
+                ("row checks by sums + -inf by fma", v(sum_checks=True, inf_by_fma=True), None),
+                ("checks on the accumulator", v(acc_checks=True), None),
+                ("checks on the accumulator by sums + -inf by fma",
+                 v(acc_checks=True, sum_checks=True, inf_by_fma=True), None)]
     elif sweep == "order":
         out += [("queries in order by header", v(header_in_order=True), None),
                 ("item loads before the wait", v(early_item_loads=True), None),

@@ -281,7 +281,10 @@ VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True},
             "deferred": {"deferred_v_checks": True},
             "checked": {"deferred_v_checks": False, "kv8_deferred_v_checks": False},
             "sums": {"sum_checks": True, "deferred_v_checks": True},
-            "fma": {"inf_by_fma": True}}
+            "fma": {"inf_by_fma": True}, "acc": {"acc_checks": True, "deferred_v_checks": True},
+            "acc-checked": {"acc_checks": True, "deferred_v_checks": False},
+            "lean-all": {"acc_checks": True, "sum_checks": True, "inf_by_fma": True,
+                         "deferred_v_checks": True}}
 
 
 @pytest.mark.skipif(CUDA, reason="on a GPU, TMA runs inside graph capture: the gpu test")

@@ -23,7 +23,10 @@ VARIANTS = {"aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
             "both": {"aligned_mask": True, "ranges_first": True},
             "deferred": {"deferred_v_checks": True},
             "sums": {"sum_checks": True, "deferred_v_checks": True},
-            "fma": {"inf_by_fma": True}}
+            "fma": {"inf_by_fma": True}, "acc": {"acc_checks": True, "deferred_v_checks": True},
+            "acc-checked": {"acc_checks": True, "deferred_v_checks": False},
+            "lean-all": {"acc_checks": True, "sum_checks": True, "inf_by_fma": True,
+                         "deferred_v_checks": True}}
 
 
 def check(layout, h_q, h_kv, d, dtype, kind="flatten", seed=0, paged=0):
@@ -936,7 +939,8 @@ def test_sweep_plans_need_no_gpu(capsys):
     kernel = {"shipped", "aligned mask", "ranges first", "aligned mask + ranges first",
               "checked", "deferred V checks", "finite e4m3 scores",
               "deferred V checks + finite e4m3 scores", "row checks by sums", "-inf by fma",
-              "row checks by sums + -inf by fma", "queries in order by header",
+              "row checks by sums + -inf by fma", "checks on the accumulator",
+              "checks on the accumulator by sums + -inf by fma", "queries in order by header",
               "item loads before the wait", "in order + early item loads"}
     model = {label for label, _, _ in sweep.variants("model")[1:]}
     before = "before: config slots and masked tiles neither apart nor charged"
@@ -1002,12 +1006,14 @@ def test_config_table_by_arch_head_dim_and_rows(monkeypatch):
 
 @pytest.mark.skipif(CUDA, reason="sets the interpreter's config; on a GPU: the gpu test")
 @pytest.mark.filterwarnings("ignore:overflow encountered in reduce:RuntimeWarning")  # the point
+@pytest.mark.parametrize("acc", [False, True], ids=["output", "accumulator"])
 @pytest.mark.parametrize("tma", [False, True], ids=["gathered", "tma"])
-def test_sum_checks_keep_rows_whose_sums_overflow(monkeypatch, fixed_coarsening, tma):
-    """``sum_checks`` (with deferred V checks): V values of 2e37, finite, whose rows of
-    accumulator and output sum past fp32's range: the values are tested one by one (the
-    epilogue) and the item computed again (the deferred V checks), and every row stays
-    finite and matches the float64 reference."""
+def test_sum_checks_keep_rows_whose_sums_overflow(monkeypatch, fixed_coarsening, tma, acc):
+    """``sum_checks`` (with deferred V checks, on the output's rows or with ``acc_checks``
+    the accumulator's): V values of 2e37, finite, whose rows of accumulator and output sum
+    past fp32's range: the values are tested one by one (the epilogue) and the item computed
+    again (the deferred V checks), and every row stays finite and matches the float64
+    reference."""
     import dataclasses
 
     layout = few_shot_layout(6, 2, 3)
@@ -1018,7 +1024,8 @@ def test_sum_checks_keep_rows_whose_sums_overflow(monkeypatch, fixed_coarsening,
     fixed_coarsening(1)
     key = ("interpreter", 0, 0)
     monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
-        configs.CONFIGS[key], tma=tma, sum_checks=True, deferred_v_checks=True))
+        configs.CONFIGS[key], tma=tma, sum_checks=True, deferred_v_checks=True,
+        acc_checks=acc))
     attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=8)
     attn.plan(layout)
     o, lse = attn.run(q, k, v, return_lse=True)

@@ -15,7 +15,8 @@ loads, no plan header) or graph-safe (TMA, plan header, a loop over work items),
 
 Usage: ``python tools/kernel_registers.py [--head-dim 128] [--rows 0,2048] [--kv bf16,fp8]
 [--launch eager,graph-safe] [--maxnreg shipped,none,168] [--block-m shipped,few,16] [--variants
-shipped,aligned,ranges,both,checked,deferred,finite,lean,in-order,early,order,sums,fma]
+shipped,aligned,ranges,both,checked,deferred,finite,lean,in-order,early,order,sums,fma,
+acc]
 [--dump DIR]``;
 ``--rows`` picks the config table's row regimes (``deft.ops.triton.configs.CONFIGS``),
 ``--maxnreg`` the register cap (``shipped``: the config's build's for that K/V), ``--block-m``
@@ -27,7 +28,8 @@ flags): the masked tiles' ``aligned`` (``aligned_mask``), ``ranges`` (``ranges_f
 (``deferred_v_checks``), ``finite`` (``e4m3_finite_scores``) and ``lean`` (those two); the
 graph-safe launches' ``in-order`` (``header_in_order``), ``early`` (``early_item_loads``) and
 ``order`` (both); a work item's end checking rows by their sums, ``sums`` (``sum_checks``),
-and a -inf score made NaN by an FMA, ``fma`` (``inf_by_fma``).
+a -inf score made NaN by an FMA, ``fma`` (``inf_by_fma``), and the end's checks on the
+accumulator, ``acc`` (``acc_checks``).
 ``--dump DIR`` also writes each build's TTGIR, PTX, cubin and SASS
 (``nvdisasm``) there, to read what the compiler made of a loop.
 About 10 s a build.
@@ -68,7 +70,8 @@ VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True}, "ranges": {"ranges
             "lean": {"deferred_v_checks": True, "e4m3_finite_scores": True},
             "in-order": {"header_in_order": True}, "early": {"early_item_loads": True},
             "order": {"header_in_order": True, "early_item_loads": True},
-            "sums": {"sum_checks": True}, "fma": {"inf_by_fma": True}}
+            "sums": {"sum_checks": True}, "fma": {"inf_by_fma": True},
+            "acc": {"acc_checks": True}}
 # The inner loops' kinds, in the table's order: K/V by TMA or gathered, masked or not.
 LOOPS = ("TMA", "TMA masked", "gathered", "gathered masked")
 H_KV, G = 8, 4  # Llama-3-8B's heads
@@ -191,7 +194,7 @@ def build_usage(cfg: configs.KernelConfig, head_dim: int, kv: torch.dtype,
         ALIGN_MASK=cfg.aligned_mask, RANGES_FIRST=cfg.ranges_first,
         INF_K=cfg.inf_k(kv, torch.bfloat16), DEFER_V=cfg.deferred_v_checks,
         IN_ORDER=graph_safe and cfg.header_in_order, EARLY=cfg.early_item_loads,
-        SUMS=cfg.sum_checks,
+        SUMS=cfg.sum_checks, ACC_CHECK=cfg.acc_checks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
         launch_pdl=cfg.pdl)
     with tempfile.TemporaryDirectory() as tmp:
@@ -222,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
                          "(ranges_first), both; isolation: deferred (deferred_v_checks), "
                          "finite (e4m3_finite_scores), lean (those two); graph-safe: in-order "
                          "(header_in_order), early (early_item_loads), order (both); sums "
-                         "(sum_checks); fma (inf_by_fma)")
+                         "(sum_checks); fma (inf_by_fma); acc (acc_checks)")
     ap.add_argument("--dump", metavar="DIR", type=Path,
                     help="also write each build's TTGIR, PTX, cubin and SASS into DIR")
     args = ap.parse_args(argv)

@@ -109,6 +109,11 @@ class KernelConfig:
     # FMA (``score * 0`` is NaN only for a non-finite score) instead of a test and a select
     # of every score (``kernels._softmax_step``).
     inf_by_fma: bool = False
+    # A work item's end checks its accumulator's rows once (the deferred V checks' test
+    # reused) instead of its output's, and marks a bad row's state by its NaN lse alone,
+    # which every merge turns into a NaN row, instead of also selecting NaN into each of
+    # its o values (``kernels._work_item``).
+    acc_checks: bool = False
 
     def inf_k(self, k_dtype: torch.dtype, q_dtype: torch.dtype) -> int:
         """How the partial kernel makes -inf scores NaN over K of ``k_dtype`` and q of

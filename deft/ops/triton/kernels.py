@@ -331,7 +331,7 @@ def tree_partial_kernel(
     SCALED: tl.constexpr, F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr,
     INF_K: tl.constexpr, DEFER_V: tl.constexpr, IN_ORDER: tl.constexpr, EARLY: tl.constexpr,
-    SUMS: tl.constexpr, HEAD_D: tl.constexpr,
+    SUMS: tl.constexpr, ACC_CHECK: tl.constexpr, HEAD_D: tl.constexpr,
 ):
     # KV heads vary fastest: programs start in work-item order (largest tiles first) across
     # all heads, so the launch's last programs are its shortest ones.
@@ -360,7 +360,8 @@ def tree_partial_kernel(
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
                 FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS,
                 ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-                DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY, SUMS=SUMS, HEAD_D=HEAD_D)
+                DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY, SUMS=SUMS,
+                ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D)
         else:
             if PDL:
                 gdc_launch_dependents()
@@ -375,7 +376,8 @@ def tree_partial_kernel(
                 USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED,
                 FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False, SCALED=SCALED, F16_DOTS=F16_DOTS,
                 ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-                DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY, SUMS=SUMS, HEAD_D=HEAD_D)
+                DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY, SUMS=SUMS,
+                ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D)
     else:
         _work_item(
             tl.program_id(0) // h_kv, tl.program_id(0) % h_kv, Q, K, V, desc_k, desc_v, PO,
@@ -386,7 +388,7 @@ def tree_partial_kernel(
             USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE,
             IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS, ALIGN_MASK=ALIGN_MASK,
             RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, DEFER_V=DEFER_V, IN_ORDER=False,
-            EARLY=EARLY, SUMS=SUMS, HEAD_D=HEAD_D)
+            EARLY=EARLY, SUMS=SUMS, ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D)
 
 
 @triton.jit
@@ -466,7 +468,7 @@ def _work_item(
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, WAIT: tl.constexpr, SCALED: tl.constexpr,
     F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr, RANGES_FIRST: tl.constexpr,
     INF_K: tl.constexpr, DEFER_V: tl.constexpr, IN_ORDER: tl.constexpr, EARLY: tl.constexpr,
-    SUMS: tl.constexpr, HEAD_D: tl.constexpr,
+    SUMS: tl.constexpr, ACC_CHECK: tl.constexpr, HEAD_D: tl.constexpr,
 ):
     """Work item ``w`` of the plan for KV head ``kvh``: its partial states. ``WAIT``: wait
     for the previous launch (programmatic dependent launch) once the item is described
@@ -481,7 +483,9 @@ def _work_item(
     pipelined loop); every row sees the tokens between the two, whatever ranges the planner
     left there (the compiled planner writes them only from the node segment that holds
     ``mask_from``). ``RANGES_FIRST``: see :func:`_tma_block`. ``SUMS``: the item's end finds
-    its non-finite rows by their sums (:func:`_bad_rows_by_sum`)."""
+    its non-finite rows by their sums (:func:`_bad_rows_by_sum`). ``ACC_CHECK``: it checks
+    the accumulator's rows once (the deferred V checks' test, reused) instead of the
+    output's, and marks a bad row by its lse alone (no select of its o)."""
     tok_slot = plan
     tok_lo = plan + off_lo
     tok_hi = plan + off_hi
@@ -544,7 +548,10 @@ def _work_item(
         # computed again with V's checks, by gathered loads (so each call site of this
         # function adds one copy of the loops, not two).
         # SUMS: a row sum that overflows fp32 computes the item again too (exact, rare).
-        if SUMS:
+        if ACC_CHECK:
+            bad = _bad_rows_by_sum(acc, SUMS)
+            again = tl.max(bad.to(tl.int32), 0) > 0
+        elif SUMS:
             again = tl.max(tl.where(_finite(tl.sum(acc, 1)), 0, 1), 0) > 0
         else:
             again = tl.max(_bad_rows(acc), 0) > 0
@@ -555,14 +562,22 @@ def _work_item(
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=False,
                 IEEE=IEEE, ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
                 CHECK_V=True, HEAD_D=HEAD_D)
+            if ACC_CHECK:
+                bad = _bad_rows_by_sum(acc, SUMS)
+    elif ACC_CHECK:
+        bad = _bad_rows_by_sum(acc, SUMS)
 
     has = l_i > 0
     o = acc * (v_s / tl.where(has, l_i, 1.0))[:, None]
     # Natural-log lse from the base-2 running max and sum.
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
-    bad = _bad_rows_by_sum(o, SUMS)  # the row saw a non-finite K/V row
-    o = tl.where(bad[:, None], float("nan"), o)
+    if not ACC_CHECK:
+        bad = _bad_rows_by_sum(o, SUMS)  # the row saw a non-finite K/V row
+        o = tl.where(bad[:, None], float("nan"), o)
+    # ACC_CHECK: a row saw a non-finite K/V row exactly when its accumulator is not finite
+    # (a NaN probability reaches the accumulator too), and a NaN lse alone marks its state:
+    # every merge makes the row of such a state NaN, whatever its o.
     lse = tl.where(bad, float("nan"), lse)
     pid = (p0 + qi).to(tl.int64)
     tl.store(PO + pid[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :],
