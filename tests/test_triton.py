@@ -1011,9 +1011,8 @@ def test_config_table_by_arch_head_dim_and_rows(monkeypatch):
 def test_sum_checks_keep_rows_whose_sums_overflow(monkeypatch, fixed_coarsening, tma, acc):
     """``sum_checks`` (with deferred V checks, on the output's rows or with ``acc_checks``
     the accumulator's): V values of 2e37, finite, whose rows of accumulator and output sum
-    past fp32's range: the values are tested one by one (the epilogue) and the item computed
-    again (the deferred V checks), and every row stays finite and matches the float64
-    reference."""
+    past fp32's range: the values are tested one by one (after the deferred V checks' test
+    and the epilogue's), and every row stays finite and matches the float64 reference."""
     import dataclasses
 
     layout = few_shot_layout(6, 2, 3)

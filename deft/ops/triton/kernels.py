@@ -29,8 +29,9 @@ the probabilities of the rows that see them made NaN; in the other blocks every 
 every token, so a non-finite V row reaches exactly the rows that see it (a TMA box's rows
 past its tile, seen by none, are zeroed). The epilogue makes a row with a non-finite output
 NaN (o and lse; under ``ACC_CHECK``, a variant, the lse alone, which every merge turns into
-a NaN row; ``SUMS``, a variant, finds such rows by their sums). Two variants make this cheaper (the sm90 configs take both, the first
-over e4m3 K, the second over 16-bit K/V; docs/decisions.md):
+a NaN row; ``SUMS``, a variant, finds such rows by their sums). Two variants make this
+cheaper (the sm90 configs take both, the first over e4m3 K, the second over 16-bit K/V;
+docs/decisions.md):
 ``INF_K`` 0 (e4m3 K, which holds no infinities, under a 16-bit q, whose products cannot
 overflow fp32: no score is -inf) skips the -inf select (``INF_K`` 2, a variant, replaces it
 with an FMA in the unmasked blocks: :func:`_softmax_step`); ``DEFER_V`` leaves V's values
@@ -76,16 +77,16 @@ def _bad_rows(x):
 
 @triton.jit
 def _bad_rows_by_sum(x, SUMS: tl.constexpr):
-    """``[BLOCK_M]`` bool: a row of ``x [BLOCK_M, D]`` holds a NaN or ±inf. ``SUMS``: read
-    from each row's sum (an add per value instead of a test, a select and a max), which is
-    not finite exactly when a value is not or when finite values overflow fp32; where some
-    row's sum is not finite, the values are tested one by one."""
+    """:func:`_bad_rows` of ``x``; ``SUMS``: read from each row's sum (an add per value
+    instead of a test, a select and a max), which is not finite exactly when a value is not
+    or when finite values overflow fp32; where some row's sum is not finite, the values are
+    tested one by one."""
     if SUMS:
-        bad = _finite(tl.sum(x, 1)) == 0
-        if tl.max(bad.to(tl.int32), 0) > 0:
-            bad = _bad_rows(x) > 0
+        bad = tl.where(_finite(tl.sum(x, 1)), 0, 1)
+        if tl.max(bad, 0) > 0:
+            bad = _bad_rows(x)
     else:
-        bad = _bad_rows(x) > 0
+        bad = _bad_rows(x)
     return bad
 
 
@@ -548,15 +549,8 @@ def _work_item(
         # values persist, so a state without them proves that none did; else the item is
         # computed again with V's checks, by gathered loads (so each call site of this
         # function adds one copy of the loops, not two).
-        # SUMS: a row sum that overflows fp32 computes the item again too (exact, rare).
-        if ACC_CHECK:
-            bad = _bad_rows_by_sum(acc, SUMS)
-            again = tl.max(bad.to(tl.int32), 0) > 0
-        elif SUMS:
-            again = tl.max(tl.where(_finite(tl.sum(acc, 1)), 0, 1), 0) > 0
-        else:
-            again = tl.max(_bad_rows(acc), 0) > 0
-        if again:
+        bad = _bad_rows_by_sum(acc, SUMS)
+        if tl.max(bad, 0) > 0:
             m_i, l_i, acc = _item_state(
                 q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1,
                 mask_from, slot0, kvh, pre, qlen, row_ok, qk_scale, stride_kn, stride_kh, D=D,
@@ -575,11 +569,11 @@ def _work_item(
                    float("-inf"))
     if not ACC_CHECK:
         bad = _bad_rows_by_sum(o, SUMS)  # the row saw a non-finite K/V row
-        o = tl.where(bad[:, None], float("nan"), o)
+        o = tl.where(bad[:, None] > 0, float("nan"), o)
     # ACC_CHECK: a row saw a non-finite K/V row exactly when its accumulator is not finite
     # (a NaN probability reaches the accumulator too), and a NaN lse alone marks its state:
     # every merge makes the row of such a state NaN, whatever its o.
-    lse = tl.where(bad, float("nan"), lse)
+    lse = tl.where(bad > 0, float("nan"), lse)
     pid = (p0 + qi).to(tl.int64)
     tl.store(PO + pid[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :],
              o.to(PO.dtype.element_ty), mask=head_cols(row_ok[:, None], d[None, :], HEAD_D, D))
