@@ -41,16 +41,17 @@ config and coarsening (``deft.plan.coarsen.refine``):
   before each tile's ``mask_from`` (``aligned_mask``), a masked block's range loads before
   its K load (``ranges_first``), and both.
 * ``checks``: the isolation's checks of non-finite K/V: ``checked`` (every check in
-  place), masked blocks that leave V's values unchecked, with a work item whose state comes
-  out non-finite computed again with the checks (``deferred_v_checks``, for every K/V
-  width); over e4m3 K (which holds no infinities) no -inf score made NaN
-  (``e4m3_finite_scores``; no change over 16-bit K/V); and both. Then, on the shipped
-  checks: a work item's end finding its non-finite rows by their sums (``sum_checks``), a
-  -inf score made NaN by an FMA in the unmasked blocks instead of a select
-  (``inf_by_fma``; no change over e4m3 K under ``e4m3_finite_scores``), and both; the
-  end's checks on the accumulator's rows, once, with a bad row's state marked by its lse
-  alone (``acc_checks``), alone and with the other two. The timed steps' K/V are
-  finite, so no item is computed again.
+  place, each value tested), masked blocks that leave V's values unchecked, with a work
+  item whose state comes out non-finite computed again with the checks
+  (``deferred_v_checks``, for every K/V width); over e4m3 K (which holds no infinities) no
+  -inf score made NaN (``e4m3_finite_scores``; no change over 16-bit K/V); and both. Then
+  the shipped checks with what the sm90 configs take at a work item's end and in its
+  unmasked blocks undone: every value tested (no ``sum_checks``, ``inf_by_fma`` or
+  ``acc_checks``), rows tested value by value (no ``sum_checks``), a -inf score made NaN
+  by a select (no ``inf_by_fma``; no change over e4m3 K under ``e4m3_finite_scores``), the
+  output's rows tested and NaN selected into a bad row's values (no ``acc_checks``); and
+  rows tested by their sums over one-byte K/V too (``kv8_sum_checks``). The timed steps'
+  K/V are finite, so no item is computed again.
 * ``order``: a graph-safe launch reads whether the plan's queries are in plan order from
   its header and then loads no query order (``header_in_order``; all but the Medusa
   trees' queries are in plan order); a work item's query order, prefixes and lengths
@@ -201,19 +202,20 @@ def variants(sweep: str, factors: str = "2,4,8,16,32"
                 ("ranges first", v(ranges_first=True), None),
                 ("aligned mask + ranges first", v(aligned_mask=True, ranges_first=True), None)]
     elif sweep == "checks":
-        out += [("checked", v(deferred_v_checks=False, e4m3_finite_scores=False), None),
+        per_value = dict(sum_checks=False, inf_by_fma=False, acc_checks=False)
+        out += [("checked", v(deferred_v_checks=False, e4m3_finite_scores=False, **per_value),
+                 None),
                 ("deferred V checks", v(deferred_v_checks=True, e4m3_finite_scores=False),
                  None),
                 ("finite e4m3 scores", v(deferred_v_checks=False, e4m3_finite_scores=True),
                  None),
                 ("deferred V checks + finite e4m3 scores",
                  v(deferred_v_checks=True, e4m3_finite_scores=True), None),
-                ("row checks by sums", v(sum_checks=True), None),
-                ("-inf by fma", v(inf_by_fma=True), None),
-                ("row checks by sums + -inf by fma", v(sum_checks=True, inf_by_fma=True), None),
-                ("checks on the accumulator", v(acc_checks=True), None),
-                ("checks on the accumulator by sums + -inf by fma",
-                 v(acc_checks=True, sum_checks=True, inf_by_fma=True), None)]
+                ("per-value checks", v(**per_value), None),
+                ("row checks by values", v(sum_checks=False), None),
+                ("-inf by select", v(inf_by_fma=False), None),
+                ("checks on the output", v(acc_checks=False), None),
+                ("row checks by sums over one-byte K/V", v(kv8_sum_checks=True), None)]
     elif sweep == "order":
         out += [("queries in order by header", v(header_in_order=True), None),
                 ("item loads before the wait", v(early_item_loads=True), None),

@@ -272,17 +272,22 @@ def test_triton_padded_head_dim(monkeypatch, fused):
                     expected_nan(layout, [p[:2] for p in poison]), f"fused={fused}")
 
 
-# Kernel variants (deft.ops.triton.configs.KernelConfig): shipped, the masked loop from a
-# block boundary before mask_from, that with ranges loaded first, and V's checks deferred
-# (a work item recomputed with them where its state comes out non-finite), checked or with
-# non-finite rows found by their sums.
+# Kernel variants (deft.ops.triton.configs.KernelConfig), the same on the interpreter's config
+# and on a GPU's but "shipped": the masked loop from a block boundary before mask_from, that
+# with ranges loaded first, and V's checks deferred (a work item recomputed with them where
+# its state comes out non-finite) or every check in place ("checked"), each with every value
+# tested at a work item's end and every score by a select (``PER_VALUE``); then the three
+# flags sm_90 takes over that, one at a time or all ("lean-all": sm_90's 16-bit K/V).
+PER_VALUE = {"sum_checks": False, "kv8_sum_checks": False, "inf_by_fma": False,
+             "acc_checks": False}
 VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True},
             "both": {"aligned_mask": True, "ranges_first": True},
-            "deferred": {"deferred_v_checks": True},
-            "checked": {"deferred_v_checks": False, "kv8_deferred_v_checks": False},
-            "sums": {"sum_checks": True, "deferred_v_checks": True},
-            "fma": {"inf_by_fma": True}, "acc": {"acc_checks": True, "deferred_v_checks": True},
-            "acc-checked": {"acc_checks": True, "deferred_v_checks": False},
+            "deferred": {**PER_VALUE, "deferred_v_checks": True},
+            "checked": {**PER_VALUE, "deferred_v_checks": False, "kv8_deferred_v_checks": False},
+            "sums": {**PER_VALUE, "sum_checks": True, "deferred_v_checks": True},
+            "fma": {**PER_VALUE, "inf_by_fma": True},
+            "acc": {**PER_VALUE, "acc_checks": True, "deferred_v_checks": True},
+            "acc-checked": {**PER_VALUE, "acc_checks": True, "deferred_v_checks": False},
             "lean-all": {"acc_checks": True, "sum_checks": True, "inf_by_fma": True,
                          "deferred_v_checks": True}}
 

@@ -52,10 +52,12 @@ def test_kernel_variants_compile_for_sm90():
     ``ranges_first``), deferred V checks, whose masked block loops are the shorter by a
     quarter at least (no V values loaded, checked and stored back) and whose unmasked ones
     stay as they were, and finite e4m3 scores, whose FP8 loops lose the -inf select; the
-    -inf check by an FMA (``inf_by_fma``) shortens the bf16 unmasked loops alone."""
+    -inf check by an FMA (``inf_by_fma``, against ``per-value``) shortens the bf16 unmasked
+    loops alone."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "kernel_registers.py"), "--rows", "0", "--kv",
-         "bf16,fp8", "--launch", "graph-safe", "--variants", "checked,both,deferred,finite,fma"],
+         "bf16,fp8", "--launch", "graph-safe", "--variants",
+         "checked,both,deferred,finite,fma,per-value"],
         capture_output=True, text=True, timeout=600, check=True, cwd=ROOT).stdout
     loops, header = {}, [c.strip() for c in out.splitlines()[0].strip("|").split("|")]
     for line in out.splitlines()[2:]:
@@ -63,7 +65,7 @@ def test_kernel_variants_compile_for_sm90():
         assert cells["cap"] == "none", out
         assert 0 < int(cells["registers"]) <= 255 and cells["wgmma serialised"] == "no", out
         loops[cells["K/V"], cells["variant"]] = {k: int(cells[k].split()[0]) for k in header[-4:]}
-    assert len(loops) == 10, out
+    assert len(loops) == 12, out
     for kv in ("bf16", "fp8"):
         shipped, deferred = loops[kv, "checked"], loops[kv, "deferred"]
         for kind in ("TMA masked", "gathered masked"):
@@ -73,9 +75,9 @@ def test_kernel_variants_compile_for_sm90():
     assert loops["bf16", "finite"] == loops["bf16", "checked"], out  # a 16-bit K keeps it
     for kind in ("TMA", "gathered"):  # 32 fewer per block (the masked ones vary more)
         assert loops["fp8", "finite"][kind] < loops["fp8", "checked"][kind], out
-        assert loops["bf16", "fma"][kind] < loops["bf16", "deferred"][kind], out
+        assert loops["bf16", "fma"][kind] < loops["bf16", "per-value"][kind], out
     for kind in ("TMA masked", "gathered masked"):
-        assert loops["bf16", "fma"][kind] == loops["bf16", "deferred"][kind], out
+        assert loops["bf16", "fma"][kind] == loops["bf16", "per-value"][kind], out
     assert loops["fp8", "fma"] == loops["fp8", "finite"], out  # e4m3 K: no -inf check at all
 
 

@@ -15,16 +15,20 @@ from deft.ops.triton import configs, launch  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-# Kernel variants (deft.ops.triton.configs.KernelConfig): the masked tiles' (not shipped) and
-# V's checks deferred (shipped on sm_90; the interpreter's config keeps V checked, and the GPU
-# runs the checked kernel in test_isolation's "checked-v"), and with them rows checked by sums
-# (not shipped).
+# Kernel variants (deft.ops.triton.configs.KernelConfig), the same on the interpreter's config
+# and on a GPU's: the masked tiles' (not shipped); V's checks deferred with every value tested
+# at a work item's end and every score by a select (``PER_VALUE``), and with each of the three
+# flags sm_90 takes over that (rows checked by sums, -inf scores by an FMA, checks on the
+# accumulator) or all of them ("lean-all": sm_90's 16-bit K/V; the interpreter's config keeps
+# V checked and values tested, and the GPU runs that kernel in test_isolation's "checked-v").
+PER_VALUE = {"sum_checks": False, "inf_by_fma": False, "acc_checks": False}
 VARIANTS = {"aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
             "both": {"aligned_mask": True, "ranges_first": True},
-            "deferred": {"deferred_v_checks": True},
-            "sums": {"sum_checks": True, "deferred_v_checks": True},
-            "fma": {"inf_by_fma": True}, "acc": {"acc_checks": True, "deferred_v_checks": True},
-            "acc-checked": {"acc_checks": True, "deferred_v_checks": False},
+            "deferred": {**PER_VALUE, "deferred_v_checks": True},
+            "sums": {**PER_VALUE, "sum_checks": True, "deferred_v_checks": True},
+            "fma": {**PER_VALUE, "inf_by_fma": True},
+            "acc": {**PER_VALUE, "acc_checks": True, "deferred_v_checks": True},
+            "acc-checked": {**PER_VALUE, "acc_checks": True, "deferred_v_checks": False},
             "lean-all": {"acc_checks": True, "sum_checks": True, "inf_by_fma": True,
                          "deferred_v_checks": True}}
 
@@ -938,9 +942,9 @@ def test_sweep_plans_need_no_gpu(capsys):
     digests = {r[1]: r[-1] for r in rows}
     kernel = {"shipped", "aligned mask", "ranges first", "aligned mask + ranges first",
               "checked", "deferred V checks", "finite e4m3 scores",
-              "deferred V checks + finite e4m3 scores", "row checks by sums", "-inf by fma",
-              "row checks by sums + -inf by fma", "checks on the accumulator",
-              "checks on the accumulator by sums + -inf by fma", "queries in order by header",
+              "deferred V checks + finite e4m3 scores", "per-value checks",
+              "row checks by values", "-inf by select", "checks on the output",
+              "row checks by sums over one-byte K/V", "queries in order by header",
               "item loads before the wait", "in order + early item loads"}
     model = {label for label, _, _ in sweep.variants("model")[1:]}
     before = "before: config slots and masked tiles neither apart nor charged"

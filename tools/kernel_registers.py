@@ -27,8 +27,11 @@ flags): the masked tiles' ``aligned`` (``aligned_mask``), ``ranges`` (``ranges_f
 ``both``; the isolation's ``checked`` (neither of the next two), ``deferred``
 (``deferred_v_checks``), ``finite`` (``e4m3_finite_scores``) and ``lean`` (those two); the
 graph-safe launches' ``in-order`` (``header_in_order``), ``early`` (``early_item_loads``) and
-``order`` (both); a work item's end checking rows by their sums, ``sums`` (``sum_checks``),
-a -inf score made NaN by an FMA, ``fma`` (``inf_by_fma``), and the end's checks on the
+``order`` (both); ``per-value`` (none of ``sum_checks``, ``inf_by_fma`` and
+``acc_checks``, which the sm90 configs take: every value tested at a work item's end and
+every score by a select) and each of the three alone: a work item's end checking rows by
+their sums, ``sums`` (``sum_checks``, which the sm90 configs take over 16-bit K/V), a -inf
+score made NaN by an FMA, ``fma`` (``inf_by_fma``), and the end's checks on the
 accumulator, ``acc`` (``acc_checks``).
 ``--dump DIR`` also writes each build's TTGIR, PTX, cubin and SASS
 (``nvdisasm``) there, to read what the compiler made of a loop.
@@ -70,8 +73,12 @@ VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True}, "ranges": {"ranges
             "lean": {"deferred_v_checks": True, "e4m3_finite_scores": True},
             "in-order": {"header_in_order": True}, "early": {"early_item_loads": True},
             "order": {"header_in_order": True, "early_item_loads": True},
-            "sums": {"sum_checks": True}, "fma": {"inf_by_fma": True},
-            "acc": {"acc_checks": True}}
+            "per-value": {"sum_checks": False, "kv8_sum_checks": False, "inf_by_fma": False,
+                          "acc_checks": False},
+            "sums": {"sum_checks": True, "kv8_sum_checks": True, "inf_by_fma": False,
+                     "acc_checks": False},
+            "fma": {"sum_checks": False, "inf_by_fma": True, "acc_checks": False},
+            "acc": {"sum_checks": False, "inf_by_fma": False, "acc_checks": True}}
 # The inner loops' kinds, in the table's order: K/V by TMA or gathered, masked or not.
 LOOPS = ("TMA", "TMA masked", "gathered", "gathered masked")
 H_KV, G = 8, 4  # Llama-3-8B's heads

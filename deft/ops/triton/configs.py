@@ -103,8 +103,10 @@ class KernelConfig:
     early_item_loads: bool = False
     # A work item's end reads whether a row is non-finite from the row's sum (its values
     # tested one by one only where some row's sum is not finite): the epilogue's check and
-    # the deferred V checks' (``kernels._bad_rows_by_sum``).
+    # the deferred V checks' (``kernels._bad_rows_by_sum``). ``kv8_sum_checks``: the same
+    # over one-byte K/V.
     sum_checks: bool = False
+    kv8_sum_checks: bool = False
     # In the unmasked blocks, a -inf score makes its probability NaN through the exponent's
     # FMA (``score * 0`` is NaN only for a non-finite score) instead of a test and a select
     # of every score (``kernels._softmax_step``).
@@ -126,10 +128,12 @@ class KernelConfig:
         return 2 if self.inf_by_fma else 1
 
 
-# Deferred V checks over 16-bit K/V only, finite scores over e4m3 K, masked tiles apart and
-# charged 128 tokens: docs/decisions.md.
+# Deferred V checks and row checks by sums over 16-bit K/V only, finite scores over e4m3 K,
+# -inf scores by an FMA, checks on the accumulator, masked tiles apart and charged 128
+# tokens: docs/decisions.md.
 _SM90 = dict(tma=True, pdl=True, graph_waves=3, kv8_maxnreg=168, deferred_v_checks=True,
-             e4m3_finite_scores=True, masked_apart=True, masked_cost=128)
+             e4m3_finite_scores=True, sum_checks=True, inf_by_fma=True, acc_checks=True,
+             masked_apart=True, masked_cost=128)
 _NARROW = dict(_SM90, narrow_partials=True, maxnreg=168, kv8_block_n=64)
 CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
     ("sm90", 64, 0): KernelConfig(64, 32, 4, 3, 4.0, **_SM90),
@@ -212,7 +216,8 @@ def kernel_config(head_dim: int, rows: int = 0, device: torch.device | None = No
 def _one_byte(cfg: KernelConfig) -> KernelConfig:
     return dataclasses.replace(cfg, maxnreg=cfg.kv8_maxnreg or cfg.maxnreg,
                                block_n=cfg.kv8_block_n or cfg.block_n,
-                               deferred_v_checks=cfg.kv8_deferred_v_checks)
+                               deferred_v_checks=cfg.kv8_deferred_v_checks,
+                               sum_checks=cfg.kv8_sum_checks)
 
 
 @functools.lru_cache(maxsize=64)

@@ -28,13 +28,13 @@ non-finite V values are zeroed before ``p @ V`` (a probability of 0 times NaN is
 the probabilities of the rows that see them made NaN; in the other blocks every row sees
 every token, so a non-finite V row reaches exactly the rows that see it (a TMA box's rows
 past its tile, seen by none, are zeroed). The epilogue makes a row with a non-finite output
-NaN (o and lse; under ``ACC_CHECK``, a variant, the lse alone, which every merge turns into
-a NaN row; ``SUMS``, a variant, finds such rows by their sums). Two variants make this
-cheaper (the sm90 configs take both, the first over e4m3 K, the second over 16-bit K/V;
-docs/decisions.md):
+NaN (o and lse; under ``ACC_CHECK``, the lse alone, which every merge turns into a NaN row;
+``SUMS`` finds such rows by their sums). Two more flags make this cheaper (the sm90 configs
+take both, the first over e4m3 K, the second over 16-bit K/V; they also take ``ACC_CHECK``,
+``SUMS`` over 16-bit K/V, and ``INF_K`` 2 where K may hold infinities; docs/decisions.md):
 ``INF_K`` 0 (e4m3 K, which holds no infinities, under a 16-bit q, whose products cannot
-overflow fp32: no score is -inf) skips the -inf select (``INF_K`` 2, a variant, replaces it
-with an FMA in the unmasked blocks: :func:`_softmax_step`); ``DEFER_V`` leaves V's values
+overflow fp32: no score is -inf) skips the -inf select (``INF_K`` 2 replaces it with an FMA
+in the unmasked blocks: :func:`_softmax_step`); ``DEFER_V`` leaves V's values
 unchecked in the masked blocks (none loaded from shared memory, tested and stored back):
 one non-finite V value makes its column of every row's accumulator non-finite (0 * NaN is
 NaN, and NaN and inf persist through the online softmax), so a work item whose state comes
