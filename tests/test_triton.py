@@ -21,7 +21,8 @@ DEV = "cuda" if CUDA else "cpu"
 # flags sm_90 takes over that (rows checked by sums, -inf scores by an FMA, checks on the
 # accumulator) or all of them ("lean-all": sm_90's 16-bit K/V; the interpreter's config keeps
 # V checked and values tested, and the GPU runs that kernel in test_isolation's "checked-v").
-PER_VALUE = {"sum_checks": False, "inf_by_fma": False, "acc_checks": False}
+PER_VALUE = {"sum_checks": False, "kv8_sum_checks": False, "inf_by_fma": False,
+             "acc_checks": False}
 VARIANTS = {"aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
             "both": {"aligned_mask": True, "ranges_first": True},
             "deferred": {**PER_VALUE, "deferred_v_checks": True},
