@@ -23,6 +23,20 @@ TOL = {
     torch.bfloat16: (1.6e-2, 1.6e-2),
 }
 LSE_TOL = (1e-4, 1e-5)  # lse is float32 for every input dtype
+# The isolation checks' kernel variants (deft.ops.triton.configs.KernelConfig changes), the
+# same on the interpreter's config and on a GPU's: V's checks deferred with every value tested
+# at a work item's end and every score by a select (``PER_VALUE``), and with each of the three
+# flags sm_90 takes over that (rows checked by sums, -inf scores by an FMA, checks on the
+# accumulator, also with V checked) or all of them ("lean-all": sm_90's 16-bit K/V).
+PER_VALUE = {"sum_checks": False, "kv8_sum_checks": False, "inf_by_fma": False,
+             "acc_checks": False}
+CHECK_VARIANTS = {"deferred": {**PER_VALUE, "deferred_v_checks": True},
+                  "sums": {**PER_VALUE, "sum_checks": True, "deferred_v_checks": True},
+                  "fma": {**PER_VALUE, "inf_by_fma": True},
+                  "acc": {**PER_VALUE, "acc_checks": True, "deferred_v_checks": True},
+                  "acc-checked": {**PER_VALUE, "acc_checks": True, "deferred_v_checks": False},
+                  "lean-all": {"acc_checks": True, "sum_checks": True, "inf_by_fma": True,
+                               "deferred_v_checks": True}}
 
 
 class Letters:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import random_forest
+from conftest import CHECK_VARIANTS, PER_VALUE, random_forest
 from deft import PLAN_KINDS, TreeAttention, TreeLayout, merge_states
 from deft.ops.reference import reference_attention, visibility_mask
 from deft.ops.torch_backend import TorchBackend, _Dense
@@ -274,22 +274,14 @@ def test_triton_padded_head_dim(monkeypatch, fused):
 
 # Kernel variants (deft.ops.triton.configs.KernelConfig), the same on the interpreter's config
 # and on a GPU's but "shipped": the masked loop from a block boundary before mask_from, that
-# with ranges loaded first, and V's checks deferred (a work item recomputed with them where
-# its state comes out non-finite) or every check in place ("checked"), each with every value
-# tested at a work item's end and every score by a select (``PER_VALUE``); then the three
-# flags sm_90 takes over that, one at a time or all ("lean-all": sm_90's 16-bit K/V).
-PER_VALUE = {"sum_checks": False, "kv8_sum_checks": False, "inf_by_fma": False,
-             "acc_checks": False}
+# with ranges loaded first, every check in place ("checked") and the isolation checks'
+# (``CHECK_VARIANTS``: V's checks deferred, a work item recomputed with them where its state
+# comes out non-finite, and the flags sm_90 takes).
 VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True},
             "both": {"aligned_mask": True, "ranges_first": True},
-            "deferred": {**PER_VALUE, "deferred_v_checks": True},
+            "deferred": CHECK_VARIANTS["deferred"],
             "checked": {**PER_VALUE, "deferred_v_checks": False, "kv8_deferred_v_checks": False},
-            "sums": {**PER_VALUE, "sum_checks": True, "deferred_v_checks": True},
-            "fma": {**PER_VALUE, "inf_by_fma": True},
-            "acc": {**PER_VALUE, "acc_checks": True, "deferred_v_checks": True},
-            "acc-checked": {**PER_VALUE, "acc_checks": True, "deferred_v_checks": False},
-            "lean-all": {"acc_checks": True, "sum_checks": True, "inf_by_fma": True,
-                         "deferred_v_checks": True}}
+            **CHECK_VARIANTS}
 
 
 @pytest.mark.skipif(CUDA, reason="on a GPU, TMA runs inside graph capture: the gpu test")

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import to_paged, assert_close, assert_lse_close, random_forest, random_qkv
+from conftest import (CHECK_VARIANTS, to_paged, assert_close, assert_lse_close,
+                      random_forest, random_qkv)
 from deft import TreeAttention, TreeLayout, merge_states
 from deft.ops.reference import reference_attention
 from benchmarks.trees import few_shot_layout, medusa_layout, shuffle_slots
@@ -15,23 +16,11 @@ from deft.ops.triton import configs, launch  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-# Kernel variants (deft.ops.triton.configs.KernelConfig), the same on the interpreter's config
-# and on a GPU's: the masked tiles' (not shipped); V's checks deferred with every value tested
-# at a work item's end and every score by a select (``PER_VALUE``), and with each of the three
-# flags sm_90 takes over that (rows checked by sums, -inf scores by an FMA, checks on the
-# accumulator) or all of them ("lean-all": sm_90's 16-bit K/V; the interpreter's config keeps
-# V checked and values tested, and the GPU runs that kernel in test_isolation's "checked-v").
-PER_VALUE = {"sum_checks": False, "kv8_sum_checks": False, "inf_by_fma": False,
-             "acc_checks": False}
+# Kernel variants (deft.ops.triton.configs.KernelConfig): the masked tiles' (not shipped) and
+# the isolation checks' (``CHECK_VARIANTS``; the interpreter's config keeps V checked and
+# values tested, and the GPU runs that kernel in test_isolation's "checked-v").
 VARIANTS = {"aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
-            "both": {"aligned_mask": True, "ranges_first": True},
-            "deferred": {**PER_VALUE, "deferred_v_checks": True},
-            "sums": {**PER_VALUE, "sum_checks": True, "deferred_v_checks": True},
-            "fma": {**PER_VALUE, "inf_by_fma": True},
-            "acc": {**PER_VALUE, "acc_checks": True, "deferred_v_checks": True},
-            "acc-checked": {**PER_VALUE, "acc_checks": True, "deferred_v_checks": False},
-            "lean-all": {"acc_checks": True, "sum_checks": True, "inf_by_fma": True,
-                         "deferred_v_checks": True}}
+            "both": {"aligned_mask": True, "ranges_first": True}, **CHECK_VARIANTS}
 
 
 def check(layout, h_q, h_kv, d, dtype, kind="flatten", seed=0, paged=0):

@@ -15,9 +15,8 @@ loads, no plan header) or graph-safe (TMA, plan header, a loop over work items),
 
 Usage: ``python tools/kernel_registers.py [--head-dim 128] [--rows 0,2048] [--kv bf16,fp8]
 [--launch eager,graph-safe] [--maxnreg shipped,none,168] [--block-m shipped,few,16] [--variants
-shipped,aligned,ranges,both,checked,deferred,finite,lean,in-order,early,order,sums,fma,
-acc]
-[--dump DIR]``;
+shipped,aligned,ranges,both,checked,deferred,finite,lean,in-order,early,order,per-value,
+sums,fma,acc] [--dump DIR]``;
 ``--rows`` picks the config table's row regimes (``deft.ops.triton.configs.CONFIGS``),
 ``--maxnreg`` the register cap (``shipped``: the config's build's for that K/V), ``--block-m``
 the build: ``shipped``, ``few`` (FP8's few-row build, ``configs.few_rows_config``; skipped
@@ -65,6 +64,8 @@ from deft.ops.triton import configs, kernels  # noqa: E402
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 KV = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 # Kernel variants: their ``KernelConfig`` changes to the shipped configs.
+PER_VALUE = {"sum_checks": False, "kv8_sum_checks": False, "inf_by_fma": False,
+             "acc_checks": False}
 VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
             "both": {"aligned_mask": True, "ranges_first": True},
             "checked": {"deferred_v_checks": False, "e4m3_finite_scores": False},
@@ -73,12 +74,10 @@ VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True}, "ranges": {"ranges
             "lean": {"deferred_v_checks": True, "e4m3_finite_scores": True},
             "in-order": {"header_in_order": True}, "early": {"early_item_loads": True},
             "order": {"header_in_order": True, "early_item_loads": True},
-            "per-value": {"sum_checks": False, "kv8_sum_checks": False, "inf_by_fma": False,
-                          "acc_checks": False},
-            "sums": {"sum_checks": True, "kv8_sum_checks": True, "inf_by_fma": False,
-                     "acc_checks": False},
-            "fma": {"sum_checks": False, "inf_by_fma": True, "acc_checks": False},
-            "acc": {"sum_checks": False, "inf_by_fma": False, "acc_checks": True}}
+            "per-value": PER_VALUE,
+            "sums": {**PER_VALUE, "sum_checks": True, "kv8_sum_checks": True},
+            "fma": {**PER_VALUE, "inf_by_fma": True},
+            "acc": {**PER_VALUE, "acc_checks": True}}
 # The inner loops' kinds, in the table's order: K/V by TMA or gathered, masked or not.
 LOOPS = ("TMA", "TMA masked", "gathered", "gathered masked")
 H_KV, G = 8, 4  # Llama-3-8B's heads
@@ -231,8 +230,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="kernel variants: shipped; masked tiles: aligned (aligned_mask), ranges "
                          "(ranges_first), both; isolation: deferred (deferred_v_checks), "
                          "finite (e4m3_finite_scores), lean (those two); graph-safe: in-order "
-                         "(header_in_order), early (early_item_loads), order (both); sums "
-                         "(sum_checks); fma (inf_by_fma); acc (acc_checks)")
+                         "(header_in_order), early (early_item_loads), order (both); end "
+                         "checks: per-value (none of the next three), sums (sum_checks), fma "
+                         "(inf_by_fma), acc (acc_checks)")
     ap.add_argument("--dump", metavar="DIR", type=Path,
                     help="also write each build's TTGIR, PTX, cubin and SASS into DIR")
     args = ap.parse_args(argv)
