@@ -55,7 +55,8 @@ config and coarsening (``deft.plan.coarsen.refine``):
 * ``order``: a graph-safe launch reads whether the plan's queries are in plan order from
   its header and then loads no query order (``header_in_order``; all but the Medusa
   trees' queries are in plan order); a work item's query order, prefixes and lengths
-  loaded before the PDL wait (``early_item_loads``); and both.
+  loaded after the PDL wait (no ``early_item_loads``, which the sm90 configs take); and
+  both.
 
 ``--plans`` makes each variant's plans on this machine, as an H200's backend would (its
 configs and 132 SMs), and prints their tiles, programs and build without timing anything
@@ -218,9 +219,9 @@ def variants(sweep: str, factors: str = "2,4,8,16,32"
                 ("row checks by sums over one-byte K/V", v(kv8_sum_checks=True), None)]
     elif sweep == "order":
         out += [("queries in order by header", v(header_in_order=True), None),
-                ("item loads before the wait", v(early_item_loads=True), None),
-                ("in order + early item loads", v(header_in_order=True, early_item_loads=True),
-                 None)]
+                ("item loads after the wait", v(early_item_loads=False), None),
+                ("in order + item loads after the wait",
+                 v(header_in_order=True, early_item_loads=False), None)]
     elif sweep == "cap":
         out += [("no cap", v(maxnreg=None), None),
                 ("no cap resident 2", v(maxnreg=None, resident_per_sm=2), None),

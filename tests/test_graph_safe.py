@@ -124,8 +124,9 @@ def test_plans_change_no_launch_argument_and_stay_exact(launches, monkeypatch):
 
 
 @pytest.mark.parametrize("flags", [dict(header_in_order=True), dict(early_item_loads=True),
+                                   dict(early_item_loads=False),
                                    dict(header_in_order=True, early_item_loads=True)],
-                         ids=["in-order", "early", "both"])
+                         ids=["in-order", "early", "late", "both"])
 def test_query_order_flags_stay_exact(monkeypatch, flags):
     """``header_in_order`` (no query-order load where the header says the queries are in
     plan order) and ``early_item_loads``: random trees whose queries are in plan order and

@@ -935,7 +935,7 @@ def test_sweep_plans_need_no_gpu(capsys):
               "deferred V checks + finite e4m3 scores", "per-value checks",
               "row checks by values", "-inf by select", "checks on the output",
               "row checks by sums over one-byte K/V", "queries in order by header",
-              "item loads before the wait", "in order + early item loads"}
+              "item loads after the wait", "in order + item loads after the wait"}
     model = {label for label, _, _ in sweep.variants("model")[1:]}
     before = "before: config slots and masked tiles neither apart nor charged"
     assert set(digests) == kernel | model | {"u=2"}
@@ -959,7 +959,7 @@ def test_sweep_plans_need_no_gpu(capsys):
 @pytest.mark.parametrize("name, only, kv", [
     ("tails", "shipped,aligned mask + ranges first", "auto"),
     ("checks", "shipped,checked,deferred V checks + finite e4m3 scores", "fp8_e4m3"),
-    ("order", "shipped,in order + early item loads", "auto")])
+    ("order", "shipped,in order + item loads after the wait", "auto")])
 def test_gpu_sweep_times_the_kernel_variants(capsys, name, only, kv):
     """``python -m benchmarks.sweep --sweep tails|checks|order --graph-safe`` on a small
     tree: each kernel and coarsening variant runs, agrees with the float64 reference, and the

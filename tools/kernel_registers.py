@@ -15,7 +15,7 @@ loads, no plan header) or graph-safe (TMA, plan header, a loop over work items),
 
 Usage: ``python tools/kernel_registers.py [--head-dim 128] [--rows 0,2048] [--kv bf16,fp8]
 [--launch eager,graph-safe] [--maxnreg shipped,none,168] [--block-m shipped,few,16] [--variants
-shipped,aligned,ranges,both,checked,deferred,finite,lean,in-order,early,order,per-value,
+shipped,aligned,ranges,both,checked,deferred,finite,lean,in-order,late,order,per-value,
 sums,fma,acc] [--dump DIR]``;
 ``--rows`` picks the config table's row regimes (``deft.ops.triton.configs.CONFIGS``),
 ``--maxnreg`` the register cap (``shipped``: the config's build's for that K/V), ``--block-m``
@@ -25,8 +25,9 @@ registers). ``--variants`` the kernel's variants (``VARIANTS``, each a few ``Ker
 flags): the masked tiles' ``aligned`` (``aligned_mask``), ``ranges`` (``ranges_first``) or
 ``both``; the isolation's ``checked`` (neither of the next two), ``deferred``
 (``deferred_v_checks``), ``finite`` (``e4m3_finite_scores``) and ``lean`` (those two); the
-graph-safe launches' ``in-order`` (``header_in_order``), ``early`` (``early_item_loads``) and
-``order`` (both); ``per-value`` (none of ``sum_checks``, ``inf_by_fma`` and
+graph-safe launches' ``in-order`` (``header_in_order``), ``late`` (no ``early_item_loads``,
+which the sm90 configs take: a work item's loads after the PDL wait) and ``order`` (both);
+``per-value`` (none of ``sum_checks``, ``inf_by_fma`` and
 ``acc_checks``, which the sm90 configs take: every value tested at a work item's end and
 every score by a select) and each of the three alone: a work item's end checking rows by
 their sums, ``sums`` (``sum_checks``, which the sm90 configs take over 16-bit K/V), a -inf
@@ -72,8 +73,8 @@ VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True}, "ranges": {"ranges
             "deferred": {"deferred_v_checks": True, "e4m3_finite_scores": False},
             "finite": {"deferred_v_checks": False, "e4m3_finite_scores": True},
             "lean": {"deferred_v_checks": True, "e4m3_finite_scores": True},
-            "in-order": {"header_in_order": True}, "early": {"early_item_loads": True},
-            "order": {"header_in_order": True, "early_item_loads": True},
+            "in-order": {"header_in_order": True}, "late": {"early_item_loads": False},
+            "order": {"header_in_order": True, "early_item_loads": False},
             "per-value": PER_VALUE,
             "sums": {**PER_VALUE, "sum_checks": True, "kv8_sum_checks": True},
             "fma": {**PER_VALUE, "inf_by_fma": True},
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="kernel variants: shipped; masked tiles: aligned (aligned_mask), ranges "
                          "(ranges_first), both; isolation: deferred (deferred_v_checks), "
                          "finite (e4m3_finite_scores), lean (those two); graph-safe: in-order "
-                         "(header_in_order), early (early_item_loads), order (both); end "
+                         "(header_in_order), late (no early_item_loads), order (both); end "
                          "checks: per-value (none of the next three), sums (sum_checks), fma "
                          "(inf_by_fma), acc (acc_checks)")
     ap.add_argument("--dump", metavar="DIR", type=Path,

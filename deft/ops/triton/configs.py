@@ -129,11 +129,11 @@ class KernelConfig:
 
 
 # Deferred V checks and row checks by sums over 16-bit K/V only, finite scores over e4m3 K,
-# -inf scores by an FMA, checks on the accumulator, masked tiles apart and charged 128
-# tokens: docs/decisions.md.
+# -inf scores by an FMA, checks on the accumulator, a work item's loads before the PDL wait,
+# masked tiles apart and charged 128 tokens: docs/decisions.md.
 _SM90 = dict(tma=True, pdl=True, graph_waves=3, kv8_maxnreg=168, deferred_v_checks=True,
              e4m3_finite_scores=True, sum_checks=True, inf_by_fma=True, acc_checks=True,
-             masked_apart=True, masked_cost=128)
+             early_item_loads=True, masked_apart=True, masked_cost=128)
 _NARROW = dict(_SM90, narrow_partials=True, maxnreg=168, kv8_block_n=64)
 CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
     ("sm90", 64, 0): KernelConfig(64, 32, 4, 3, 4.0, **_SM90),
