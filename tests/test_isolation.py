@@ -276,12 +276,16 @@ def test_triton_padded_head_dim(monkeypatch, fused):
 # and on a GPU's but "shipped": the masked loop from a block boundary before mask_from, that
 # with ranges loaded first, every check in place ("checked") and the isolation checks'
 # (``CHECK_VARIANTS``: V's checks deferred, a work item recomputed with them where its state
-# comes out non-finite, and the flags sm_90 takes).
+# comes out non-finite, and the flags sm_90 takes), and TMA blocks in pairs, with the -inf
+# scores made NaN by a select, by an FMA, and with sm_90's flags (whose deferred checks
+# recompute a work item that has padding rows: 0 * inf is NaN in their scores).
 VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True},
             "both": {"aligned_mask": True, "ranges_first": True},
             "deferred": CHECK_VARIANTS["deferred"],
             "checked": {**PER_VALUE, "deferred_v_checks": False, "kv8_deferred_v_checks": False},
-            **CHECK_VARIANTS}
+            **CHECK_VARIANTS, "pairs": {"pair_blocks": True},
+            "pairs-fma": {**CHECK_VARIANTS["fma"], "pair_blocks": True},
+            "pairs-lean": {**CHECK_VARIANTS["lean-all"], "pair_blocks": True}}
 
 
 @pytest.mark.skipif(CUDA, reason="on a GPU, TMA runs inside graph capture: the gpu test")
@@ -323,6 +327,32 @@ def test_triton_tma_blocks(monkeypatch, value, tma, variant):
     assert_isolated(run_poisoned(attn, q, k, v, poison), clean,
                     expected_nan(layout, [p[:2] for p in poison]),
                     f"{'tma' if tma else 'gathered'} {variant} {value}")
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU, TMA runs inside graph capture: the gpu test")
+@pytest.mark.parametrize("variant", ["pairs", "pairs-fma", "pairs-lean"])
+@pytest.mark.parametrize("which, slot", [("k", 5), ("k", 20), ("v", 23)])
+@pytest.mark.parametrize("value", list(VALUES))
+def test_triton_block_pairs(monkeypatch, value, which, slot, variant):
+    """TMA blocks in pairs (``pair_blocks``, interpreted on CPU): one non-finite value in
+    either block of the prompt's first pair, alone in the cache, makes exactly the rows that
+    see it NaN (every query of its tree, on the heads of its KV head)."""
+    pytest.importorskip("triton")
+
+    from deft.ops.triton import configs
+
+    for key, cfg in list(configs.CONFIGS.items()):
+        monkeypatch.setitem(configs.CONFIGS, key,
+                            dataclasses.replace(cfg, tma=True, **VARIANTS[variant]))
+    layout = fan_and_tree(40, 3, 11, 20, 9)
+    q, k, v = clean_inputs(layout, torch.float32, device=DEV)
+    attn = planned("triton", layout, device=DEV, block=32)
+    work = attn._prepared.segment("work").view(-1, 8).numpy()
+    assert ((work[:, 0] == 0) & (np.minimum(work[:, 5], work[:, 1]) >= 32)).any(), work
+    clean = attn.run(q, k, v, return_lse=True)
+    poison = [(slot, 1, 3, VALUES[value], which)]
+    assert_isolated(run_poisoned(attn, q, k, v, poison), clean,
+                    expected_nan(layout, [(slot, 1)]), f"{variant} {which}[{slot}] {value}")
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

@@ -108,12 +108,20 @@ def _softmax_step(s, m_i, l_i, acc, qk_scale, s_raw, RAW_INF: tl.constexpr):
     # m_i starts finite (-1e30), so no -inf - -inf: masked scores give p = 0.
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
+    p = _probs(s, qk_scale, m_new, s_raw, RAW_INF)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, m_new, l_i, acc * alpha[:, None]
+
+
+@triton.jit
+def _probs(s, qk_scale, m_new, s_raw, RAW_INF: tl.constexpr):
+    """Base-2 probabilities of raw scores ``s`` under the running max ``m_new`` (``RAW_INF``:
+    see :func:`_softmax_step`)."""
     if RAW_INF:
         p = tl.exp2(tl.fma(s, qk_scale, tl.fma(s_raw, 0.0, -m_new[:, None])))
     else:
         p = tl.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
-    l_i = l_i * alpha + tl.sum(p, 1)
-    return p, m_new, l_i, acc * alpha[:, None]
+    return p
 
 
 @triton.jit
@@ -255,16 +263,58 @@ def _tma_block(
 
 
 @triton.jit
+def _tma_pair(q, desc_k, desc_v, slot, kvh, m_i, l_i, acc, qk_scale, D: tl.constexpr,
+              BLOCK_N: tl.constexpr, IEEE: tl.constexpr, INF_K: tl.constexpr):
+    """One online-softmax step over the ``2 * BLOCK_N`` consecutive slots from ``slot``, every
+    row seeing every token, loaded by TMA as two blocks: one running max, rescale and loop
+    step per two blocks. Isolation as in :func:`_tma_block`'s unmasked blocks."""
+    k1 = desc_k.load([slot, kvh * D]).to(q.dtype)
+    k2 = desc_k.load([slot + BLOCK_N, kvh * D]).to(q.dtype)
+    s1 = _scores(q, k1, IEEE)
+    s2 = _scores(q, k2, IEEE)
+    if INF_K == 1:
+        s1 = _no_neg_inf(s1)
+        s2 = _no_neg_inf(s2)
+    m_new = tl.maximum(m_i, tl.maximum(tl.max(s1, 1), tl.max(s2, 1)) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p1 = _probs(s1, qk_scale, m_new, s1, RAW_INF=INF_K == 2)
+    p2 = _probs(s2, qk_scale, m_new, s2, RAW_INF=INF_K == 2)
+    l_i = l_i * alpha + tl.sum(p1, 1) + tl.sum(p2, 1)
+    acc = acc * alpha[:, None]
+    v1 = desc_v.load([slot, kvh * D]).to(q.dtype)
+    acc = _accumulate(p1, v1, acc, IEEE)
+    v2 = desc_v.load([slot + BLOCK_N, kvh * D]).to(q.dtype)
+    acc = _accumulate(p2, v2, acc, IEEE)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _tma_tile(
     q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre, qlen,
     m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr, RANGES_FIRST: tl.constexpr,
-    INF_K: tl.constexpr, CHECK_V: tl.constexpr,
+    INF_K: tl.constexpr, CHECK_V: tl.constexpr, PAIRS: tl.constexpr,
 ):
     """``_tile_loop`` for a tile of consecutive slots from ``slot0``, every block by TMA: no
-    per-element addresses, masks or slot loads, which frees registers and issue slots."""
+    per-element addresses, masks or slot loads, which frees registers and issue slots.
+    ``PAIRS``: an unmasked tile's whole blocks go two at a time (:func:`_tma_pair`)."""
     whole = tok0 + (tok1 - tok0) // BLOCK_N * BLOCK_N
-    for start in range(tok0, whole, BLOCK_N):
+    singles = whole  # the end of the loop of single whole blocks
+    if PAIRS and not MASKED:
+        # Pairs of whole blocks, then at most one whole block left.
+        paired = tok0 + (tok1 - tok0) // (2 * BLOCK_N) * (2 * BLOCK_N)
+        for start in range(tok0, paired, 2 * BLOCK_N):
+            m_i, l_i, acc = _tma_pair(q, desc_k, desc_v, slot0 + (start - tok0), kvh, m_i, l_i,
+                                      acc, qk_scale, D=D, BLOCK_N=BLOCK_N, IEEE=IEEE,
+                                      INF_K=INF_K)
+        if paired < whole:
+            m_i, l_i, acc = _tma_block(
+                q, desc_k, desc_v, tok_lo, tok_hi, tok_off, paired, tok1, seen_to,
+                slot0 + (paired - tok0), kvh, pre, qlen, m_i, l_i, acc, qk_scale, D=D,
+                BLOCK_N=BLOCK_N, MASKED=False, TAIL=False, IEEE=IEEE, ALIGN_MASK=ALIGN_MASK,
+                RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, CHECK_V=CHECK_V)
+        singles = tok0
+    for start in range(tok0, singles, BLOCK_N):
         m_i, l_i, acc = _tma_block(
             q, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, seen_to,
             slot0 + (start - tok0), kvh, pre, qlen, m_i, l_i, acc, qk_scale, D=D,
@@ -286,7 +336,7 @@ def _tile(
     D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
     TMA: tl.constexpr, IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr,
-    INF_K: tl.constexpr, CHECK_V: tl.constexpr, HEAD_D: tl.constexpr,
+    INF_K: tl.constexpr, CHECK_V: tl.constexpr, HEAD_D: tl.constexpr, PAIRS: tl.constexpr,
 ):
     """The tile's online softmax. ``TMA``: a tile of consecutive slots (``slot0 >= 0``; all
     tiles when ``CONTIG``) loads by TMA, any other by gathered loads."""
@@ -296,7 +346,7 @@ def _tile(
             q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre,
             qlen, m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, IEEE=IEEE,
             ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-            CHECK_V=CHECK_V)
+            CHECK_V=CHECK_V, PAIRS=PAIRS)
     else:
         m_i, l_i, acc = _tile_loop(
             q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre,
@@ -333,7 +383,7 @@ def tree_partial_kernel(
     SCALED: tl.constexpr, F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr,
     INF_K: tl.constexpr, DEFER_V: tl.constexpr, IN_ORDER: tl.constexpr, EARLY: tl.constexpr,
-    SUMS: tl.constexpr, ACC_CHECK: tl.constexpr, HEAD_D: tl.constexpr,
+    SUMS: tl.constexpr, ACC_CHECK: tl.constexpr, HEAD_D: tl.constexpr, PAIRS: tl.constexpr,
 ):
     # KV heads vary fastest: programs start in work-item order (largest tiles first) across
     # all heads, so the launch's last programs are its shortest ones.
@@ -363,7 +413,7 @@ def tree_partial_kernel(
                 FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS,
                 ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
                 DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY, SUMS=SUMS,
-                ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D)
+                ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D, PAIRS=PAIRS)
         else:
             if PDL:
                 gdc_launch_dependents()
@@ -379,7 +429,7 @@ def tree_partial_kernel(
                 FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False, SCALED=SCALED, F16_DOTS=F16_DOTS,
                 ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
                 DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY, SUMS=SUMS,
-                ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D)
+                ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D, PAIRS=PAIRS)
     else:
         _work_item(
             tl.program_id(0) // h_kv, tl.program_id(0) % h_kv, Q, K, V, desc_k, desc_v, PO,
@@ -390,7 +440,7 @@ def tree_partial_kernel(
             USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE,
             IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS, ALIGN_MASK=ALIGN_MASK,
             RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, DEFER_V=DEFER_V, IN_ORDER=False,
-            EARLY=EARLY, SUMS=SUMS, ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D)
+            EARLY=EARLY, SUMS=SUMS, ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D, PAIRS=PAIRS)
 
 
 @triton.jit
@@ -400,7 +450,7 @@ def _item_state(
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_MASK: tl.constexpr,
     CONTIG: tl.constexpr, TMA: tl.constexpr, IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr, INF_K: tl.constexpr, CHECK_V: tl.constexpr,
-    HEAD_D: tl.constexpr,
+    HEAD_D: tl.constexpr, PAIRS: tl.constexpr,
 ):
     """A work item's online-softmax state (running max, sum, accumulator) over its tile.
     ``CHECK_V``: masked blocks check V's values (see the top)."""
@@ -419,7 +469,7 @@ def _item_state(
             slot0, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
             D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE,
             ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, CHECK_V=CHECK_V,
-            HEAD_D=HEAD_D)
+            HEAD_D=HEAD_D, PAIRS=PAIRS)
     if USE_MASK:
         if split < tok1:
             slot_m = tl.where(slot0 >= 0, slot0 + (split - tok0), -1)
@@ -428,7 +478,7 @@ def _item_state(
                 mask_from, slot_m, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn,
                 stride_kh, D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA,
                 IEEE=IEEE, ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-                CHECK_V=CHECK_V, HEAD_D=HEAD_D)
+                CHECK_V=CHECK_V, HEAD_D=HEAD_D, PAIRS=PAIRS)
     return m_i, l_i, acc
 
 
@@ -470,7 +520,7 @@ def _work_item(
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, WAIT: tl.constexpr, SCALED: tl.constexpr,
     F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr, RANGES_FIRST: tl.constexpr,
     INF_K: tl.constexpr, DEFER_V: tl.constexpr, IN_ORDER: tl.constexpr, EARLY: tl.constexpr,
-    SUMS: tl.constexpr, ACC_CHECK: tl.constexpr, HEAD_D: tl.constexpr,
+    SUMS: tl.constexpr, ACC_CHECK: tl.constexpr, HEAD_D: tl.constexpr, PAIRS: tl.constexpr,
 ):
     """Work item ``w`` of the plan for KV head ``kvh``: its partial states. ``WAIT``: wait
     for the previous launch (programmatic dependent launch) once the item is described
@@ -543,7 +593,7 @@ def _work_item(
         kvh, pre, qlen, row_ok, qk_scale, stride_kn, stride_kh, D=D, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE,
         ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, CHECK_V=not DEFER_V,
-        HEAD_D=HEAD_D)
+        HEAD_D=HEAD_D, PAIRS=PAIRS)
     if DEFER_V:
         # A row may have taken a NaN/inf V row that it does not see (0 * NaN). Non-finite
         # values persist, so a state without them proves that none did; else the item is
@@ -556,7 +606,7 @@ def _work_item(
                 mask_from, slot0, kvh, pre, qlen, row_ok, qk_scale, stride_kn, stride_kh, D=D,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=False,
                 IEEE=IEEE, ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-                CHECK_V=True, HEAD_D=HEAD_D)
+                CHECK_V=True, HEAD_D=HEAD_D, PAIRS=PAIRS)
             if ACC_CHECK:
                 bad = _bad_rows_by_sum(acc, SUMS)
     elif ACC_CHECK:
