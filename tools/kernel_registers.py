@@ -25,8 +25,9 @@ registers). ``--variants`` the kernel's variants (``VARIANTS``, each a few ``Ker
 flags): the masked tiles' ``aligned`` (``aligned_mask``), ``ranges`` (``ranges_first``) or
 ``both``; the isolation's ``checked`` (neither of the next two), ``deferred``
 (``deferred_v_checks``), ``finite`` (``e4m3_finite_scores``) and ``lean`` (those two); the
-graph-safe launches' ``in-order`` (``header_in_order``), ``late`` (no ``early_item_loads``,
-which the sm90 configs take: a work item's loads after the PDL wait) and ``order`` (both);
+graph-safe launches' ``in-order`` (``header_in_order``), every launch's ``late`` (no
+``early_item_loads``, which the sm90 configs take: a work item's loads after the PDL wait)
+and ``order`` (both);
 ``per-value`` (none of ``sum_checks``, ``inf_by_fma`` and
 ``acc_checks``, which the sm90 configs take: every value tested at a work item's end and
 every score by a select) and each of the three alone: a work item's end checking rows by
@@ -232,8 +233,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variants", default="shipped",
                     help="kernel variants: shipped; masked tiles: aligned (aligned_mask), ranges "
                          "(ranges_first), both; isolation: deferred (deferred_v_checks), "
-                         "finite (e4m3_finite_scores), lean (those two); graph-safe: in-order "
-                         "(header_in_order), late (no early_item_loads), order (both); end "
+                         "finite (e4m3_finite_scores), lean (those two); in-order "
+                         "(header_in_order, graph-safe), late (no early_item_loads), order "
+                         "(both); end "
                          "checks: per-value (none of the next three), sums (sum_checks), fma "
                          "(inf_by_fma), acc (acc_checks); pairs (pair_blocks, kv8_pair_blocks)")
     ap.add_argument("--dump", metavar="DIR", type=Path,
