@@ -57,7 +57,7 @@ config and coarsening (``deft.plan.coarsen.refine``):
   trees' queries are in plan order); a work item's query order, prefixes and lengths
   loaded after the PDL wait (no ``early_item_loads``, which the sm90 configs take); and
   both.
-* ``pairs``: an unmasked tile's TMA blocks two at a time through one online-softmax step:
+* ``pairs``: an unmasked tile's whole blocks two at a time through one online-softmax step:
   one running max, accumulator rescale and loop step per two blocks, over 16-bit K/V
   (``pair_blocks``) and over one-byte K/V (``kv8_pair_blocks``).
 

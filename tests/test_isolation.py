@@ -331,22 +331,25 @@ def test_triton_tma_blocks(monkeypatch, value, tma, variant):
 
 @pytest.mark.skipif(CUDA, reason="on a GPU, TMA runs inside graph capture: the gpu test")
 @pytest.mark.parametrize("variant", ["pairs", "pairs-fma", "pairs-lean"])
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "gathered"])
 @pytest.mark.parametrize("which, slot", [("k", 5), ("k", 20), ("v", 23)])
 @pytest.mark.parametrize("value", list(VALUES))
-def test_triton_block_pairs(monkeypatch, value, which, slot, variant):
-    """TMA blocks in pairs (``pair_blocks``, interpreted on CPU): one non-finite value in
-    either block of the prompt's first pair, alone in the cache, makes exactly the rows that
-    see it NaN (every query of its tree, on the heads of its KV head)."""
+def test_triton_block_pairs(monkeypatch, value, which, slot, tma, variant):
+    """Blocks in pairs (``pair_blocks``, interpreted on CPU; by TMA or gathered): one
+    non-finite value in either block of the prompt's first pair, alone in the cache, makes
+    exactly the rows that see it NaN (every query of its tree, on the heads of its KV
+    head)."""
     pytest.importorskip("triton")
 
     from deft.ops.triton import configs
 
     for key, cfg in list(configs.CONFIGS.items()):
         monkeypatch.setitem(configs.CONFIGS, key,
-                            dataclasses.replace(cfg, tma=True, **VARIANTS[variant]))
+                            dataclasses.replace(cfg, tma=tma, **VARIANTS[variant]))
     layout = fan_and_tree(40, 3, 11, 20, 9)
     q, k, v = clean_inputs(layout, torch.float32, device=DEV)
     attn = planned("triton", layout, device=DEV, block=32)
+    assert attn._prepared.tma == tma
     work = attn._prepared.segment("work").view(-1, 8).numpy()
     assert ((work[:, 0] == 0) & (np.minimum(work[:, 5], work[:, 1]) >= 32)).any(), work
     clean = attn.run(q, k, v, return_lse=True)

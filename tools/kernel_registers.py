@@ -34,7 +34,8 @@ every score by a select) and each of the three alone: a work item's end checking
 their sums, ``sums`` (``sum_checks``, which the sm90 configs take over 16-bit K/V), a -inf
 score made NaN by an FMA, ``fma`` (``inf_by_fma``), and the end's checks on the
 accumulator, ``acc`` (``acc_checks``); ``pairs`` (``pair_blocks`` and ``kv8_pair_blocks``: an
-unmasked tile's TMA blocks two at a time, so its ``TMA`` loop's figures are per two blocks).
+unmasked tile's whole blocks two at a time, so its unmasked loops' figures are per two
+blocks).
 ``--dump DIR`` also writes each build's TTGIR, PTX, cubin and SASS
 (``nvdisasm``) there, to read what the compiler made of a loop.
 About 10 s a build.

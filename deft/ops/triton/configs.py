@@ -116,9 +116,9 @@ class KernelConfig:
     # which every merge turns into a NaN row, instead of also selecting NaN into each of
     # its o values (``kernels._work_item``).
     acc_checks: bool = False
-    # An unmasked tile's K/V blocks loaded by TMA go two at a time through one online-softmax
-    # step: one running max, accumulator rescale and loop step per two blocks
-    # (``kernels._tma_pair``), for two blocks' scores and probabilities in registers at once.
+    # An unmasked tile's whole K/V blocks (by TMA or gathered) go two at a time through one
+    # online-softmax step: one running max, accumulator rescale and loop step per two blocks
+    # (``kernels._pair_softmax``), for two blocks' scores and probabilities in registers.
     # ``kv8_pair_blocks``: the same over one-byte K/V, whose conversions hold more registers.
     pair_blocks: bool = False
     kv8_pair_blocks: bool = False

@@ -154,12 +154,23 @@ def _fp16_queries(q, qk_scale):
 
 
 @triton.jit
+def _whole_rows(ptr, off, d, HEAD_D: tl.constexpr, D: tl.constexpr):
+    """Gathered K/V rows at offsets ``off [BLOCK_N, D]``, all of them tokens of the tile: no
+    token mask, only a padded head's columns past ``HEAD_D`` (loaded as 0)."""
+    if HEAD_D < D:
+        x = tl.load(ptr + off, mask=(d < HEAD_D)[None, :], other=0.0)
+    else:
+        x = tl.load(ptr + off)
+    return x
+
+
+@triton.jit
 def _tile_loop(
     q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre, qlen,
     row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
     D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
     IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr, INF_K: tl.constexpr, CHECK_V: tl.constexpr,
-    HEAD_D: tl.constexpr,
+    HEAD_D: tl.constexpr, PAIRS: tl.constexpr,
 ):
     """Online softmax of the query rows over plan tokens ``[tok0, tok1)``, ``BLOCK_N`` at a time.
 
@@ -167,12 +178,44 @@ def _tile_loop(
     slot load. Otherwise the next block's slots are loaded one iteration ahead, so the K/V
     loads of a block never wait on a slot load of the same iteration. ``MASKED`` with
     ``ALIGN_MASK``: every row sees the tokens before ``seen_to`` (see :func:`_work_item`).
+    ``PAIRS``: an unmasked tile's whole blocks go two at a time (:func:`_pair_softmax`), the
+    rest one at a time.
     """
     d = tl.arange(0, D)
+    rest = tok0  # where the loop of single blocks starts
+    if PAIRS and not MASKED:
+        paired = tok0 + (tok1 - tok0) // (2 * BLOCK_N) * (2 * BLOCK_N)
+        if not CONTIG:
+            first = tok0 + tl.arange(0, BLOCK_N)
+            next_a = tl.load(tok_slot + first, mask=first < paired, other=0)
+            next_b = tl.load(tok_slot + first + BLOCK_N, mask=first + BLOCK_N < paired, other=0)
+        for start in range(tok0, paired, 2 * BLOCK_N):
+            offs = start + tl.arange(0, BLOCK_N)
+            if CONTIG:
+                slot_a = (slot0 - tok0 + offs).to(tl.int64)
+                slot_b = slot_a + BLOCK_N
+            else:
+                slot_a = next_a.to(tl.int64)
+                slot_b = next_b.to(tl.int64)
+                ahead = offs + 2 * BLOCK_N
+                next_a = tl.load(tok_slot + ahead, mask=ahead < paired, other=0)
+                next_b = tl.load(tok_slot + ahead + BLOCK_N, mask=ahead + BLOCK_N < paired,
+                                 other=0)
+            off_a = slot_a[:, None] * stride_kn + kvh * stride_kh + d[None, :]
+            off_b = slot_b[:, None] * stride_kn + kvh * stride_kh + d[None, :]
+            k1 = _whole_rows(K, off_a, d, HEAD_D=HEAD_D, D=D).to(q.dtype)
+            k2 = _whole_rows(K, off_b, d, HEAD_D=HEAD_D, D=D).to(q.dtype)
+            p1, p2, m_i, l_i, acc = _pair_softmax(q, k1, k2, m_i, l_i, acc, qk_scale,
+                                                  IEEE=IEEE, INF_K=INF_K)
+            v1 = _whole_rows(V, off_a, d, HEAD_D=HEAD_D, D=D).to(q.dtype)
+            acc = _accumulate(p1, v1, acc, IEEE)
+            v2 = _whole_rows(V, off_b, d, HEAD_D=HEAD_D, D=D).to(q.dtype)
+            acc = _accumulate(p2, v2, acc, IEEE)
+        rest = paired
     if not CONTIG:
-        first = tok0 + tl.arange(0, BLOCK_N)
+        first = rest + tl.arange(0, BLOCK_N)
         next_slot = tl.load(tok_slot + first, mask=first < tok1, other=0)
-    for start in range(tok0, tok1, BLOCK_N):
+    for start in range(rest, tok1, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
         tok_ok = offs < tok1
         if CONTIG:
@@ -263,13 +306,12 @@ def _tma_block(
 
 
 @triton.jit
-def _tma_pair(q, desc_k, desc_v, slot, kvh, m_i, l_i, acc, qk_scale, D: tl.constexpr,
-              BLOCK_N: tl.constexpr, IEEE: tl.constexpr, INF_K: tl.constexpr):
-    """One online-softmax step over the ``2 * BLOCK_N`` consecutive slots from ``slot``, every
-    row seeing every token, loaded by TMA as two blocks: one running max, rescale and loop
-    step per two blocks. Isolation as in :func:`_tma_block`'s unmasked blocks."""
-    k1 = desc_k.load([slot, kvh * D]).to(q.dtype)
-    k2 = desc_k.load([slot + BLOCK_N, kvh * D]).to(q.dtype)
+def _pair_softmax(q, k1, k2, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr,
+                  INF_K: tl.constexpr):
+    """The online-softmax step of two blocks of K rows that every row sees: their
+    probabilities, and the running max, sum and rescaled accumulator after both. A
+    non-finite K row's scores make the rows' states NaN as in the unmasked blocks of
+    :func:`_tile_loop` (a -inf score by a select, or by the exponent's FMA)."""
     s1 = _scores(q, k1, IEEE)
     s2 = _scores(q, k2, IEEE)
     if INF_K == 1:
@@ -280,12 +322,24 @@ def _tma_pair(q, desc_k, desc_v, slot, kvh, m_i, l_i, acc, qk_scale, D: tl.const
     p1 = _probs(s1, qk_scale, m_new, s1, RAW_INF=INF_K == 2)
     p2 = _probs(s2, qk_scale, m_new, s2, RAW_INF=INF_K == 2)
     l_i = l_i * alpha + tl.sum(p1, 1) + tl.sum(p2, 1)
-    acc = acc * alpha[:, None]
+    return p1, p2, m_new, l_i, acc * alpha[:, None]
+
+
+@triton.jit
+def _tma_pair(q, desc_k, desc_v, slot, kvh, m_i, l_i, acc, qk_scale, D: tl.constexpr,
+              BLOCK_N: tl.constexpr, IEEE: tl.constexpr, INF_K: tl.constexpr):
+    """One online-softmax step over the ``2 * BLOCK_N`` consecutive slots from ``slot``, every
+    row seeing every token, loaded by TMA as two blocks: one running max, rescale and loop
+    step per two blocks (:func:`_pair_softmax`)."""
+    k1 = desc_k.load([slot, kvh * D]).to(q.dtype)
+    k2 = desc_k.load([slot + BLOCK_N, kvh * D]).to(q.dtype)
+    p1, p2, m_i, l_i, acc = _pair_softmax(q, k1, k2, m_i, l_i, acc, qk_scale, IEEE=IEEE,
+                                          INF_K=INF_K)
     v1 = desc_v.load([slot, kvh * D]).to(q.dtype)
     acc = _accumulate(p1, v1, acc, IEEE)
     v2 = desc_v.load([slot + BLOCK_N, kvh * D]).to(q.dtype)
     acc = _accumulate(p2, v2, acc, IEEE)
-    return m_new, l_i, acc
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -352,7 +406,7 @@ def _tile(
             q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre,
             qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
             D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, CONTIG=CONTIG, IEEE=IEEE,
-            ALIGN_MASK=ALIGN_MASK, INF_K=INF_K, CHECK_V=CHECK_V, HEAD_D=HEAD_D)
+            ALIGN_MASK=ALIGN_MASK, INF_K=INF_K, CHECK_V=CHECK_V, HEAD_D=HEAD_D, PAIRS=PAIRS)
     return m_i, l_i, acc
 
 
