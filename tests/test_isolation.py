@@ -446,16 +446,16 @@ def test_gpu_torch_backend(path, scenario):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("variant", [{}, {"fuse_merge": True}, VARIANTS["both"],
-                                     VARIANTS["checked"]],
+                                     VARIANTS["checked"], VARIANTS["pairs"]],
                          ids=["merge-launch", "fused-merge", "masked-tile-variants",
-                              "checked-v"])
+                              "checked-v", "block-pairs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
 def test_gpu_triton_isolation(monkeypatch, dtype, graph, variant):
     """The shipped kernel configs (with TMA allowed; the merge fused, the masked tiles'
-    variants, or V's checks deferred, in turns) on the Llama-3-8B attention shape: a prompt
-    with branches in one tree and a second tree, poison in a branch, in the second tree and
-    in a spare slot.
+    variants, V's checks in place, or whole blocks in pairs, in turns) on the Llama-3-8B
+    attention shape: a prompt with branches in one tree and a second tree, poison in a
+    branch, in the second tree and in a spare slot.
     Eagerly K/V are gathered; inside a CUDA graph consecutive-slot tiles load by TMA on
     sm_90+ (the same graph replays the clean and the poisoned cache, so their results
     compare bitwise)."""
