@@ -18,7 +18,7 @@ CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 # Kernel variants (deft.ops.triton.configs.KernelConfig): the masked tiles' (not shipped), the
 # isolation checks' (``CHECK_VARIANTS``; the interpreter's config keeps V checked and values
-# tested, and the GPU runs that kernel in test_isolation's "checked-v") and TMA blocks in
+# tested, and the GPU runs that kernel in test_isolation's "checked-v") and whole blocks in
 # pairs (not shipped).
 VARIANTS = {"aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
             "both": {"aligned_mask": True, "ranges_first": True}, **CHECK_VARIANTS,

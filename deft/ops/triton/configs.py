@@ -87,7 +87,7 @@ class KernelConfig:
     # (``deft.plan.coarsen.Coarsening.masked_cost``).
     masked_cost: int = 0
     # Over e4m3 K (no infinities) and a 16-bit q, no score is made NaN for being -inf: only
-    # a ±inf K value or an fp32 overflow could give one (``kernels._no_neg_inf``).
+    # a ±inf K value or an fp32 overflow could give one (``softmax.no_neg_inf``).
     e4m3_finite_scores: bool = False
     # Masked blocks leave V's values unchecked; a work item whose state comes out non-finite
     # is computed again with the checks (``kernels._work_item``). ``kv8_deferred_v_checks``:
@@ -103,13 +103,13 @@ class KernelConfig:
     early_item_loads: bool = False
     # A work item's end reads whether a row is non-finite from the row's sum (its values
     # tested one by one only where some row's sum is not finite): the epilogue's check and
-    # the deferred V checks' (``kernels._bad_rows_by_sum``). ``kv8_sum_checks``: the same
+    # the deferred V checks' (``softmax.bad_rows_by_sum``). ``kv8_sum_checks``: the same
     # over one-byte K/V.
     sum_checks: bool = False
     kv8_sum_checks: bool = False
     # In the unmasked blocks, a -inf score makes its probability NaN through the exponent's
     # FMA (``score * 0`` is NaN only for a non-finite score) instead of a test and a select
-    # of every score (``kernels._softmax_step``).
+    # of every score (``softmax.softmax_step``).
     inf_by_fma: bool = False
     # A work item's end checks its accumulator's rows once (the deferred V checks' test
     # reused) instead of its output's, and marks a bad row's state by its NaN lse alone,
@@ -118,7 +118,7 @@ class KernelConfig:
     acc_checks: bool = False
     # An unmasked tile's whole K/V blocks (by TMA or gathered) go two at a time through one
     # online-softmax step: one running max, accumulator rescale and loop step per two blocks
-    # (``kernels._pair_softmax``), for two blocks' scores and probabilities in registers.
+    # (``softmax.pair_softmax``), for two blocks' scores and probabilities in registers.
     # ``kv8_pair_blocks``: the same over one-byte K/V, whose conversions hold more registers.
     pair_blocks: bool = False
     kv8_pair_blocks: bool = False

@@ -15,7 +15,7 @@ K/V of another dtype than q (FP8: one byte per element read) convert exactly to 
 they are loaded; with ``SCALED``, the head's K scale multiplies the score scale and its V
 scale the output, so the result is attention over the dequantised K/V, with no rounding
 added beyond what the dots' dtype adds to unscaled K/V. ``F16_DOTS`` (a bf16 q over one-byte
-K/V): q is converted to fp16 once instead (see ``_fp16_queries``) and K/V to fp16 as loaded,
+K/V): q is converted to fp16 once instead (see ``fp16_queries``) and K/V to fp16 as loaded,
 which sm_90 does natively for e4m3 where bf16 takes a scalar conversion per element; every
 e4m3 value is an fp16 value, and probabilities round to fp16, finer than bf16 on [0, 1].
 
@@ -34,7 +34,7 @@ take both, the first over e4m3 K, the second over 16-bit K/V; they also take ``A
 ``SUMS`` over 16-bit K/V, and ``INF_K`` 2 where K may hold infinities; docs/decisions.md):
 ``INF_K`` 0 (e4m3 K, which holds no infinities, under a 16-bit q, whose products cannot
 overflow fp32: no score is -inf) skips the -inf select (``INF_K`` 2 replaces it with an FMA
-in the unmasked blocks: :func:`_softmax_step`); ``DEFER_V`` leaves V's values
+in the unmasked blocks: :func:`softmax_step`); ``DEFER_V`` leaves V's values
 unchecked in the masked blocks (none loaded from shared memory, tested and stored back):
 one non-finite V value makes its column of every row's accumulator non-finite (0 * NaN is
 NaN, and NaN and inf persist through the online softmax), so a work item whose state comes
@@ -58,99 +58,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ...plan.visibility import visible
 from ..columns import head_cols
 from .merge_kernels import merge_if_last
+from .softmax import (accumulate, bad_rows, bad_rows_by_sum, finite, fp16_queries, no_neg_inf,
+                      pair_softmax, scores, softmax_step)
 
 # The planner's predicate, compiled with this module's globals (Triton resolves names there).
 _visible = triton.jit(types.FunctionType(visible.__code__, globals(), "visible"))
-
-
-@triton.jit
-def _finite(x):
-    """Elementwise: ``x`` is neither NaN nor ±inf (NaN fails every comparison)."""
-    return tl.abs(x) < float("inf")
-
-
-@triton.jit
-def _bad_rows(x):
-    """``[BLOCK_N]`` int32: 1 where a row of ``x [BLOCK_N, D]`` holds a NaN or ±inf."""
-    return tl.max(tl.where(_finite(x), 0, 1), 1)
-
-
-@triton.jit
-def _bad_rows_by_sum(x, SUMS: tl.constexpr):
-    """:func:`_bad_rows` of ``x``; ``SUMS``: read from each row's sum (an add per value
-    instead of a test, a select and a max), which is not finite exactly when a value is not
-    or when finite values overflow fp32; where some row's sum is not finite, the values are
-    tested one by one."""
-    if SUMS:
-        bad = tl.where(_finite(tl.sum(x, 1)), 0, 1)
-        if tl.max(bad, 0) > 0:
-            bad = _bad_rows(x)
-    else:
-        bad = _bad_rows(x)
-    return bad
-
-
-@triton.jit
-def _no_neg_inf(s):
-    """Scores with -inf (a non-finite K row's, never a masked one's yet) made NaN."""
-    return tl.where(s == float("-inf"), float("nan"), s)
-
-
-@triton.jit
-def _softmax_step(s, m_i, l_i, acc, qk_scale, s_raw, RAW_INF: tl.constexpr):
-    """Online-softmax step of one block of raw scores ``s`` (``-inf`` where not seen): the
-    block's probabilities in base 2 and the updated running max, sum and accumulator. The
-    scale folds into one FMA per score (the max commutes with a positive scale).
-    ``RAW_INF``: a non-finite score of ``s_raw`` (the scores before any mask; in the
-    unmasked blocks, every row sees every token) makes its probability NaN: the exponent's
-    offset is ``s_raw * 0 - m``, which is ``-m`` exactly for a finite score and NaN for
-    ±inf or NaN, one FMA where :func:`_no_neg_inf` takes a test and a select."""
-    # m_i starts finite (-1e30), so no -inf - -inf: masked scores give p = 0.
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    alpha = tl.exp2(m_i - m_new)
-    p = _probs(s, qk_scale, m_new, s_raw, RAW_INF)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    return p, m_new, l_i, acc * alpha[:, None]
-
-
-@triton.jit
-def _probs(s, qk_scale, m_new, s_raw, RAW_INF: tl.constexpr):
-    """Base-2 probabilities of raw scores ``s`` under the running max ``m_new`` (``RAW_INF``:
-    see :func:`_softmax_step`)."""
-    if RAW_INF:
-        p = tl.exp2(tl.fma(s, qk_scale, tl.fma(s_raw, 0.0, -m_new[:, None])))
-    else:
-        p = tl.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
-    return p
-
-
-@triton.jit
-def _scores(q, k, IEEE: tl.constexpr):
-    """``q @ k.T`` in fp32 (``IEEE``: fp32 operands multiplied exactly, not as tf32)."""
-    if IEEE:
-        return tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        return tl.dot(q, tl.trans(k))
-
-
-@triton.jit
-def _accumulate(p, v, acc, IEEE: tl.constexpr):
-    """``acc + p @ v`` with ``p`` rounded to V's dtype (``IEEE`` as in :func:`_scores`)."""
-    if IEEE:
-        return tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-    else:
-        return tl.dot(p.to(v.dtype), v, acc)
-
-
-@triton.jit
-def _fp16_queries(q, qk_scale):
-    """``q`` (bf16) as fp16 for fp16 dots, and the score scale to match. Exact while every
-    finite element's magnitude is below 2^15 (bf16's 8-bit significands fit fp16's 11), but
-    for elements under 2^-14, which round to fp16's subnormal steps of 2^-24; past 2^15 the
-    program's q is scaled down by a power of two that the score scale undoes."""
-    amax = tl.max(tl.max(tl.where(_finite(q), tl.abs(q), 0.0), 1), 0).to(tl.float32)
-    e = tl.where(amax > 32768.0, tl.ceil(tl.log2(amax)) - 15.0, 0.0)
-    return (q * tl.exp2(-e)).to(tl.float16), qk_scale * tl.exp2(e)
 
 
 @triton.jit
@@ -178,7 +90,7 @@ def _tile_loop(
     slot load. Otherwise the next block's slots are loaded one iteration ahead, so the K/V
     loads of a block never wait on a slot load of the same iteration. ``MASKED`` with
     ``ALIGN_MASK``: every row sees the tokens before ``seen_to`` (see :func:`_work_item`).
-    ``PAIRS``: an unmasked tile's whole blocks go two at a time (:func:`_pair_softmax`), the
+    ``PAIRS``: an unmasked tile's whole blocks go two at a time (:func:`pair_softmax`), the
     rest one at a time.
     """
     d = tl.arange(0, D)
@@ -205,12 +117,12 @@ def _tile_loop(
             off_b = slot_b[:, None] * stride_kn + kvh * stride_kh + d[None, :]
             k1 = _whole_rows(K, off_a, d, HEAD_D=HEAD_D, D=D).to(q.dtype)
             k2 = _whole_rows(K, off_b, d, HEAD_D=HEAD_D, D=D).to(q.dtype)
-            p1, p2, m_i, l_i, acc = _pair_softmax(q, k1, k2, m_i, l_i, acc, qk_scale,
-                                                  IEEE=IEEE, INF_K=INF_K)
+            p1, p2, m_i, l_i, acc = pair_softmax(q, k1, k2, m_i, l_i, acc, qk_scale,
+                                                 IEEE=IEEE, INF_K=INF_K)
             v1 = _whole_rows(V, off_a, d, HEAD_D=HEAD_D, D=D).to(q.dtype)
-            acc = _accumulate(p1, v1, acc, IEEE)
+            acc = accumulate(p1, v1, acc, IEEE)
             v2 = _whole_rows(V, off_b, d, HEAD_D=HEAD_D, D=D).to(q.dtype)
-            acc = _accumulate(p2, v2, acc, IEEE)
+            acc = accumulate(p2, v2, acc, IEEE)
         rest = paired
     if not CONTIG:
         first = rest + tl.arange(0, BLOCK_N)
@@ -227,7 +139,7 @@ def _tile_loop(
         kv_off = slot[:, None] * stride_kn + kvh * stride_kh + d[None, :]
         kv_ok = head_cols(tok_ok[:, None], d[None, :], HEAD_D, D)
         k = tl.load(K + kv_off, mask=kv_ok, other=0.0).to(q.dtype)
-        s = _scores(q, k, IEEE)
+        s = scores(q, k, IEEE)
         vis = tok_ok[None, :] & row_ok[:, None]
         if MASKED:
             lo = tl.load(tok_lo + offs, mask=tok_ok, other=0)
@@ -238,15 +150,15 @@ def _tile_loop(
                 vis = vis | ((offs < seen_to)[None, :] & row_ok[:, None])
         s_raw = s  # padding tokens' K loads as 0: no raw score of theirs is non-finite
         if INF_K == 1 or (INF_K and MASKED):
-            s = _no_neg_inf(s)
+            s = no_neg_inf(s)
         s = tl.where(vis, s, float("-inf"))
-        p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale, s_raw,
-                                         RAW_INF=INF_K == 2 and not MASKED)
+        p, m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, qk_scale, s_raw,
+                                        RAW_INF=INF_K == 2 and not MASKED)
         v = tl.load(V + kv_off, mask=kv_ok, other=0.0).to(q.dtype)
         if MASKED and CHECK_V:  # padding loads as 0; unmasked blocks need none (see the top)
-            p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
-            v = tl.where(_finite(v), v, 0.0)
-        acc = _accumulate(p, v, acc, IEEE)
+            p = tl.where(vis & (bad_rows(v)[None, :] > 0), float("nan"), p)
+            v = tl.where(finite(v), v, 0.0)
+        acc = accumulate(p, v, acc, IEEE)
     return m_i, l_i, acc
 
 
@@ -272,7 +184,7 @@ def _tma_block(
         hi = tl.load(tok_hi + offs, mask=tok_ok, other=0)
         off = tl.load(tok_off + offs, mask=tok_ok, other=0)
     k = desc_k.load([slot, kvh * D]).to(q.dtype)
-    s = _scores(q, k, IEEE)
+    s = scores(q, k, IEEE)
     if MASKED or TAIL:
         if not (MASKED and RANGES_FIRST):
             offs = start + tl.arange(0, BLOCK_N)
@@ -289,40 +201,20 @@ def _tma_block(
         else:
             vis = tok_ok[None, :]
         if INF_K:
-            s = _no_neg_inf(s)
+            s = no_neg_inf(s)
         s = tl.where(vis, s, float("-inf"))
     elif INF_K == 1:
-        s = _no_neg_inf(s)
-    p, m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, qk_scale, s,
-                                     RAW_INF=INF_K == 2 and not (MASKED or TAIL))
+        s = no_neg_inf(s)
+    p, m_i, l_i, acc = softmax_step(s, m_i, l_i, acc, qk_scale, s,
+                                    RAW_INF=INF_K == 2 and not (MASKED or TAIL))
     v = desc_v.load([slot, kvh * D]).to(q.dtype)
     if MASKED and CHECK_V:  # unmasked blocks need no V check (see the top)
-        p = tl.where(vis & (_bad_rows(v)[None, :] > 0), float("nan"), p)
-        v = tl.where(_finite(v), v, 0.0)
+        p = tl.where(vis & (bad_rows(v)[None, :] > 0), float("nan"), p)
+        v = tl.where(finite(v), v, 0.0)
     elif TAIL:  # every row sees the tokens before tok1 (see the top), none those past it
         v = tl.where(tok_ok[:, None], v, 0.0)
-    acc = _accumulate(p, v, acc, IEEE)
+    acc = accumulate(p, v, acc, IEEE)
     return m_i, l_i, acc
-
-
-@triton.jit
-def _pair_softmax(q, k1, k2, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr,
-                  INF_K: tl.constexpr):
-    """The online-softmax step of two blocks of K rows that every row sees: their
-    probabilities, and the running max, sum and rescaled accumulator after both. A
-    non-finite K row's scores make the rows' states NaN as in the unmasked blocks of
-    :func:`_tile_loop` (a -inf score by a select, or by the exponent's FMA)."""
-    s1 = _scores(q, k1, IEEE)
-    s2 = _scores(q, k2, IEEE)
-    if INF_K == 1:
-        s1 = _no_neg_inf(s1)
-        s2 = _no_neg_inf(s2)
-    m_new = tl.maximum(m_i, tl.maximum(tl.max(s1, 1), tl.max(s2, 1)) * qk_scale)
-    alpha = tl.exp2(m_i - m_new)
-    p1 = _probs(s1, qk_scale, m_new, s1, RAW_INF=INF_K == 2)
-    p2 = _probs(s2, qk_scale, m_new, s2, RAW_INF=INF_K == 2)
-    l_i = l_i * alpha + tl.sum(p1, 1) + tl.sum(p2, 1)
-    return p1, p2, m_new, l_i, acc * alpha[:, None]
 
 
 @triton.jit
@@ -330,15 +222,15 @@ def _tma_pair(q, desc_k, desc_v, slot, kvh, m_i, l_i, acc, qk_scale, D: tl.const
               BLOCK_N: tl.constexpr, IEEE: tl.constexpr, INF_K: tl.constexpr):
     """One online-softmax step over the ``2 * BLOCK_N`` consecutive slots from ``slot``, every
     row seeing every token, loaded by TMA as two blocks: one running max, rescale and loop
-    step per two blocks (:func:`_pair_softmax`)."""
+    step per two blocks (:func:`pair_softmax`)."""
     k1 = desc_k.load([slot, kvh * D]).to(q.dtype)
     k2 = desc_k.load([slot + BLOCK_N, kvh * D]).to(q.dtype)
-    p1, p2, m_i, l_i, acc = _pair_softmax(q, k1, k2, m_i, l_i, acc, qk_scale, IEEE=IEEE,
-                                          INF_K=INF_K)
+    p1, p2, m_i, l_i, acc = pair_softmax(q, k1, k2, m_i, l_i, acc, qk_scale, IEEE=IEEE,
+                                         INF_K=INF_K)
     v1 = desc_v.load([slot, kvh * D]).to(q.dtype)
-    acc = _accumulate(p1, v1, acc, IEEE)
+    acc = accumulate(p1, v1, acc, IEEE)
     v2 = desc_v.load([slot + BLOCK_N, kvh * D]).to(q.dtype)
-    acc = _accumulate(p2, v2, acc, IEEE)
+    acc = accumulate(p2, v2, acc, IEEE)
     return m_i, l_i, acc
 
 
@@ -589,7 +481,7 @@ def _work_item(
     pipelined loop); every row sees the tokens between the two, whatever ranges the planner
     left there (the compiled planner writes them only from the node segment that holds
     ``mask_from``). ``RANGES_FIRST``: see :func:`_tma_block`. ``SUMS``: the item's end finds
-    its non-finite rows by their sums (:func:`_bad_rows_by_sum`). ``ACC_CHECK``: it checks
+    its non-finite rows by their sums (:func:`bad_rows_by_sum`). ``ACC_CHECK``: it checks
     the accumulator's rows once (the deferred V checks' test, reused) instead of the
     output's, and marks a bad row by its lse alone (no select of its o)."""
     tok_slot = plan
@@ -641,7 +533,7 @@ def _work_item(
         qk_scale = qk_scale * tl.load(KS + kvh * stride_s)
         v_s = tl.load(VS + kvh * stride_s)
     if F16_DOTS:
-        q, qk_scale = _fp16_queries(q, qk_scale)
+        q, qk_scale = fp16_queries(q, qk_scale)
     m_i, l_i, acc = _item_state(
         q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, mask_from, slot0,
         kvh, pre, qlen, row_ok, qk_scale, stride_kn, stride_kh, D=D, BLOCK_M=BLOCK_M,
@@ -653,7 +545,7 @@ def _work_item(
         # values persist, so a state without them proves that none did; else the item is
         # computed again with V's checks, by gathered loads (so each call site of this
         # function adds one copy of the loops, not two).
-        bad = _bad_rows_by_sum(acc, SUMS)
+        bad = bad_rows_by_sum(acc, SUMS)
         if tl.max(bad, 0) > 0:
             m_i, l_i, acc = _item_state(
                 q, K, V, desc_k, desc_v, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1,
@@ -662,9 +554,9 @@ def _work_item(
                 IEEE=IEEE, ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
                 CHECK_V=True, HEAD_D=HEAD_D, PAIRS=PAIRS)
             if ACC_CHECK:
-                bad = _bad_rows_by_sum(acc, SUMS)
+                bad = bad_rows_by_sum(acc, SUMS)
     elif ACC_CHECK:
-        bad = _bad_rows_by_sum(acc, SUMS)
+        bad = bad_rows_by_sum(acc, SUMS)
 
     has = l_i > 0
     o = acc * (v_s / tl.where(has, l_i, 1.0))[:, None]
@@ -672,7 +564,7 @@ def _work_item(
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
     if not ACC_CHECK:
-        bad = _bad_rows_by_sum(o, SUMS)  # the row saw a non-finite K/V row
+        bad = bad_rows_by_sum(o, SUMS)  # the row saw a non-finite K/V row
         o = tl.where(bad[:, None] > 0, float("nan"), o)
     # ACC_CHECK: a row saw a non-finite K/V row exactly when its accumulator is not finite
     # (a NaN probability reaches the accumulator too), and a NaN lse alone marks its state:
