@@ -34,9 +34,8 @@ every score by a select) and each of the three alone: a work item's end checking
 their sums, ``sums`` (``sum_checks``, which the sm90 configs take over 16-bit K/V), a -inf
 score made NaN by an FMA, ``fma`` (``inf_by_fma``), and the end's checks on the
 accumulator, ``acc`` (``acc_checks``); ``pairs`` (``pair_blocks`` and ``kv8_pair_blocks``: an
-unmasked tile's whole blocks two at a time; its ``TMA`` figure is the pair loop's, per two
-blocks, but its ``gathered`` one the smaller loop of single blocks that follows the pairs:
-read the pair loop from ``--dump``).
+unmasked tile's whole blocks two at a time; the table's unmasked figures are those of the
+smaller loops of single blocks that follow the pairs: read the pair loops from ``--dump``).
 ``--dump DIR`` also writes each build's TTGIR, PTX, cubin and SASS
 (``nvdisasm``) there, to read what the compiler made of a loop.
 About 10 s a build.

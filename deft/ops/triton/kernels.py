@@ -243,24 +243,18 @@ def _tma_tile(
 ):
     """``_tile_loop`` for a tile of consecutive slots from ``slot0``, every block by TMA: no
     per-element addresses, masks or slot loads, which frees registers and issue slots.
-    ``PAIRS``: an unmasked tile's whole blocks go two at a time (:func:`_tma_pair`)."""
+    ``PAIRS``: an unmasked tile's whole blocks go two at a time (:func:`_tma_pair`), the
+    rest one at a time."""
     whole = tok0 + (tok1 - tok0) // BLOCK_N * BLOCK_N
-    singles = whole  # the end of the loop of single whole blocks
+    rest = tok0  # where the loop of single whole blocks starts
     if PAIRS and not MASKED:
-        # Pairs of whole blocks, then at most one whole block left.
         paired = tok0 + (tok1 - tok0) // (2 * BLOCK_N) * (2 * BLOCK_N)
         for start in range(tok0, paired, 2 * BLOCK_N):
             m_i, l_i, acc = _tma_pair(q, desc_k, desc_v, slot0 + (start - tok0), kvh, m_i, l_i,
                                       acc, qk_scale, D=D, BLOCK_N=BLOCK_N, IEEE=IEEE,
                                       INF_K=INF_K)
-        if paired < whole:
-            m_i, l_i, acc = _tma_block(
-                q, desc_k, desc_v, tok_lo, tok_hi, tok_off, paired, tok1, seen_to,
-                slot0 + (paired - tok0), kvh, pre, qlen, m_i, l_i, acc, qk_scale, D=D,
-                BLOCK_N=BLOCK_N, MASKED=False, TAIL=False, IEEE=IEEE, ALIGN_MASK=ALIGN_MASK,
-                RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, CHECK_V=CHECK_V)
-        singles = tok0
-    for start in range(tok0, singles, BLOCK_N):
+        rest = paired
+    for start in range(rest, whole, BLOCK_N):
         m_i, l_i, acc = _tma_block(
             q, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, seen_to,
             slot0 + (start - tok0), kvh, pre, qlen, m_i, l_i, acc, qk_scale, D=D,
