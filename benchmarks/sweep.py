@@ -57,9 +57,6 @@ config and coarsening (``deft.plan.coarsen.refine``):
   trees' queries are in plan order); a work item's query order, prefixes and lengths
   loaded after the PDL wait (no ``early_item_loads``, which the sm90 configs take); and
   both.
-* ``pairs``: an unmasked tile's whole blocks two at a time through one online-softmax step:
-  one running max, accumulator rescale and loop step per two blocks, over 16-bit K/V
-  (``pair_blocks``) and over one-byte K/V (``kv8_pair_blocks``).
 
 ``--plans`` makes each variant's plans on this machine, as an H200's backend would (its
 configs and 132 SMs), and prints their tiles, programs and build without timing anything
@@ -111,7 +108,7 @@ SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 
 TMA_SHAPES = [(64, 32, 4, 4), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2)]
 RING = [(32, 4), (64, 3), (64, 4), (128, 2), (128, 3)]
 SWEEPS = ("merge", "factors", "shapes", "tma", "occupancy", "pipeline", "mergecfg", "mergeheads",
-          "pdl", "partials", "ring", "few", "cap", "model", "tails", "checks", "order", "pairs")
+          "pdl", "partials", "ring", "few", "cap", "model", "tails", "checks", "order")
 
 
 Refine = Callable[[TreePlan, Coarsening], TreePlan]
@@ -225,8 +222,6 @@ def variants(sweep: str, factors: str = "2,4,8,16,32"
                 ("item loads after the wait", v(early_item_loads=False), None),
                 ("in order + item loads after the wait",
                  v(header_in_order=True, early_item_loads=False), None)]
-    elif sweep == "pairs":
-        out.append(("block pairs", v(pair_blocks=True, kv8_pair_blocks=True), None))
     elif sweep == "cap":
         out += [("no cap", v(maxnreg=None), None),
                 ("no cap resident 2", v(maxnreg=None, resident_per_sm=2), None),

@@ -178,17 +178,15 @@ def test_bf16_queries_over_fp8_kv_past_the_fp16_range_match_the_reference(backen
 
 
 VARIANTS = {"shipped": {}, "masked-tile-variants": dict(aligned_mask=True, ranges_first=True),
-            "isolation-variants": dict(deferred_v_checks=True, e4m3_finite_scores=True),
-            "block-pairs": dict(kv8_pair_blocks=True, kv8_block_n=None)}
+            "isolation-variants": dict(deferred_v_checks=True, e4m3_finite_scores=True)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_triton_fp8_tma_path_matches_the_reference(monkeypatch, variant):
     """Consecutive slots by tensor descriptor: FP8 boxes, converted in registers; also with
     the masked tiles' variants (``aligned_mask``, ``ranges_first``) on a tile whose masked
-    part starts inside a box, with the isolation's (``deferred_v_checks``,
-    ``e4m3_finite_scores``), and with boxes in pairs (``kv8_pair_blocks``, boxes of the
-    16-bit block) on the prompt's tile."""
+    part starts inside a box, and with the isolation's (``deferred_v_checks``,
+    ``e4m3_finite_scores``)."""
     pytest.importorskip("triton")
     from deft.ops.triton import configs, launch
 
@@ -199,16 +197,12 @@ def test_triton_fp8_tma_path_matches_the_reference(monkeypatch, variant):
     q = random_qkv(layout, H_Q, H_KV, D, torch.float32, 3)[0].half()
     k8, v8, ks, vs = fp8_kv(layout, 3)
     ref_o, _ = dequantised_reference(q, k8, v8, ks, vs, layout)
-    # Pairs of 16-token boxes need plan tiles of at least 32 tokens.
-    attn = TreeAttention(H_Q, H_KV, D, backend="triton",
-                         block_kv=32 if variant == "block-pairs" else 16)
+    attn = TreeAttention(H_Q, H_KV, D, backend="triton", block_kv=16)
     attn.plan(layout, FP8)
     work = attn._prepared.segment("work").view(-1, 8).cpu().numpy()
     box = configs.kv_config(configs.kernel_config(D, layout.num_queries * H_Q,
                                                   torch.device(DEV)), FP8).block_n
     assert ((work[:, 5] < work[:, 1]) & ((work[:, 5] - work[:, 0]) % box > 0)).any()
-    if variant == "block-pairs":
-        assert (np.minimum(work[:, 5], work[:, 1]) - work[:, 0] >= 2 * box).any(), work
     boxes = []
     monkeypatch.setattr(launch, "_kv_descriptor",
                         lambda *a, f=launch._kv_descriptor: boxes.append(a[2]) or f(*a))

@@ -17,7 +17,7 @@ from conftest import CHECK_VARIANTS, PER_VALUE, random_forest
 from deft import PLAN_KINDS, TreeAttention, TreeLayout, merge_states
 from deft.ops.reference import reference_attention, visibility_mask
 from deft.ops.torch_backend import TorchBackend, _Dense
-from benchmarks.trees import few_shot_layout, shuffle_slots
+from benchmarks.trees import few_shot_layout
 
 # NaN arithmetic is the point here: numpy (the Triton interpreter) need not warn about it.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -276,15 +276,12 @@ def test_triton_padded_head_dim(monkeypatch, fused):
 # and on a GPU's but "shipped": the masked loop from a block boundary before mask_from, that
 # with ranges loaded first, every check in place ("checked") and the isolation checks'
 # (``CHECK_VARIANTS``: V's checks deferred, a work item recomputed with them where its state
-# comes out non-finite, and the flags sm_90 takes), and whole blocks in pairs, with the -inf
-# scores made NaN by a select, by an FMA, and with sm_90's flags.
+# comes out non-finite, and the flags sm_90 takes).
 VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True},
             "both": {"aligned_mask": True, "ranges_first": True},
             "deferred": CHECK_VARIANTS["deferred"],
             "checked": {**PER_VALUE, "deferred_v_checks": False, "kv8_deferred_v_checks": False},
-            **CHECK_VARIANTS, "pairs": {"pair_blocks": True},
-            "pairs-fma": {**CHECK_VARIANTS["fma"], "pair_blocks": True},
-            "pairs-lean": {**CHECK_VARIANTS["lean-all"], "pair_blocks": True}}
+            **CHECK_VARIANTS}
 
 
 @pytest.mark.skipif(CUDA, reason="on a GPU, TMA runs inside graph capture: the gpu test")
@@ -326,71 +323,6 @@ def test_triton_tma_blocks(monkeypatch, value, tma, variant):
     assert_isolated(run_poisoned(attn, q, k, v, poison), clean,
                     expected_nan(layout, [p[:2] for p in poison]),
                     f"{'tma' if tma else 'gathered'} {variant} {value}")
-
-
-@pytest.mark.skipif(CUDA, reason="on a GPU, TMA runs inside graph capture: the gpu test")
-@pytest.mark.parametrize("variant", ["pairs", "pairs-fma", "pairs-lean"])
-@pytest.mark.parametrize("tma", [True, False], ids=["tma", "gathered"])
-@pytest.mark.parametrize("which, pos", [("k", 5), ("k", 20), ("v", 23)])
-@pytest.mark.parametrize("value", list(VALUES))
-def test_triton_block_pairs(monkeypatch, value, which, pos, tma, variant):
-    """Blocks in pairs (``pair_blocks``, interpreted on CPU; by TMA, or gathered through
-    slot loads): one non-finite value in either block of the prompt's first pair, alone in
-    the cache, makes exactly the rows that see it NaN (every query of its tree, on the heads
-    of its KV head)."""
-    pytest.importorskip("triton")
-
-    from deft.ops.triton import configs
-
-    for key, cfg in list(configs.CONFIGS.items()):
-        monkeypatch.setitem(configs.CONFIGS, key,
-                            dataclasses.replace(cfg, tma=tma, **VARIANTS[variant]))
-    layout = fan_and_tree(40, 3, 11, 20, 9)
-    if not tma:  # gathered through slot loads
-        layout = shuffle_slots(layout, seed=5)
-    q, k, v = clean_inputs(layout, torch.float32, device=DEV)
-    attn = planned("triton", layout, device=DEV, block=32)
-    assert attn._prepared.tma == tma and attn._prepared.contiguous == tma
-    work = attn._prepared.segment("work").view(-1, 8).numpy()
-    assert ((work[:, 0] == 0) & (np.minimum(work[:, 5], work[:, 1]) >= 32)).any(), work
-    clean = attn.run(q, k, v, return_lse=True)
-    slot = int(layout.kv_indices[pos])
-    poison = [(slot, 1, 3, VALUES[value], which)]
-    assert_isolated(run_poisoned(attn, q, k, v, poison), clean,
-                    expected_nan(layout, [(slot, 1)]), f"{variant} {which}[{pos}] {value}")
-
-
-@pytest.mark.parametrize("variant", ["pairs", "pairs-lean"])
-@pytest.mark.parametrize("shuffled", [False, True], ids=["consecutive", "gathered"])
-@pytest.mark.parametrize("poison", [(20, 1, 0, "k"), (25, 0, 0, "v")], ids=["k", "v"])
-def test_triton_block_pairs_padded_head_dim(monkeypatch, poison, shuffled, variant):
-    """Heads of 24 in blocks of 32, whole blocks in pairs (padded heads load gathered): a
-    value at a head's first column, which the previous head's padding would read, poisoned
-    in a prompt token of the first pair, reaches exactly the queries' heads of its KV head;
-    the clean step is exact."""
-    pytest.importorskip("triton")
-
-    from deft.ops.triton import configs
-
-    for key, cfg in list(configs.CONFIGS.items()):
-        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, **VARIANTS[variant]))
-    d = 24
-    layout = few_shot_layout(70, 3, 9)
-    if shuffled:
-        layout = shuffle_slots(layout, seed=3)
-    q, k, v = clean_inputs(layout, torch.float32, device=DEV, d=d)
-    attn = planned("triton", layout, device=DEV, d=d, block=64)
-    assert attn._prepared.contiguous != shuffled
-    work = attn._prepared.segment("work").view(-1, 8).numpy()
-    assert ((work[:, 0] == 0) & (np.minimum(work[:, 5], work[:, 1]) >= 32)).any(), work
-    ref = reference_attention(q.double(), k.double(), v.double(), layout, d**-0.5)
-    clean = attn.run(q, k, v, return_lse=True)
-    torch.testing.assert_close(clean[0].double().cpu(), ref[0].cpu(), atol=1e-5, rtol=1e-5)
-    pos, kvh, elem, which = poison
-    slot = int(layout.kv_indices[pos])
-    bad = [(slot, kvh, elem, float("nan") if which == "k" else float("inf"), which)]
-    assert_isolated(run_poisoned(attn, q, k, v, bad), clean,
-                    expected_nan(layout, [(slot, kvh)]), f"{variant} {poison} {shuffled}")
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -481,14 +413,14 @@ def test_gpu_torch_backend(path, scenario):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("variant", [{}, {"fuse_merge": True}, VARIANTS["both"],
-                                     VARIANTS["checked"], VARIANTS["pairs"]],
+                                     VARIANTS["checked"]],
                          ids=["merge-launch", "fused-merge", "masked-tile-variants",
-                              "checked-v", "block-pairs"])
+                              "checked-v"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
 def test_gpu_triton_isolation(monkeypatch, dtype, graph, variant):
     """The shipped kernel configs (with TMA allowed; the merge fused, the masked tiles'
-    variants, V's checks in place, or whole blocks in pairs, in turns) on the Llama-3-8B
+    variants, or V's checks in place, in turns) on the Llama-3-8B
     attention shape: a prompt with branches in one tree and a second tree, poison in a
     branch, in the second tree and in a spare slot.
     Eagerly K/V are gathered; inside a CUDA graph consecutive-slot tiles load by TMA on

@@ -16,13 +16,11 @@ from deft.ops.triton import configs, launch  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-# Kernel variants (deft.ops.triton.configs.KernelConfig): the masked tiles' (not shipped), the
-# isolation checks' (``CHECK_VARIANTS``; the interpreter's config keeps V checked and values
-# tested, and the GPU runs that kernel in test_isolation's "checked-v") and whole blocks in
-# pairs (not shipped).
+# Kernel variants (deft.ops.triton.configs.KernelConfig): the masked tiles' (not shipped) and
+# the isolation checks' (``CHECK_VARIANTS``; the interpreter's config keeps V checked and
+# values tested, and the GPU runs that kernel in test_isolation's "checked-v").
 VARIANTS = {"aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
-            "both": {"aligned_mask": True, "ranges_first": True}, **CHECK_VARIANTS,
-            "pairs": {"pair_blocks": True}}
+            "both": {"aligned_mask": True, "ranges_first": True}, **CHECK_VARIANTS}
 
 
 def check(layout, h_q, h_kv, d, dtype, kind="flatten", seed=0, paged=0):
@@ -606,37 +604,6 @@ def test_kernel_variants_match_reference(monkeypatch, fixed_coarsening, variant,
     assert bool(calls) == tma
     assert_close(o.cpu(), ref_o.cpu(), torch.float16, f"{variant}, tma={tma}")
     assert_lse_close(lse.cpu(), ref_lse.cpu(), f"{variant}, tma={tma}")
-
-
-@pytest.mark.skipif(CUDA, reason="sets the interpreter's config; on a GPU: the variants' gpu test")
-@pytest.mark.parametrize("slots", ["tma", "consecutive", "gathered"])
-@pytest.mark.parametrize("prompt", [37, 53, 70, 101])
-def test_block_pairs_match_reference(monkeypatch, fixed_coarsening, prompt, slots):
-    """``pair_blocks``: unmasked tiles of 2 to 6 whole blocks (pairs, then a single block
-    where their count is odd, then a tail) stay exact, with NaN in the cache slots past the
-    layout: by TMA, gathered from consecutive slots, and gathered through slot loads."""
-    import dataclasses
-
-    layout = few_shot_layout(prompt, 3, 21)
-    if slots == "gathered":
-        layout = shuffle_slots(layout, seed=prompt)
-    q, k, v = random_qkv(layout, 4, 2, 32, torch.float16, prompt, device=DEV)
-    ref_o, ref_lse = reference_attention(q, k, v, layout, 32**-0.5)
-    k, v = (torch.cat([x, torch.full_like(x[:40], float("nan"))]) for x in (k, v))
-    fixed_coarsening(16)
-    key = ("interpreter", 0, 0)
-    cfg = dataclasses.replace(configs.CONFIGS[key], tma=slots == "tma", pair_blocks=True)
-    monkeypatch.setitem(configs.CONFIGS, key, cfg)
-    attn = TreeAttention(4, 2, 32, backend="triton", device=DEV, block_kv=8)
-    attn.plan(layout)
-    assert attn._prepared.contiguous == (slots != "gathered")
-    assert attn._prepared.tma == (slots == "tma")
-    work = attn._prepared.segment("work").view(-1, 8).cpu().numpy()
-    whole = (np.minimum(work[:, 5], work[:, 1]) - work[:, 0]) // cfg.block_n
-    assert whole.max() == prompt // cfg.block_n >= 2, work  # the prompt's tile, unmasked
-    o, lse = attn.run(q, k, v, return_lse=True)
-    assert_close(o.cpu(), ref_o.cpu(), torch.float16, f"pairs, prompt {prompt}, {slots}")
-    assert_lse_close(lse.cpu(), ref_lse.cpu(), f"pairs, prompt {prompt}, {slots}")
 
 
 def test_failed_replan_leaves_no_plan(monkeypatch):

@@ -71,7 +71,7 @@ def timeline_kernel(
     SCALED: tl.constexpr, F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr, INF_K: tl.constexpr, DEFER_V: tl.constexpr,
     IN_ORDER: tl.constexpr, EARLY: tl.constexpr, SUMS: tl.constexpr, ACC_CHECK: tl.constexpr,
-    HEAD_D: tl.constexpr, PAIRS: tl.constexpr,
+    HEAD_D: tl.constexpr,
 ):
     """The graph-safe partial kernel's loop (``HEADER`` only), timing each pair into ``TL``."""
     h_kv = num_heads // G
@@ -96,7 +96,7 @@ def timeline_kernel(
             TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False,
             SCALED=SCALED, F16_DOTS=F16_DOTS, ALIGN_MASK=ALIGN_MASK,
             RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, DEFER_V=DEFER_V, IN_ORDER=IN_ORDER,
-            EARLY=EARLY, SUMS=SUMS, ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D, PAIRS=PAIRS)
+            EARLY=EARLY, SUMS=SUMS, ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D)
         t1 = _globaltimer()
         desc = plan + off_work + w * 8
         rec = TL + item.to(tl.int64) * 10  # FIELDS per pair

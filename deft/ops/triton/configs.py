@@ -116,12 +116,6 @@ class KernelConfig:
     # which every merge turns into a NaN row, instead of also selecting NaN into each of
     # its o values (``kernels._work_item``).
     acc_checks: bool = False
-    # An unmasked tile's whole K/V blocks (by TMA or gathered) go two at a time through one
-    # online-softmax step: one running max, accumulator rescale and loop step per two blocks
-    # (``softmax.pair_softmax``), for two blocks' scores and probabilities in registers.
-    # ``kv8_pair_blocks``: the same over one-byte K/V, whose conversions hold more registers.
-    pair_blocks: bool = False
-    kv8_pair_blocks: bool = False
 
     def inf_k(self, k_dtype: torch.dtype, q_dtype: torch.dtype) -> int:
         """How the partial kernel makes -inf scores NaN over K of ``k_dtype`` and q of
@@ -223,7 +217,7 @@ def _one_byte(cfg: KernelConfig) -> KernelConfig:
     return dataclasses.replace(cfg, maxnreg=cfg.kv8_maxnreg or cfg.maxnreg,
                                block_n=cfg.kv8_block_n or cfg.block_n,
                                deferred_v_checks=cfg.kv8_deferred_v_checks,
-                               sum_checks=cfg.kv8_sum_checks, pair_blocks=cfg.kv8_pair_blocks)
+                               sum_checks=cfg.kv8_sum_checks)
 
 
 @functools.lru_cache(maxsize=64)

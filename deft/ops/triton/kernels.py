@@ -59,21 +59,10 @@ from ...plan.visibility import visible
 from ..columns import head_cols
 from .merge_kernels import merge_if_last
 from .softmax import (accumulate, bad_rows, bad_rows_by_sum, finite, fp16_queries, no_neg_inf,
-                      pair_softmax, scores, softmax_step)
+                      scores, softmax_step)
 
 # The planner's predicate, compiled with this module's globals (Triton resolves names there).
 _visible = triton.jit(types.FunctionType(visible.__code__, globals(), "visible"))
-
-
-@triton.jit
-def _whole_rows(ptr, off, d, HEAD_D: tl.constexpr, D: tl.constexpr):
-    """Gathered K/V rows at offsets ``off [BLOCK_N, D]``, all of them tokens of the tile: no
-    token mask, only a padded head's columns past ``HEAD_D`` (loaded as 0)."""
-    if HEAD_D < D:
-        x = tl.load(ptr + off, mask=(d < HEAD_D)[None, :], other=0.0)
-    else:
-        x = tl.load(ptr + off)
-    return x
 
 
 @triton.jit
@@ -82,7 +71,7 @@ def _tile_loop(
     row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
     D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
     IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr, INF_K: tl.constexpr, CHECK_V: tl.constexpr,
-    HEAD_D: tl.constexpr, PAIRS: tl.constexpr,
+    HEAD_D: tl.constexpr,
 ):
     """Online softmax of the query rows over plan tokens ``[tok0, tok1)``, ``BLOCK_N`` at a time.
 
@@ -90,44 +79,12 @@ def _tile_loop(
     slot load. Otherwise the next block's slots are loaded one iteration ahead, so the K/V
     loads of a block never wait on a slot load of the same iteration. ``MASKED`` with
     ``ALIGN_MASK``: every row sees the tokens before ``seen_to`` (see :func:`_work_item`).
-    ``PAIRS``: an unmasked tile's whole blocks go two at a time (:func:`pair_softmax`), the
-    rest one at a time.
     """
     d = tl.arange(0, D)
-    rest = tok0  # where the loop of single blocks starts
-    if PAIRS and not MASKED:
-        paired = tok0 + (tok1 - tok0) // (2 * BLOCK_N) * (2 * BLOCK_N)
-        if not CONTIG:
-            first = tok0 + tl.arange(0, BLOCK_N)
-            next_a = tl.load(tok_slot + first, mask=first < paired, other=0)
-            next_b = tl.load(tok_slot + first + BLOCK_N, mask=first + BLOCK_N < paired, other=0)
-        for start in range(tok0, paired, 2 * BLOCK_N):
-            offs = start + tl.arange(0, BLOCK_N)
-            if CONTIG:
-                slot_a = (slot0 - tok0 + offs).to(tl.int64)
-                slot_b = slot_a + BLOCK_N
-            else:
-                slot_a = next_a.to(tl.int64)
-                slot_b = next_b.to(tl.int64)
-                ahead = offs + 2 * BLOCK_N
-                next_a = tl.load(tok_slot + ahead, mask=ahead < paired, other=0)
-                next_b = tl.load(tok_slot + ahead + BLOCK_N, mask=ahead + BLOCK_N < paired,
-                                 other=0)
-            off_a = slot_a[:, None] * stride_kn + kvh * stride_kh + d[None, :]
-            off_b = slot_b[:, None] * stride_kn + kvh * stride_kh + d[None, :]
-            k1 = _whole_rows(K, off_a, d, HEAD_D=HEAD_D, D=D).to(q.dtype)
-            k2 = _whole_rows(K, off_b, d, HEAD_D=HEAD_D, D=D).to(q.dtype)
-            p1, p2, m_i, l_i, acc = pair_softmax(q, k1, k2, m_i, l_i, acc, qk_scale,
-                                                 IEEE=IEEE, INF_K=INF_K)
-            v1 = _whole_rows(V, off_a, d, HEAD_D=HEAD_D, D=D).to(q.dtype)
-            acc = accumulate(p1, v1, acc, IEEE)
-            v2 = _whole_rows(V, off_b, d, HEAD_D=HEAD_D, D=D).to(q.dtype)
-            acc = accumulate(p2, v2, acc, IEEE)
-        rest = paired
     if not CONTIG:
-        first = rest + tl.arange(0, BLOCK_N)
+        first = tok0 + tl.arange(0, BLOCK_N)
         next_slot = tl.load(tok_slot + first, mask=first < tok1, other=0)
-    for start in range(rest, tok1, BLOCK_N):
+    for start in range(tok0, tok1, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
         tok_ok = offs < tok1
         if CONTIG:
@@ -218,43 +175,16 @@ def _tma_block(
 
 
 @triton.jit
-def _tma_pair(q, desc_k, desc_v, slot, kvh, m_i, l_i, acc, qk_scale, D: tl.constexpr,
-              BLOCK_N: tl.constexpr, IEEE: tl.constexpr, INF_K: tl.constexpr):
-    """One online-softmax step over the ``2 * BLOCK_N`` consecutive slots from ``slot``, every
-    row seeing every token, loaded by TMA as two blocks: one running max, rescale and loop
-    step per two blocks (:func:`pair_softmax`)."""
-    k1 = desc_k.load([slot, kvh * D]).to(q.dtype)
-    k2 = desc_k.load([slot + BLOCK_N, kvh * D]).to(q.dtype)
-    p1, p2, m_i, l_i, acc = pair_softmax(q, k1, k2, m_i, l_i, acc, qk_scale, IEEE=IEEE,
-                                         INF_K=INF_K)
-    v1 = desc_v.load([slot, kvh * D]).to(q.dtype)
-    acc = accumulate(p1, v1, acc, IEEE)
-    v2 = desc_v.load([slot + BLOCK_N, kvh * D]).to(q.dtype)
-    acc = accumulate(p2, v2, acc, IEEE)
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _tma_tile(
     q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre, qlen,
     m_i, l_i, acc, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr, RANGES_FIRST: tl.constexpr,
-    INF_K: tl.constexpr, CHECK_V: tl.constexpr, PAIRS: tl.constexpr,
+    INF_K: tl.constexpr, CHECK_V: tl.constexpr,
 ):
     """``_tile_loop`` for a tile of consecutive slots from ``slot0``, every block by TMA: no
-    per-element addresses, masks or slot loads, which frees registers and issue slots.
-    ``PAIRS``: an unmasked tile's whole blocks go two at a time (:func:`_tma_pair`), the
-    rest one at a time."""
+    per-element addresses, masks or slot loads, which frees registers and issue slots."""
     whole = tok0 + (tok1 - tok0) // BLOCK_N * BLOCK_N
-    rest = tok0  # where the loop of single whole blocks starts
-    if PAIRS and not MASKED:
-        paired = tok0 + (tok1 - tok0) // (2 * BLOCK_N) * (2 * BLOCK_N)
-        for start in range(tok0, paired, 2 * BLOCK_N):
-            m_i, l_i, acc = _tma_pair(q, desc_k, desc_v, slot0 + (start - tok0), kvh, m_i, l_i,
-                                      acc, qk_scale, D=D, BLOCK_N=BLOCK_N, IEEE=IEEE,
-                                      INF_K=INF_K)
-        rest = paired
-    for start in range(rest, whole, BLOCK_N):
+    for start in range(tok0, whole, BLOCK_N):
         m_i, l_i, acc = _tma_block(
             q, desc_k, desc_v, tok_lo, tok_hi, tok_off, start, tok1, seen_to,
             slot0 + (start - tok0), kvh, pre, qlen, m_i, l_i, acc, qk_scale, D=D,
@@ -276,7 +206,7 @@ def _tile(
     D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
     TMA: tl.constexpr, IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr,
-    INF_K: tl.constexpr, CHECK_V: tl.constexpr, HEAD_D: tl.constexpr, PAIRS: tl.constexpr,
+    INF_K: tl.constexpr, CHECK_V: tl.constexpr, HEAD_D: tl.constexpr,
 ):
     """The tile's online softmax. ``TMA``: a tile of consecutive slots (``slot0 >= 0``; all
     tiles when ``CONTIG``) loads by TMA, any other by gathered loads."""
@@ -286,13 +216,13 @@ def _tile(
             q, desc_k, desc_v, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre,
             qlen, m_i, l_i, acc, qk_scale, D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, IEEE=IEEE,
             ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-            CHECK_V=CHECK_V, PAIRS=PAIRS)
+            CHECK_V=CHECK_V)
     else:
         m_i, l_i, acc = _tile_loop(
             q, K, V, tok_slot, tok_lo, tok_hi, tok_off, tok0, tok1, seen_to, slot0, kvh, pre,
             qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
             D=D, BLOCK_N=BLOCK_N, MASKED=MASKED, CONTIG=CONTIG, IEEE=IEEE,
-            ALIGN_MASK=ALIGN_MASK, INF_K=INF_K, CHECK_V=CHECK_V, HEAD_D=HEAD_D, PAIRS=PAIRS)
+            ALIGN_MASK=ALIGN_MASK, INF_K=INF_K, CHECK_V=CHECK_V, HEAD_D=HEAD_D)
     return m_i, l_i, acc
 
 
@@ -323,7 +253,7 @@ def tree_partial_kernel(
     SCALED: tl.constexpr, F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr,
     INF_K: tl.constexpr, DEFER_V: tl.constexpr, IN_ORDER: tl.constexpr, EARLY: tl.constexpr,
-    SUMS: tl.constexpr, ACC_CHECK: tl.constexpr, HEAD_D: tl.constexpr, PAIRS: tl.constexpr,
+    SUMS: tl.constexpr, ACC_CHECK: tl.constexpr, HEAD_D: tl.constexpr,
 ):
     # KV heads vary fastest: programs start in work-item order (largest tiles first) across
     # all heads, so the launch's last programs are its shortest ones.
@@ -353,7 +283,7 @@ def tree_partial_kernel(
                 FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS,
                 ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
                 DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY, SUMS=SUMS,
-                ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D, PAIRS=PAIRS)
+                ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D)
         else:
             if PDL:
                 gdc_launch_dependents()
@@ -369,7 +299,7 @@ def tree_partial_kernel(
                 FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=False, SCALED=SCALED, F16_DOTS=F16_DOTS,
                 ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
                 DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY, SUMS=SUMS,
-                ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D, PAIRS=PAIRS)
+                ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D)
     else:
         _work_item(
             tl.program_id(0) // h_kv, tl.program_id(0) % h_kv, Q, K, V, desc_k, desc_v, PO,
@@ -380,7 +310,7 @@ def tree_partial_kernel(
             USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE,
             IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS, ALIGN_MASK=ALIGN_MASK,
             RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, DEFER_V=DEFER_V, IN_ORDER=False,
-            EARLY=EARLY, SUMS=SUMS, ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D, PAIRS=PAIRS)
+            EARLY=EARLY, SUMS=SUMS, ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D)
 
 
 @triton.jit
@@ -390,7 +320,7 @@ def _item_state(
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_MASK: tl.constexpr,
     CONTIG: tl.constexpr, TMA: tl.constexpr, IEEE: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr, INF_K: tl.constexpr, CHECK_V: tl.constexpr,
-    HEAD_D: tl.constexpr, PAIRS: tl.constexpr,
+    HEAD_D: tl.constexpr,
 ):
     """A work item's online-softmax state (running max, sum, accumulator) over its tile.
     ``CHECK_V``: masked blocks check V's values (see the top)."""
@@ -409,7 +339,7 @@ def _item_state(
             slot0, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn, stride_kh,
             D=D, BLOCK_N=BLOCK_N, MASKED=False, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE,
             ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, CHECK_V=CHECK_V,
-            HEAD_D=HEAD_D, PAIRS=PAIRS)
+            HEAD_D=HEAD_D)
     if USE_MASK:
         if split < tok1:
             slot_m = tl.where(slot0 >= 0, slot0 + (split - tok0), -1)
@@ -418,7 +348,7 @@ def _item_state(
                 mask_from, slot_m, kvh, pre, qlen, row_ok, m_i, l_i, acc, qk_scale, stride_kn,
                 stride_kh, D=D, BLOCK_N=BLOCK_N, MASKED=True, CONTIG=CONTIG, TMA=TMA,
                 IEEE=IEEE, ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-                CHECK_V=CHECK_V, HEAD_D=HEAD_D, PAIRS=PAIRS)
+                CHECK_V=CHECK_V, HEAD_D=HEAD_D)
     return m_i, l_i, acc
 
 
@@ -460,7 +390,7 @@ def _work_item(
     FUSE_MERGE: tl.constexpr, IEEE: tl.constexpr, WAIT: tl.constexpr, SCALED: tl.constexpr,
     F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr, RANGES_FIRST: tl.constexpr,
     INF_K: tl.constexpr, DEFER_V: tl.constexpr, IN_ORDER: tl.constexpr, EARLY: tl.constexpr,
-    SUMS: tl.constexpr, ACC_CHECK: tl.constexpr, HEAD_D: tl.constexpr, PAIRS: tl.constexpr,
+    SUMS: tl.constexpr, ACC_CHECK: tl.constexpr, HEAD_D: tl.constexpr,
 ):
     """Work item ``w`` of the plan for KV head ``kvh``: its partial states. ``WAIT``: wait
     for the previous launch (programmatic dependent launch) once the item is described
@@ -533,7 +463,7 @@ def _work_item(
         kvh, pre, qlen, row_ok, qk_scale, stride_kn, stride_kh, D=D, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, IEEE=IEEE,
         ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, CHECK_V=not DEFER_V,
-        HEAD_D=HEAD_D, PAIRS=PAIRS)
+        HEAD_D=HEAD_D)
     if DEFER_V:
         # A row may have taken a NaN/inf V row that it does not see (0 * NaN). Non-finite
         # values persist, so a state without them proves that none did; else the item is
@@ -546,7 +476,7 @@ def _work_item(
                 mask_from, slot0, kvh, pre, qlen, row_ok, qk_scale, stride_kn, stride_kh, D=D,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=False,
                 IEEE=IEEE, ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
-                CHECK_V=True, HEAD_D=HEAD_D, PAIRS=PAIRS)
+                CHECK_V=True, HEAD_D=HEAD_D)
             if ACC_CHECK:
                 bad = bad_rows_by_sum(acc, SUMS)
     elif ACC_CHECK:

@@ -1,13 +1,13 @@
 """The partial kernel's online-softmax steps and its checks of non-finite values
 (``@triton.jit`` helpers of :mod:`.kernels`, whose docstring states the isolation they keep):
-scores and probabilities of a block or of two, the accumulator's products, and the row tests
+scores and probabilities of a block, the accumulator's products, and the row tests
 a work item's end and the masked blocks use."""
 
 import triton
 import triton.language as tl
 
-__all__ = ["finite", "bad_rows", "bad_rows_by_sum", "no_neg_inf", "softmax_step", "probs",
-           "pair_softmax", "scores", "accumulate", "fp16_queries"]
+__all__ = ["finite", "bad_rows", "bad_rows_by_sum", "no_neg_inf", "softmax_step", "scores",
+           "accumulate", "fp16_queries"]
 
 
 @triton.jit
@@ -55,20 +55,12 @@ def softmax_step(s, m_i, l_i, acc, qk_scale, s_raw, RAW_INF: tl.constexpr):
     # m_i starts finite (-1e30), so no -inf - -inf: masked scores give p = 0.
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = probs(s, qk_scale, m_new, s_raw, RAW_INF)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    return p, m_new, l_i, acc * alpha[:, None]
-
-
-@triton.jit
-def probs(s, qk_scale, m_new, s_raw, RAW_INF: tl.constexpr):
-    """Base-2 probabilities of raw scores ``s`` under the running max ``m_new`` (``RAW_INF``:
-    see :func:`softmax_step`)."""
     if RAW_INF:
         p = tl.exp2(tl.fma(s, qk_scale, tl.fma(s_raw, 0.0, -m_new[:, None])))
     else:
         p = tl.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
-    return p
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, m_new, l_i, acc * alpha[:, None]
 
 
 @triton.jit
@@ -98,23 +90,3 @@ def fp16_queries(q, qk_scale):
     amax = tl.max(tl.max(tl.where(finite(q), tl.abs(q), 0.0), 1), 0).to(tl.float32)
     e = tl.where(amax > 32768.0, tl.ceil(tl.log2(amax)) - 15.0, 0.0)
     return (q * tl.exp2(-e)).to(tl.float16), qk_scale * tl.exp2(e)
-
-
-@triton.jit
-def pair_softmax(q, k1, k2, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr,
-                 INF_K: tl.constexpr):
-    """The online-softmax step of two blocks of K rows that every row sees: their
-    probabilities, and the running max, sum and rescaled accumulator after both. A
-    non-finite K row's scores make the rows' states NaN as in the unmasked blocks of
-    ``kernels._tile_loop`` (a -inf score by a select, or by the exponent's FMA)."""
-    s1 = scores(q, k1, IEEE)
-    s2 = scores(q, k2, IEEE)
-    if INF_K == 1:
-        s1 = no_neg_inf(s1)
-        s2 = no_neg_inf(s2)
-    m_new = tl.maximum(m_i, tl.maximum(tl.max(s1, 1), tl.max(s2, 1)) * qk_scale)
-    alpha = tl.exp2(m_i - m_new)
-    p1 = probs(s1, qk_scale, m_new, s1, RAW_INF=INF_K == 2)
-    p2 = probs(s2, qk_scale, m_new, s2, RAW_INF=INF_K == 2)
-    l_i = l_i * alpha + tl.sum(p1, 1) + tl.sum(p2, 1)
-    return p1, p2, m_new, l_i, acc * alpha[:, None]
