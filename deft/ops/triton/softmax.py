@@ -6,8 +6,8 @@ a work item's end and the masked blocks use."""
 import triton
 import triton.language as tl
 
-__all__ = ["finite", "bad_rows", "bad_rows_by_sum", "no_neg_inf", "softmax_step", "scores",
-           "accumulate", "fp16_queries"]
+__all__ = ["finite", "bad_rows", "bad_rows_by_sum", "no_neg_inf", "softmax_step", "probs",
+           "scores", "accumulate", "fp16_queries"]
 
 
 @triton.jit
@@ -55,12 +55,22 @@ def softmax_step(s, m_i, l_i, acc, qk_scale, s_raw, RAW_INF: tl.constexpr):
     # m_i starts finite (-1e30), so no -inf - -inf: masked scores give p = 0.
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
+    p = probs(s, qk_scale, m_new, s_raw, RAW_INF)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, m_new, l_i, acc * alpha[:, None]
+
+
+@triton.jit
+def probs(s, qk_scale, m_new, s_raw, RAW_INF: tl.constexpr):
+    """Base-2 probabilities of raw scores ``s`` under the running max ``m_new`` (``RAW_INF``:
+    see :func:`softmax_step`). Its own function because the sm_90 builds with it inlined by
+    hand compile differently (spills and loop lengths a few bytes and instructions either
+    way) from the ones timed (``tools/kernel_registers.py``)."""
     if RAW_INF:
         p = tl.exp2(tl.fma(s, qk_scale, tl.fma(s_raw, 0.0, -m_new[:, None])))
     else:
         p = tl.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
-    l_i = l_i * alpha + tl.sum(p, 1)
-    return p, m_new, l_i, acc * alpha[:, None]
+    return p
 
 
 @triton.jit
