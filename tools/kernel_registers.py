@@ -27,8 +27,7 @@ flags): the masked tiles' ``aligned`` (``aligned_mask``), ``ranges`` (``ranges_f
 (``deferred_v_checks``), ``finite`` (``e4m3_finite_scores``) and ``lean`` (those two); the
 graph-safe launches' ``in-order`` (``header_in_order``), every launch's ``late`` (no
 ``early_item_loads``, which the sm90 configs take: a work item's loads after the PDL wait)
-and ``order`` (both);
-``per-value`` (none of ``sum_checks``, ``inf_by_fma`` and
+and ``order`` (both); ``per-value`` (none of ``sum_checks``, ``inf_by_fma`` and
 ``acc_checks``, which the sm90 configs take: every value tested at a work item's end and
 every score by a select) and each of the three alone: a work item's end checking rows by
 their sums, ``sums`` (``sum_checks``, which the sm90 configs take over 16-bit K/V), a -inf
@@ -233,9 +232,8 @@ def main(argv: list[str] | None = None) -> None:
                          "(ranges_first), both; isolation: deferred (deferred_v_checks), "
                          "finite (e4m3_finite_scores), lean (those two); in-order "
                          "(header_in_order, graph-safe), late (no early_item_loads), order "
-                         "(both); end "
-                         "checks: per-value (none of the next three), sums (sum_checks), fma "
-                         "(inf_by_fma), acc (acc_checks)")
+                         "(both); end checks: per-value (none of the next three), sums "
+                         "(sum_checks), fma (inf_by_fma), acc (acc_checks)")
     ap.add_argument("--dump", metavar="DIR", type=Path,
                     help="also write each build's TTGIR, PTX, cubin and SASS into DIR")
     args = ap.parse_args(argv)
