@@ -177,15 +177,16 @@ def test_bf16_queries_over_fp8_kv_past_the_fp16_range_match_the_reference(backen
     torch.testing.assert_close(lse.double(), ref_lse, atol=0, rtol=1e-5)
 
 
+# The isolation's variants over one-byte K/V take the ``kv8_`` field (``configs.kv_config``).
 VARIANTS = {"shipped": {}, "masked-tile-variants": dict(aligned_mask=True, ranges_first=True),
-            "isolation-variants": dict(deferred_v_checks=True, e4m3_finite_scores=True)}
+            "isolation-variants": dict(kv8_deferred_v_checks=True, e4m3_finite_scores=True)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_triton_fp8_tma_path_matches_the_reference(monkeypatch, variant):
     """Consecutive slots by tensor descriptor: FP8 boxes, converted in registers; also with
     the masked tiles' variants (``aligned_mask``, ``ranges_first``) on a tile whose masked
-    part starts inside a box, and with the isolation's (``deferred_v_checks``,
+    part starts inside a box, and with the isolation's (``kv8_deferred_v_checks``,
     ``e4m3_finite_scores``)."""
     pytest.importorskip("triton")
     from deft.ops.triton import configs, launch
@@ -199,6 +200,8 @@ def test_triton_fp8_tma_path_matches_the_reference(monkeypatch, variant):
     ref_o, _ = dequantised_reference(q, k8, v8, ks, vs, layout)
     attn = TreeAttention(H_Q, H_KV, D, backend="triton", block_kv=16)
     attn.plan(layout, FP8)
+    launched = configs.kv_config(attn._prepared.config, FP8)
+    assert launched.deferred_v_checks == (variant == "isolation-variants")
     work = attn._prepared.segment("work").view(-1, 8).cpu().numpy()
     box = configs.kv_config(configs.kernel_config(D, layout.num_queries * H_Q,
                                                   torch.device(DEV)), FP8).block_n
@@ -212,28 +215,33 @@ def test_triton_fp8_tma_path_matches_the_reference(monkeypatch, variant):
     torch.testing.assert_close(o.double(), ref_o, atol=2e-3 * scale, rtol=2e-3)
 
 
-def test_fp8_isolation_a_non_finite_value_reaches_only_the_rows_that_see_it(backend):
+@pytest.mark.parametrize("cache", ["k", "v"])
+def test_fp8_isolation_a_non_finite_value_reaches_only_the_rows_that_see_it(backend, cache):
     if backend == "triton" and not CUDA:
         pytest.skip("the Triton interpreter reads the float8 NaN as 480; checked under -m gpu")
-    check_isolation(backend, DEV if backend == "triton" else "cpu")
+    check_isolation(backend, DEV if backend == "triton" else "cpu", cache)
 
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("cache", ["k", "v"])
 @pytest.mark.parametrize("backend", ["triton", "torch", "triton-isolation-variants"])
-def test_gpu_fp8_isolation(monkeypatch, backend):
+def test_gpu_fp8_isolation(monkeypatch, backend, cache):
     if backend == "triton-isolation-variants":
         from deft.ops.triton import configs
 
         for key, cfg in list(configs.CONFIGS.items()):
             monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
                 cfg, **VARIANTS["isolation-variants"]))
-    check_isolation(backend.split("-")[0], "cuda")
+    check_isolation(backend.split("-")[0], "cuda", cache)
 
 
-def check_isolation(backend: str, device: str) -> None:
-    """Written into an FP8 pool, an inf becomes NaN (e4m3 has no inf); the (query, head)
-    pairs that see it get NaN, every other one is bitwise what it is without it."""
+def check_isolation(backend: str, device: str, cache: str) -> None:
+    """Written into an FP8 pool's K or V (``cache``), an inf becomes NaN (e4m3 has no inf);
+    the (query, head) pairs that see it get NaN, every other one is bitwise what it is
+    without it. The poisoned token is a branch's: on a GPU its tile holds the other
+    branches' tokens too, in masked blocks, where a NaN V value times the probability 0 of
+    a row that does not see it would be NaN (what the V checks, deferred or not, prevent)."""
     layout = shuffle_slots(few_shot_layout(20, 3, 4), seed=1, num_slots=64)
     q = random_qkv(layout, H_Q, H_KV, D, torch.float16, 1, device=device)[0]
     k, v = torch.randn(2, 64, H_KV, D, generator=torch.Generator().manual_seed(2)).to(device)
@@ -247,10 +255,11 @@ def check_isolation(backend: str, device: str) -> None:
     clean_o, clean_lse = (x.clone() for x in run())
     branch = layout.node_kv_indptr[2]  # the second branch's first token
     bad = int(layout.kv_indices[branch])
-    k_bad = k[bad:bad + 1].clone()
-    k_bad[0, 1, 3] = float("inf")  # KV head 1 only
-    pool.write(0, torch.tensor([bad], device=device), k_bad, v[bad:bad + 1])
-    assert bool(pool.k_slots[0][bad, 1, 3].float().isnan())
+    k_bad, v_bad = k[bad:bad + 1].clone(), v[bad:bad + 1].clone()
+    (k_bad if cache == "k" else v_bad)[0, 1, 3] = float("inf")  # KV head 1 only
+    pool.write(0, torch.tensor([bad], device=device), k_bad, v_bad)
+    stored = pool.k_slots[0] if cache == "k" else pool.v_slots[0]
+    assert bool(stored[bad, 1, 3].float().isnan())
     o, lse = run()
     sees = (torch.as_tensor(layout.query_nodes == 2)[:, None]
             & (torch.arange(H_Q) >= 2)[None, :]).to(device)
