@@ -247,3 +247,53 @@ def test_one_capture_replays_100_random_trees(dtype, grid, kv, monkeypatch):
             ref_o, _ = reference_attention(q, k, v, layout, d**-0.5)
             assert_close(outs[i].cpu(), ref_o.cpu(), dtype, f"replayed tree {t}, layer {i}")
     assert grid == "shipped" or pairs > attn._reserved.programs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv", ["16-bit", "fp8"])
+def test_l2_prefetch_changes_no_value(kv, monkeypatch):
+    """``l2_prefetch`` (K/V rows prefetched into L2 before the PDL wait) is a hint: eager
+    and graph-safe replayed steps of random trees, gathered and consecutive slots, give
+    bitwise the outputs they give without it."""
+    from deft.cache.pool import FP8, quantize
+
+    nq, cache, h_q, h_kv, d = 24, 3000, 32, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(nq, h_q, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(cache, h_kv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    scales, kv_dtype = {}, None
+    if kv == "fp8":
+        kv_dtype = FP8
+        scales = dict(k_scale=torch.full((h_kv,), 0.02, device="cuda"),
+                      v_scale=torch.full((h_kv,), 0.03, device="cuda"))
+        k, v = quantize(k.float(), scales["k_scale"], FP8), quantize(v.float(), scales["v_scale"], FP8)
+    trees = [random_tree(np.random.default_rng(s), nq, cache) for s in range(6)]
+    shipped = dict(configs.CONFIGS)
+
+    def outputs(prefetch: int) -> list[torch.Tensor]:
+        for key, cfg in shipped.items():
+            monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, l2_prefetch=prefetch))
+        eager = TreeAttention(h_q, h_kv, d, backend="triton", device="cuda")
+        safe = TreeAttention(h_q, h_kv, d, backend="triton", device="cuda",
+                             capacity=Capacity(queries=nq, tokens=cache))
+        out, got = torch.empty_like(q), []
+        safe.plan(trees[0], kv_dtype)
+        safe.run(q, k, v, out=out, **scales)  # compile before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            safe.run(q, k, v, out=out, **scales)
+        for layout in trees:
+            eager.plan(layout, kv_dtype)
+            got.append(eager.run(q, k, v, **scales))
+            safe.plan(layout, kv_dtype)
+            graph.replay()
+            got.append(out.clone())
+        assert configs.kv_config(safe._prepared.config, kv_dtype).l2_prefetch == prefetch
+        return got
+
+    base = outputs(0)
+    assert all(bool(x.isfinite().all()) for x in base)
+    for prefetch in (64, 256):
+        assert all(torch.equal(a, b) for a, b in zip(outputs(prefetch), base)), prefetch
