@@ -268,13 +268,15 @@ def test_l2_prefetch_changes_no_value(kv, monkeypatch):
         kv_dtype = FP8
         scales = dict(k_scale=torch.full((h_kv,), 0.02, device="cuda"),
                       v_scale=torch.full((h_kv,), 0.03, device="cuda"))
-        k, v = quantize(k.float(), scales["k_scale"], FP8), quantize(v.float(), scales["v_scale"], FP8)
+        k, v = (quantize(x.float(), scales[name], FP8)
+                for x, name in ((k, "k_scale"), (v, "v_scale")))
     trees = [random_tree(np.random.default_rng(s), nq, cache) for s in range(6)]
     shipped = dict(configs.CONFIGS)
 
     def outputs(prefetch: int) -> list[torch.Tensor]:
         for key, cfg in shipped.items():
-            monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, l2_prefetch=prefetch))
+            monkeypatch.setitem(configs.CONFIGS, key,
+                                dataclasses.replace(cfg, l2_prefetch=prefetch))
         eager = TreeAttention(h_q, h_kv, d, backend="triton", device="cuda")
         safe = TreeAttention(h_q, h_kv, d, backend="triton", device="cuda",
                              capacity=Capacity(queries=nq, tokens=cache))

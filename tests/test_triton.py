@@ -963,9 +963,9 @@ def test_sweep_plans_need_no_gpu(capsys):
     ("order", "shipped,in order + item loads after the wait", "auto"),
     ("prefetch", "shipped,L2 prefetch 256", "fp8_e4m3")])
 def test_gpu_sweep_times_the_kernel_variants(capsys, name, only, kv):
-    """``python -m benchmarks.sweep --sweep tails|checks|order|prefetch --graph-safe`` on a small
-    tree: each kernel and coarsening variant runs, agrees with the float64 reference, and the
-    shipped configs and coarsening are back afterwards."""
+    """``python -m benchmarks.sweep --sweep tails|checks|order|prefetch --graph-safe`` on a
+    small tree: each kernel and coarsening variant runs, agrees with the float64 reference,
+    and the shipped configs and coarsening are back afterwards."""
     from benchmarks import sweep
     from deft.plan import step
 
