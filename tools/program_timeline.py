@@ -71,7 +71,7 @@ def timeline_kernel(
     SCALED: tl.constexpr, F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr, INF_K: tl.constexpr, DEFER_V: tl.constexpr,
     IN_ORDER: tl.constexpr, EARLY: tl.constexpr, SUMS: tl.constexpr, ACC_CHECK: tl.constexpr,
-    HEAD_D: tl.constexpr, PREFETCH: tl.constexpr = 0,
+    HEAD_D: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """The graph-safe partial kernel's loop (``HEADER`` only), timing each pair into ``TL``.
     It waits for the previous launch before its first pair, so it prefetches nothing

@@ -253,8 +253,7 @@ def tree_partial_kernel(
     SCALED: tl.constexpr, F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr,
     INF_K: tl.constexpr, DEFER_V: tl.constexpr, IN_ORDER: tl.constexpr, EARLY: tl.constexpr,
-    SUMS: tl.constexpr, ACC_CHECK: tl.constexpr, HEAD_D: tl.constexpr,
-    PREFETCH: tl.constexpr = 0,
+    SUMS: tl.constexpr, ACC_CHECK: tl.constexpr, HEAD_D: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # KV heads vary fastest: programs start in work-item order (largest tiles first) across
     # all heads, so the launch's last programs are its shortest ones.
@@ -366,15 +365,17 @@ def _prefetch_lines(rows, ROW_BYTES: tl.constexpr):
 
 @triton.jit
 def _prefetch_rows(K, V, tok_slot, tok0, tok1, kvh, stride_kn, stride_kh, N: tl.constexpr,
-                   ROW_BYTES: tl.constexpr):
-    """Prefetch into L2 the K and V rows of KV head ``kvh`` of plan tokens ``[tok0,
-    min(tok1, tok0 + N))`` (:func:`_prefetch_lines`): a hint, which changes no value."""
+                   HEAD_D: tl.constexpr):
+    """Prefetch into L2 the K and V rows (``HEAD_D`` values) of KV head ``kvh`` of plan
+    tokens ``[tok0, min(tok1, tok0 + N))`` (:func:`_prefetch_lines`): a hint, which changes
+    no value."""
     i = tl.arange(0, N)
     ok = tok0 + i < tok1
     slot = tl.load(tok_slot + tok0 + i, mask=ok, other=0).to(tl.int64)
     row = tl.where(ok, slot * stride_kn + kvh * stride_kh, 0)
-    _prefetch_lines((K + row).to(tl.pointer_type(tl.int8)), ROW_BYTES)
-    _prefetch_lines((V + row).to(tl.pointer_type(tl.int8)), ROW_BYTES)
+    row_bytes: tl.constexpr = HEAD_D * K.dtype.element_ty.primitive_bitwidth // 8
+    _prefetch_lines((K + row).to(tl.pointer_type(tl.int8)), row_bytes)
+    _prefetch_lines((V + row).to(tl.pointer_type(tl.int8)), row_bytes)
 
 
 @triton.jit
@@ -465,8 +466,8 @@ def _work_item(
     if WAIT and PREFETCH > 0:
         # Slots and earlier steps' K/V are ready; this step's rows may still be in flight,
         # which a prefetch into L2 cannot read stale (L2 is where writes land).
-        _prefetch_rows(K, V, tok_slot, tok0, tok1, kvh, stride_kn, stride_kh,
-                       N=PREFETCH, ROW_BYTES=HEAD_D * K.dtype.element_ty.primitive_bitwidth // 8)
+        _prefetch_rows(K, V, tok_slot, tok0, tok1, kvh, stride_kn, stride_kh, N=PREFETCH,
+                       HEAD_D=HEAD_D)
     if WAIT:
         # The plan arrays above come from a stream-ordered upload (PDL does not overlap a
         # copy); Q and the partial workspace (read by the previous launch's merge) wait for
