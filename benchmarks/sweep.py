@@ -57,9 +57,6 @@ config and coarsening (``deft.plan.coarsen.refine``):
   trees' queries are in plan order); a work item's query order, prefixes and lengths
   loaded after the PDL wait (no ``early_item_loads``, which the sm90 configs take); and
   both.
-* ``prefetch``: before its PDL wait, a program prefetches into L2 the K/V rows of its
-  first work item's first 64, 128 or 256 tokens (``l2_prefetch``; shipped 0), so that the
-  wait for the previous launch overlaps HBM reads.
 
 ``--plans`` makes each variant's plans on this machine, as an H200's backend would (its
 configs and 132 SMs), and prints their tiles, programs and build without timing anything
@@ -111,8 +108,7 @@ SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 
 TMA_SHAPES = [(64, 32, 4, 4), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 2)]
 RING = [(32, 4), (64, 3), (64, 4), (128, 2), (128, 3)]
 SWEEPS = ("merge", "factors", "shapes", "tma", "occupancy", "pipeline", "mergecfg", "mergeheads",
-          "pdl", "partials", "ring", "few", "cap", "model", "tails", "checks", "order",
-          "prefetch")
+          "pdl", "partials", "ring", "few", "cap", "model", "tails", "checks", "order")
 
 
 Refine = Callable[[TreePlan, Coarsening], TreePlan]
@@ -226,8 +222,6 @@ def variants(sweep: str, factors: str = "2,4,8,16,32"
                 ("item loads after the wait", v(early_item_loads=False), None),
                 ("in order + item loads after the wait",
                  v(header_in_order=True, early_item_loads=False), None)]
-    elif sweep == "prefetch":
-        out += [(f"L2 prefetch {n}", v(l2_prefetch=n), None) for n in (64, 128, 256)]
     elif sweep == "cap":
         out += [("no cap", v(maxnreg=None), None),
                 ("no cap resident 2", v(maxnreg=None, resident_per_sm=2), None),

@@ -81,35 +81,6 @@ def test_kernel_variants_compile_for_sm90():
     assert loops["fp8", "fma"] == loops["fp8", "finite"], out  # e4m3 K: no -inf check at all
 
 
-@pytest.mark.skipif(not PTXAS.exists(), reason="this Triton ships no ptxas")
-def test_l2_prefetch_comes_before_the_pdl_wait_and_leaves_the_loops(tmp_path):
-    """``l2_prefetch`` (the ``prefetch`` variant, 128 tokens) adds a program's L2 prefetches
-    of its first work item's K/V rows, one per 128-byte line a row may touch (a bf16 row of
-    head_dim 128: its first byte, +128 and its last; K and V), all before the PDL wait,
-    eagerly and in the graph-safe build, which spill no more and whose K/V block loops stay
-    within 3% of the shipped builds' (ptxas schedules them a little differently)."""
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "kernel_registers.py"), "--rows", "0", "--kv",
-         "bf16", "--variants", "shipped,prefetch", "--dump", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, check=True, cwd=ROOT).stdout
-    rows = {}
-    for line in out.splitlines()[2:]:
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        rows[cells[2], cells[5]] = cells[6:]
-    for launch in ("eager", "graph-safe"):
-        shipped, prefetch = rows[launch, "shipped"], rows[launch, "prefetch"]
-        assert int(prefetch[2]) <= int(shipped[2]) and prefetch[4] == "no", out  # spill stores
-        for was, now in zip(shipped[5:], prefetch[5:]):  # the loops (eager: gathered only)
-            if was != "–":
-                was, now = int(was.split()[0]), int(now.split()[0])
-                assert abs(now - was) <= 0.03 * was, out
-        name = f"rows0-bf16-{launch}-m64-capnone"
-        assert "prefetch.global" not in (tmp_path / f"{name}.ptx").read_text()
-        ptx = (tmp_path / f"{name}-prefetch.ptx").read_text()
-        wait = ptx.index("griddepcontrol.wait")
-        assert [m.start() < wait for m in re.finditer(r"prefetch\.global\.L2 ", ptx)] == [True] * 6
-
-
 def test_work_rows_finds_the_small_items_of_a_few_shot_tree_and_none_of_a_long_prompt():
     """``tools/work_rows.py`` on the CPU: few-shot b=20's branches (one query's 4 rows each)
     are small items holding much of its token work, and over FP8 K/V its tiles pick the

@@ -925,7 +925,7 @@ def test_sweep_plans_need_no_gpu(capsys):
     are refused, and so is an ``--only`` label of no variant."""
     from benchmarks import sweep
 
-    sweep.main(["--plans", "--sweep", "tails,checks,order,prefetch,model", "few-shot b=20"])
+    sweep.main(["--plans", "--sweep", "tails,checks,order,model", "few-shot b=20"])
     sweep.main(["--plans", "--sweep", "factors", "--factors", "2", "few-shot b=20"])
     rows = [[c.strip() for c in line.strip("|").split("|")]
             for line in capsys.readouterr().out.splitlines() if line.startswith("| few-shot")]
@@ -935,8 +935,7 @@ def test_sweep_plans_need_no_gpu(capsys):
               "deferred V checks + finite e4m3 scores", "per-value checks",
               "row checks by values", "-inf by select", "checks on the output",
               "row checks by sums over one-byte K/V", "queries in order by header",
-              "item loads after the wait", "in order + item loads after the wait",
-              "L2 prefetch 64", "L2 prefetch 128", "L2 prefetch 256"}
+              "item loads after the wait", "in order + item loads after the wait"}
     model = {label for label, _, _ in sweep.variants("model")[1:]}
     before = "before: config slots and masked tiles neither apart nor charged"
     assert set(digests) == kernel | model | {"u=2"}
@@ -960,12 +959,11 @@ def test_sweep_plans_need_no_gpu(capsys):
 @pytest.mark.parametrize("name, only, kv", [
     ("tails", "shipped,aligned mask + ranges first", "auto"),
     ("checks", "shipped,checked,deferred V checks + finite e4m3 scores", "fp8_e4m3"),
-    ("order", "shipped,in order + item loads after the wait", "auto"),
-    ("prefetch", "shipped,L2 prefetch 256", "fp8_e4m3")])
+    ("order", "shipped,in order + item loads after the wait", "auto")])
 def test_gpu_sweep_times_the_kernel_variants(capsys, name, only, kv):
-    """``python -m benchmarks.sweep --sweep tails|checks|order|prefetch --graph-safe`` on a
-    small tree: each kernel and coarsening variant runs, agrees with the float64 reference,
-    and the shipped configs and coarsening are back afterwards."""
+    """``python -m benchmarks.sweep --sweep tails|checks|order --graph-safe`` on a small
+    tree: each kernel and coarsening variant runs, agrees with the float64 reference, and the
+    shipped configs and coarsening are back afterwards."""
     from benchmarks import sweep
     from deft.plan import step
 

@@ -16,7 +16,7 @@ loads, no plan header) or graph-safe (TMA, plan header, a loop over work items),
 Usage: ``python tools/kernel_registers.py [--head-dim 128] [--rows 0,2048] [--kv bf16,fp8]
 [--launch eager,graph-safe] [--maxnreg shipped,none,168] [--block-m shipped,few,16] [--variants
 shipped,aligned,ranges,both,checked,deferred,finite,lean,in-order,late,order,per-value,
-sums,fma,acc,prefetch] [--dump DIR]``;
+sums,fma,acc] [--dump DIR]``;
 ``--rows`` picks the config table's row regimes (``deft.ops.triton.configs.CONFIGS``),
 ``--maxnreg`` the register cap (``shipped``: the config's build's for that K/V), ``--block-m``
 the build: ``shipped``, ``few`` (FP8's few-row build, ``configs.few_rows_config``; skipped
@@ -32,8 +32,7 @@ and ``order`` (both); ``per-value`` (none of ``sum_checks``, ``inf_by_fma`` and
 every score by a select) and each of the three alone: a work item's end checking rows by
 their sums, ``sums`` (``sum_checks``, which the sm90 configs take over 16-bit K/V), a -inf
 score made NaN by an FMA, ``fma`` (``inf_by_fma``), and the end's checks on the
-accumulator, ``acc`` (``acc_checks``); ``prefetch`` (``l2_prefetch`` 128: a program's first
-work item's K/V rows prefetched into L2 before the PDL wait).
+accumulator, ``acc`` (``acc_checks``).
 ``--dump DIR`` also writes each build's TTGIR, PTX, cubin and SASS
 (``nvdisasm``) there, to read what the compiler made of a loop.
 About 10 s a build.
@@ -79,8 +78,7 @@ VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True}, "ranges": {"ranges
             "per-value": PER_VALUE,
             "sums": {**PER_VALUE, "sum_checks": True, "kv8_sum_checks": True},
             "fma": {**PER_VALUE, "inf_by_fma": True},
-            "acc": {**PER_VALUE, "acc_checks": True},
-            "prefetch": {"l2_prefetch": 128}}
+            "acc": {**PER_VALUE, "acc_checks": True}}
 # The inner loops' kinds, in the table's order: K/V by TMA or gathered, masked or not.
 LOOPS = ("TMA", "TMA masked", "gathered", "gathered masked")
 H_KV, G = 8, 4  # Llama-3-8B's heads
@@ -204,7 +202,6 @@ def build_usage(cfg: configs.KernelConfig, head_dim: int, kv: torch.dtype,
         INF_K=cfg.inf_k(kv, torch.bfloat16), DEFER_V=cfg.deferred_v_checks,
         IN_ORDER=graph_safe and cfg.header_in_order, EARLY=cfg.early_item_loads,
         SUMS=cfg.sum_checks, ACC_CHECK=cfg.acc_checks,
-        PREFETCH=cfg.l2_prefetch if cfg.pdl else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
         launch_pdl=cfg.pdl)
     with tempfile.TemporaryDirectory() as tmp:
@@ -236,8 +233,7 @@ def main(argv: list[str] | None = None) -> None:
                          "finite (e4m3_finite_scores), lean (those two); in-order "
                          "(header_in_order, graph-safe), late (no early_item_loads), order "
                          "(both); end checks: per-value (none of the next three), sums "
-                         "(sum_checks), fma (inf_by_fma), acc (acc_checks); prefetch "
-                         "(l2_prefetch 128)")
+                         "(sum_checks), fma (inf_by_fma), acc (acc_checks)")
     ap.add_argument("--dump", metavar="DIR", type=Path,
                     help="also write each build's TTGIR, PTX, cubin and SASS into DIR")
     args = ap.parse_args(argv)

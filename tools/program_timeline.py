@@ -71,11 +71,9 @@ def timeline_kernel(
     SCALED: tl.constexpr, F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr, INF_K: tl.constexpr, DEFER_V: tl.constexpr,
     IN_ORDER: tl.constexpr, EARLY: tl.constexpr, SUMS: tl.constexpr, ACC_CHECK: tl.constexpr,
-    HEAD_D: tl.constexpr, PREFETCH: tl.constexpr,
+    HEAD_D: tl.constexpr,
 ):
-    """The graph-safe partial kernel's loop (``HEADER`` only), timing each pair into ``TL``.
-    It waits for the previous launch before its first pair, so it prefetches nothing
-    (``PREFETCH`` is taken, as the launcher passes it, and not used)."""
+    """The graph-safe partial kernel's loop (``HEADER`` only), timing each pair into ``TL``."""
     h_kv = num_heads // G
     num_work, off_lo, off_hi, off_off, off_work, off_order, off_pre, off_len = (
         _plan_header(plan))

@@ -57,10 +57,6 @@ class KernelConfig:
     # slot, and each one's own speed paces it.
     light_per_sm: int | None = None
     pdl: bool = False  # programmatic dependent launch (sm_90+): starts before the last launch ends
-    # With ``pdl``: before its wait for the previous launch, a program prefetches into L2
-    # the K and V rows of its work item's first ``l2_prefetch`` tokens (which earlier steps
-    # wrote), so HBM reads overlap the previous launch's end (0: none; not interpreted).
-    l2_prefetch: int = 0
     merge_block: int = 16  # partial states per step of the merge kernel
     merge_warps: int = 2  # warps per merge program
     merge_heads: int = 1  # query heads per merge program (a power of two)

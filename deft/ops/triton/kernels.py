@@ -253,7 +253,7 @@ def tree_partial_kernel(
     SCALED: tl.constexpr, F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr,
     RANGES_FIRST: tl.constexpr,
     INF_K: tl.constexpr, DEFER_V: tl.constexpr, IN_ORDER: tl.constexpr, EARLY: tl.constexpr,
-    SUMS: tl.constexpr, ACC_CHECK: tl.constexpr, HEAD_D: tl.constexpr, PREFETCH: tl.constexpr,
+    SUMS: tl.constexpr, ACC_CHECK: tl.constexpr, HEAD_D: tl.constexpr,
 ):
     # KV heads vary fastest: programs start in work-item order (largest tiles first) across
     # all heads, so the launch's last programs are its shortest ones.
@@ -283,7 +283,7 @@ def tree_partial_kernel(
                 FUSE_MERGE=FUSE_MERGE, IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS,
                 ALIGN_MASK=ALIGN_MASK, RANGES_FIRST=RANGES_FIRST, INF_K=INF_K,
                 DEFER_V=DEFER_V, IN_ORDER=IN_ORDER, EARLY=EARLY, SUMS=SUMS,
-                ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D, PREFETCH=PREFETCH)
+                ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D)
         else:
             if PDL:
                 gdc_launch_dependents()
@@ -310,7 +310,7 @@ def tree_partial_kernel(
             USE_MASK=USE_MASK, CONTIG=CONTIG, TMA=TMA, SORTED=SORTED, FUSE_MERGE=FUSE_MERGE,
             IEEE=IEEE, WAIT=PDL, SCALED=SCALED, F16_DOTS=F16_DOTS, ALIGN_MASK=ALIGN_MASK,
             RANGES_FIRST=RANGES_FIRST, INF_K=INF_K, DEFER_V=DEFER_V, IN_ORDER=False,
-            EARLY=EARLY, SUMS=SUMS, ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D, PREFETCH=PREFETCH)
+            EARLY=EARLY, SUMS=SUMS, ACC_CHECK=ACC_CHECK, HEAD_D=HEAD_D)
 
 
 @triton.jit
@@ -353,32 +353,6 @@ def _item_state(
 
 
 @triton.jit
-def _prefetch_lines(rows, ROW_BYTES: tl.constexpr):
-    """``prefetch.global.L2`` of each 128-byte line a row of ``ROW_BYTES`` bytes from the
-    byte pointers ``rows`` may touch: from its first byte in steps of 128, and its last."""
-    for j in tl.static_range((ROW_BYTES - 1) // 128 + 1):
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [rows + j * 128],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [rows + (ROW_BYTES - 1)],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_rows(K, V, tok_slot, tok0, tok1, kvh, stride_kn, stride_kh, N: tl.constexpr,
-                   HEAD_D: tl.constexpr):
-    """Prefetch into L2 the K and V rows (``HEAD_D`` values) of KV head ``kvh`` of plan
-    tokens ``[tok0, min(tok1, tok0 + N))`` (:func:`_prefetch_lines`): a hint, which changes
-    no value."""
-    i = tl.arange(0, N)
-    ok = tok0 + i < tok1
-    slot = tl.load(tok_slot + tok0 + i, mask=ok, other=0).to(tl.int64)
-    row = tl.where(ok, slot * stride_kn + kvh * stride_kh, 0)
-    row_bytes: tl.constexpr = HEAD_D * K.dtype.element_ty.primitive_bitwidth // 8
-    _prefetch_lines((K + row).to(tl.pointer_type(tl.int8)), row_bytes)
-    _prefetch_lines((V + row).to(tl.pointer_type(tl.int8)), row_bytes)
-
-
-@triton.jit
 def _item_rows(row0, qs, qe, kvh, G: tl.constexpr, BLOCK_M: tl.constexpr):
     """Which of a work item's rows (from ``row0``) hold a query, and each row's query within
     the item's group, query head and plan position."""
@@ -417,7 +391,6 @@ def _work_item(
     F16_DOTS: tl.constexpr, ALIGN_MASK: tl.constexpr, RANGES_FIRST: tl.constexpr,
     INF_K: tl.constexpr, DEFER_V: tl.constexpr, IN_ORDER: tl.constexpr, EARLY: tl.constexpr,
     SUMS: tl.constexpr, ACC_CHECK: tl.constexpr, HEAD_D: tl.constexpr,
-    PREFETCH: tl.constexpr = 0,
 ):
     """Work item ``w`` of the plan for KV head ``kvh``: its partial states. ``WAIT``: wait
     for the previous launch (programmatic dependent launch) once the item is described
@@ -434,9 +407,7 @@ def _work_item(
     ``mask_from``). ``RANGES_FIRST``: see :func:`_tma_block`. ``SUMS``: the item's end finds
     its non-finite rows by their sums (:func:`bad_rows_by_sum`). ``ACC_CHECK``: it checks
     the accumulator's rows once (the deferred V checks' test, reused) instead of the
-    output's, and marks a bad row by its lse alone (no select of its o). ``PREFETCH``
-    (with ``WAIT``): before the wait, the K/V rows of the item's first ``PREFETCH`` tokens
-    are prefetched into L2 (:func:`_prefetch_rows`)."""
+    output's, and marks a bad row by its lse alone (no select of its o)."""
     tok_slot = plan
     tok_lo = plan + off_lo
     tok_hi = plan + off_hi
@@ -463,11 +434,6 @@ def _work_item(
         qorig = _query_rows(q_order, qpos, row_ok, in_order, SORTED=SORTED, IN_ORDER=IN_ORDER)
         pre = tl.load(q_pre + qpos, mask=row_ok, other=-1)
         qlen = tl.load(q_len + qpos, mask=row_ok, other=0)
-    if WAIT and PREFETCH > 0:
-        # Slots and earlier steps' K/V are ready; this step's rows may still be in flight,
-        # which a prefetch into L2 cannot read stale (L2 is where writes land).
-        _prefetch_rows(K, V, tok_slot, tok0, tok1, kvh, stride_kn, stride_kh, N=PREFETCH,
-                       HEAD_D=HEAD_D)
     if WAIT:
         # The plan arrays above come from a stream-ordered upload (PDL does not overlap a
         # copy); Q and the partial workspace (read by the previous launch's merge) wait for

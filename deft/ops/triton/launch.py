@@ -196,7 +196,6 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
                   INF_K=cfg.inf_k(k_cache.dtype, q.dtype),
                   DEFER_V=cfg.deferred_v_checks, IN_ORDER=header and cfg.header_in_order,
                   EARLY=cfg.early_item_loads, SUMS=cfg.sum_checks, ACC_CHECK=cfg.acc_checks,
-                  PREFETCH=cfg.l2_prefetch if pdl else 0,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   maxnreg=cfg.maxnreg,
                   launch_pdl=pdl)
