@@ -6,8 +6,8 @@ a work item's end and the masked blocks use."""
 import triton
 import triton.language as tl
 
-__all__ = ["finite", "bad_rows", "bad_rows_by_sum", "no_neg_inf", "softmax_step", "probs",
-           "scores", "accumulate", "fp16_queries"]
+__all__ = ["finite", "bad_rows", "bad_rows_by_sum", "no_neg_inf", "softmax_step", "scores",
+           "accumulate", "fp16_queries"]
 
 
 @triton.jit
