@@ -12,13 +12,16 @@ where it has the strategy, ``transformers`` ``generate`` on a model of the same 
 With ``unfused``, a fifth: graphs with the plain PyTorch ops instead of the fused kernels
 (:mod:`deft.model.fused`).
 
-ms/step is the wall time of the decode steps (a run's time minus its prefill, measured by a
-run that stops after the first token), divided by their number: what a user pays, host
-work, planning and sampling included. GPU ms/step is the run's last step alone, its graph
-replayed again: the rest of a step is host time the GPU waits for. The floor of a step is the larger of (weights read +
-the step's unique K/V bytes) over the HBM read bandwidth and the matmul FLOPs (2 per weight
-per query token; attention FLOPs left out) over the bf16 matmul rate, both measured in the
-same run; a workload's floor is its steps' mean.
+ms/step is the wall time of the decode steps, divided by their number: what a user pays, host
+work, planning and sampling included. The decode steps are those past the steps of a run that
+stops after the first token; a timed run is clocked from the start of the first of them (its
+prefill done on the GPU) to its end, so the prefill's run-to-run spread stays out of the
+figure (the per-branch engine prefills with per-query attention too, each of a chunk's queries
+reading its whole path). GPU ms/step is the run's last step alone, its graph replayed again:
+the rest of a step is host time the GPU waits for. The floor of a step is the larger of
+(weights read + the step's unique K/V bytes) over the HBM read bandwidth and the matmul FLOPs
+(2 per weight per query token; attention FLOPs left out) over the bf16 matmul rate, both
+measured in the same run; a workload's floor is its steps' mean.
 """
 
 from __future__ import annotations
@@ -135,13 +138,35 @@ def _compiles() -> Iterator[list[str]]:
         triton.knobs.runtime.jit_post_compile_hook = before
 
 
+@contextlib.contextmanager
+def _decode_start(engine: Any, first: int) -> Iterator[list[float]]:
+    """In the block, the wall time (in the list it yields) at which ``engine`` starts its step
+    number ``first`` (0-based, from the stats' last reset), the GPU done with the steps
+    before it."""
+    runner, start = engine.runner, []
+    run = runner.run
+
+    def clocked(step: Any) -> Any:
+        if not start and engine.stats["steps"] == first:
+            torch.cuda.synchronize()
+            start.append(time.perf_counter())
+        return run(step)
+
+    runner.run = clocked
+    try:
+        yield start
+    finally:
+        del runner.run
+
+
 def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
              parents: list[int] | None, trace: Path | None,
              say: Callable[[str], None] = lambda msg: None) -> dict[str, float]:
-    """Warm run, prefill-only run, full run: ms per decode step and what the steps held."""
+    """Warm-up runs, a prefill-only run (its steps are the prefill's), a timed full run: ms
+    per decode step and what the decode steps held."""
     full = run_workload(engine, w, prompts, w.new_tokens, parents, trace)
     first = run_workload(engine, w, prompts, 1, parents, trace)
-    # Warm-up: compiles and captures every graph both timed runs replay. A run grows the
+    # Warm-up: compiles and captures every graph the timed run replays. A run grows the
     # graph buckets' capacities, and a step whose tree did not fit a bucket's attention of
     # another build (``Capacity.build``) before may fit it then: repeat until a round
     # captures and compiles nothing. A kernel compiled in a timed run would count its
@@ -156,27 +181,29 @@ def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
                 say(f"{w.name}: warm-up round {round_ + 1} compiled {compiled[before[1]:]}")
             if (captures(), len(compiled)) == before:
                 break
+        engine.reset_stats()
+        first()
+        steps0, tok0 = engine.stats["steps"], engine.stats["plan_tokens"]
         for _ in range(2):
             engine.reset_stats()
             before = captures(), len(compiled)
-            t_prefill, _ = _timed(first)
-            steps0, tok0 = engine.stats["steps"], engine.stats["plan_tokens"]
-            engine.reset_stats()
-            t_full, new = _timed(full)
-            if (captures(), len(compiled)) == before and t_full > t_prefill:
+            with _decode_start(engine, steps0) as start:
+                t_full, new = _timed(full)
+            end = time.perf_counter()
+            if (captures(), len(compiled)) == before and start and engine.stats["steps"] > steps0:
                 break
-            say(f"{w.name}: timed runs of {t_prefill:.3f} s (prefill) and {t_full:.3f} s "
-                f"captured {captures() - before[0]} graphs and compiled "
+            say(f"{w.name}: the timed run of {engine.stats['steps']} steps (decode from step "
+                f"{steps0}) captured {captures() - before[0]} graphs and compiled "
                 f"{compiled[before[1]:]}; timing again")
         else:
             raise RuntimeError(f"{w.name}: timed runs kept capturing graphs, compiling kernels "
-                               "or ending before their prefill-only run")
+                               "or ending before their first decode step")
     st = engine.stats
     steps, plan_tokens = st["steps"] - steps0, st["plan_tokens"] - tok0
     # The GPU time of the run's last step alone: its graph replayed again (same inputs).
     last = engine.graphs.last_graph if engine.graphs is not None else None
     gpu_ms = None if last is None else triton.testing.do_bench(last.replay, return_mode="median")
-    return {"ms_step": 1e3 * (t_full - t_prefill) / steps, "steps": steps, "wall": t_full, "new": new,
+    return {"ms_step": 1e3 * (end - start[0]) / steps, "steps": steps, "wall": t_full, "new": new,
             "gpu_ms": gpu_ms,
             "plan_tokens": plan_tokens / steps, "queries": (st["tokens"] - _prefill_tokens(w)) / steps,
             "plan_ms": 1e3 * st["plan_s"] / st["steps"],

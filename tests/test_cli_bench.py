@@ -73,27 +73,36 @@ def test_few_shot_layout_shape():
 
 
 class _FakeEngine:
-    """What the e2e harness reads of an engine: eager (no graphs) and its step counters."""
+    """What the e2e harness reads of an engine: eager (no graphs), its step counters and a
+    runner whose ``run`` starts each step."""
 
     graphs = None
 
     def __init__(self):
         self.reset_stats()
+        self.runner = _FakeRunner()
 
     def reset_stats(self):
         self.stats = dict(steps=0, plan_tokens=0, tokens=0, plan_s=0.0, graph_steps=0)
 
 
-def _e2e_runs(monkeypatch, engine, compiles_at):
-    """``run_workload`` stand-ins: the ``full`` runs whose (0-based) numbers are in
-    ``compiles_at`` compile a kernel, as Triton reports one to its post-compile hook."""
+class _FakeRunner:
+    def run(self, step):
+        return step
+
+
+def _e2e_runs(monkeypatch, engine, compiles_at, prefill_s=(0.0,)):
+    """``run_workload`` stand-ins: a step per token, each of 20 ms, the first the prefill's;
+    the runs' prefills take ``prefill_s`` more in turn (the prefill-only runs too), and the
+    ``full`` runs whose (0-based) numbers are in ``compiles_at`` compile a kernel, as
+    Triton reports one to its post-compile hook."""
     import time
 
     import triton
 
     import benchmarks.e2e_gpu as e2e
 
-    calls = {"full": 0}
+    calls = {"full": 0, "runs": 0}
 
     def run_workload(engine_, w, prompts, new_tokens, parents, trace):
         def run():
@@ -101,9 +110,13 @@ def _e2e_runs(monkeypatch, engine, compiles_at):
                 if calls["full"] in compiles_at:
                     triton.knobs.runtime.jit_post_compile_hook(repr=f"k{calls['full']}")
                 calls["full"] += 1
-                time.sleep(0.02)
-            engine_.stats["steps"] += new_tokens
-            engine_.stats["tokens"] += new_tokens
+            prefill = prefill_s[calls["runs"] % len(prefill_s)]
+            calls["runs"] += 1
+            for i in range(new_tokens):
+                engine_.runner.run(None)
+                time.sleep(0.02 + (prefill if i == 0 else 0))
+                engine_.stats["steps"] += 1
+                engine_.stats["tokens"] += 1
             return new_tokens
         return run
 
@@ -132,3 +145,32 @@ def test_e2e_refuses_timings_that_keep_compiling(monkeypatch):
     e2e, _ = _e2e_runs(monkeypatch, engine, compiles_at=set(range(10)))
     with pytest.raises(RuntimeError, match="kept capturing graphs, compiling kernels"):
         e2e._measure(engine, e2e.GpuWorkload("fake", "sample", 0, 1, 8), [[1]], None, None)
+
+
+def test_e2e_clocks_the_decode_steps_alone(monkeypatch):
+    # The timed run's prefill takes 0.6 s more than the others' (its fourth run: the warm-up
+    # round's two, the prefill-only run): a clock that subtracted the prefill-only run's time
+    # or started at the prefill would be off by 0.6 s over 7 steps of 20 ms.
+    engine = _FakeEngine()
+    e2e, calls = _e2e_runs(monkeypatch, engine, compiles_at=set(), prefill_s=(0, 0, 0, 0.6))
+    got = e2e._measure(engine, e2e.GpuWorkload("fake", "sample", 0, 1, 8), [[1]], None, None)
+    assert got["steps"] == 7 and 20 <= got["ms_step"] < 60
+    assert calls["runs"] == 4  # one warm-up round of both, the prefill-only run, the timed run
+    assert "run" not in vars(engine.runner)  # the runner's own run is given back
+
+
+def test_e2e_measures_a_real_engine(monkeypatch):
+    """The harness on a real (CPU) engine: a 300-token prompt is two prefill steps of 256, the
+    first of four tokens comes from the prefill, three decode steps follow."""
+    import benchmarks.e2e_gpu as e2e
+    from deft.engine import TreeEngine
+    from deft.model.synthetic import load_random
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    model, tok = load_random("random:tiny")
+    engine = TreeEngine(model, tok, num_pages=64)
+    w = e2e.GpuWorkload("few-shot", "sample", 300, 2, 4)
+    prompt = torch.randint(0, model.config.vocab_size, (300,)).tolist()
+    got = e2e._measure(engine, w, [prompt], None, None)
+    assert got["steps"] == 3 and got["queries"] == 2 and got["ms_step"] > 0
+    assert got["new"] == 8 and "run" not in vars(engine.runner)
