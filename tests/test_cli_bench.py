@@ -133,7 +133,7 @@ def test_e2e_warm_up_repeats_until_nothing_compiles_and_times_again_after_a_comp
     said = []
     w = e2e.GpuWorkload("fake", "sample", 0, 1, 8)
     got = e2e._measure(engine, w, [[1]], None, None, said.append)
-    # Warm rounds 1 (compiles) and 2 (quiet); timed full run 3 compiles, so a second pair.
+    # Warm rounds 1 (compiles) and 2 (quiet); timed full run 3 compiles, so it runs again.
     assert calls["full"] == 4
     assert len(said) == 1 and "compiled ['k2']" in said[0] and "timing again" in said[0]
     assert got["steps"] == 7 and got["ms_step"] > 0
