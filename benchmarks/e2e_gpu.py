@@ -183,7 +183,7 @@ def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
                 break
         engine.reset_stats()
         first()
-        steps0, tok0 = engine.stats["steps"], engine.stats["plan_tokens"]
+        steps0, tok0, q0 = (engine.stats[k] for k in ("steps", "plan_tokens", "tokens"))
         for _ in range(2):
             engine.reset_stats()
             before = captures(), len(compiled)
@@ -199,19 +199,16 @@ def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
             raise RuntimeError(f"{w.name}: timed runs kept capturing graphs, compiling kernels "
                                "or ending before their first decode step")
     st = engine.stats
-    steps, plan_tokens = st["steps"] - steps0, st["plan_tokens"] - tok0
+    steps, plan_tokens, queries = (st[k] - v for k, v in
+                                   (("steps", steps0), ("plan_tokens", tok0), ("tokens", q0)))
     # The GPU time of the run's last step alone: its graph replayed again (same inputs).
     last = engine.graphs.last_graph if engine.graphs is not None else None
     gpu_ms = None if last is None else triton.testing.do_bench(last.replay, return_mode="median")
     return {"ms_step": 1e3 * (end - start[0]) / steps, "steps": steps, "wall": t_full, "new": new,
             "gpu_ms": gpu_ms,
-            "plan_tokens": plan_tokens / steps, "queries": (st["tokens"] - _prefill_tokens(w)) / steps,
+            "plan_tokens": plan_tokens / steps, "queries": queries / steps,
             "plan_ms": 1e3 * st["plan_s"] / st["steps"],
             "host": 1 - st["graph_steps"] / max(st["steps"], 1)}
-
-
-def _prefill_tokens(w: GpuWorkload) -> int:
-    return w.prompt * (w.width if w.kind == "greedy" else 1)
 
 
 def _replayed(w: GpuWorkload, workloads: Path) -> tuple[GpuWorkload, Path]:

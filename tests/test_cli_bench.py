@@ -159,18 +159,26 @@ def test_e2e_clocks_the_decode_steps_alone(monkeypatch):
     assert "run" not in vars(engine.runner)  # the runner's own run is given back
 
 
-def test_e2e_measures_a_real_engine(monkeypatch):
-    """The harness on a real (CPU) engine: a 300-token prompt is two prefill steps of 256, the
-    first of four tokens comes from the prefill, three decode steps follow."""
+@pytest.mark.parametrize("kind, width, parents, steps, queries, new", [
+    ("sample", 2, None, 3, 2, 8),  # the first of 4 tokens comes from the prefill
+    ("verify", 4, [-1, 0, 0, 1], 3, 4, 4),  # 4 verifications, the one-token run's first
+    ("beam", 3, None, 3, 3, 4),
+    ("greedy", 2, None, 3, 2, 8),  # two prompts
+])
+def test_e2e_measures_a_real_engine(monkeypatch, kind, width, parents, steps, queries, new):
+    """The harness on a real (CPU) engine, 4 new tokens (verifications) after a 300-token
+    prompt (two prefill steps of 256): the decode steps are those past a one-token run's,
+    and a step's queries are theirs alone."""
     import benchmarks.e2e_gpu as e2e
     from deft.engine import TreeEngine
     from deft.model.synthetic import load_random
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     model, tok = load_random("random:tiny")
-    engine = TreeEngine(model, tok, num_pages=64)
-    w = e2e.GpuWorkload("few-shot", "sample", 300, 2, 4)
-    prompt = torch.randint(0, model.config.vocab_size, (300,)).tolist()
-    got = e2e._measure(engine, w, [prompt], None, None)
-    assert got["steps"] == 3 and got["queries"] == 2 and got["ms_step"] > 0
-    assert got["new"] == 8 and "run" not in vars(engine.runner)
+    engine = TreeEngine(model, tok, num_pages=128)
+    w = e2e.GpuWorkload(kind, kind, 300, width, 4)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, model.config.vocab_size, (2, 300), generator=gen).tolist()
+    got = e2e._measure(engine, w, prompts, parents, None)
+    assert (got["steps"], got["queries"], got["new"]) == (steps, queries, new)
+    assert got["ms_step"] > 0 and "run" not in vars(engine.runner)
