@@ -189,7 +189,7 @@ def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
             before = captures(), len(compiled)
             with _decode_start(engine, steps0) as start:
                 t_full, new = _timed(full)
-            end = time.perf_counter()
+                end = time.perf_counter()
             if (captures(), len(compiled)) == before and start and engine.stats["steps"] > steps0:
                 break
             say(f"{w.name}: the timed run of {engine.stats['steps']} steps (decode from step "
