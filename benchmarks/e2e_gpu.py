@@ -162,8 +162,8 @@ def _decode_start(engine: Any, first: int) -> Iterator[list[float]]:
 def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
              parents: list[int] | None, trace: Path | None,
              say: Callable[[str], None] = lambda msg: None) -> dict[str, float]:
-    """Warm-up runs, a prefill-only run (its steps are the prefill's), a timed full run: ms
-    per decode step and what the decode steps held."""
+    """Warm-up rounds of a full run and a prefill-only run, then a timed full run: ms per
+    decode step and what the decode steps held."""
     full = run_workload(engine, w, prompts, w.new_tokens, parents, trace)
     first = run_workload(engine, w, prompts, 1, parents, trace)
     # Warm-up: compiles and captures every graph the timed run replays. A run grows the
@@ -176,14 +176,14 @@ def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
     with _compiles() as compiled:
         for round_ in range(_WARM_ROUNDS):
             before = captures(), len(compiled)
-            full(), first()
+            full()
+            engine.reset_stats()
+            first()  # its steps are the prefill's: the decode steps are the ones after them
+            steps0, tok0, q0 = (engine.stats[k] for k in ("steps", "plan_tokens", "tokens"))
             if round_ and len(compiled) > before[1]:
                 say(f"{w.name}: warm-up round {round_ + 1} compiled {compiled[before[1]:]}")
             if (captures(), len(compiled)) == before:
                 break
-        engine.reset_stats()
-        first()
-        steps0, tok0, q0 = (engine.stats[k] for k in ("steps", "plan_tokens", "tokens"))
         for _ in range(2):
             engine.reset_stats()
             before = captures(), len(compiled)

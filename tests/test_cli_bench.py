@@ -148,14 +148,14 @@ def test_e2e_refuses_timings_that_keep_compiling(monkeypatch):
 
 
 def test_e2e_clocks_the_decode_steps_alone(monkeypatch):
-    # The timed run's prefill takes 0.6 s more than the others' (its fourth run: the warm-up
-    # round's two, the prefill-only run): a clock that subtracted the prefill-only run's time
-    # or started at the prefill would be off by 0.6 s over 7 steps of 20 ms.
+    # The timed run's prefill takes 0.6 s more than the others' (its third run, after the
+    # warm-up round's two): a clock that subtracted the prefill-only run's time or started at
+    # the prefill would be off by 0.6 s over 7 steps of 20 ms.
     engine = _FakeEngine()
-    e2e, calls = _e2e_runs(monkeypatch, engine, compiles_at=set(), prefill_s=(0, 0, 0, 0.6))
+    e2e, calls = _e2e_runs(monkeypatch, engine, compiles_at=set(), prefill_s=(0, 0, 0.6))
     got = e2e._measure(engine, e2e.GpuWorkload("fake", "sample", 0, 1, 8), [[1]], None, None)
     assert got["steps"] == 7 and 20 <= got["ms_step"] < 60
-    assert calls["runs"] == 4  # one warm-up round of both, the prefill-only run, the timed run
+    assert calls["runs"] == 3  # one warm-up round of both runs, then the timed run
     assert "run" not in vars(engine.runner)  # the runner's own run is given back
 
 
