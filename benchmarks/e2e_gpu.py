@@ -144,7 +144,7 @@ def _decode_start(engine: Any, first: int) -> Iterator[list[float]]:
     number ``first`` (0-based, from the stats' last reset), the GPU done with the steps
     before it."""
     runner, start = engine.runner, []
-    run = runner.run
+    run, own = runner.run, vars(runner).get("run")
 
     def clocked(step: Any) -> Any:
         if not start and engine.stats["steps"] == first:
@@ -156,7 +156,10 @@ def _decode_start(engine: Any, first: int) -> Iterator[list[float]]:
     try:
         yield start
     finally:
-        del runner.run
+        if own is None:
+            del runner.run
+        else:
+            runner.run = own
 
 
 def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
@@ -190,11 +193,14 @@ def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
             with _decode_start(engine, steps0) as start:
                 t_full, new = _timed(full)
                 end = time.perf_counter()
-            if (captures(), len(compiled)) == before and start and engine.stats["steps"] > steps0:
+            if (captures(), len(compiled)) == before and start:
                 break
             say(f"{w.name}: the timed run of {engine.stats['steps']} steps (decode from step "
                 f"{steps0}) captured {captures() - before[0]} graphs and compiled "
                 f"{compiled[before[1]:]}; timing again")
+            engine.reset_stats()  # the new graphs may plan the prefill's steps differently
+            first()
+            steps0, tok0, q0 = (engine.stats[k] for k in ("steps", "plan_tokens", "tokens"))
         else:
             raise RuntimeError(f"{w.name}: timed runs kept capturing graphs, compiling kernels "
                                "or ending before their first decode step")

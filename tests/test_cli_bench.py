@@ -91,11 +91,12 @@ class _FakeRunner:
         return step
 
 
-def _e2e_runs(monkeypatch, engine, compiles_at, prefill_s=(0.0,)):
+def _e2e_runs(monkeypatch, engine, compiles_at, prefill_s=(0.0,), first_decode_s=0.0):
     """``run_workload`` stand-ins: a step per token, each of 20 ms, the first the prefill's;
-    the runs' prefills take ``prefill_s`` more in turn (the prefill-only runs too), and the
-    ``full`` runs whose (0-based) numbers are in ``compiles_at`` compile a kernel, as
-    Triton reports one to its post-compile hook."""
+    the runs' prefills take ``prefill_s`` more in turn (the prefill-only runs too), a full
+    run's first decode step ``first_decode_s`` more, and the ``full`` runs whose (0-based)
+    numbers are in ``compiles_at`` compile a kernel, as Triton reports one to its
+    post-compile hook."""
     import time
 
     import triton
@@ -114,7 +115,7 @@ def _e2e_runs(monkeypatch, engine, compiles_at, prefill_s=(0.0,)):
             calls["runs"] += 1
             for i in range(new_tokens):
                 engine_.runner.run(None)
-                time.sleep(0.02 + (prefill if i == 0 else 0))
+                time.sleep(0.02 + (prefill if i == 0 else first_decode_s if i == 1 else 0))
                 engine_.stats["steps"] += 1
                 engine_.stats["tokens"] += 1
             return new_tokens
@@ -149,14 +150,17 @@ def test_e2e_refuses_timings_that_keep_compiling(monkeypatch):
 
 def test_e2e_clocks_the_decode_steps_alone(monkeypatch):
     # The timed run's prefill takes 0.6 s more than the others' (its third run, after the
-    # warm-up round's two): a clock that subtracted the prefill-only run's time or started at
-    # the prefill would be off by 0.6 s over 7 steps of 20 ms.
+    # warm-up round's two), and its first decode step 0.2 s more than the other six: 46 ms a
+    # step. A clock that subtracted the prefill-only run's time or started at the prefill
+    # would take 0.6 s more (134 ms a step); one that started a step late, 17.
     engine = _FakeEngine()
-    e2e, calls = _e2e_runs(monkeypatch, engine, compiles_at=set(), prefill_s=(0, 0, 0.6))
+    own = engine.runner.run = lambda step: step  # a runner's own ``run`` is given back
+    e2e, calls = _e2e_runs(monkeypatch, engine, compiles_at=set(), prefill_s=(0, 0, 0.6),
+                           first_decode_s=0.2)
     got = e2e._measure(engine, e2e.GpuWorkload("fake", "sample", 0, 1, 8), [[1]], None, None)
-    assert got["steps"] == 7 and 20 <= got["ms_step"] < 60
+    assert got["steps"] == 7 and 45 <= got["ms_step"] < 100
     assert calls["runs"] == 3  # one warm-up round of both runs, then the timed run
-    assert "run" not in vars(engine.runner)  # the runner's own run is given back
+    assert vars(engine.runner)["run"] is own
 
 
 @pytest.mark.parametrize("kind, width, parents, steps, queries, new", [
