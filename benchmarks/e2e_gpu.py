@@ -56,6 +56,7 @@ class GpuWorkload:
     trace: str = ""
 
 
+_COUNTS = ("steps", "plan_tokens", "tokens")  # engine stats taken past the prefill's
 _WARM_ROUNDS = 3  # warm-up rounds at most; the timed runs must then capture and compile nothing
 REPLAY_ITERATIONS = 500  # of a trace's 564-3,708: the steps of all three take about a minute
 
@@ -176,13 +177,18 @@ def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
     # seconds as steps'.
     def captures() -> int:
         return engine.graphs.captures if engine.graphs is not None else 0
+
+    def prefill() -> dict[str, float]:
+        """The prefill-only run's counts: the decode steps are the ones after its steps."""
+        engine.reset_stats()
+        first()
+        return {k: engine.stats[k] for k in _COUNTS}
+
     with _compiles() as compiled:
         for round_ in range(_WARM_ROUNDS):
             before = captures(), len(compiled)
             full()
-            engine.reset_stats()
-            first()  # its steps are the prefill's: the decode steps are the ones after them
-            steps0, tok0, q0 = (engine.stats[k] for k in ("steps", "plan_tokens", "tokens"))
+            base = prefill()
             if round_ and len(compiled) > before[1]:
                 say(f"{w.name}: warm-up round {round_ + 1} compiled {compiled[before[1]:]}")
             if (captures(), len(compiled)) == before:
@@ -190,23 +196,20 @@ def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
         for _ in range(2):
             engine.reset_stats()
             before = captures(), len(compiled)
-            with _decode_start(engine, steps0) as start:
+            with _decode_start(engine, base["steps"]) as start:
                 t_full, new = _timed(full)
                 end = time.perf_counter()
             if (captures(), len(compiled)) == before and start:
                 break
             say(f"{w.name}: the timed run of {engine.stats['steps']} steps (decode from step "
-                f"{steps0}) captured {captures() - before[0]} graphs and compiled "
+                f"{base['steps']}) captured {captures() - before[0]} graphs and compiled "
                 f"{compiled[before[1]:]}; timing again")
-            engine.reset_stats()  # the new graphs may plan the prefill's steps differently
-            first()
-            steps0, tok0, q0 = (engine.stats[k] for k in ("steps", "plan_tokens", "tokens"))
+            base = prefill()  # the new graphs may plan the prefill's steps differently
         else:
             raise RuntimeError(f"{w.name}: timed runs kept capturing graphs, compiling kernels "
                                "or ending before their first decode step")
     st = engine.stats
-    steps, plan_tokens, queries = (st[k] - v for k, v in
-                                   (("steps", steps0), ("plan_tokens", tok0), ("tokens", q0)))
+    steps, plan_tokens, queries = (st[k] - base[k] for k in _COUNTS)
     # The GPU time of the run's last step alone: its graph replayed again (same inputs).
     last = engine.graphs.last_graph if engine.graphs is not None else None
     gpu_ms = None if last is None else triton.testing.do_bench(last.replay, return_mode="median")
