@@ -11,7 +11,8 @@ Each replaces several PyTorch kernels (and their HBM round trips) of a decode st
 
 They round where the PyTorch ops they replace round (the residual sum and the normalised
 row in the activations' dtype) except inside RoPE, which is computed in float32 and rounded
-once. The CPU path keeps the plain PyTorch ops (:mod:`deft.model.llama`); tests compare
+once. On sm_90+ each launches with programmatic dependent launch (:func:`pdl_start`), so a
+step's launches start while the one before them ends. The CPU path keeps the plain PyTorch ops (:mod:`deft.model.llama`); tests compare
 the two on random inputs (interpreted on CPU, compiled under ``pytest -m gpu``).
 """
 
@@ -20,15 +21,29 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..ops.columns import head_cols
+from ..ops.triton.launch import has_pdl
 
-__all__ = ["rms_norm", "rope_write", "silu_mul"]
+__all__ = ["pdl_start", "rms_norm", "rope_write", "silu_mul"]
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """A program's first step under programmatic dependent launch (``PDL``): let the next
+    launch start, then wait until the previous launch has ended and its writes are visible.
+    Every program waits before it reads or writes anything, so a launch ends after the one
+    before it and each launch sees every earlier one's writes."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, OUT, X_OUT, n, eps, stride_x, stride_r, stride_o,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
@@ -54,9 +69,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     block = triton.next_power_of_2(n)
     if n_rows == 0:
         return out, s
+    pdl = has_pdl(x.device)
     _rms_norm_kernel[(n_rows,)](x, r, weight, out, s, n, eps, x.stride(0), r.stride(0),
                                 out.stride(0), HAS_RES=residual is not None, BLOCK=block,
-                                num_warps=min(16, max(1, block // 256)))
+                                PDL=pdl, num_warps=min(16, max(1, block // 256)), launch_pdl=pdl)
     return out, s
 
 
@@ -101,7 +117,9 @@ def _rope_write_kernel(QKV, TABLE, POS, SLOTS, Q_OUT, K, V, KS, VS, h, h_kv, str
                        stride_t, stride_qo, stride_kn, stride_kh, stride_s,
                        HP: tl.constexpr, HKP: tl.constexpr, HALF: tl.constexpr,
                        SCALED: tl.constexpr, TOP: tl.constexpr, HALF_P: tl.constexpr,
-                       D: tl.constexpr, D_P: tl.constexpr, PASS_P: tl.constexpr):
+                       D: tl.constexpr, D_P: tl.constexpr, PASS_P: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(POS + row).to(tl.int64)
     slot = tl.load(SLOTS + row).to(tl.int64)
@@ -145,6 +163,7 @@ def rope_write(qkv: torch.Tensor, table: torch.Tensor, positions: torch.Tensor,
             or k_cache.stride(2) != 1 or table.stride(1) != 1:
         raise ValueError("rope_write: expected rows of contiguous heads and a K/V pool of one layout")
     scaled = k_scale is not None
+    pdl = has_pdl(qkv.device)
     _rope_write_kernel[(n,)](qkv, table, positions, slots, q, k_cache, v_cache,
                              k_scale if scaled else q, v_scale if scaled else q, num_heads, h_kv,
                              qkv.stride(0), table.stride(0), q.stride(0), k_cache.stride(0),
@@ -154,12 +173,14 @@ def rope_write(qkv: torch.Tensor, table: torch.Tensor, positions: torch.Tensor,
                              HALF_P=triton.next_power_of_2(half), D=d,
                              D_P=triton.next_power_of_2(d),
                              PASS_P=triton.next_power_of_2(max(d - 2 * half, 1)), SCALED=scaled,
-                             TOP=torch.finfo(k_cache.dtype).max, num_warps=4)
+                             TOP=torch.finfo(k_cache.dtype).max, PDL=pdl, num_warps=4,
+                             launch_pdl=pdl)
     return q
 
 
 @triton.jit
-def _silu_mul_kernel(GU, OUT, n, stride_gu, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, OUT, n, stride_gu, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n
@@ -177,6 +198,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     if rows:
+        pdl = has_pdl(gate_up.device)
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0),
-                                                        out.stride(0), BLOCK=block, num_warps=4)
+                                                        out.stride(0), BLOCK=block, PDL=pdl,
+                                                        num_warps=4, launch_pdl=pdl)
     return out

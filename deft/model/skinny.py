@@ -5,7 +5,8 @@ the weight's read. cuBLAS reaches the HBM rate on wide projections (qkv, gate/up
 the ones whose outputs are no wider than their inputs (o, down) nor on the LM head; this
 kernel does (``tools/gemm_probe.py``, ``benchmarks/results/gemm_probe_h200.json``). It
 streams ``BLOCK_N`` weight rows per program over the whole reduction, accumulates in float32
-and rounds once to the activations' dtype, as cuBLAS does. It is taken only inside CUDA-graph
+and rounds once to the activations' dtype, as cuBLAS does; on sm_90+ it launches with
+programmatic dependent launch, as :mod:`.fused`'s kernels do. It is taken only inside CUDA-graph
 captures (and their warm-ups): launched from Python, a Triton kernel costs more host time
 than cuBLAS's, and eager steps are host-bound.
 """
@@ -16,6 +17,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from ..ops.triton.launch import has_pdl
+from .fused import pdl_start
 
 __all__ = ["MAX_ROWS", "head_proj", "linear"]
 
@@ -29,7 +33,9 @@ _HEAD = (128, 128, 3, 4)  # the LM head
 
 @triton.jit
 def _skinny_kernel(X, W, Y, M, N, K, stride_x, stride_w, stride_y, EVEN_N: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl_start(PDL)
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rm[:, None] < M
@@ -65,10 +71,11 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
     if m == 0:
         return y
     bn, bk, stages, warps = cfg
+    pdl = has_pdl(x.device)
     _skinny_kernel[(triton.cdiv(n, bn),)](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
         EVEN_N=n % bn == 0, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk,
-        num_stages=stages, num_warps=warps)
+        PDL=pdl, num_stages=stages, num_warps=warps, launch_pdl=pdl)
     return y
 
 

@@ -30,7 +30,7 @@ from .merge_kernels import merge_kernel
 from .native_launch import NativeLaunch, batched, native_launch
 
 __all__ = ["HEADER", "Reserved", "StepBuffers", "Pointer", "launch_step", "launch_merge",
-           "launch_signature", "has_tma", "stream_capturing"]
+           "launch_signature", "has_tma", "has_pdl", "stream_capturing"]
 
 # Ints before the segments of a graph-safe plan buffer: the work-item count, then the
 # offsets of segments 1-9 (``SEGMENTS``) from the first.
@@ -175,7 +175,7 @@ def launch_step(prepared: StepBuffers, q: torch.Tensor, k_cache: torch.Tensor,
     h, d_ = prepared.num_qo_heads, prepared.head_dim
     lse = lse_ws if lse is None else lse
     fused = prepared.counts is not None
-    pdl = cfg.pdl and _has_pdl(q.device)
+    pdl = cfg.pdl and has_pdl(q.device)
     header = prepared.reserved is not None
     launches = []  # (compiled kernel, grid, arguments) of each Triton launch, for the driver
     if prepared.programs and not done:
@@ -305,7 +305,7 @@ def has_tma(device: torch.device) -> bool:
     return interpreting() or (device.type == "cuda" and _capability(device)[0] >= 9)
 
 
-def _has_pdl(device: torch.device) -> bool:
+def has_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch exists from sm_90; the interpreter lacks ``griddepcontrol``."""
     return not interpreting() and device.type == "cuda" and _capability(device)[0] >= 9
 
@@ -330,7 +330,7 @@ def launch_merge(po: _Ptr, plse: _Ptr, o: torch.Tensor, lse: _Ptr, indptr: _Ptr,
     states of ``heads`` query heads per step with ``warps`` per program (by default the
     config's shape for this grid). ``strides``: those of ``po`` (rows, heads) and ``plse``
     (rows) when they are raw pointers. ``pdl``: launched to start before the previous launch
-    ends (see ``_has_pdl``). ``header``: ``indptr`` and ``indices`` are a graph-safe plan's
+    ends (see ``has_pdl``). ``header``: ``indptr`` and ``indices`` are a graph-safe plan's
     first segment, the map's offsets in the header before it. Returns the launch: Triton's
     compiled kernel, the grid and the positional arguments (for :func:`launch_step`)."""
     n, h, d = o.shape
