@@ -74,6 +74,19 @@ def test_silu_mul(dtype):
     close(fused.silu_mul(gu), torch.nn.functional.silu(gate) * up, dtype)
 
 
+def test_the_launch_chain_is_where_pdl_is_unless_switched_off(monkeypatch):
+    """The kernels launch with PDL where the device has it (sm_90+: ``has_pdl``), unless
+    ``DEFT_MODEL_PDL=0``."""
+    monkeypatch.delenv("DEFT_MODEL_PDL", raising=False)
+    monkeypatch.setattr(fused, "has_pdl", lambda device: device.type == "cuda")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert fused.chained(cuda) and not fused.chained(cpu)
+    monkeypatch.setenv("DEFT_MODEL_PDL", "0")
+    assert not fused.chained(cuda)
+    monkeypatch.setenv("DEFT_MODEL_PDL", "1")
+    assert fused.chained(cuda)
+
+
 @pytest.mark.parametrize("head_dim, rotary, nope", [(16, 16, ()), (24, 24, ()), (16, 12, ()),
                                                     (16, 16, (1,))])  # SmolLM3's NoPE layers
 def test_fused_forward_equals_the_plain_forward(head_dim, rotary, nope):

@@ -11,12 +11,15 @@ Each replaces several PyTorch kernels (and their HBM round trips) of a decode st
 
 They round where the PyTorch ops they replace round (the residual sum and the normalised
 row in the activations' dtype) except inside RoPE, which is computed in float32 and rounded
-once. On sm_90+ each launches with programmatic dependent launch (:func:`pdl_start`), so a
-step's launches start while the one before them ends. The CPU path keeps the plain PyTorch ops (:mod:`deft.model.llama`); tests compare
-the two on random inputs (interpreted on CPU, compiled under ``pytest -m gpu``).
+once. On sm_90+ each launches with programmatic dependent launch (:func:`pdl_start`,
+:func:`chained`), so a step's launches start while the one before them ends. The CPU path
+keeps the plain PyTorch ops (:mod:`deft.model.llama`); tests compare the two on random inputs
+(interpreted on CPU, compiled under ``pytest -m gpu``).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -26,7 +29,15 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..ops.columns import head_cols
 from ..ops.triton.launch import has_pdl
 
-__all__ = ["pdl_start", "rms_norm", "rope_write", "silu_mul"]
+__all__ = ["chained", "pdl_start", "rms_norm", "rope_write", "silu_mul"]
+
+
+def chained(device: torch.device) -> bool:
+    """Whether the model's kernels launch with programmatic dependent launch on ``device``:
+    on sm_90+, unless ``DEFT_MODEL_PDL=0`` (read at each launch, so a CUDA graph keeps what
+    its capture read; to rule the chain out when debugging, or to measure it:
+    ``tools/model_pdl.py``)."""
+    return has_pdl(device) and os.environ.get("DEFT_MODEL_PDL", "1") != "0"
 
 
 @triton.jit
@@ -69,7 +80,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     block = triton.next_power_of_2(n)
     if n_rows == 0:
         return out, s
-    pdl = has_pdl(x.device)
+    pdl = chained(x.device)
     _rms_norm_kernel[(n_rows,)](x, r, weight, out, s, n, eps, x.stride(0), r.stride(0),
                                 out.stride(0), HAS_RES=residual is not None, BLOCK=block,
                                 PDL=pdl, num_warps=min(16, max(1, block // 256)), launch_pdl=pdl)
@@ -163,7 +174,7 @@ def rope_write(qkv: torch.Tensor, table: torch.Tensor, positions: torch.Tensor,
             or k_cache.stride(2) != 1 or table.stride(1) != 1:
         raise ValueError("rope_write: expected rows of contiguous heads and a K/V pool of one layout")
     scaled = k_scale is not None
-    pdl = has_pdl(qkv.device)
+    pdl = chained(qkv.device)
     _rope_write_kernel[(n,)](qkv, table, positions, slots, q, k_cache, v_cache,
                              k_scale if scaled else q, v_scale if scaled else q, num_heads, h_kv,
                              qkv.stride(0), table.stride(0), q.stride(0), k_cache.stride(0),
@@ -198,7 +209,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     if rows:
-        pdl = has_pdl(gate_up.device)
+        pdl = chained(gate_up.device)
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0),
                                                         out.stride(0), BLOCK=block, PDL=pdl,
                                                         num_warps=4, launch_pdl=pdl)

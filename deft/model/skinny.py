@@ -18,8 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..ops.triton.launch import has_pdl
-from .fused import pdl_start
+from .fused import chained, pdl_start
 
 __all__ = ["MAX_ROWS", "head_proj", "linear"]
 
@@ -71,7 +70,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
     if m == 0:
         return y
     bn, bk, stages, warps = cfg
-    pdl = has_pdl(x.device)
+    pdl = chained(x.device)
     _skinny_kernel[(triton.cdiv(n, bn),)](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
         EVEN_N=n % bn == 0, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk,

@@ -1,0 +1,82 @@
+"""The model's kernels chained by programmatic dependent launch, or not, side by side (GPU).
+
+``deft.model.fused`` and ``deft.model.skinny`` launch with PDL on sm_90+ unless
+``DEFT_MODEL_PDL=0`` (:func:`deft.model.fused.chained`, read when a step's graph is captured).
+This builds one random Llama-3-8B-shaped model and two graph engines on it, one captured
+with the chain and one without, and measures e2e workloads on each in turns (the order
+reversed every other round), as ``deft bench e2e`` measures its graph column: ms per decode
+step, host work included, and the GPU time of the run's last step replayed alone.
+
+Usage: ``python tools/model_pdl.py [--rounds N] [--json PATH] [WORKLOAD ...]`` (names of
+``benchmarks.e2e_gpu.GPU_WORKLOADS``; the recorded ones need ``$DEFT_WORKLOADS``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+DEFAULT = ["greedy, 1 sequence", "few-shot b=20", "few-shot b=50", "beam k=16",
+           "reasoning sorting128ToT", "greedy, 32 prompts"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workloads", nargs="*", default=DEFAULT, help="e2e workload names")
+    ap.add_argument("--rounds", type=int, default=3, help="measurements of each engine")
+    ap.add_argument("--json", help="also write the figures here")
+    a = ap.parse_args()
+
+    import torch
+
+    from benchmarks import e2e_gpu
+    from benchmarks.trees import apps_tree, medusa_parents
+    from deft.engine import TreeEngine
+    from deft.model.synthetic import RandomSpec, byte_tokenizer, random_model
+    from deft.recorded import workloads_dir
+
+    config = RandomSpec("llama-3-8b", None).config
+    model, tok = random_model(config, "cuda"), byte_tokenizer(config.vocab_size)
+    modes = {"off": "0", "on": "1"}
+    engines = {m: TreeEngine(model, tok, num_pages=1024) for m in modes}
+    gen = torch.Generator().manual_seed(0)
+    got: dict[str, dict[str, list[dict[str, float]]]] = {}
+    for name in a.workloads:
+        w = next((x for x in e2e_gpu.GPU_WORKLOADS if x.name == name), None)
+        if w is None:
+            raise SystemExit(f"unknown workload {name!r}")
+        parents = trace = None
+        if w.kind == "verify":
+            parents = medusa_parents(apps_tree(w.width, workloads_dir(None)))
+        elif w.kind == "replay":
+            w, trace = e2e_gpu._replayed(w, workloads_dir(None))
+        count = w.width if w.kind == "greedy" else 1
+        prompts = torch.randint(0, config.vocab_size, (count, w.prompt), generator=gen).tolist()
+        got[name] = {m: [] for m in modes}
+        for r in range(a.rounds):
+            for m in (modes if r % 2 == 0 else list(modes)[::-1]):
+                os.environ["DEFT_MODEL_PDL"] = modes[m]
+                res = e2e_gpu._measure(engines[m], w, prompts, parents, trace, print)
+                got[name][m].append({"ms_step": res["ms_step"], "gpu_ms": res["gpu_ms"]})
+                print(f"{name}, PDL {m}, round {r + 1}: {res['ms_step']:.3f} ms/step, "
+                      f"GPU {res['gpu_ms']:.3f} ms", flush=True)
+    os.environ.pop("DEFT_MODEL_PDL")
+    print(f"\n{torch.cuda.get_device_name()}; each cell: the rounds' figures\n")
+    print("| workload | PDL | ms/step | GPU ms/step |\n| --- | --- | --- | --- |")
+    for name, by in got.items():
+        for m, runs in by.items():
+            cells = ["/".join(f"{x[k]:.3f}" for x in runs) for k in ("ms_step", "gpu_ms")]
+            print(f"| {name} | {m} | {cells[0]} | {cells[1]} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
+                                            "workloads": got}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
