@@ -11,10 +11,10 @@ Each replaces several PyTorch kernels (and their HBM round trips) of a decode st
 
 They round where the PyTorch ops they replace round (the residual sum and the normalised
 row in the activations' dtype) except inside RoPE, which is computed in float32 and rounded
-once. On sm_90+ each launches with programmatic dependent launch (:func:`pdl_start`,
-:func:`chained`), so a step's launches start while the one before them ends. The CPU path
-keeps the plain PyTorch ops (:mod:`deft.model.llama`); tests compare the two on random inputs
-(interpreted on CPU, compiled under ``pytest -m gpu``).
+once. On sm_90+ each launches with programmatic dependent launch (:func:`chained`; each
+program starts with :func:`~deft.ops.runtime.pdl_start`), so a step's launches start while
+the one before them ends. The CPU path keeps the plain PyTorch ops (:mod:`deft.model.llama`);
+tests compare the two on random inputs (interpreted on CPU, compiled under ``pytest -m gpu``).
 """
 
 from __future__ import annotations
@@ -24,12 +24,11 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..ops.columns import head_cols
-from ..ops.triton.launch import has_pdl
+from ..ops.runtime import has_pdl, pdl_start
 
-__all__ = ["chained", "pdl_start", "rms_norm", "rope_write", "silu_mul"]
+__all__ = ["chained", "rms_norm", "rope_write", "silu_mul"]
 
 
 def chained(device: torch.device) -> bool:
@@ -38,17 +37,6 @@ def chained(device: torch.device) -> bool:
     its capture read; to rule the chain out when debugging, or to measure it:
     ``tools/model_pdl.py``)."""
     return has_pdl(device) and os.environ.get("DEFT_MODEL_PDL", "1") != "0"
-
-
-@triton.jit
-def pdl_start(PDL: tl.constexpr):
-    """A program's first step under programmatic dependent launch (``PDL``): let the next
-    launch start, then wait until the previous launch has ended and its writes are visible.
-    Every program waits before it reads or writes anything, so a launch ends after the one
-    before it and each launch sees every earlier one's writes."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
 
 
 @triton.jit

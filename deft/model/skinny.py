@@ -18,7 +18,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .fused import chained, pdl_start
+from ..ops.runtime import pdl_start
+from .fused import chained
 
 __all__ = ["MAX_ROWS", "head_proj", "linear"]
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
+
+from ..runtime import interpreting
 
 __all__ = ["KernelConfig", "CONFIGS", "kernel_config", "kv_config", "few_rows_config",
            "light_config", "interpreting", "arch_of", "block_head_dim"]
@@ -153,22 +154,6 @@ DEFAULT_ARCH = "sm90"
 DEFAULT_HEAD_DIM = 128
 
 
-def _triton_interprets() -> bool:
-    """Triton's own reading of ``TRITON_INTERPRET`` (it takes 1, true, on, yes)."""
-    try:
-        from triton import knobs
-    except ImportError:  # Triton before 3.4 read only "1"
-        return os.environ.get("TRITON_INTERPRET") == "1"
-    return bool(knobs.runtime.interpret)
-
-
-# Triton picks interpreted or compiled kernels when they are decorated (at import), so the
-# mode is read once; planning asks for it several times per step.
-_INTERPRETING = _triton_interprets()
-
-
-def interpreting() -> bool:
-    return _INTERPRETING
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,7 +13,6 @@ arguments at a fraction of the host time.
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Union
@@ -24,13 +23,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ...plan import TreePlan
 from ...plan.packing import SEGMENTS
 from ..base import Capacity
+from ..runtime import capability, has_pdl
 from .configs import KernelConfig, block_head_dim, interpreting, kernel_config, kv_config
 from .kernels import tree_partial_kernel
 from .merge_kernels import merge_kernel
 from .native_launch import NativeLaunch, batched, native_launch
 
 __all__ = ["HEADER", "Reserved", "StepBuffers", "Pointer", "launch_step", "launch_merge",
-           "launch_signature", "has_tma", "has_pdl", "stream_capturing"]
+           "launch_signature", "has_tma", "stream_capturing"]
 
 # Ints before the segments of a graph-safe plan buffer: the work-item count, then the
 # offsets of segments 1-9 (``SEGMENTS``) from the first.
@@ -302,17 +302,7 @@ def _tma_ok(cache: torch.Tensor, stride: tuple[int, ...]) -> bool:
 
 def has_tma(device: torch.device) -> bool:
     """TMA copies exist from sm_90 (Hopper); the interpreter emulates them."""
-    return interpreting() or (device.type == "cuda" and _capability(device)[0] >= 9)
-
-
-def has_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch exists from sm_90; the interpreter lacks ``griddepcontrol``."""
-    return not interpreting() and device.type == "cuda" and _capability(device)[0] >= 9
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+    return interpreting() or (device.type == "cuda" and capability(device)[0] >= 9)
 
 
 def _kv_descriptor(cache: torch.Tensor, stride: tuple[int, ...], block_n: int) -> TensorDescriptor:
