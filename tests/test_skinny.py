@@ -127,3 +127,40 @@ def test_model_step_through_the_kernel_is_as_close_to_float64_as_through_cublas(
     err_blas = (step(model, captured=True) - ref).abs().max().item()
     assert len(calls) == 5
     assert err <= 1.5 * err_blas + 1e-3, (err, err_blas)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs sm_90+")
+def test_a_step_chained_by_pdl_equals_the_unchained_one(monkeypatch):
+    """The launch chain (``fused.chained``) moves when a launch starts, never a value: a bf16
+    step through the fused kernels and the few-row matmuls gives the same logits, bit for bit,
+    with ``DEFT_MODEL_PDL`` on and off, over repeated steps (a launch that read its input
+    before the previous one ended would differ)."""
+    from deft import TreeKVCache
+    from deft.model import LlamaConfig, LlamaModel, fused
+
+    torch.manual_seed(6)
+    config = LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=512, num_layers=3,
+                         num_heads=4, num_kv_heads=2, max_position_embeddings=64)
+    model = LlamaModel(config).eval().requires_grad_(False).to("cuda", torch.bfloat16)
+    cache = TreeKVCache(4, 4)
+    root = cache.add_root(0)
+    slots = list(cache.append(root, 6))
+    kids = cache.fork(root, 2)
+    slots += [int(cache.append(k, 1)[0]) for k in kids]
+    layout = cache.layout([(root, j + 1) for j in range(6)] + kids)
+    t = lambda a: torch.tensor(a, dtype=torch.int64, device="cuda")  # noqa: E731
+    args = t([1, 5, 9, 3, 2, 8, 4, 6]), t([0, 1, 2, 3, 4, 5, 6, 6]), t(slots)
+
+    def steps(chain: str) -> list[torch.Tensor]:
+        monkeypatch.setenv("DEFT_MODEL_PDL", chain)
+        assert fused.chained(torch.device("cuda")) == (chain == "1")
+        attn = model.attention(backend="torch")
+        attn.plan(layout)
+        pool = model.new_pool(4, 4)
+        return [model(*args, attn, pool, t([5, 6, 7]), captured=True) for _ in range(5)]
+
+    off, on = steps("0"), steps("1")
+    assert all(torch.equal(a, off[0]) for a in off)
+    assert all(torch.equal(b, off[0]) for b in on)
