@@ -56,6 +56,7 @@ class GpuWorkload:
     trace: str = ""
 
 
+POOL_PAGES = 4096  # 65,536 slots: the largest workload holds 32k + 16 x 128 tokens
 _COUNTS = ("steps", "plan_tokens", "tokens")  # engine stats taken past the prefill's
 _WARM_ROUNDS = 3  # warm-up rounds at most; the timed runs must then capture and compile nothing
 REPLAY_ITERATIONS = 500  # of a trace's 564-3,708: the steps of all three take about a minute
@@ -273,6 +274,36 @@ def _hf_model(config: Any) -> Any:
         torch.set_default_dtype(default)
 
 
+def model_config(shape: str, layers: int | None, chosen: list[GpuWorkload]) -> Any:
+    """The random model's config of ``shape`` (``layers`` of it, ``None``: all), its RoPE table
+    long enough for the ``chosen`` workloads' prompts and new tokens (nothing else changes)."""
+    from deft.model.synthetic import RandomSpec
+
+    config = RandomSpec(shape, layers).config
+    context = max(w.prompt + w.new_tokens for w in chosen)
+    if context > config.max_position_embeddings:
+        config = replace(config, max_position_embeddings=context)
+    return config
+
+
+def workload_inputs(w: GpuWorkload, workloads: Path | None, vocab: int, gen: torch.Generator
+                    ) -> tuple[GpuWorkload, list[list[int]], list[int] | None, Path | None]:
+    """``w`` as it runs (a replayed trace's prompt and widest iteration), its random prompts
+    and its draft tree's parents or trace, from the recorded workloads (``workloads``, else
+    the default of :func:`deft.recorded.workloads_dir`; ``FileNotFoundError`` where ``w``
+    needs them and they are missing)."""
+    from deft.recorded import workloads_dir
+
+    parents = trace = None
+    if w.kind == "verify":
+        parents = medusa_parents(apps_tree(w.width, workloads_dir(workloads)))
+    elif w.kind == "replay":
+        w, trace = _replayed(w, workloads_dir(workloads))
+    count = w.width if w.kind == "greedy" else 1
+    prompts = torch.randint(0, vocab, (count, w.prompt), generator=gen).tolist()
+    return w, prompts, parents, trace
+
+
 def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
                   layers: int | None = None, with_transformers: bool = True, unfused: bool = False,
                   progress: Callable[[str], None] | None = None,
@@ -282,8 +313,7 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
     ``kv_dtype="fp8_e4m3"``: also the graph engine with an FP8 K/V cache; ``shape``: a key
     of :data:`deft.model.synthetic.SHAPES`, ``layers`` of it (``None``: all)."""
     from deft.engine import TreeEngine
-    from deft.model.synthetic import RandomSpec, byte_tokenizer, random_model
-    from deft.recorded import workloads_dir
+    from deft.model.synthetic import byte_tokenizer, random_model
 
     from .attention_gpu import measure_ceilings
 
@@ -292,11 +322,7 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
     if names and len(chosen) != len(set(names)):
         known = ", ".join(w.name for w in GPU_WORKLOADS)
         raise ValueError(f"workload: unknown name in {names}; known: {known}")
-    config = RandomSpec(shape, layers).config
-    # Long prompts past the shape's context: a longer RoPE table, nothing else changes.
-    context = max(w.prompt + w.new_tokens for w in chosen)
-    if context > config.max_position_embeddings:
-        config = replace(config, max_position_embeddings=context)
+    config = model_config(shape, layers, chosen)
     layers = config.num_layers
     bw, rate = measure_ceilings()
     model, tok = random_model(config, "cuda"), byte_tokenizer(config.vocab_size)
@@ -305,7 +331,7 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
     matmul_weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2
                          and not n.startswith("embed."))
     kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
-    pages = 4096  # 65,536 slots: the largest workload holds 32k + 16 x 128 tokens
+    pages = POOL_PAGES
     engines = {"graph": TreeEngine(model, tok, num_pages=pages),
                "graph, no overlap": TreeEngine(model, tok, num_pages=pages, overlap=False),
                "eager": TreeEngine(model, tok, num_pages=pages, cuda_graphs=False),
@@ -319,17 +345,11 @@ def gpu_e2e_table(names: list[str] | None = None, workloads: Path | None = None,
     gen = torch.Generator().manual_seed(0)
     rows = []
     for w in chosen:
-        parents = trace = None
         try:
-            if w.kind == "verify":
-                parents = medusa_parents(apps_tree(w.width, workloads_dir(workloads)))
-            elif w.kind == "replay":
-                w, trace = _replayed(w, workloads_dir(workloads))
+            w, prompts, parents, trace = workload_inputs(w, workloads, config.vocab_size, gen)
         except FileNotFoundError as exc:
             say(f"{w.name}: skipped ({exc})")
             continue
-        count = w.width if w.kind == "greedy" else 1
-        prompts = torch.randint(0, config.vocab_size, (count, w.prompt), generator=gen).tolist()
         got = {}
         for mode, engine in engines.items():
             say(f"{w.name}: {mode}")

@@ -88,18 +88,17 @@ def test_projections_on_the_gpu(rows):
     assert torch.equal(linear(x33, w_o), F.linear(x33, w_o))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_model_step_through_the_kernel_is_as_close_to_float64_as_through_cublas(monkeypatch):
-    """A bf16 step whose o, down and LM head projections take the kernel, against the float64
-    model: no further from it than the same step with cuBLAS for every projection."""
+def _tree_step(layers: int, seed: int):
+    """A small random Llama on the GPU (float32) and ``step(model, captured, pool)``: its
+    logits for a 6-token prompt with two one-token branches (``pool``: a fresh one if None)."""
     from deft import TreeKVCache
     from deft.model import LlamaConfig, LlamaModel
 
-    torch.manual_seed(5)
-    config = LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=512, num_layers=2,
-                         num_heads=4, num_kv_heads=2, max_position_embeddings=64)
-    model = LlamaModel(config).eval().requires_grad_(False).to("cuda", torch.float64)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=512,
+                         num_layers=layers, num_heads=4, num_kv_heads=2,
+                         max_position_embeddings=64)
+    model = LlamaModel(config).eval().requires_grad_(False).to("cuda")
     cache = TreeKVCache(4, 4)
     root = cache.add_root(0)
     slots = list(cache.append(root, 6))
@@ -109,22 +108,33 @@ def test_model_step_through_the_kernel_is_as_close_to_float64_as_through_cublas(
     t = lambda a: torch.tensor(a, dtype=torch.int64, device="cuda")  # noqa: E731
     args = t([1, 5, 9, 3, 2, 8, 4, 6]), t([0, 1, 2, 3, 4, 5, 6, 6]), t(slots)
 
-    def step(m: LlamaModel, captured: bool = False) -> torch.Tensor:
+    def step(m: torch.nn.Module, captured: bool = False, pool=None) -> torch.Tensor:
         attn = m.attention(backend="torch")
         attn.plan(layout)
-        return m(*args, attn, m.new_pool(4, 4), t([5, 6, 7]), captured=captured).double()
+        return m(*args, attn, m.new_pool(4, 4) if pool is None else pool, t([5, 6, 7]),
+                 captured=captured)
 
-    ref = step(model)
+    return model, step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_model_step_through_the_kernel_is_as_close_to_float64_as_through_cublas(monkeypatch):
+    """A bf16 step whose o, down and LM head projections take the kernel, against the float64
+    model: no further from it than the same step with cuBLAS for every projection."""
+    model, step = _tree_step(layers=2, seed=5)
+    model.to(torch.float64)
+    ref = step(model).double()
     model.to(torch.bfloat16)
     calls = []
     launch = skinny._launch
     monkeypatch.setattr(skinny, "_launch", lambda *a: calls.append(a[2]) or launch(*a))
     step(model)
     assert not calls  # launched eagerly, every projection is cuBLAS's
-    err = (step(model, captured=True) - ref).abs().max().item()
+    err = (step(model, captured=True).double() - ref).abs().max().item()
     assert len(calls) == 2 * 2 + 1  # o and down per layer, the LM head
     monkeypatch.setattr(skinny, "MAX_ROWS", 0)
-    err_blas = (step(model, captured=True) - ref).abs().max().item()
+    err_blas = (step(model, captured=True).double() - ref).abs().max().item()
     assert len(calls) == 5
     assert err <= 1.5 * err_blas + 1e-3, (err, err_blas)
 
@@ -137,29 +147,16 @@ def test_a_step_chained_by_pdl_equals_the_unchained_one(monkeypatch):
     step through the fused kernels and the few-row matmuls gives the same logits, bit for bit,
     with ``DEFT_MODEL_PDL`` on and off, over repeated steps (a launch that read its input
     before the previous one ended would differ)."""
-    from deft import TreeKVCache
-    from deft.model import LlamaConfig, LlamaModel, fused
+    from deft.model import fused
 
-    torch.manual_seed(6)
-    config = LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=512, num_layers=3,
-                         num_heads=4, num_kv_heads=2, max_position_embeddings=64)
-    model = LlamaModel(config).eval().requires_grad_(False).to("cuda", torch.bfloat16)
-    cache = TreeKVCache(4, 4)
-    root = cache.add_root(0)
-    slots = list(cache.append(root, 6))
-    kids = cache.fork(root, 2)
-    slots += [int(cache.append(k, 1)[0]) for k in kids]
-    layout = cache.layout([(root, j + 1) for j in range(6)] + kids)
-    t = lambda a: torch.tensor(a, dtype=torch.int64, device="cuda")  # noqa: E731
-    args = t([1, 5, 9, 3, 2, 8, 4, 6]), t([0, 1, 2, 3, 4, 5, 6, 6]), t(slots)
+    model, step = _tree_step(layers=3, seed=6)
+    model.to(torch.bfloat16)
 
     def steps(chain: str) -> list[torch.Tensor]:
         monkeypatch.setenv("DEFT_MODEL_PDL", chain)
         assert fused.chained(torch.device("cuda")) == (chain == "1")
-        attn = model.attention(backend="torch")
-        attn.plan(layout)
         pool = model.new_pool(4, 4)
-        return [model(*args, attn, pool, t([5, 6, 7]), captured=True) for _ in range(5)]
+        return [step(model, captured=True, pool=pool) for _ in range(5)]
 
     off, on = steps("0"), steps("1")
     assert all(torch.equal(a, off[0]) for a in off)

@@ -14,7 +14,6 @@ Usage: ``python tools/model_pdl.py [--rounds N] [--json PATH] [WORKLOAD ...]`` (
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -37,37 +36,22 @@ def main() -> None:
     import torch
 
     from benchmarks import e2e_gpu
-    from benchmarks.trees import apps_tree, medusa_parents
     from deft.engine import TreeEngine
-    from deft.model.synthetic import RandomSpec, byte_tokenizer, random_model
-    from deft.recorded import workloads_dir
+    from deft.model.synthetic import byte_tokenizer, random_model
 
     known = {w.name: w for w in e2e_gpu.GPU_WORKLOADS}
     unknown = [n for n in a.workloads if n not in known]
     if unknown:
         raise SystemExit(f"unknown workload(s) {unknown}; known: {', '.join(known)}")
-    config = RandomSpec("llama-3-8b", None).config
-    context = max(known[n].prompt + known[n].new_tokens for n in a.workloads)
-    if context > config.max_position_embeddings:  # a longer RoPE table, as deft bench e2e
-        config = dataclasses.replace(config, max_position_embeddings=context)
-    # 16-token pages: each workload's prompts and new tokens, as deft bench e2e sizes its pool.
-    slots = max((known[n].width if known[n].kind == "greedy" else 1) * known[n].prompt
-                + max(known[n].width, 1) * known[n].new_tokens for n in a.workloads)
-    pages = max(1024, -(-slots // 16) + 64)
+    config = e2e_gpu.model_config("llama-3-8b", None, [known[n] for n in a.workloads])
     model, tok = random_model(config, "cuda"), byte_tokenizer(config.vocab_size)
     modes = {"off": "0", "on": "1"}
-    engines = {m: TreeEngine(model, tok, num_pages=pages) for m in modes}
+    engines = {m: TreeEngine(model, tok, num_pages=e2e_gpu.POOL_PAGES) for m in modes}
     gen = torch.Generator().manual_seed(0)
     got: dict[str, dict[str, list[dict[str, float]]]] = {}
     for name in a.workloads:
-        w = known[name]
-        parents = trace = None
-        if w.kind == "verify":
-            parents = medusa_parents(apps_tree(w.width, workloads_dir(None)))
-        elif w.kind == "replay":
-            w, trace = e2e_gpu._replayed(w, workloads_dir(None))
-        count = w.width if w.kind == "greedy" else 1
-        prompts = torch.randint(0, config.vocab_size, (count, w.prompt), generator=gen).tolist()
+        w, prompts, parents, trace = e2e_gpu.workload_inputs(known[name], None,
+                                                             config.vocab_size, gen)
         got[name] = {m: [] for m in modes}
         for r in range(a.rounds):
             for m in (modes if r % 2 == 0 else list(modes)[::-1]):
