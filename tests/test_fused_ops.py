@@ -76,15 +76,23 @@ def test_silu_mul(dtype):
 
 def test_the_launch_chain_is_where_pdl_is_unless_switched_off(monkeypatch):
     """The kernels launch with PDL where the device has it (sm_90+: ``has_pdl``), unless
-    ``DEFT_MODEL_PDL=0``."""
-    monkeypatch.delenv("DEFT_MODEL_PDL", raising=False)
-    monkeypatch.setattr(fused, "has_pdl", lambda device: device.type == "cuda")
+    ``DEFT_MODEL_PDL=0`` at import or ``set_chained(False)``."""
+    import importlib
+    import os
+
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(fused, "has_pdl", lambda device: device.type == "cuda")
+    monkeypatch.setattr(fused, "_chain", True)
     assert fused.chained(cuda) and not fused.chained(cpu)
-    monkeypatch.setenv("DEFT_MODEL_PDL", "0")
+    fused.set_chained(False)
     assert not fused.chained(cuda)
-    monkeypatch.setenv("DEFT_MODEL_PDL", "1")
+    fused.set_chained(True)
     assert fused.chained(cuda)
+    for value, on in (("0", False), ("1", True)):
+        monkeypatch.setenv("DEFT_MODEL_PDL", value)
+        assert importlib.reload(fused)._chain is on
+    monkeypatch.delenv("DEFT_MODEL_PDL")
+    assert importlib.reload(fused)._chain is True and "DEFT_MODEL_PDL" not in os.environ
 
 
 @pytest.mark.parametrize("head_dim, rotary, nope", [(16, 16, ()), (24, 24, ()), (16, 12, ()),

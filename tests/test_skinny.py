@@ -145,19 +145,19 @@ def test_model_step_through_the_kernel_is_as_close_to_float64_as_through_cublas(
 def test_a_step_chained_by_pdl_equals_the_unchained_one(monkeypatch):
     """The launch chain (``fused.chained``) moves when a launch starts, never a value: a bf16
     step through the fused kernels and the few-row matmuls gives the same logits, bit for bit,
-    with ``DEFT_MODEL_PDL`` on and off, over repeated steps (a launch that read its input
+    with the chain on and off, over repeated steps (a launch that read its input
     before the previous one ended would differ)."""
     from deft.model import fused
 
     model, step = _tree_step(layers=3, seed=6)
     model.to(torch.bfloat16)
 
-    def steps(chain: str) -> list[torch.Tensor]:
-        monkeypatch.setenv("DEFT_MODEL_PDL", chain)
-        assert fused.chained(torch.device("cuda")) == (chain == "1")
+    def steps(chain: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(fused, "_chain", chain)
+        assert fused.chained(torch.device("cuda")) == chain
         pool = model.new_pool(4, 4)
         return [step(model, captured=True, pool=pool) for _ in range(5)]
 
-    off, on = steps("0"), steps("1")
+    off, on = steps(False), steps(True)
     assert all(torch.equal(a, off[0]) for a in off)
     assert all(torch.equal(b, off[0]) for b in on)

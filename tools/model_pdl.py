@@ -1,7 +1,8 @@
 """The model's kernels chained by programmatic dependent launch, or not, side by side (GPU).
 
 ``deft.model.fused`` and ``deft.model.skinny`` launch with PDL on sm_90+ unless
-``DEFT_MODEL_PDL=0`` (:func:`deft.model.fused.chained`, read when a step's graph is captured).
+``DEFT_MODEL_PDL=0`` (:func:`deft.model.fused.chained`; :func:`~deft.model.fused.set_chained`
+switches it, and a step's graph keeps what its capture launched).
 This builds one random Llama-3-8B-shaped model and two graph engines on it, one captured
 with the chain and one without, and measures e2e workloads on each in turns (the order
 reversed every other round), as ``deft bench e2e`` measures its graph column: ms per decode
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -37,6 +37,7 @@ def main() -> None:
 
     from benchmarks import e2e_gpu
     from deft.engine import TreeEngine
+    from deft.model import fused
     from deft.model.synthetic import byte_tokenizer, random_model
 
     known = {w.name: w for w in e2e_gpu.GPU_WORKLOADS}
@@ -45,7 +46,7 @@ def main() -> None:
         raise SystemExit(f"unknown workload(s) {unknown}; known: {', '.join(known)}")
     config = e2e_gpu.model_config("llama-3-8b", None, [known[n] for n in a.workloads])
     model, tok = random_model(config, "cuda"), byte_tokenizer(config.vocab_size)
-    modes = {"off": "0", "on": "1"}
+    modes = {"off": False, "on": True}
     engines = {m: TreeEngine(model, tok, num_pages=e2e_gpu.POOL_PAGES) for m in modes}
     gen = torch.Generator().manual_seed(0)
     got: dict[str, dict[str, list[dict[str, float]]]] = {}
@@ -55,12 +56,11 @@ def main() -> None:
         got[name] = {m: [] for m in modes}
         for r in range(a.rounds):
             for m in (modes if r % 2 == 0 else list(modes)[::-1]):
-                os.environ["DEFT_MODEL_PDL"] = modes[m]
+                fused.set_chained(modes[m])
                 res = e2e_gpu._measure(engines[m], w, prompts, parents, trace, print)
                 got[name][m].append({"ms_step": res["ms_step"], "gpu_ms": res["gpu_ms"]})
                 print(f"{name}, PDL {m}, round {r + 1}: {res['ms_step']:.3f} ms/step, "
                       f"GPU {res['gpu_ms']:.3f} ms", flush=True)
-    os.environ.pop("DEFT_MODEL_PDL")
     print(f"\n{torch.cuda.get_device_name()}; each cell: the rounds' figures\n")
     print("| workload | PDL | ms/step | GPU ms/step |\n| --- | --- | --- | --- |")
     for name, by in got.items():

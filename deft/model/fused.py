@@ -28,15 +28,25 @@ import triton.language as tl
 from ..ops.columns import head_cols
 from ..ops.runtime import has_pdl, pdl_start
 
-__all__ = ["chained", "rms_norm", "rope_write", "silu_mul"]
+__all__ = ["chained", "set_chained", "rms_norm", "rope_write", "silu_mul"]
+
+# Read once at import: a step launches ~130 of these kernels and asks at each launch.
+_chain = os.environ.get("DEFT_MODEL_PDL", "1") != "0"
 
 
 def chained(device: torch.device) -> bool:
     """Whether the model's kernels launch with programmatic dependent launch on ``device``:
-    on sm_90+, unless ``DEFT_MODEL_PDL=0`` (read at each launch, so a CUDA graph keeps what
-    its capture read; to rule the chain out when debugging, or to measure it:
-    ``tools/model_pdl.py``)."""
-    return has_pdl(device) and os.environ.get("DEFT_MODEL_PDL", "1") != "0"
+    on sm_90+, unless ``DEFT_MODEL_PDL=0`` was set when this module was imported or
+    :func:`set_chained` turned it off."""
+    return _chain and has_pdl(device)
+
+
+def set_chained(on: bool) -> None:
+    """Turn the launch chain on or off for launches from now on (a CUDA graph keeps what its
+    capture launched): to rule the chain out when debugging, or to measure it
+    (``tools/model_pdl.py``)."""
+    global _chain
+    _chain = bool(on)
 
 
 @triton.jit
