@@ -48,7 +48,29 @@ def test_kernel_on_ragged_shapes(dtype, rows, outputs):
     close(logits, want(x, w), dtype)
 
 
+def want_gated(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    gate, up = want(x, w).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("rows", [0, 1, 5, 17])
+@pytest.mark.parametrize("outputs", [32, 40])
+def test_gated_kernel_on_ragged_shapes(dtype, rows, outputs):
+    """SiLU of the first half's product times the second's, each half ``outputs`` wide."""
+    torch.manual_seed(rows + outputs)
+    x = torch.randn(rows, 128, device=DEV).to(dtype)
+    w = (torch.randn(2 * outputs, 128, device=DEV) / 8).to(dtype)
+    y = skinny._launch(x, w, dtype, (16, 64, 2, 4), skinny._gated_kernel)
+    assert y.shape == (rows, outputs) and y.dtype == dtype
+    # three roundings (gate, up, SiLU) of values up to ~10 before the product's own
+    tol = 8 * TOL[dtype]
+    torch.testing.assert_close(y.double(), want_gated(x, w), atol=tol, rtol=tol)
+
+
 def test_off_gpu_and_beyond_the_rows_cublas_computes_it():
+    from deft.model.fused import silu_mul
+
     x = torch.randn(skinny.MAX_ROWS + 1, 256, device=DEV).to(torch.float16)
     w = torch.randn(256, 256, device=DEV).to(torch.float16)
     assert torch.equal(skinny.linear(x, w), F.linear(x, w))
@@ -56,13 +78,20 @@ def test_off_gpu_and_beyond_the_rows_cublas_computes_it():
         few = x[:2]
         assert torch.equal(skinny.linear(few, w), F.linear(few, w))
         assert torch.equal(skinny.head_proj(few, w), F.linear(few, w).float())
+        assert torch.equal(skinny.gated(few, w), silu_mul(F.linear(few, w)))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rows", [1, 7, 20, 32])
-def test_projections_on_the_gpu(rows):
-    """The kernel's projections as a graph capture launches them (outside one, cuBLAS's)."""
+def test_projections_on_the_gpu(rows, monkeypatch):
+    """The kernels' projections as a graph capture launches them (outside one, cuBLAS's), at
+    every row count (the model takes the wide ones at some)."""
+    from deft.model.fused import silu_mul
+
+    monkeypatch.setattr(skinny, "_WIDE_ROWS", skinny.MAX_ROWS)
+    monkeypatch.setattr(skinny, "_GATED_ROWS", 1)
+
     torch.manual_seed(rows)
     dt = torch.bfloat16
     x = torch.randn(rows, 512, device="cuda", dtype=dt)
@@ -71,12 +100,15 @@ def test_projections_on_the_gpu(rows):
     linear = functools.partial(skinny.linear, captured=True)
     head_proj = functools.partial(skinny.head_proj, captured=True)
     close(linear(x, w_o), want(x, w_o), dt)
-    w_qkv = (torch.randn(768, 512, device="cuda") / 16).to(dt)  # wider than its input: cuBLAS
-    assert torch.equal(linear(x, w_qkv), F.linear(x, w_qkv))
-    gate_up = torch.randn(rows, 1024, device="cuda", dtype=dt)
-    w_down = (torch.randn(256, 512, device="cuda") / 16).to(dt)
-    gate, up = gate_up.chunk(2, dim=-1)
-    act = F.silu(gate) * up
+    w_qkv = (torch.randn(768, 512, device="cuda") / 16).to(dt)  # wider than its input
+    close(linear(x, w_qkv), want(x, w_qkv), dt)
+    assert torch.equal(linear(x, w_qkv, torch.ones(768, device="cuda", dtype=dt)),
+                       F.linear(x, w_qkv, torch.ones(768, device="cuda", dtype=dt)))  # a bias
+    w_gate_up = (torch.randn(2 * 640, 512, device="cuda") / 16).to(dt)  # the last block ragged
+    act = skinny.gated(x, w_gate_up, captured=True)
+    torch.testing.assert_close(act.double(), want_gated(x, w_gate_up), atol=0.05, rtol=0.05)
+    assert torch.equal(skinny.gated(x, w_gate_up), silu_mul(F.linear(x, w_gate_up)))  # eager
+    w_down = (torch.randn(256, 640, device="cuda") / 16).to(dt)
     close(linear(act, w_down), want(act, w_down), dt)
     head = (torch.randn(1000, 512, device="cuda") / 16).to(dt)  # 1,000 rows: the last block ragged
     logits = head_proj(x, head)
@@ -120,22 +152,23 @@ def _tree_step(layers: int, seed: int):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_model_step_through_the_kernel_is_as_close_to_float64_as_through_cublas(monkeypatch):
-    """A bf16 step whose o, down and LM head projections take the kernel, against the float64
+    """A bf16 step whose projections and LM head take the kernels, against the float64
     model: no further from it than the same step with cuBLAS for every projection."""
     model, step = _tree_step(layers=2, seed=5)
     model.to(torch.float64)
     ref = step(model).double()
     model.to(torch.bfloat16)
+    monkeypatch.setattr(skinny, "_GATED_ROWS", 1)  # the step's 8 rows take every kernel
     calls = []
     launch = skinny._launch
     monkeypatch.setattr(skinny, "_launch", lambda *a: calls.append(a[2]) or launch(*a))
     step(model)
     assert not calls  # launched eagerly, every projection is cuBLAS's
     err = (step(model, captured=True).double() - ref).abs().max().item()
-    assert len(calls) == 2 * 2 + 1  # o and down per layer, the LM head
+    assert len(calls) == 2 * 4 + 1  # qkv, o, gate/up with SiLU·mul and down per layer, the head
     monkeypatch.setattr(skinny, "MAX_ROWS", 0)
     err_blas = (step(model, captured=True).double() - ref).abs().max().item()
-    assert len(calls) == 5
+    assert len(calls) == 9
     assert err <= 1.5 * err_blas + 1e-3, (err, err_blas)
 
 

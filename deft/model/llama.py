@@ -109,10 +109,12 @@ class LlamaLayer(nn.Module):
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self._reduced(self.down(self.act(gate) * up), self.post_mlp_norm)
 
-    def project_qkv(self, normed: torch.Tensor) -> torch.Tensor:
-        """``[N, H + 2 H_kv, D]``: the q, k and v heads of ``normed [N, hidden]``, q and k
-        RMS-normalised per head where the config says so."""
-        qkv = self.qkv(normed).view(normed.shape[0], -1, self.head_dim)
+    def project_qkv(self, normed: torch.Tensor,
+                    linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
+        """``[N, H + 2 H_kv, D]``: the q, k and v heads of ``normed [N, hidden]`` (projected by
+        ``linear(x, weight, bias)``), q and k RMS-normalised per head where the config says so."""
+        qkv = linear(normed, self.qkv.weight, self.qkv.bias).view(normed.shape[0], -1,
+                                                                   self.head_dim)
         if self.q_norm is None:
             return qkv
         h, h_kv = self.num_heads, self.num_kv_heads
@@ -140,7 +142,7 @@ class LlamaLayer(nn.Module):
 
         n, h = x.shape[0], self.num_heads
         normed, x = fused.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps, delta)
-        qkv = self.project_qkv(normed)
+        qkv = self.project_qkv(normed, partial(skinny.linear, captured=captured))
         k, v = pool.k_slots[layer], pool.v_slots[layer]
         k_scale, v_scale = pool.scales(layer)
         q = fused.rope_write(qkv, table, positions, write_slots, k, v, h, k_scale, v_scale)
@@ -148,8 +150,8 @@ class LlamaLayer(nn.Module):
         attn_out = self._reduced(skinny.linear(o.reshape(n, self.q_size), self.o.weight,
                                                self.o.bias, captured))
         normed, x = fused.rms_norm(x, self.mlp_norm.weight, self.mlp_norm.eps, attn_out)
-        return x, self._reduced(skinny.linear(fused.silu_mul(self.gate_up(normed)),
-                                              self.down.weight, self.down.bias, captured))
+        act = skinny.gated(normed, self.gate_up.weight, self.gate_up.bias, captured)
+        return x, self._reduced(skinny.linear(act, self.down.weight, self.down.bias, captured))
 
 
 class LlamaModel(nn.Module):

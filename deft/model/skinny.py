@@ -19,9 +19,9 @@ import triton
 import triton.language as tl
 
 from ..ops.runtime import pdl_start
-from .fused import chained
+from .fused import chained, silu_mul
 
-__all__ = ["MAX_ROWS", "head_proj", "linear"]
+__all__ = ["MAX_ROWS", "gated", "head_proj", "linear"]
 
 MAX_ROWS = 32
 """Row counts up to this take the kernel (where :func:`_takes_kernel` allows it)."""
@@ -29,6 +29,11 @@ MAX_ROWS = 32
 # (BLOCK_N, BLOCK_K, num_stages, num_warps), chosen by a sweep on the H200 at 1-20 rows.
 _NARROW = (32, 256, 5, 4)  # outputs no wider than inputs: o, down
 _HEAD = (128, 128, 3, 4)  # the LM head
+# Outputs wider than inputs (qkv) up to 16 rows, and gate/up fused with SiLU·mul (2 x BLOCK_N
+# weight rows per program) from 17 rows; cuBLAS where whole graph steps were faster with it
+# (qkv beyond 16 rows, gate/up below 17), on the H100.
+_WIDE, _WIDE_ROWS = (64, 256, 3, 4), 16
+_GATED, _GATED_ROWS = (64, 128, 3, 4), 17
 
 
 @triton.jit
@@ -51,6 +56,39 @@ def _skinny_kernel(X, W, Y, M, N, K, stride_x, stride_w, stride_y, EVEN_N: tl.co
     tl.store(Y + rm[:, None] * stride_y + rn[None, :], y, mask=ok)
 
 
+@triton.jit
+def _gated_kernel(X, W, Y, M, N, K, stride_x, stride_w, stride_y, EVEN_N: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PDL: tl.constexpr):
+    """``silu(x @ Wg.T) * (x @ Wu.T)`` for ``W = [Wg; Wu]`` (``[2 N, K]``): each program
+    streams ``BLOCK_N`` rows of both halves, rounding where ``F.linear`` then
+    :func:`~deft.model.fused.silu_mul` round."""
+    pdl_start(PDL)
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rm[:, None] < M
+    col_ok = rn[:, None] < N
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=row_ok, other=0.0)
+        g_at = W + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
+        u_at = g_at + N * stride_w
+        if EVEN_N:
+            wg, wu = tl.load(g_at), tl.load(u_at)
+        else:
+            wg = tl.load(g_at, mask=col_ok, other=0.0)
+            wu = tl.load(u_at, mask=col_ok, other=0.0)
+        acc_g = tl.dot(x, tl.trans(wg), acc_g)
+        acc_u = tl.dot(x, tl.trans(wu), acc_u)
+    g = acc_g.to(X.dtype.element_ty).to(tl.float32)
+    u = acc_u.to(X.dtype.element_ty).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(X.dtype.element_ty).to(tl.float32)  # silu, as F.silu's
+    ok = row_ok & (rn[None, :] < N)
+    tl.store(Y + rm[:, None] * stride_y + rn[None, :], (act * u).to(Y.dtype.element_ty), mask=ok)
+
+
 def _takes_kernel(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, int],
                   captured: bool) -> bool:
     """Whether the kernel computes ``x @ w.T`` with block shape ``cfg`` (else cuBLAS does):
@@ -64,15 +102,18 @@ def _takes_kernel(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int, in
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
-            cfg: tuple[int, int, int, int]) -> torch.Tensor:
-    """``x @ w.T`` ``[M, N]`` in ``out_dtype`` by the kernel with block shape ``cfg``."""
+            cfg: tuple[int, int, int, int], kernel=_skinny_kernel) -> torch.Tensor:
+    """``x @ w.T`` ``[M, N]`` in ``out_dtype`` by the kernel with block shape ``cfg`` (or, with
+    ``_gated_kernel``, ``[M, N / 2]``: SiLU of the first half times the second)."""
     (m, k), n = x.shape, w.shape[0]
+    if kernel is _gated_kernel:
+        n //= 2
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0:
         return y
     bn, bk, stages, warps = cfg
     pdl = chained(x.device)
-    _skinny_kernel[(triton.cdiv(n, bn),)](
+    kernel[(triton.cdiv(n, bn),)](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
         EVEN_N=n % bn == 0, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk,
         PDL=pdl, num_stages=stages, num_warps=warps, launch_pdl=pdl)
@@ -81,12 +122,24 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            captured: bool = False) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x [M, K]``: the kernel for a bias-free projection
-    whose outputs are no wider than its inputs (o, down), cuBLAS otherwise."""
+    """``F.linear(x, weight, bias)`` for ``x [M, K]``: the kernel for a bias-free projection,
+    cuBLAS otherwise."""
     n, k = weight.shape
-    if bias is None and n <= k and _takes_kernel(x, weight, _NARROW, captured):
-        return _launch(x, weight, x.dtype, _NARROW)
+    cfg = _NARROW if n <= k else _WIDE
+    if (bias is None and (n <= k or x.shape[0] <= _WIDE_ROWS)
+            and _takes_kernel(x, weight, cfg, captured)):
+        return _launch(x, weight, x.dtype, cfg)
     return F.linear(x, weight, bias)
+
+
+def gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+          captured: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` of ``F.linear(x, weight, bias)`` (``[M, 2 I]``, gate first) in one
+    kernel for a bias-free projection, else cuBLAS then :func:`~deft.model.fused.silu_mul`."""
+    if (bias is None and x.shape[0] >= _GATED_ROWS and weight.shape[0] % 2 == 0
+            and _takes_kernel(x, weight, _GATED, captured)):
+        return _launch(x, weight, x.dtype, _GATED, _gated_kernel)
+    return silu_mul(F.linear(x, weight, bias))
 
 
 def head_proj(x: torch.Tensor, weight: torch.Tensor, captured: bool = False) -> torch.Tensor:
