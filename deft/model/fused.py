@@ -44,7 +44,7 @@ def chained(device: torch.device) -> bool:
 def set_chained(on: bool) -> None:
     """Turn the launch chain on or off for launches from now on (a CUDA graph keeps what its
     capture launched): to rule the chain out when debugging, or to measure it
-    (``tools/model_pdl.py``)."""
+    (``tools/model_ab.py``)."""
     global _chain
     _chain = bool(on)
 

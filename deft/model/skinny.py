@@ -6,9 +6,11 @@ the ones whose outputs are no wider than their inputs (o, down) nor on the LM he
 kernel does (``tools/gemm_probe.py``, ``benchmarks/results/gemm_probe_h200.json``). It
 streams ``BLOCK_N`` weight rows per program over the whole reduction, accumulates in float32
 and rounds once to the activations' dtype, as cuBLAS does; on sm_90+ it launches with
-programmatic dependent launch, as :mod:`.fused`'s kernels do. It is taken only inside CUDA-graph
-captures (and their warm-ups): launched from Python, a Triton kernel costs more host time
-than cuBLAS's, and eager steps are host-bound.
+programmatic dependent launch, as :mod:`.fused`'s kernels do, so the wide projections take it
+too where that made whole steps faster: qkv up to 16 rows, and gate/up with SiLU·mul fused
+into it (:func:`gated`) from 17 rows (``tools/model_ab.py --switch wide``). It is taken only
+inside CUDA-graph captures (and their warm-ups): launched from Python, a Triton kernel costs
+more host time than cuBLAS's, and eager steps are host-bound.
 """
 
 from __future__ import annotations
