@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..runtime import interpreting
+from ..runtime import capability, interpreting
 
 __all__ = ["KernelConfig", "CONFIGS", "kernel_config", "kv_config", "few_rows_config",
            "light_config", "interpreting", "arch_of", "block_head_dim"]
@@ -163,7 +163,7 @@ def arch_of(device: torch.device | None) -> str:
         return "interpreter"
     if device is None or device.type != "cuda":
         return DEFAULT_ARCH
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = capability(device)
     return f"sm{major}{minor}"
 
 
