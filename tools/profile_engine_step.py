@@ -26,7 +26,7 @@ from deft.model.synthetic import load_random
 from _usage import args
 
 REPLAYS = 20
-KINDS = [("attention", r"tree_partial|merge_kernel"), ("matmul", r"gemm|gemv|cutlass|nvjet|xmma|splitK|skinny"),
+KINDS = [("attention", r"tree_partial|merge_kernel"), ("matmul", r"gemm|gemv|cutlass|nvjet|xmma|splitK|skinny|gated"),
          ("norm", r"rms_norm"), ("rope + K/V write", r"rope_write"), ("SiLU·mul", r"silu_mul"),
          ("sampling", r"softmax|multinomial|sort|topk|exponential|argmax|max|cumsum|gather")]
 
