@@ -77,8 +77,6 @@ def test_silu_mul(dtype):
 def test_the_launch_chain_is_where_pdl_is_unless_switched_off(monkeypatch):
     """The kernels launch with PDL where the device has it (sm_90+: ``has_pdl``), unless
     ``DEFT_MODEL_PDL=0`` at import or ``set_chained(False)``."""
-    import importlib
-
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setattr(fused, "has_pdl", lambda device: device.type == "cuda")
     monkeypatch.setattr(fused, "_chain", True)
@@ -89,9 +87,9 @@ def test_the_launch_chain_is_where_pdl_is_unless_switched_off(monkeypatch):
     assert fused.chained(cuda)
     for value, on in (("0", False), ("1", True)):
         monkeypatch.setenv("DEFT_MODEL_PDL", value)
-        assert importlib.reload(fused)._chain is on
+        assert fused._chain_from_env() is on
     monkeypatch.delenv("DEFT_MODEL_PDL")
-    assert importlib.reload(fused)._chain is True
+    assert fused._chain_from_env() is True
 
 
 @pytest.mark.parametrize("head_dim, rotary, nope", [(16, 16, ()), (24, 24, ()), (16, 12, ()),

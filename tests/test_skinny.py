@@ -68,6 +68,30 @@ def test_gated_kernel_on_ragged_shapes(dtype, rows, outputs):
     torch.testing.assert_close(y.double(), want_gated(x, w), atol=tol, rtol=tol)
 
 
+def test_the_wide_kernels_take_the_rows_they_were_measured_at(monkeypatch):
+    """qkv takes the kernel up to ``_WIDE_ROWS`` rows and only for a weight wider than its
+    input (a tensor-parallel shard may be narrower), gate/up with SiLU·mul from
+    ``_GATED_ROWS``; o and down keep the narrow rule (a wide shard of them: cuBLAS)."""
+    taken = []
+    monkeypatch.setattr(skinny, "_takes_kernel", lambda *a: True)
+    monkeypatch.setattr(skinny, "_launch", lambda x, w, dt, cfg, *kernel: taken.append(
+        (x.shape[0], cfg, bool(kernel))) or torch.empty(0))
+    wide, narrow = torch.zeros(96, 64), torch.zeros(48, 64)
+    for rows in (skinny._WIDE_ROWS, skinny._WIDE_ROWS + 1):
+        x = torch.zeros(rows, 64)
+        skinny.qkv(x, wide)
+        skinny.qkv(x, narrow)
+        skinny.qkv(x, wide, torch.zeros(96))
+        skinny.linear(x, wide)
+        skinny.linear(x, narrow)
+    assert taken == [(16, skinny._WIDE, False), (16, skinny._NARROW, False),
+                     (17, skinny._NARROW, False)]
+    taken.clear()
+    for rows in (skinny._GATED_ROWS - 1, skinny._GATED_ROWS, skinny.MAX_ROWS):
+        skinny.gated(torch.zeros(rows, 64), wide)
+    assert taken == [(17, skinny._GATED, True), (32, skinny._GATED, True)]
+
+
 def test_off_gpu_and_beyond_the_rows_cublas_computes_it():
     from deft.model.fused import silu_mul
 
@@ -91,6 +115,10 @@ def test_projections_on_the_gpu(rows, monkeypatch):
 
     monkeypatch.setattr(skinny, "_WIDE_ROWS", skinny.MAX_ROWS)
     monkeypatch.setattr(skinny, "_GATED_ROWS", 1)
+    kernels = []
+    launch = skinny._launch
+    monkeypatch.setattr(skinny, "_launch",
+                        lambda *a: kernels.append("gated" if len(a) > 4 else "plain") or launch(*a))
 
     torch.manual_seed(rows)
     dt = torch.bfloat16
@@ -100,18 +128,22 @@ def test_projections_on_the_gpu(rows, monkeypatch):
     linear = functools.partial(skinny.linear, captured=True)
     head_proj = functools.partial(skinny.head_proj, captured=True)
     close(linear(x, w_o), want(x, w_o), dt)
+    qkv = functools.partial(skinny.qkv, captured=True)
     w_qkv = (torch.randn(768, 512, device="cuda") / 16).to(dt)  # wider than its input
-    close(linear(x, w_qkv), want(x, w_qkv), dt)
-    assert torch.equal(linear(x, w_qkv, torch.ones(768, device="cuda", dtype=dt)),
-                       F.linear(x, w_qkv, torch.ones(768, device="cuda", dtype=dt)))  # a bias
-    w_gate_up = (torch.randn(2 * 640, 512, device="cuda") / 16).to(dt)  # the last block ragged
+    close(qkv(x, w_qkv), want(x, w_qkv), dt)
+    bias = torch.ones(768, device="cuda", dtype=dt)
+    assert torch.equal(qkv(x, w_qkv, bias), F.linear(x, w_qkv, bias))  # a bias: cuBLAS
+    w_gate_up = (torch.randn(2 * 608, 512, device="cuda") / 16).to(dt)  # the last block ragged
     act = skinny.gated(x, w_gate_up, captured=True)
     torch.testing.assert_close(act.double(), want_gated(x, w_gate_up), atol=0.05, rtol=0.05)
     assert torch.equal(skinny.gated(x, w_gate_up), silu_mul(F.linear(x, w_gate_up)))  # eager
-    w_down = (torch.randn(256, 640, device="cuda") / 16).to(dt)
+    act = skinny.gated(x, (torch.randn(2 * 512, 512, device="cuda") / 16).to(dt), captured=True)
+    w_down = (torch.randn(256, 512, device="cuda") / 16).to(dt)
     close(linear(act, w_down), want(act, w_down), dt)
+    assert kernels == ["plain", "plain", "gated", "gated", "plain"]  # o, qkv, gate/up twice, down
     head = (torch.randn(1000, 512, device="cuda") / 16).to(dt)  # 1,000 rows: the last block ragged
     logits = head_proj(x, head)
+    assert len(kernels) == 6
     assert logits.dtype == torch.float32
     close(logits, want(x, head), dt)
     with pytest.raises(RuntimeError):  # a wrong inner size is cuBLAS's error, not a product

@@ -30,8 +30,12 @@ from ..ops.runtime import has_pdl, pdl_start
 
 __all__ = ["chained", "set_chained", "rms_norm", "rope_write", "silu_mul"]
 
+def _chain_from_env() -> bool:
+    return os.environ.get("DEFT_MODEL_PDL", "1") != "0"
+
+
 # Read once at import: a step launches ~130 of these kernels and asks at each launch.
-_chain = os.environ.get("DEFT_MODEL_PDL", "1") != "0"
+_chain = _chain_from_env()
 
 
 def chained(device: torch.device) -> bool:

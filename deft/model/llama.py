@@ -142,7 +142,7 @@ class LlamaLayer(nn.Module):
 
         n, h = x.shape[0], self.num_heads
         normed, x = fused.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps, delta)
-        qkv = self.project_qkv(normed, partial(skinny.linear, captured=captured))
+        qkv = self.project_qkv(normed, partial(skinny.qkv, captured=captured))
         k, v = pool.k_slots[layer], pool.v_slots[layer]
         k_scale, v_scale = pool.scales(layer)
         q = fused.rope_write(qkv, table, positions, write_slots, k, v, h, k_scale, v_scale)

@@ -23,7 +23,7 @@ import triton.language as tl
 from ..ops.runtime import pdl_start
 from .fused import chained, silu_mul
 
-__all__ = ["MAX_ROWS", "gated", "head_proj", "linear"]
+__all__ = ["MAX_ROWS", "gated", "head_proj", "linear", "qkv"]
 
 MAX_ROWS = 32
 """Row counts up to this take the kernel (where :func:`_takes_kernel` allows it)."""
@@ -76,7 +76,7 @@ def _gated_kernel(X, W, Y, M, N, K, stride_x, stride_w, stride_y, EVEN_N: tl.con
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=row_ok, other=0.0)
         g_at = W + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
-        u_at = g_at + N * stride_w
+        u_at = W + (rn[:, None] + N).to(tl.int64) * stride_w + rk[None, :]
         if EVEN_N:
             wg, wu = tl.load(g_at), tl.load(u_at)
         else:
@@ -124,13 +124,22 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            captured: bool = False) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x [M, K]``: the kernel for a bias-free projection,
-    cuBLAS otherwise."""
+    """``F.linear(x, weight, bias)`` for ``x [M, K]``: the kernel for a bias-free projection
+    whose outputs are no wider than its inputs (o, down), cuBLAS otherwise."""
     n, k = weight.shape
-    cfg = _NARROW if n <= k else _WIDE
-    if (bias is None and (n <= k or x.shape[0] <= _WIDE_ROWS)
-            and _takes_kernel(x, weight, cfg, captured)):
-        return _launch(x, weight, x.dtype, cfg)
+    if bias is None and n <= k and _takes_kernel(x, weight, _NARROW, captured):
+        return _launch(x, weight, x.dtype, _NARROW)
+    return F.linear(x, weight, bias)
+
+
+def qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+        captured: bool = False) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` of the qkv projection: the kernel up to ``_WIDE_ROWS``
+    rows for a bias-free weight wider than its input (the measured case), cuBLAS otherwise."""
+    n, k = weight.shape
+    if (bias is None and n > k and x.shape[0] <= _WIDE_ROWS
+            and _takes_kernel(x, weight, _WIDE, captured)):
+        return _launch(x, weight, x.dtype, _WIDE)
     return F.linear(x, weight, bias)
 
 
