@@ -30,7 +30,9 @@ from ..ops.runtime import has_pdl, pdl_start
 
 __all__ = ["chained", "set_chained", "rms_norm", "rope_write", "silu_mul"]
 
+
 def _chain_from_env() -> bool:
+    """The chain unless ``DEFT_MODEL_PDL=0``."""
     return os.environ.get("DEFT_MODEL_PDL", "1") != "0"
 
 
