@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 
 from deft.model.fused import silu_mul
-from deft.model.skinny import _gated_kernel, _launch
+from deft.model.skinny import _gated_kernel, _launch, _skinny_kernel
 from _usage import args
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -28,7 +28,7 @@ CALLS = 32
 
 
 def skinny(x, w, cfg, gated=False):
-    return _launch(x, w, x.dtype, cfg, *([_gated_kernel] if gated else []))
+    return _launch(x, w, x.dtype, cfg, _gated_kernel if gated else _skinny_kernel)
 
 
 def product(x: torch.Tensor, w: torch.Tensor, gated: bool) -> torch.Tensor:

@@ -154,8 +154,6 @@ DEFAULT_ARCH = "sm90"
 DEFAULT_HEAD_DIM = 128
 
 
-
-
 @functools.lru_cache(maxsize=None)
 def arch_of(device: torch.device | None) -> str:
     """The table's architecture key for ``device`` (``"interpreter"`` when interpreting)."""
