@@ -71,7 +71,8 @@ def test_gated_kernel_on_ragged_shapes(dtype, rows, outputs):
 def test_the_wide_kernels_take_the_rows_they_were_measured_at(monkeypatch):
     """qkv takes the kernel up to ``_WIDE_ROWS`` rows and only for a weight wider than its
     input (a tensor-parallel shard may be narrower), gate/up with SiLU·mul from
-    ``_GATED_ROWS``; o and down keep the narrow rule (a wide shard of them: cuBLAS)."""
+    ``_GATED_ROWS`` with halves of at least ``_GATED_HALF``; o and down keep the narrow rule
+    (a wide shard of them: cuBLAS)."""
     taken = []
     monkeypatch.setattr(skinny, "_takes_kernel", lambda *a: True)
     monkeypatch.setattr(skinny, "_launch", lambda x, w, dt, cfg, *kernel: taken.append(
@@ -87,8 +88,10 @@ def test_the_wide_kernels_take_the_rows_they_were_measured_at(monkeypatch):
     assert taken == [(16, skinny._WIDE, False), (16, skinny._NARROW, False),
                      (17, skinny._NARROW, False)]
     taken.clear()
+    monkeypatch.setattr(skinny, "_GATED_HALF", 48)
     for rows in (skinny._GATED_ROWS - 1, skinny._GATED_ROWS, skinny.MAX_ROWS):
         skinny.gated(torch.zeros(rows, 64), wide)
+        skinny.gated(torch.zeros(rows, 64), torch.zeros(94, 64))  # halves of 47: cuBLAS
     assert taken == [(17, skinny._GATED, True), (32, skinny._GATED, True)]
 
 
@@ -115,6 +118,7 @@ def test_projections_on_the_gpu(rows, monkeypatch):
 
     monkeypatch.setattr(skinny, "_WIDE_ROWS", skinny.MAX_ROWS)
     monkeypatch.setattr(skinny, "_GATED_ROWS", 1)
+    monkeypatch.setattr(skinny, "_GATED_HALF", 1)
     kernels = []
     launch = skinny._launch
     monkeypatch.setattr(skinny, "_launch",
@@ -191,6 +195,7 @@ def test_model_step_through_the_kernel_is_as_close_to_float64_as_through_cublas(
     ref = step(model).double()
     model.to(torch.bfloat16)
     monkeypatch.setattr(skinny, "_GATED_ROWS", 1)  # the step's 8 rows take every kernel
+    monkeypatch.setattr(skinny, "_GATED_HALF", 1)
     calls = []
     launch = skinny._launch
     monkeypatch.setattr(skinny, "_launch", lambda *a: calls.append(a[2]) or launch(*a))
@@ -217,6 +222,7 @@ def test_a_step_chained_by_pdl_equals_the_unchained_one(monkeypatch):
     model, step = _tree_step(layers=3, seed=6)
     model.to(torch.bfloat16)
     monkeypatch.setattr(skinny, "_GATED_ROWS", 1)  # the step's 8 rows take every kernel
+    monkeypatch.setattr(skinny, "_GATED_HALF", 1)
 
     def steps(chain: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(fused, "_chain", chain)

@@ -32,10 +32,13 @@ MAX_ROWS = 32
 _NARROW = (32, 256, 5, 4)  # outputs no wider than inputs: o, down
 _HEAD = (128, 128, 3, 4)  # the LM head
 # Outputs wider than inputs (qkv) up to 16 rows, and gate/up fused with SiLU·mul (2 x BLOCK_N
-# weight rows per program) from 17 rows; cuBLAS where whole graph steps were faster with it
-# (qkv beyond 16 rows, gate/up below 17), on the H100.
+# weight rows per program) from 17 rows where each half is at least 7,168 wide; cuBLAS where
+# whole graph steps were faster with it (qkv beyond 16 rows, gate/up below 17), on the H100, or
+# where the kernel alone was: halves of 3,584 (a tensor-parallel shard over 4 GPUs of
+# Llama-3-8B's; 56 programs for 132 SMs) ran 1.2x slower than cuBLAS + silu_mul (the best of
+# seven other blocks tied it), halves of 7,168 (over 2 GPUs) 4% faster.
 _WIDE, _WIDE_ROWS = (64, 256, 3, 4), 16
-_GATED, _GATED_ROWS = (64, 128, 3, 4), 17
+_GATED, _GATED_ROWS, _GATED_HALF = (64, 128, 3, 4), 17, 7168
 
 
 @triton.jit
@@ -146,8 +149,10 @@ def qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
 def gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
           captured: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` of ``F.linear(x, weight, bias)`` (``[M, 2 I]``, gate first) in one
-    kernel for a bias-free projection, else cuBLAS then :func:`~deft.model.fused.silu_mul`."""
+    kernel for a bias-free projection from ``_GATED_ROWS`` rows with halves at least
+    ``_GATED_HALF`` wide, else cuBLAS then :func:`~deft.model.fused.silu_mul`."""
     if (bias is None and x.shape[0] >= _GATED_ROWS and weight.shape[0] % 2 == 0
+            and weight.shape[0] // 2 >= _GATED_HALF
             and _takes_kernel(x, weight, _GATED, captured)):
         return _launch(x, weight, x.dtype, _GATED, _gated_kernel)
     return silu_mul(F.linear(x, weight, bias))
