@@ -115,6 +115,41 @@ def test_rejects_what_it_cannot_pick_from():
     assert tokens.shape == logp.shape == lse.shape == (0,)
 
 
+def test_rows_picked_alone_do_not_depend_on_the_others():
+    """``alone``: each row chunked as in a call of its own (30 chunks here, where sharing 30
+    programs among 6 rows gives 5: the last row's figures then differ in their last bits),
+    so its token, log-probability and logsumexp are bitwise those of picking it alone."""
+    x = (4 * torch.randn(6, 30000, generator=torch.Generator().manual_seed(0))).to(DEV)
+    got = pick(x, programs=30, alone=True)
+    for i in range(6):
+        for a, b in zip(got, pick(x[i:i + 1], programs=30)):
+            assert torch.equal(a[i:i + 1], b)
+
+
+def test_greedy_rows_of_several_samplers_are_drawn_in_one_call(monkeypatch):
+    """Rows of different greedy samplers (several requests) share one draw, each as if drawn
+    alone; a sampled request's rows keep its own sampler's call, the same draws as alone."""
+    from types import SimpleNamespace
+
+    from deft.engine.inflight import draw
+
+    calls = []
+    real = Sampler.draw
+    monkeypatch.setattr(Sampler, "draw", lambda self, x: calls.append(len(x)) or real(self, x))
+    rows = (3 * torch.randn(5, 3000, generator=torch.Generator().manual_seed(1))).to(DEV)
+    hot = SamplingParams(temperature=0.9, seed=4)
+    samplers = [Sampler(SamplingParams(), DEV) for _ in range(3)] + [Sampler(hot, DEV)] * 2
+    got = draw([SimpleNamespace(sampler=s, logits=r, top_logprobs=0)
+                for s, r in zip(samplers, rows)], [False] * 5).results()
+    assert calls == [3, 2]
+    for i, (b, token, logp, _, _) in enumerate(got[:3]):
+        assert b.sampler is samplers[i]
+        t, lp = real(Sampler(SamplingParams(), DEV), rows[i:i + 1])
+        assert (token, logp) == (t.item(), lp.item())
+    t, lp = real(Sampler(hot, DEV), rows[3:])
+    assert [(r[1], r[2]) for r in got[3:]] == list(zip(t.tolist(), lp.tolist()))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=3),

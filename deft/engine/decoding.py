@@ -402,14 +402,15 @@ def _leaves(engine: TreeEngine, req: Request) -> Branch:
 
 
 def _sample(engine: TreeEngine, branches: list[Branch], release: Callable[[Branch, str], None]) -> None:
-    """Pick each branch's next token (one batched call per sampler) and finish branches.
+    """Pick each branch's next token (one batched call per
+    :attr:`~deft.engine.sampling.Sampler.batch_key`) and finish branches.
 
     A finished branch (but one that keeps its last token) goes to ``release`` with its
     finish reason.
     """
-    groups: dict[int, list[Branch]] = {}
+    groups: dict[object, list[Branch]] = {}
     for b in branches:
-        groups.setdefault(id(b.sampler), []).append(b)
+        groups.setdefault(b.sampler.batch_key, []).append(b)
     for group in groups.values():
         logits = torch.stack([b.logits for b in group])
         tokens, logps = group[0].sampler(logits)

@@ -63,10 +63,11 @@ class InFlight:
 
 def draw(branches: Sequence[Branch], last: Sequence[bool]) -> InFlight:
     """Draw the next token of every branch from its ``logits`` on their device, one batched
-    call per sampler (as :func:`~deft.engine.decoding._sample` does, without a host copy)."""
-    groups: dict[int, list[tuple[Branch, bool]]] = {}
+    call per :attr:`~deft.engine.sampling.Sampler.batch_key` (as
+    :func:`~deft.engine.decoding._sample` does, without a host copy)."""
+    groups: dict[object, list[tuple[Branch, bool]]] = {}
     for b, end in zip(branches, last):
-        groups.setdefault(id(b.sampler), []).append((b, end))
+        groups.setdefault(b.sampler.batch_key, []).append((b, end))
     k = max(b.top_logprobs for b in branches)
     order: list[Branch] = []
     ends: list[bool] = []

@@ -44,7 +44,8 @@ class Sampler:
     One ``torch.Generator`` per sampler: seeded by ``params.seed`` (so a call is
     reproducible), else from fresh entropy. On CUDA, greedy and plain temperature sampling
     (no top-k or top-p) pick with :func:`~deft.engine.token_pick.pick` (Gumbel-max noise
-    seeded from the same seed), other filters with ``torch.multinomial``.
+    seeded from the same seed), other filters with ``torch.multinomial``. Greedy samplers
+    draw rows of any of them (see :attr:`batch_key`).
     """
 
     def __init__(self, params: SamplingParams, device: str | torch.device = "cpu") -> None:
@@ -56,6 +57,14 @@ class Sampler:
             self.generator.manual_seed(params.seed)
         # Seeds of the fused CUDA picks' noise, drawn on the host (no synchronisation).
         self._seeds = random.Random(self.generator.initial_seed())
+
+    @property
+    def batch_key(self) -> object:
+        """Rows whose samplers have equal keys are drawn in one call: every greedy sampler's
+        (an argmax uses no generator, and each row is picked as if alone, so one request's
+        tokens and log-probabilities do not depend on the others'), else the sampler's own
+        (its generator draws them in order)."""
+        return "greedy" if self.params.greedy else id(self)
 
     def __call__(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """Tokens for logits ``[B, vocab]`` and their log-probabilities under the model.
@@ -73,7 +82,10 @@ class Sampler:
             from .token_pick import pick
 
             p = self.params
-            if p.greedy or (p.top_p == 1.0 and not 0 < p.top_k < logits.shape[-1]):
+            if p.greedy:
+                tokens, logp, _ = pick(logits, alone=True)
+                return tokens, logp
+            if p.top_p == 1.0 and not 0 < p.top_k < logits.shape[-1]:
                 tokens, logp, _ = pick(logits, p.temperature, self._seeds.getrandbits(31))
                 return tokens, logp
             tokens = self._sample(logits)

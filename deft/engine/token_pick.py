@@ -98,12 +98,15 @@ def _programs(device: torch.device) -> int:
 
 
 def pick(logits: torch.Tensor, temperature: float = 0.0, seed: int = 0,
-         programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         programs: int | None = None, alone: bool = False
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(tokens, logp, lse)`` for logits ``[B, V]``: int64 tokens ``[B]`` (the argmax at
     ``temperature`` 0, else a draw from ``softmax(logits / temperature)`` with noise keyed
     by ``seed``, a 31-bit int), their float32 log-probabilities under the logits and the
     rows' float32 ``logsumexp``; no host synchronisation. ``programs``: how many programs
-    to spread the rows over (default: two per SM)."""
+    to spread the rows over (default: two per SM); ``alone``: that many for each row, so a
+    row is chunked as in a call of its own and its results do not depend on the other rows
+    (rows of several requests picked in one call)."""
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(f"logits: expected [rows, vocab] with a vocab, got {tuple(logits.shape)}")
     if not (temperature >= 0 and temperature != float("inf")):
@@ -120,7 +123,8 @@ def pick(logits: torch.Tensor, temperature: float = 0.0, seed: int = 0,
     if programs is None:
         programs = _programs(dev) if dev.type == "cuda" else 4
     blocks = triton.cdiv(vocab, _BLOCK)
-    chunk = triton.cdiv(blocks, max(1, min(blocks, triton.cdiv(programs, rows)))) * _BLOCK
+    per_row = programs if alone else triton.cdiv(programs, rows)
+    chunk = triton.cdiv(blocks, max(1, min(blocks, per_row))) * _BLOCK
     chunks = triton.cdiv(vocab, chunk)
     parts = torch.empty((4, rows, chunks), dtype=torch.float32, device=dev)
     first = torch.empty((rows, chunks), dtype=torch.int32, device=dev)

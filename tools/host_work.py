@@ -1,0 +1,89 @@
+"""Host work of a decode loop with the model's forward stubbed out: what a step costs the
+host alone (the decode loop, cache, layout, plan and token picks), on any machine.
+
+A small random Llama (one layer) whose forward is replaced by rows of precomputed random
+logits over a ``--vocab``-entry vocabulary, so every step's time is host work. Loops:
+``greedy32`` (greedy decoding of 32 prompts of 1,000 tokens, the e2e suite's "greedy, 32
+prompts"), ``beam16`` (beam search k=16 from one 2,000-token prompt). Prints ms of host
+work per decode step: a run of ``--steps`` new tokens minus a run of one, best of
+``--repeats``; with ``--profile``, cProfile's top functions of one run. On the CPU the picks
+run as PyTorch ops on the host; on a GPU the forward is stubbed the same way, so the
+figure includes launching the picks but no model.
+
+Usage: python tools/host_work.py [LOOP ...] [--vocab N] [--steps N] [--repeats N] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+LOOPS = ("greedy32", "beam16")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("loops", nargs="*", default=list(LOOPS), metavar="LOOP",
+                    help=f"decode loops to time, of {', '.join(LOOPS)} (default: all)")
+    ap.add_argument("--vocab", type=int, default=1000, help="vocabulary size (default 1000)")
+    ap.add_argument("--steps", type=int, default=64, help="new tokens of a timed run (default 64)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs, best kept (default 5)")
+    ap.add_argument("--device", default="cpu", help="the engine's device (default cpu)")
+    ap.add_argument("--profile", action="store_true", help="also print cProfile's top functions")
+    a = ap.parse_args()
+    unknown = [n for n in a.loops if n not in LOOPS]
+    if unknown:
+        ap.error(f"unknown loop(s) {unknown}; known: {', '.join(LOOPS)}")
+
+    import torch
+
+    from deft.engine import SamplingParams, TreeEngine, beam_search, generate
+    from deft.model import LlamaConfig
+    from deft.model.synthetic import byte_tokenizer, random_model
+
+    config = LlamaConfig(vocab_size=a.vocab, hidden_size=64, intermediate_size=128,
+                         num_layers=1, num_heads=2, num_kv_heads=1, max_position_embeddings=4096)
+    engine = TreeEngine(random_model(config, a.device), byte_tokenizer(a.vocab), num_pages=8192)
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(4096, a.vocab, generator=gen).to(engine.device)
+    offsets = iter(torch.randint(0, 4096 - 64, (1 << 20,), generator=gen).tolist())
+    engine.runner.run = lambda step: table[next(offsets):][:len(step.logits_rows)].clone()
+    never = frozenset()
+
+    def prompt(n: int, seed: int) -> list[int]:
+        return torch.randint(258, a.vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    runs = {
+        "greedy32": lambda n, ps=[prompt(1000, i) for i in range(32)]: generate(
+            engine, ps, SamplingParams(max_new_tokens=n, stop_token_ids=never)),
+        "beam16": lambda n, p=prompt(2000, 99): beam_search(engine, p, 16, n, stop_token_ids=never),
+    }
+    for name in a.loops:
+        def timed(n: int) -> float:
+            t = time.perf_counter()
+            runs[name](n)
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - t
+
+        timed(4)
+        best = min(timed(a.steps) - timed(1) for _ in range(a.repeats))
+        print(f"{name}: {best / (a.steps - 1) * 1e3:.3f} ms of host work per decode step "
+              f"(vocabulary {a.vocab}, {engine.device})", flush=True)
+        if a.profile:
+            pr = cProfile.Profile()
+            pr.enable()
+            runs[name](a.steps)
+            pr.disable()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
