@@ -128,7 +128,8 @@ def test_rows_picked_alone_do_not_depend_on_the_others():
 
 def test_greedy_rows_of_several_samplers_are_drawn_in_one_call(monkeypatch):
     """Rows of different greedy samplers (several requests) share one draw, each as if drawn
-    alone; a sampled request's rows keep its own sampler's call, the same draws as alone."""
+    alone; a sampled request's rows keep its own sampler's call, the same draws as alone; the
+    results come back in the batch's order."""
     from types import SimpleNamespace
 
     from deft.engine.inflight import draw
@@ -138,16 +139,49 @@ def test_greedy_rows_of_several_samplers_are_drawn_in_one_call(monkeypatch):
     monkeypatch.setattr(Sampler, "draw", lambda self, x: calls.append(len(x)) or real(self, x))
     rows = (3 * torch.randn(5, 3000, generator=torch.Generator().manual_seed(1))).to(DEV)
     hot = SamplingParams(temperature=0.9, seed=4)
-    samplers = [Sampler(SamplingParams(), DEV) for _ in range(3)] + [Sampler(hot, DEV)] * 2
+    greedy, sampled = [Sampler(SamplingParams(), DEV) for _ in range(3)], Sampler(hot, DEV)
+    samplers = [greedy[0], sampled, greedy[1], sampled, greedy[2]]
     got = draw([SimpleNamespace(sampler=s, logits=r, top_logprobs=0)
                 for s, r in zip(samplers, rows)], [False] * 5).results()
     assert calls == [3, 2]
-    for i, (b, token, logp, _, _) in enumerate(got[:3]):
-        assert b.sampler is samplers[i]
+    assert [r[0].sampler for r in got] == samplers
+    for i in (0, 2, 4):
         t, lp = real(Sampler(SamplingParams(), DEV), rows[i:i + 1])
-        assert (token, logp) == (t.item(), lp.item())
-    t, lp = real(Sampler(hot, DEV), rows[3:])
-    assert [(r[1], r[2]) for r in got[3:]] == list(zip(t.tolist(), lp.tolist()))
+        assert got[i][1:3] == (t.item(), lp.item())
+    t, lp = real(Sampler(hot, DEV), rows[[1, 3]])
+    assert [got[i][1:3] for i in (1, 3)] == list(zip(t.tolist(), lp.tolist()))
+
+
+def test_steps_that_wait_draw_every_greedy_request_in_one_call(monkeypatch):
+    """``decoding._sample`` (steps that wait for their tokens) groups rows as ``draw`` does:
+    three greedy requests and a sampled one take two calls a step, not four."""
+    from conftest import run_batch
+    from deft.engine import TreeEngine
+    from deft.engine.decoding import Batch, Request
+    from deft.model import load_random
+
+    engine = TreeEngine(*load_random("random:tiny"), num_pages=64)
+    calls = []
+    real = Sampler.__call__
+    monkeypatch.setattr(Sampler, "__call__", lambda self, x: calls.append(len(x)) or real(self, x))
+    batch = Batch(engine, overlap=False)
+    for r in [Request([5 + i, 9, 14], 1, SamplingParams(max_new_tokens=3)) for i in range(3)]:
+        batch.add(r)
+    batch.add(Request([7, 7], 2, SamplingParams(max_new_tokens=3, temperature=1.0, seed=2)))
+    run_batch(batch)
+    assert sorted(calls) == [2] * 3 + [3] * 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_greedy_row_draws_the_same_beside_any_other_rows():
+    """On CUDA a greedy draw picks each row as if alone: 32 requests' rows in one call give
+    each the token and log-probability, bitwise, that it gets alone."""
+    logits = (3 * torch.randn(32, 128256, device="cuda")).to(torch.bfloat16)
+    tokens, logp = Sampler(SamplingParams(), "cuda").draw(logits)
+    for i in range(32):
+        t, lp = Sampler(SamplingParams(), "cuda").draw(logits[i:i + 1])
+        assert torch.equal(tokens[i:i + 1], t) and torch.equal(logp[i:i + 1], lp)
 
 
 @pytest.mark.gpu

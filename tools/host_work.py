@@ -7,10 +7,11 @@ logits over a ``--vocab``-entry vocabulary, so every step's time is host work. L
 prompts"), ``beam16`` (beam search k=16 from one 2,000-token prompt). Prints ms of host
 work per decode step: a run of ``--steps`` new tokens minus a run of one, best of
 ``--repeats``; with ``--profile``, cProfile's top functions of one run. On the CPU the picks
-run as PyTorch ops on the host; on a GPU the forward is stubbed the same way, so the
-figure includes launching the picks but no model.
+run as PyTorch ops on the host; with ``--device cuda`` the forward is stubbed the same way,
+so the figure includes launching the picks but no model.
 
-Usage: python tools/host_work.py [LOOP ...] [--vocab N] [--steps N] [--repeats N] [--profile]
+Usage: python tools/host_work.py [LOOP ...] [--vocab N] [--steps N] [--repeats N]
+[--device DEV] [--profile]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 LOOPS = ("greedy32", "beam16")
+TABLE = 256  # rows of precomputed logits a step's rows are sliced from
 
 
 def main() -> None:
@@ -32,8 +34,10 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("loops", nargs="*", default=list(LOOPS), metavar="LOOP",
                     help=f"decode loops to time, of {', '.join(LOOPS)} (default: all)")
-    ap.add_argument("--vocab", type=int, default=1000, help="vocabulary size (default 1000)")
-    ap.add_argument("--steps", type=int, default=64, help="new tokens of a timed run (default 64)")
+    ap.add_argument("--vocab", type=int, default=1000, help="vocabulary size, at least 259 "
+                    "(default 1000)")
+    ap.add_argument("--steps", type=int, default=64, help="new tokens of a timed run, at least 2 "
+                    "(default 64)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs, best kept (default 5)")
     ap.add_argument("--device", default="cpu", help="the engine's device (default cpu)")
     ap.add_argument("--profile", action="store_true", help="also print cProfile's top functions")
@@ -41,6 +45,8 @@ def main() -> None:
     unknown = [n for n in a.loops if n not in LOOPS]
     if unknown:
         ap.error(f"unknown loop(s) {unknown}; known: {', '.join(LOOPS)}")
+    if a.vocab < 259 or a.steps < 2 or a.repeats < 1:
+        ap.error("expected --vocab >= 259, --steps >= 2 and --repeats >= 1")
 
     import torch
 
@@ -52,35 +58,40 @@ def main() -> None:
                          num_layers=1, num_heads=2, num_kv_heads=1, max_position_embeddings=4096)
     engine = TreeEngine(random_model(config, a.device), byte_tokenizer(a.vocab), num_pages=8192)
     gen = torch.Generator().manual_seed(0)
-    table = torch.randn(4096, a.vocab, generator=gen).to(engine.device)
-    offsets = iter(torch.randint(0, 4096 - 64, (1 << 20,), generator=gen).tolist())
+    table = torch.randn(TABLE, a.vocab, generator=gen).to(engine.device)
+    offsets = iter(torch.randint(0, TABLE - 32, (1 << 20,), generator=gen).tolist())
     engine.runner.run = lambda step: table[next(offsets):][:len(step.logits_rows)].clone()
     never = frozenset()
 
     def prompt(n: int, seed: int) -> list[int]:
         return torch.randint(258, a.vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
-    runs = {
-        "greedy32": lambda n, ps=[prompt(1000, i) for i in range(32)]: generate(
-            engine, ps, SamplingParams(max_new_tokens=n, stop_token_ids=never)),
-        "beam16": lambda n, p=prompt(2000, 99): beam_search(engine, p, 16, n, stop_token_ids=never),
-    }
-    for name in a.loops:
-        def timed(n: int) -> float:
-            t = time.perf_counter()
-            runs[name](n)
-            if engine.device.type == "cuda":
-                torch.cuda.synchronize()
-            return time.perf_counter() - t
+    def loop(name: str):
+        """A run of ``name`` with ``n`` new tokens per sequence, as a callable of ``n``."""
+        if name == "greedy32":
+            prompts = [prompt(1000, i) for i in range(32)]
+            return lambda n: generate(engine, prompts, SamplingParams(max_new_tokens=n,
+                                                                      stop_token_ids=never))
+        beam_prompt = prompt(2000, 99)
+        return lambda n: beam_search(engine, beam_prompt, 16, n, stop_token_ids=never)
 
-        timed(4)
-        best = min(timed(a.steps) - timed(1) for _ in range(a.repeats))
+    def timed(run, n: int) -> float:
+        t = time.perf_counter()
+        run(n)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    for name in a.loops:
+        run = loop(name)
+        timed(run, 4)
+        best = min(timed(run, a.steps) - timed(run, 1) for _ in range(a.repeats))
         print(f"{name}: {best / (a.steps - 1) * 1e3:.3f} ms of host work per decode step "
               f"(vocabulary {a.vocab}, {engine.device})", flush=True)
         if a.profile:
             pr = cProfile.Profile()
             pr.enable()
-            runs[name](a.steps)
+            run(a.steps)
             pr.disable()
             pstats.Stats(pr).sort_stats("tottime").print_stats(25)
 

@@ -5,8 +5,9 @@ the device (:func:`draw`), feeds them to the next forward there (``TreeEngine.ex
 ``device_tokens``) and copies them to the host without waiting. The host reads them at the
 start of the following step (:meth:`InFlight.results`), while the GPU runs the forward it
 has just queued, and plans that step meanwhile. So a stop token is seen one step late: its
-branch has fed one token more, which is discarded with the branch. Each sampler still draws
-the same rows in the same order, so the results equal those of steps that wait.
+branch has fed one token more, which is discarded with the branch. The rows are drawn in the
+same calls as in steps that wait (each sampler's in order, every greedy row as if alone), so
+the results equal theirs.
 """
 
 from __future__ import annotations
@@ -34,11 +35,14 @@ class InFlight:
     ``tokens`` (int64 ``[B]``) stays on the device for the next forward; a copy of the
     tokens, their log-probabilities and the ``top`` most likely ``(token, log-probability)``
     pairs travels to the host. ``last[i]``: branch ``i`` ends after this token, whatever it is.
+    ``at[i]``: branch ``i``'s place in the batch, the order :meth:`results` lists them in.
     """
 
     def __init__(self, branches: list[Branch], last: list[bool], tokens: torch.Tensor,
-                 logps: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+                 logps: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None,
+                 at: Sequence[int] | None = None) -> None:
         self.branches, self.last, self.tokens = branches, last, tokens
+        self._order = sorted(range(len(branches)), key=at.__getitem__) if at else None
         parts = [tokens, logps] + (list(top) if top is not None else [])
         self._event = None
         if tokens.device.type == "cuda":
@@ -48,8 +52,9 @@ class InFlight:
         self._host = parts
 
     def results(self) -> list[tuple[Branch, int, float, list[tuple[int, float]], bool]]:
-        """Per row: the branch, its token, the token's log-probability, the top pairs and
-        ``last``; waits for the copy (the draw, queued before the forward, is done first)."""
+        """Per branch, in the batch's order: the branch, its token, the token's
+        log-probability, the top pairs and ``last``; waits for the copy (the draw, queued
+        before the forward, is done first)."""
         if self._event is not None:
             self._event.synchronize()
         tokens, logps = self._host[0].tolist(), self._host[1].tolist()
@@ -58,7 +63,8 @@ class InFlight:
             tops = [list(zip(i, v)) for i, v in zip(indices, values)]
         else:
             tops = [[] for _ in tokens]
-        return list(zip(self.branches, tokens, logps, tops, self.last))
+        rows = list(zip(self.branches, tokens, logps, tops, self.last))
+        return rows if self._order is None else [rows[i] for i in self._order]
 
 
 def draw(branches: Sequence[Branch], last: Sequence[bool]) -> InFlight:
@@ -71,6 +77,7 @@ def draw(branches: Sequence[Branch], last: Sequence[bool]) -> InFlight:
     k = max(b.top_logprobs for b in branches)
     order: list[Branch] = []
     ends: list[bool] = []
+    at = {id(b): i for i, b in enumerate(branches)}
     tokens, logps, values, indices = [], [], [], []
     for group in groups.values():
         logits = torch.stack([b.logits for b, _ in group])
@@ -83,6 +90,7 @@ def draw(branches: Sequence[Branch], last: Sequence[bool]) -> InFlight:
             indices.append(top.indices)
         order += [b for b, _ in group]
         ends += [end for _, end in group]
-    cat = (lambda xs: xs[0]) if len(groups) == 1 else torch.cat  # one sampler: no copy
+    cat = (lambda xs: xs[0]) if len(groups) == 1 else torch.cat  # one call: no copy
     top = (cat(values), cat(indices)) if k else None
-    return InFlight(order, ends, cat(tokens).to(torch.int64), cat(logps), top)
+    return InFlight(order, ends, cat(tokens).to(torch.int64), cat(logps), top,
+                    [at[id(b)] for b in order])

@@ -45,7 +45,7 @@ class Sampler:
     reproducible), else from fresh entropy. On CUDA, greedy and plain temperature sampling
     (no top-k or top-p) pick with :func:`~deft.engine.token_pick.pick` (Gumbel-max noise
     seeded from the same seed), other filters with ``torch.multinomial``. A greedy sampler
-    may draw other greedy samplers' rows with its own (see :attr:`batch_key`).
+    may draw other greedy samplers' rows along with its own (see :attr:`batch_key`).
     """
 
     def __init__(self, params: SamplingParams, device: str | torch.device = "cpu") -> None:

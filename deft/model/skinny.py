@@ -8,7 +8,8 @@ streams ``BLOCK_N`` weight rows per program over the whole reduction, accumulate
 and rounds once to the activations' dtype, as cuBLAS does; on sm_90+ it launches with
 programmatic dependent launch, as :mod:`.fused`'s kernels do, so the wide projections take it
 too where that made whole steps faster: qkv up to 16 rows, and gate/up with SiLU·mul fused
-into it (:func:`gated`) from 17 rows (``tools/model_ab.py --switch wide``). It is taken only
+into it (:func:`gated`) from 17 rows where its halves are at least 7,168 wide
+(``tools/model_ab.py --switch wide``). It is taken only
 inside CUDA-graph captures (and their warm-ups): launched from Python, a Triton kernel costs
 more host time than cuBLAS's, and eager steps are host-bound.
 """
@@ -34,9 +35,10 @@ _HEAD = (128, 128, 3, 4)  # the LM head
 # Outputs wider than inputs (qkv) up to 16 rows, and gate/up fused with SiLU·mul (2 x BLOCK_N
 # weight rows per program) from 17 rows where each half is at least 7,168 wide; cuBLAS where
 # whole graph steps were faster with it (qkv beyond 16 rows, gate/up below 17), on the H100, or
-# where the kernel alone was: halves of 3,584 (a tensor-parallel shard over 4 GPUs of
-# Llama-3-8B's; 56 programs for 132 SMs) ran 1.2x slower than cuBLAS + silu_mul (the best of
-# seven other blocks tied it), halves of 7,168 (over 2 GPUs) 4% faster.
+# where the kernel alone was: halves of 3,584 (Llama-3-8B's gate/up split over 4 GPUs; 56
+# programs for 132 SMs) ran 1.2x slower than cuBLAS + silu_mul (the best of seven blocks tied
+# it), halves of 7,168 (over 2 GPUs) 4% faster. Widths between were not measured; narrower
+# halves take cuBLAS on one GPU too.
 _WIDE, _WIDE_ROWS = (64, 256, 3, 4), 16
 _GATED, _GATED_ROWS, _GATED_HALF = (64, 128, 3, 4), 17, 7168
 
