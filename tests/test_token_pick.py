@@ -162,8 +162,8 @@ def test_steps_that_wait_draw_every_greedy_request_in_one_call(monkeypatch):
 
     engine = TreeEngine(*load_random("random:tiny"), num_pages=64)
     calls = []
-    real = Sampler.__call__
-    monkeypatch.setattr(Sampler, "__call__", lambda self, x: calls.append(len(x)) or real(self, x))
+    real = Sampler.draw
+    monkeypatch.setattr(Sampler, "draw", lambda self, x: calls.append(len(x)) or real(self, x))
     batch = Batch(engine, overlap=False)
     for r in [Request([5 + i, 9, 14], 1, SamplingParams(max_new_tokens=3)) for i in range(3)]:
         batch.add(r)

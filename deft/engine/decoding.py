@@ -3,8 +3,8 @@
 A :class:`~deft.engine.requests.Branch` is a run of tokens growing from a cache node. Each
 step, every live branch of every request feeds its pending tokens (part of a prompt, a
 prefix, or the token it sampled last) in ONE ``engine.extend``; then all branches that wait
-for a token sample it, in one batched call per
-:attr:`~deft.engine.sampling.Sampler.batch_key` (all greedy requests together). Prompts are fed in chunks of at most
+for a token sample it, one batched call per :attr:`~deft.engine.sampling.Sampler.batch_key`
+(all greedy requests together). Prompts are fed in chunks of at most
 ``engine.prefill_chunk`` tokens per step, alongside the other requests' decode tokens.
 A branch whose feed is done forks its ``then`` branches, which continue from its last
 token and share its K/V (a prompt's samples; the prompts that share a prefix). A
@@ -403,27 +403,13 @@ def _leaves(engine: TreeEngine, req: Request) -> Branch:
 
 
 def _sample(engine: TreeEngine, branches: list[Branch], release: Callable[[Branch, str], None]) -> None:
-    """Pick each branch's next token (one batched call per
-    :attr:`~deft.engine.sampling.Sampler.batch_key`) and finish branches.
+    """Pick each branch's next token (:func:`~deft.engine.inflight.draw`'s calls, waited
+    for) and finish branches, in the batch's order.
 
     A finished branch (but one that keeps its last token) goes to ``release`` with its
     finish reason.
     """
-    groups: dict[object, list[Branch]] = {}
-    for b in branches:
-        groups.setdefault(b.sampler.batch_key, []).append(b)
-    picked: dict[int, tuple[int, float, list[tuple[int, float]]]] = {}
-    for group in groups.values():
-        logits = torch.stack([b.logits for b in group])
-        tokens, logps = group[0].sampler(logits)
-        k = max(b.top_logprobs for b in group)
-        tops = [[] for _ in group]
-        if k:
-            top = torch.topk(torch.log_softmax(logits.float(), -1), k, dim=-1)
-            tops = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
-        picked.update((id(b), row) for b, row in zip(group, zip(tokens, logps, tops)))
-    for b in branches:  # in the batch's order: releases and prefix-store offers as before
-        t, lp, top = picked[id(b)]
+    for b, t, lp, top, _ in draw(branches, [False] * len(branches)).results():
         b.logits = None
         b.tokens.append(t)
         b.logprob += lp

@@ -71,26 +71,22 @@ def draw(branches: Sequence[Branch], last: Sequence[bool]) -> InFlight:
     """Draw the next token of every branch from its ``logits`` on their device, one batched
     call per :attr:`~deft.engine.sampling.Sampler.batch_key` (as
     :func:`~deft.engine.decoding._sample` does, without a host copy)."""
-    groups: dict[object, list[tuple[Branch, bool]]] = {}
-    for b, end in zip(branches, last):
-        groups.setdefault(b.sampler.batch_key, []).append((b, end))
+    groups: dict[object, list[int]] = {}
+    for i, b in enumerate(branches):
+        groups.setdefault(b.sampler.batch_key, []).append(i)
     k = max(b.top_logprobs for b in branches)
-    order: list[Branch] = []
-    ends: list[bool] = []
-    at = {id(b): i for i, b in enumerate(branches)}
     tokens, logps, values, indices = [], [], [], []
     for group in groups.values():
-        logits = torch.stack([b.logits for b, _ in group])
-        t, lp = group[0][0].sampler.draw(logits)
+        logits = torch.stack([branches[i].logits for i in group])
+        t, lp = branches[group[0]].sampler.draw(logits)
         tokens.append(t)
         logps.append(lp)
         if k:
             top = torch.topk(torch.log_softmax(logits.float(), -1), k, dim=-1)
             values.append(top.values)
             indices.append(top.indices)
-        order += [b for b, _ in group]
-        ends += [end for _, end in group]
+    at = [i for group in groups.values() for i in group]  # the batch's row of each drawn row
     cat = (lambda xs: xs[0]) if len(groups) == 1 else torch.cat  # one call: no copy
     top = (cat(values), cat(indices)) if k else None
-    return InFlight(order, ends, cat(tokens).to(torch.int64), cat(logps), top,
-                    [at[id(b)] for b in order])
+    return InFlight([branches[i] for i in at], [last[i] for i in at],
+                    cat(tokens).to(torch.int64), cat(logps), top, at)

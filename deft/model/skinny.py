@@ -9,9 +9,9 @@ and rounds once to the activations' dtype, as cuBLAS does; on sm_90+ it launches
 programmatic dependent launch, as :mod:`.fused`'s kernels do, so the wide projections take it
 too where that made whole steps faster: qkv up to 16 rows, and gate/up with SiLU·mul fused
 into it (:func:`gated`) from 17 rows where its halves are at least 7,168 wide
-(``tools/model_ab.py --switch wide``). It is taken only
-inside CUDA-graph captures (and their warm-ups): launched from Python, a Triton kernel costs
-more host time than cuBLAS's, and eager steps are host-bound.
+(``tools/model_ab.py --switch wide``). It is taken only inside CUDA-graph captures (and
+their warm-ups): launched from Python, a Triton kernel costs more host time than cuBLAS's,
+and eager steps are host-bound.
 """
 
 from __future__ import annotations
