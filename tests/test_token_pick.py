@@ -126,6 +126,62 @@ def test_rows_picked_alone_do_not_depend_on_the_others():
             assert torch.equal(a[i:i + 1], b)
 
 
+def test_per_row_draws_equal_each_requests_call_alone():
+    """Per-row temperatures, seeds and noise rows: each request's rows (two sampled requests,
+    a greedy row, a tiny temperature) draw bitwise what a call of their own draws."""
+    x = (3 * torch.randn(5, 3000, generator=torch.Generator().manual_seed(0))).to(DEV)
+    got = pick(x, [0.7, 1.5, 0.7, 0.0, 1e-3], [11, 5, 11, 0, 9], programs=6, alone=True,
+               noise_rows=[0, 0, 1, 0, 0])
+    for rows, temperature, seed in [([0, 2], 0.7, 11), ([1], 1.5, 5), ([3], 0.0, 0),
+                                    ([4], 1e-3, 9)]:
+        alone = pick(x[rows], temperature, seed, programs=6, alone=True)
+        for a, b in zip(got, alone):
+            assert torch.equal(a[rows], b)
+    assert got[0][3].item() == x[3].argmax().item()
+    with pytest.raises(ValueError, match="per-row"):
+        pick(x, [0.7] * 5, 3)
+    with pytest.raises(ValueError, match="per-row"):
+        pick(x, [0.7] * 5, [3] * 4)
+    with pytest.raises(ValueError, match="temperature"):
+        pick(x, [0.7, -1.0, 0.7, 0.7, 0.7], [3] * 5)
+
+
+def sampled_requests(monkeypatch, vocab: int) -> tuple[list[Sampler], torch.Tensor, list]:
+    """Rows of three sampled requests (one of two rows) and two greedy ones, interleaved, with
+    ``draw_rows``' calls recorded; fused picks on any device (the interpreter on CPU)."""
+    from deft.engine import inflight, sampling
+
+    monkeypatch.setattr(sampling, "_fused", lambda device: True)
+    calls = []
+    monkeypatch.setattr(inflight, "draw_rows",
+                        lambda s, x: calls.append(len(x)) or sampling.draw_rows(s, x))
+    hot = [SamplingParams(temperature=t, seed=s) for t, s in [(0.9, 4), (1.3, 5), (0.5, 6)]]
+    a, b, c = [Sampler(p, DEV) for p in hot]
+    samplers = [a, Sampler(SamplingParams(), DEV), b, a, c, Sampler(SamplingParams(), DEV)]
+    rows = (3 * torch.randn(6, vocab, generator=torch.Generator().manual_seed(1))).to(DEV)
+    return samplers, rows, calls
+
+
+def test_sampled_rows_of_several_requests_are_drawn_in_one_call(monkeypatch):
+    """Plain temperature samplers share one fused call a step (and greedy ones another); each
+    request draws bitwise what it draws alone, step after step (its seeds in order)."""
+    from types import SimpleNamespace
+
+    from deft.engine.inflight import draw
+
+    samplers, rows, calls = sampled_requests(monkeypatch, 3000)
+    fresh = {id(s): Sampler(s.params, DEV) for s in samplers}
+    for _ in range(2):
+        got = draw([SimpleNamespace(sampler=s, logits=r, top_logprobs=0)
+                    for s, r in zip(samplers, rows)], [False] * 6).results()
+        assert [r[0].sampler for r in got] == samplers
+        for s in dict.fromkeys(samplers):
+            mine = [i for i, t in enumerate(samplers) if t is s]
+            t, lp = fresh[id(s)].draw(rows[mine])
+            assert [got[i][1:3] for i in mine] == list(zip(t.tolist(), lp.tolist()))
+    assert calls == [4, 2] * 2
+
+
 def test_greedy_rows_of_several_samplers_are_drawn_in_one_call(monkeypatch):
     """Rows of different greedy samplers (several requests) share one draw, each as if drawn
     alone; a sampled request's rows keep its own sampler's call, the same draws as alone; the
@@ -182,6 +238,25 @@ def test_a_greedy_row_draws_the_same_beside_any_other_rows():
     for i in range(32):
         t, lp = Sampler(SamplingParams(), "cuda").draw(logits[i:i + 1])
         assert torch.equal(tokens[i:i + 1], t) and torch.equal(logp[i:i + 1], lp)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sampled_requests_draw_the_same_in_one_call_on_a_gpu():
+    """Eight sampled requests of one to four rows, at Llama 3's vocab in bf16: one call, and
+    each request's tokens and log-probabilities bitwise those of its own call."""
+    from deft.engine.sampling import draw_rows
+
+    sizes = [1, 4, 2, 1, 3, 1, 2, 1]
+    params = [SamplingParams(temperature=0.3 + 0.2 * i, seed=i) for i in range(8)]
+    samplers = [Sampler(p, "cuda") for p in params]
+    owner = [i for i, n in enumerate(sizes) for _ in range(n)]
+    logits = (3 * torch.randn(len(owner), 128256, device="cuda")).to(torch.bfloat16)
+    tokens, logp = draw_rows([samplers[i] for i in owner], logits)
+    for i, p in enumerate(params):
+        mine = [r for r, o in enumerate(owner) if o == i]
+        t, lp = Sampler(p, "cuda").draw(logits[mine])
+        assert torch.equal(tokens[mine], t) and torch.equal(logp[mine], lp)
 
 
 @pytest.mark.gpu

@@ -6,8 +6,8 @@ the device (:func:`draw`), feeds them to the next forward there (``TreeEngine.ex
 start of the following step (:meth:`InFlight.results`), while the GPU runs the forward it
 has just queued, and plans that step meanwhile. So a stop token is seen one step late: its
 branch has fed one token more, which is discarded with the branch. The rows are drawn in the
-same calls as in steps that wait (each sampler's in order, every greedy row as if alone), so
-the results equal theirs.
+same calls as in steps that wait (:func:`~deft.engine.sampling.draw_rows`), so the results
+equal theirs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from .sampling import Sampler
+from .sampling import Sampler, draw_rows
 
 __all__ = ["InFlight", "draw"]
 
@@ -78,7 +78,7 @@ def draw(branches: Sequence[Branch], last: Sequence[bool]) -> InFlight:
     tokens, logps, values, indices = [], [], [], []
     for group in groups.values():
         logits = torch.stack([branches[i].logits for i in group])
-        t, lp = branches[group[0]].sampler.draw(logits)
+        t, lp = draw_rows([branches[i].sampler for i in group], logits)
         tokens.append(t)
         logps.append(lp)
         if k:

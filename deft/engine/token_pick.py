@@ -22,6 +22,7 @@ with ``logsumexp`` ``-inf``; NaN logits are not supported.
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import torch
 import triton
@@ -33,10 +34,17 @@ _BLOCK = 1024  # entries a program reads per iteration
 
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed per call: one compiled kernel
-def _chunk_kernel(X, KEY, RAW, IDX, MAX, SUM, V, stride, chunks, seed, x_scale, g_scale,
-                  CHUNK: tl.constexpr, BLOCK: tl.constexpr, SAMPLE: tl.constexpr):
+def _chunk_kernel(X, KEY, RAW, IDX, MAX, SUM, V, stride, chunks, seed, x_scale, g_scale, ROWS,
+                  CHUNK: tl.constexpr, BLOCK: tl.constexpr, SAMPLE: tl.constexpr,
+                  PER_ROW: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
+    noise_row = row
+    if PER_ROW:  # int32 [rows, 4]: seed, noise row, x_scale and g_scale's float32 bits
+        seed = tl.load(ROWS + row * 4)
+        noise_row = tl.load(ROWS + row * 4 + 1).to(tl.int64)
+        x_scale = tl.load(ROWS + row * 4 + 2).to(tl.float32, bitcast=True)
+        g_scale = tl.load(ROWS + row * 4 + 3).to(tl.float32, bitcast=True)
     lanes = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)  # the key's running maximum
     raw = tl.full([BLOCK], float("-inf"), tl.float32)  # the logit where it was reached
@@ -47,8 +55,10 @@ def _chunk_kernel(X, KEY, RAW, IDX, MAX, SUM, V, stride, chunks, seed, x_scale, 
         cols = c * CHUNK + off + lanes
         x = tl.load(X + row * stride + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         if SAMPLE:
-            u = tl.rand(seed, (row * V + cols).to(tl.int32))  # the same noise for any chunking
+            u = tl.rand(seed, (noise_row * V + cols).to(tl.int32))  # the same for any chunking
             key = x * x_scale - tl.log(-tl.log(u)) * g_scale
+            if PER_ROW:  # a greedy row among sampled ones (u = 0 would give inf * 0)
+                key = tl.where(g_scale == 0, x, key)
         else:
             key = x
         better = key > best  # strictly greater: a lane keeps its first
@@ -97,8 +107,16 @@ def _programs(device: torch.device) -> int:
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def pick(logits: torch.Tensor, temperature: float = 0.0, seed: int = 0,
-         programs: int | None = None, alone: bool = False
+def _scales(temperature: float) -> tuple[float, float]:
+    """``(x_scale, g_scale)`` of a pick's key ``x * x_scale + g * g_scale`` (module doc)."""
+    if not (temperature >= 0 and temperature != float("inf")):
+        raise ValueError(f"temperature: expected a finite number >= 0, got {temperature}")
+    return (1.0, temperature) if temperature <= 1 else (1.0 / temperature, 1.0)
+
+
+def pick(logits: torch.Tensor, temperature: float | Sequence[float] = 0.0,
+         seed: int | Sequence[int] = 0, programs: int | None = None, alone: bool = False,
+         noise_rows: Sequence[int] | None = None
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(tokens, logp, lse)`` for logits ``[B, V]``: int64 tokens ``[B]`` (the argmax at
     ``temperature`` 0, else a draw from ``softmax(logits / temperature)`` with noise keyed
@@ -106,14 +124,29 @@ def pick(logits: torch.Tensor, temperature: float = 0.0, seed: int = 0,
     rows' float32 ``logsumexp``; no host synchronisation. ``programs``: how many programs
     to spread the rows over (default: two per SM); ``alone``: that many for each row, so a
     row is chunked as in a call of its own and its results do not depend on the other rows
-    (rows of several requests picked in one call)."""
+    (rows of several requests picked in one call).
+
+    Per-row draws (several requests' samples in one call): ``temperature`` and ``seed`` a
+    value per row, and ``noise_rows[i]`` the row whose noise row ``i`` takes under its seed
+    (default: its own), so a request's rows draw as in a call of their own."""
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(f"logits: expected [rows, vocab] with a vocab, got {tuple(logits.shape)}")
-    if not (temperature >= 0 and temperature != float("inf")):
-        raise ValueError(f"temperature: expected a finite number >= 0, got {temperature}")
+    rows, vocab = logits.shape
+    per_row = not isinstance(temperature, (int, float))
+    if per_row:
+        noise_rows = range(rows) if noise_rows is None else noise_rows
+        if isinstance(seed, int) or not len(temperature) == len(seed) == len(noise_rows) == rows:
+            raise ValueError(f"per-row draws: expected a temperature, a seed and a noise row "
+                             f"for each of the {rows} rows")
+        scales = torch.tensor([_scales(t) for t in temperature], dtype=torch.float32)
+        table = torch.cat([torch.tensor([list(seed), list(noise_rows)], dtype=torch.int32).T,
+                           scales.view(torch.int32)], 1)
+        sample, seed, x_scale, g_scale = True, 0, 1.0, 0.0
+    else:
+        x_scale, g_scale = _scales(temperature)
+        sample = temperature > 0
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    rows, vocab = logits.shape
     dev = logits.device
     tokens = torch.empty(rows, dtype=torch.int64, device=dev)
     logp = torch.empty(rows, dtype=torch.float32, device=dev)
@@ -123,16 +156,16 @@ def pick(logits: torch.Tensor, temperature: float = 0.0, seed: int = 0,
     if programs is None:
         programs = _programs(dev) if dev.type == "cuda" else 4
     blocks = triton.cdiv(vocab, _BLOCK)
-    per_row = programs if alone else triton.cdiv(programs, rows)
-    chunk = triton.cdiv(blocks, max(1, min(blocks, per_row))) * _BLOCK
+    spread = programs if alone else triton.cdiv(programs, rows)
+    chunk = triton.cdiv(blocks, max(1, min(blocks, spread))) * _BLOCK
     chunks = triton.cdiv(vocab, chunk)
     parts = torch.empty((4, rows, chunks), dtype=torch.float32, device=dev)
     first = torch.empty((rows, chunks), dtype=torch.int32, device=dev)
-    sample = temperature > 0
-    x_scale, g_scale = (1.0, temperature) if temperature <= 1 else (1.0 / temperature, 1.0)
+    table = table.to(dev) if per_row else first  # unread without PER_ROW
     _chunk_kernel[(rows, chunks)](logits, parts[0], parts[1], first, parts[2], parts[3], vocab,
-                                  logits.stride(0), chunks, seed, x_scale, g_scale, CHUNK=chunk,
-                                  BLOCK=_BLOCK, SAMPLE=sample, num_warps=4)
+                                  logits.stride(0), chunks, seed, x_scale, g_scale, table,
+                                  CHUNK=chunk, BLOCK=_BLOCK, SAMPLE=sample, PER_ROW=per_row,
+                                  num_warps=4)
     _fold_kernel[(rows,)](parts[0], parts[1], first, parts[2], parts[3], tokens, logp, lse,
                           vocab, chunks, BLOCK_C=triton.next_power_of_2(chunks), num_warps=4)
     return tokens, logp, lse
