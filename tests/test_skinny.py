@@ -71,8 +71,8 @@ def test_gated_kernel_on_ragged_shapes(dtype, rows, outputs):
 def test_the_wide_kernels_take_the_rows_they_were_measured_at(monkeypatch):
     """qkv takes the kernel up to ``_WIDE_ROWS`` rows and only for a weight wider than its
     input (a tensor-parallel shard may be narrower), gate/up with SiLU·mul from
-    ``_GATED_ROWS`` with halves of at least ``_GATED_HALF``; o and down keep the narrow rule
-    (a wide shard of them: cuBLAS)."""
+    ``_GATED_ROWS`` to ``_GATED_MAX`` with halves of at least ``_GATED_HALF``; o and down keep
+    the narrow rule (a wide shard of them: cuBLAS), in other blocks beyond 32 rows."""
     taken = []
     monkeypatch.setattr(skinny, "_takes_kernel", lambda *a: True)
     monkeypatch.setattr(skinny, "_launch", lambda x, w, dt, cfg, *kernel: taken.append(
@@ -89,10 +89,16 @@ def test_the_wide_kernels_take_the_rows_they_were_measured_at(monkeypatch):
                      (17, skinny._NARROW, False)]
     taken.clear()
     monkeypatch.setattr(skinny, "_GATED_HALF", 48)
-    for rows in (skinny._GATED_ROWS - 1, skinny._GATED_ROWS, skinny.MAX_ROWS):
+    for rows in (skinny._GATED_ROWS - 1, skinny._GATED_ROWS, skinny._GATED_MAX,
+                 skinny._GATED_MAX + 1):
         skinny.gated(torch.zeros(rows, 64), wide)
         skinny.gated(torch.zeros(rows, 64), torch.zeros(94, 64))  # halves of 47: cuBLAS
     assert taken == [(17, skinny._GATED, True), (32, skinny._GATED, True)]
+    taken.clear()
+    for rows in (32, 33, skinny.MAX_ROWS):  # o and down in 64-row blocks take a lighter ring
+        skinny.linear(torch.zeros(rows, 64), narrow)
+    assert taken == [(32, skinny._NARROW, False), (33, skinny._NARROW_TALL, False),
+                     (64, skinny._NARROW_TALL, False)]
 
 
 def test_off_gpu_and_beyond_the_rows_cublas_computes_it():
@@ -110,7 +116,7 @@ def test_off_gpu_and_beyond_the_rows_cublas_computes_it():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("rows", [1, 7, 20, 32])
+@pytest.mark.parametrize("rows", [1, 7, 20, 32, 50, 64])
 def test_projections_on_the_gpu(rows, monkeypatch):
     """The kernels' projections as a graph capture launches them (outside one, cuBLAS's), at
     every row count (the model takes the wide ones at some)."""
@@ -119,6 +125,7 @@ def test_projections_on_the_gpu(rows, monkeypatch):
     monkeypatch.setattr(skinny, "_WIDE_ROWS", skinny.MAX_ROWS)
     monkeypatch.setattr(skinny, "_GATED_ROWS", 1)
     monkeypatch.setattr(skinny, "_GATED_HALF", 1)
+    monkeypatch.setattr(skinny, "_GATED_MAX", skinny.MAX_ROWS)
     kernels = []
     launch = skinny._launch
     monkeypatch.setattr(skinny, "_launch",

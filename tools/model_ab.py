@@ -4,13 +4,14 @@
 (:func:`deft.model.fused.chained`, :func:`~deft.model.fused.set_chained`) or not.
 ``--switch wide``: qkv through the few-row kernel and gate/up fused with SiLU·mul
 (:mod:`deft.model.skinny`, at the row counts it takes them) or both on cuBLAS.
+``--switch rows``: the few-row kernels up to ``skinny.MAX_ROWS`` rows or only up to 32.
 This builds one random Llama-3-8B-shaped model and two graph engines on it, one captured
 with the switch off and one with it on (a step's graph keeps what its capture launched),
 and measures e2e workloads on each in turns (the order reversed every other round), as
 ``deft bench e2e`` measures its graph column: ms per decode step, host work included, and
 the GPU time of the run's last step replayed alone.
 
-Usage: ``python tools/model_ab.py [--switch chain|wide] [--rounds N] [--pages N]
+Usage: ``python tools/model_ab.py [--switch chain|wide|rows] [--rounds N] [--pages N]
 [--json PATH] [WORKLOAD ...]`` (names of ``benchmarks.e2e_gpu.GPU_WORKLOADS``; the recorded
 ones need ``$DEFT_WORKLOADS``).
 """
@@ -32,7 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workloads", nargs="*", default=DEFAULT, help="e2e workload names")
-    ap.add_argument("--switch", choices=("chain", "wide"), default="chain",
+    ap.add_argument("--switch", choices=("chain", "wide", "rows"), default="chain",
                     help="what differs between the two engines (default: chain)")
     ap.add_argument("--rounds", type=int, default=3, help="measurements of each engine")
     ap.add_argument("--pages", type=int, help="K/V pool pages of each engine "
@@ -53,13 +54,15 @@ def main() -> None:
         raise SystemExit(f"unknown workload(s) {unknown}; known: {', '.join(known)}")
     config = e2e_gpu.model_config("llama-3-8b", None, [known[n] for n in a.workloads])
     model, tok = random_model(config, "cuda"), byte_tokenizer(config.vocab_size)
-    wide = skinny._WIDE_ROWS, skinny._GATED_ROWS
+    wide, rows = (skinny._WIDE_ROWS, skinny._GATED_ROWS), skinny.MAX_ROWS
 
     def switch(on: bool) -> None:
         if a.switch == "chain":
             fused.set_chained(on)
-        else:
+        elif a.switch == "wide":
             skinny._WIDE_ROWS, skinny._GATED_ROWS = wide if on else (0, skinny.MAX_ROWS + 1)
+        else:
+            skinny.MAX_ROWS = rows if on else 32
 
     modes = {"off": False, "on": True}
     pages = a.pages or e2e_gpu.POOL_PAGES

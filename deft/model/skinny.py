@@ -1,6 +1,6 @@
 """Matmuls of few rows (decode steps) through a Triton kernel where cuBLAS is slower.
 
-At 1 to 32 rows a projection reads its whole weight to produce a few outputs, so its time is
+At 1 to 64 rows a projection reads its whole weight to produce a few outputs, so its time is
 the weight's read. cuBLAS reaches the HBM rate on wide projections (qkv, gate/up) but not on
 the ones whose outputs are no wider than their inputs (o, down) nor on the LM head; this
 kernel does (``tools/gemm_probe.py``, ``benchmarks/results/gemm_probe_h200.json``). It
@@ -8,8 +8,9 @@ streams ``BLOCK_N`` weight rows per program over the whole reduction, accumulate
 and rounds once to the activations' dtype, as cuBLAS does; on sm_90+ it launches with
 programmatic dependent launch, as :mod:`.fused`'s kernels do, so the wide projections take it
 too where that made whole steps faster: qkv up to 16 rows, and gate/up with SiLU·mul fused
-into it (:func:`gated`) from 17 rows where its halves are at least 7,168 wide
-(``tools/model_ab.py --switch wide``). It is taken only inside CUDA-graph captures (and
+into it (:func:`gated`) from 17 to 32 rows where its halves are at least 7,168 wide
+(``tools/model_ab.py --switch wide``); o, down and the LM head up to 64 rows (``--switch
+rows``). It is taken only inside CUDA-graph captures (and
 their warm-ups): launched from Python, a Triton kernel costs more host time than cuBLAS's,
 and eager steps are host-bound.
 """
@@ -26,11 +27,13 @@ from .fused import chained, silu_mul
 
 __all__ = ["MAX_ROWS", "gated", "head_proj", "linear", "qkv"]
 
-MAX_ROWS = 32
+MAX_ROWS = 64
 """Row counts up to this take the kernel (where :func:`_takes_kernel` allows it)."""
 
-# (BLOCK_N, BLOCK_K, num_stages, num_warps), chosen by a sweep on the H200 at 1-20 rows.
+# (BLOCK_N, BLOCK_K, num_stages, num_warps), chosen by a sweep on the H200 at 1-20 rows; from
+# 33 rows (64-row blocks, where _NARROW's stages outgrow shared memory) by a sweep on the H100.
 _NARROW = (32, 256, 5, 4)  # outputs no wider than inputs: o, down
+_NARROW_TALL = (32, 128, 5, 4)  # the same beyond 32 rows
 _HEAD = (128, 128, 3, 4)  # the LM head
 # Outputs wider than inputs (qkv) up to 16 rows, and gate/up fused with SiLU·mul (2 x BLOCK_N
 # weight rows per program) from 17 rows where each half is at least 7,168 wide; cuBLAS where
@@ -41,6 +44,7 @@ _HEAD = (128, 128, 3, 4)  # the LM head
 # halves take cuBLAS on one GPU too.
 _WIDE, _WIDE_ROWS = (64, 256, 3, 4), 16
 _GATED, _GATED_ROWS, _GATED_HALF = (64, 128, 3, 4), 17, 7168
+_GATED_MAX = 32  # the rows gate/up was measured at
 
 
 @triton.jit
@@ -132,8 +136,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)`` for ``x [M, K]``: the kernel for a bias-free projection
     whose outputs are no wider than its inputs (o, down), cuBLAS otherwise."""
     n, k = weight.shape
-    if bias is None and n <= k and _takes_kernel(x, weight, _NARROW, captured):
-        return _launch(x, weight, x.dtype, _NARROW)
+    cfg = _NARROW if x.shape[0] <= 32 else _NARROW_TALL
+    if bias is None and n <= k and _takes_kernel(x, weight, cfg, captured):
+        return _launch(x, weight, x.dtype, cfg)
     return F.linear(x, weight, bias)
 
 
@@ -151,9 +156,9 @@ def qkv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
 def gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
           captured: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` of ``F.linear(x, weight, bias)`` (``[M, 2 I]``, gate first) in one
-    kernel for a bias-free projection from ``_GATED_ROWS`` rows with halves at least
-    ``_GATED_HALF`` wide, else cuBLAS then :func:`~deft.model.fused.silu_mul`."""
-    if (bias is None and x.shape[0] >= _GATED_ROWS and weight.shape[0] % 2 == 0
+    kernel for a bias-free projection of ``_GATED_ROWS`` to ``_GATED_MAX`` rows with halves
+    at least ``_GATED_HALF`` wide, else cuBLAS then :func:`~deft.model.fused.silu_mul`."""
+    if (bias is None and _GATED_ROWS <= x.shape[0] <= _GATED_MAX and weight.shape[0] % 2 == 0
             and weight.shape[0] // 2 >= _GATED_HALF
             and _takes_kernel(x, weight, _GATED, captured)):
         return _launch(x, weight, x.dtype, _GATED, _gated_kernel)
