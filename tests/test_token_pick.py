@@ -147,15 +147,17 @@ def test_per_row_draws_equal_each_requests_call_alone():
 
 
 def sampled_requests(monkeypatch, vocab: int) -> tuple[list[Sampler], torch.Tensor, list]:
-    """Rows of three sampled requests (one of two rows) and two greedy ones, interleaved, with
-    ``draw_rows``' calls recorded; fused picks on any device (the interpreter on CPU)."""
+    """Rows of three sampled requests (one of two rows; one with top-k, one with top-p) and two
+    greedy ones, interleaved, with ``draw_rows``' calls recorded; fused picks on any device
+    (the interpreter on CPU)."""
     from deft.engine import inflight, sampling
 
     monkeypatch.setattr(sampling, "_fused", lambda device: True)
     calls = []
     monkeypatch.setattr(inflight, "draw_rows",
                         lambda s, x: calls.append(len(x)) or sampling.draw_rows(s, x))
-    hot = [SamplingParams(temperature=t, seed=s) for t, s in [(0.9, 4), (1.3, 5), (0.5, 6)]]
+    hot = [SamplingParams(temperature=0.9, seed=4), SamplingParams(temperature=1.3, top_k=50, seed=5),
+           SamplingParams(temperature=0.5, top_p=0.8, seed=6)]
     a, b, c = [Sampler(p, DEV) for p in hot]
     samplers = [a, Sampler(SamplingParams(), DEV), b, a, c, Sampler(SamplingParams(), DEV)]
     rows = (3 * torch.randn(6, vocab, generator=torch.Generator().manual_seed(1))).to(DEV)
@@ -163,8 +165,9 @@ def sampled_requests(monkeypatch, vocab: int) -> tuple[list[Sampler], torch.Tens
 
 
 def test_sampled_rows_of_several_requests_are_drawn_in_one_call(monkeypatch):
-    """Plain temperature samplers share one fused call a step (and greedy ones another); each
-    request draws bitwise what it draws alone, step after step (its seeds in order)."""
+    """Sampled requests, with or without top-k and top-p, share one fused call a step (and
+    greedy ones another); each request draws bitwise what it draws alone, step after step (its
+    seeds in order)."""
     from types import SimpleNamespace
 
     from deft.engine.inflight import draw
@@ -182,6 +185,42 @@ def test_sampled_rows_of_several_requests_are_drawn_in_one_call(monkeypatch):
     assert calls == [4, 2] * 2
 
 
+def test_filtered_rows_each_follow_their_own_parameters():
+    """``filtered`` with a row's parameters each: every row's softmax is ``probabilities``
+    under its own parameters (which ``transformers``' warpers check), bitwise."""
+    from deft.engine.sampling import filtered
+
+    x = (3 * torch.randn(5, 300, generator=torch.Generator().manual_seed(2))).to(DEV)
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=20),
+              SamplingParams(temperature=1.0, top_p=0.8),
+              SamplingParams(temperature=0.9, top_k=50, top_p=0.6),
+              SamplingParams(temperature=2.0, top_k=300)]
+    got = torch.softmax(filtered(x.float(), params), -1)
+    for i, p in enumerate(params):
+        assert torch.equal(got[i:i + 1], probabilities(x[i:i + 1], p))
+
+
+def test_filtered_draws_follow_the_filtered_softmax(monkeypatch):
+    """Fused draws of top-k and top-p rows (interpreted on CPU): the counts of many rows of
+    the same logits match ``probabilities`` (a chi-square bound far in the tail), and nothing
+    is drawn that the filters drop."""
+    from deft.engine import sampling
+
+    monkeypatch.setattr(sampling, "_fused", lambda device: True)
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, -0.5] * 4)[None]
+    logits[0, 8:] = float("-inf")
+    rows = 100_000 if DEV == "cuda" else 300  # the interpreter: two programs a row, slow
+    for params in [SamplingParams(temperature=0.8, top_k=5, seed=1),
+                   SamplingParams(temperature=1.2, top_p=0.7, seed=2)]:
+        p = probabilities(logits, params)[0].double()
+        tokens, _ = Sampler(params, DEV).draw(logits.expand(rows, -1).contiguous().to(DEV))
+        counts = torch.bincount(tokens.cpu(), minlength=32).double()
+        live = p > 0
+        assert counts[~live].sum() == 0 and 2 < live.sum() < 8  # the filters dropped some
+        chi2 = float(((counts[live] - rows * p[live]) ** 2 / (rows * p[live])).sum())
+        assert chi2 < 30.0, f"{params}: chi-square {chi2:.1f}"
+
+
 def test_greedy_rows_of_several_samplers_are_drawn_in_one_call(monkeypatch):
     """Rows of different greedy samplers (several requests) share one draw, each as if drawn
     alone; a sampled request's rows keep its own sampler's call, the same draws as alone; the
@@ -190,9 +229,12 @@ def test_greedy_rows_of_several_samplers_are_drawn_in_one_call(monkeypatch):
 
     from deft.engine.inflight import draw
 
+    from deft.engine import inflight, sampling
+
     calls = []
+    monkeypatch.setattr(inflight, "draw_rows",
+                        lambda s, x: calls.append(len(x)) or sampling.draw_rows(s, x))
     real = Sampler.draw
-    monkeypatch.setattr(Sampler, "draw", lambda self, x: calls.append(len(x)) or real(self, x))
     rows = (3 * torch.randn(5, 3000, generator=torch.Generator().manual_seed(1))).to(DEV)
     hot = SamplingParams(temperature=0.9, seed=4)
     greedy, sampled = [Sampler(SamplingParams(), DEV) for _ in range(3)], Sampler(hot, DEV)
@@ -243,12 +285,14 @@ def test_a_greedy_row_draws_the_same_beside_any_other_rows():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sampled_requests_draw_the_same_in_one_call_on_a_gpu():
-    """Eight sampled requests of one to four rows, at Llama 3's vocab in bf16: one call, and
-    each request's tokens and log-probabilities bitwise those of its own call."""
+    """Eight sampled requests of one to four rows, with and without top-k and top-p, at Llama
+    3's vocab in bf16: one call, and each request's tokens and log-probabilities bitwise those
+    of its own call."""
     from deft.engine.sampling import draw_rows
 
     sizes = [1, 4, 2, 1, 3, 1, 2, 1]
-    params = [SamplingParams(temperature=0.3 + 0.2 * i, seed=i) for i in range(8)]
+    params = [SamplingParams(temperature=0.3 + 0.2 * i, seed=i, top_k=[0, 40][i % 2],
+                             top_p=[1.0, 1.0, 0.9, 0.6][i % 4]) for i in range(8)]
     samplers = [Sampler(p, "cuda") for p in params]
     owner = [i for i, n in enumerate(sizes) for _ in range(n)]
     logits = (3 * torch.randn(len(owner), 128256, device="cuda")).to(torch.bfloat16)
@@ -262,19 +306,17 @@ def test_sampled_requests_draw_the_same_in_one_call_on_a_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=3),
-                                    SamplingParams(temperature=0.8, top_k=50, seed=3)])
+                                    SamplingParams(temperature=0.8, top_k=50, seed=3),
+                                    SamplingParams(temperature=1.2, top_p=0.5, seed=3)])
 def test_draws_on_cuda(params):
-    """Greedy: the argmax; plain temperature: fused draws, reproducible with a seed;
-    top-k: ``torch.multinomial``'s draws. Every log-probability is ``log_softmax``'s."""
+    """Greedy: the argmax; sampled: fused draws, reproducible with a seed, never outside what
+    top-k and top-p keep. Every log-probability is ``log_softmax``'s."""
     logits = (3 * torch.randn(6, 128256, device="cuda")).to(torch.bfloat16)
     tokens, logp = Sampler(params, "cuda").draw(logits)
     if params.greedy:
         assert torch.equal(tokens, logits.argmax(-1))
-    elif params.top_k:  # the same generator state: the same draws as PyTorch's path
-        probs = probabilities(logits, params)
-        want = torch.multinomial(probs, 1, generator=Sampler(params, "cuda").generator).squeeze(-1)
-        assert torch.equal(tokens, want)
     else:
         assert torch.equal(tokens, Sampler(params, "cuda").draw(logits)[0])
+        assert (probabilities(logits, params).gather(-1, tokens[:, None]) > 0).all()
     ref = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
     torch.testing.assert_close(logp, ref, atol=1e-4, rtol=1e-5)

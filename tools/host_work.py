@@ -4,8 +4,8 @@ host alone (the decode loop, cache, layout, plan and token picks), on any machin
 A small random Llama (one layer) whose forward is replaced by rows of precomputed random
 logits over a ``--vocab``-entry vocabulary, so every step's time is host work. Loops:
 ``greedy32`` (greedy decoding of 32 prompts of 1,000 tokens, the e2e suite's "greedy, 32
-prompts"), ``sampled32`` (the same prompts sampled at temperature 0.8, a request each),
-``beam16`` (beam search k=16 from one 2,000-token prompt). Prints ms of host
+prompts"), ``sampled32`` (the same prompts sampled at temperature 0.8, a request each), ``topp32``
+(the same with top-p 0.9), ``beam16`` (beam search k=16 from one 2,000-token prompt). Prints ms of host
 work per decode step: a run of ``--steps`` new tokens minus a run of one, best of
 ``--repeats``; with ``--profile``, cProfile's top functions of one run. On the CPU the picks
 run as PyTorch ops on the host; with ``--device cuda`` the forward is stubbed the same way,
@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-LOOPS = ("greedy32", "sampled32", "beam16")
+LOOPS = ("greedy32", "sampled32", "topp32", "beam16")
 TABLE = 256  # rows of precomputed logits a step's rows are sliced from
 
 
@@ -69,11 +69,11 @@ def main() -> None:
 
     def loop(name: str):
         """A run of ``name`` with ``n`` new tokens per sequence, as a callable of ``n``."""
-        if name in ("greedy32", "sampled32"):
+        if name != "beam16":
             prompts = [prompt(1000, i) for i in range(32)]
-            hot = 0.8 if name == "sampled32" else 0.0
+            hot, top_p = {"greedy32": (0.0, 1.0), "sampled32": (0.8, 1.0), "topp32": (0.8, 0.9)}[name]
             return lambda n: generate(engine, prompts, SamplingParams(
-                max_new_tokens=n, temperature=hot, seed=0, stop_token_ids=never))
+                max_new_tokens=n, temperature=hot, top_p=top_p, seed=0, stop_token_ids=never))
         beam_prompt = prompt(2000, 99)
         return lambda n: beam_search(engine, beam_prompt, 16, n, stop_token_ids=never)
 

@@ -13,7 +13,7 @@ import torch
 
 from .params import SamplingParams
 
-__all__ = ["Sampler", "draw_rows", "probabilities"]
+__all__ = ["Sampler", "draw_rows", "filtered", "probabilities"]
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -24,19 +24,37 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     x = logits.float()
     if params.greedy:
         return torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
+    rows = x.shape[0]
+    return torch.softmax(filtered(x, [params] * rows), dim=-1)
+
+
+def filtered(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Float32 logits ``[B, vocab]`` scaled and filtered as row ``i``'s sampling parameters
+    ``params[i]`` (none greedy) ask: ``softmax`` of row ``i`` is the distribution it samples
+    from. Each row's result depends on that row alone."""
+    vocab = x.shape[-1]
     # Shifted by the row's maximum first: under a tiny temperature x / T overflows to inf
     # (and softmax to NaN), where (x - max) / T only underflows to -inf (the argmax's limit).
-    x = (x - x.amax(-1, keepdim=True)) / params.temperature
-    if 0 < params.top_k < x.shape[-1]:
-        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        p = torch.softmax(sorted_x, dim=-1)
-        drop = (torch.cumsum(p, dim=-1) - p) >= params.top_p  # mass before it already enough
-        drop[..., 0] = False
-        x = torch.full_like(x, float("-inf")).scatter_(-1, order, sorted_x.masked_fill(drop, float("-inf")))
-    return torch.softmax(x, dim=-1)
+    t = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    x = (x - x.amax(-1, keepdim=True)) / t.to(x.device)[:, None]
+    k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    top_p = [p.top_p for p in params]
+    if not any(k) and min(top_p) == 1.0:
+        return x
+    k_on = torch.tensor(k, device=x.device)[:, None]
+    if min(top_p) == 1.0:  # top-k alone: the k-th largest of each row, by a partial sort
+        kth = torch.topk(x, max(k), dim=-1).values.gather(-1, (k_on - 1).clamp(min=0))
+        return x.masked_fill((k_on > 0) & (x < kth), float("-inf"))
+    ninf = float("-inf")
+    sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    kth = sorted_x.gather(-1, (k_on - 1).clamp(min=0))
+    sorted_x = sorted_x.masked_fill((k_on > 0) & (sorted_x < kth), ninf)  # ties with it stay
+    p = torch.softmax(sorted_x, dim=-1)
+    p_on = torch.tensor(top_p, device=x.device)[:, None]
+    drop = (torch.cumsum(p, dim=-1) - p) >= p_on  # the mass before it already enough
+    drop[:, 0] = False
+    drop &= p_on < 1.0
+    return torch.full_like(x, ninf).scatter_(-1, order, sorted_x.masked_fill(drop, ninf))
 
 
 def _fused(device: torch.device) -> bool:
@@ -48,10 +66,11 @@ class Sampler:
     """Picks the next token of many rows at once under one :class:`SamplingParams`.
 
     One ``torch.Generator`` per sampler: seeded by ``params.seed`` (so a call is
-    reproducible), else from fresh entropy. On CUDA, greedy and plain temperature sampling
-    (no top-k or top-p) pick with :func:`~deft.engine.token_pick.pick` (Gumbel-max noise
-    seeded from the same seed), each row chunked as if alone; other filters with
-    ``torch.multinomial``. Rows of such samplers can share a call (:func:`draw_rows`).
+    reproducible), else from fresh entropy. On the CPU, ``torch.multinomial`` draws from
+    :func:`probabilities` with it. On CUDA every pick runs :func:`~deft.engine.token_pick.pick`
+    (the argmax, or Gumbel-max noise seeded from the sampler's seed, on the rows
+    :func:`filtered` when top-k or top-p is on), each row chunked as if alone, so rows of
+    several samplers can share a call (:func:`draw_rows`).
     """
 
     def __init__(self, params: SamplingParams, device: str | torch.device = "cpu") -> None:
@@ -67,16 +86,13 @@ class Sampler:
     @property
     def batch_key(self) -> object:
         """Rows whose samplers have equal keys are drawn in one call (:func:`draw_rows`):
-        every greedy sampler's; on CUDA every plain temperature sampler's (its noise keyed by
-        a seed of its own); else the sampler's own (its generator draws them in order).
+        every greedy sampler's; on CUDA every sampled one's (its noise keyed by a seed of
+        its own); on the CPU a sampled sampler's own (its generator draws them in order).
         Each row is picked as if alone, so one request's tokens and log-probabilities do not
         depend on the others'."""
-        p = self.params
-        if p.greedy:
+        if self.params.greedy:
             return "greedy"
-        if _fused(self.generator.device) and p.top_p == 1.0 and p.top_k <= 0:
-            return "temperature"
-        return id(self)
+        return "sampled" if _fused(self.generator.device) else id(self)
 
     def __call__(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """Tokens for logits ``[B, vocab]`` and their log-probabilities under the model.
@@ -93,33 +109,32 @@ class Sampler:
         if _fused(logits.device):  # fused picks: no one-block reductions over the vocab
             from .token_pick import pick
 
-            p = self.params
-            if p.greedy:
-                tokens, logp, _ = pick(logits, alone=True)
-                return tokens, logp
-            if p.top_p == 1.0 and not 0 < p.top_k < logits.shape[-1]:
-                tokens, logp, _ = pick(logits, p.temperature, self._seeds.getrandbits(31),
-                                       alone=True)
-                return tokens, logp
-            tokens = self._sample(logits)
-            lse = pick(logits)[2]
-            return tokens, logits.gather(-1, tokens[:, None]).squeeze(-1).float() - lse
-        tokens = logits.argmax(-1) if self.params.greedy else self._sample(logits)
+            if not self.params.greedy:
+                return _draw_sampled([self] * logits.shape[0], logits)
+            tokens, logp, _ = pick(logits, alone=True)
+            return tokens, logp
+        if self.params.greedy:
+            tokens = logits.argmax(-1)
+        else:
+            probs = probabilities(logits, self.params)
+            tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
         logp = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
         return tokens, logp
-
-    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
-        probs = probabilities(logits, self.params)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
 
 
 def draw_rows(samplers: Sequence[Sampler], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """As :meth:`Sampler.draw`, row ``i`` of ``logits`` under ``samplers[i]``, samplers of one
     :attr:`~Sampler.batch_key`, in one call. Each sampler's rows draw what they would in a
     call of their own (its next seed, its rows' noise in their order)."""
-    first = samplers[0]
-    if first.batch_key != "temperature" or all(s is first for s in samplers):
-        return first.draw(logits)
+    if samplers[0].batch_key != "sampled":
+        return samplers[0].draw(logits)
+    return _draw_sampled(samplers, logits)
+
+
+def _draw_sampled(samplers: Sequence[Sampler], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled rows on CUDA, one fused pick: plain temperature rows as they are (the kernel
+    scales them), rows with top-k or top-p :func:`filtered` first and picked at temperature 1;
+    log-probabilities under the unfiltered logits."""
     from .token_pick import pick
 
     seeds: dict[int, int] = {}
@@ -131,5 +146,17 @@ def draw_rows(samplers: Sequence[Sampler], logits: torch.Tensor) -> tuple[torch.
         rows.append((seeds[id(s)], taken.get(id(s), 0), s.params.temperature))
         taken[id(s)] = rows[-1][1] + 1
     seed, noise, temperature = zip(*rows)
-    tokens, logp, _ = pick(logits, temperature, seed, alone=True, noise_rows=noise)
-    return tokens, logp
+    vocab = logits.shape[-1]
+    hot = [i for i, s in enumerate(samplers)
+           if s.params.top_p < 1.0 or 0 < s.params.top_k < vocab]
+    if not hot:
+        tokens, logp, _ = pick(logits, temperature, seed, alone=True, noise_rows=noise)
+        return tokens, logp
+    x = logits.to(torch.float32, copy=True)
+    at = torch.tensor(hot, device=logits.device)
+    x[at] = filtered(x[at], [samplers[i].params for i in hot])
+    hot_rows = set(hot)
+    temperature = [1.0 if i in hot_rows else t for i, t in enumerate(temperature)]
+    tokens = pick(x, temperature, seed, alone=True, noise_rows=noise)[0]
+    lse = pick(logits, alone=True)[2]
+    return tokens, logits.gather(-1, tokens[:, None]).squeeze(-1).float() - lse
