@@ -10,9 +10,8 @@ programmatic dependent launch, as :mod:`.fused`'s kernels do, so the wide projec
 too where that made whole steps faster: qkv up to 16 rows, and gate/up with SiLU·mul fused
 into it (:func:`gated`) from 17 to 32 rows where its halves are at least 7,168 wide
 (``tools/model_ab.py --switch wide``); o, down and the LM head up to 64 rows (``--switch
-rows``). It is taken only inside CUDA-graph captures (and
-their warm-ups): launched from Python, a Triton kernel costs more host time than cuBLAS's,
-and eager steps are host-bound.
+rows``). It is taken only inside CUDA-graph captures (and their warm-ups): launched from
+Python, a Triton kernel costs more host time than cuBLAS's, and eager steps are host-bound.
 """
 
 from __future__ import annotations
