@@ -144,6 +144,12 @@ def test_per_row_draws_equal_each_requests_call_alone():
         pick(x, [0.7] * 5, [3] * 4)
     with pytest.raises(ValueError, match="temperature"):
         pick(x, [0.7, -1.0, 0.7, 0.7, 0.7], [3] * 5)
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        pick(x, [0.7] * 5, [3, 3, 2**31, 3, 3])
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        pick(x, [0.7] * 5, [3] * 5, noise_rows=[0, 1, -1, 2, 3])
+    with pytest.raises(ValueError, match="noise_rows"):
+        pick(x, 0.7, 3, noise_rows=[0] * 5)
 
 
 def sampled_requests(monkeypatch, vocab: int) -> tuple[list[Sampler], torch.Tensor, list]:
@@ -186,18 +192,25 @@ def test_sampled_rows_of_several_requests_are_drawn_in_one_call(monkeypatch):
 
 
 def test_filtered_rows_each_follow_their_own_parameters():
-    """``filtered`` with a row's parameters each: every row's softmax is ``probabilities``
-    under its own parameters (which ``transformers``' warpers check), bitwise."""
+    """``filtered`` with a row's parameters each gives every row bitwise what it gives the
+    row alone (``probabilities``, which ``tests/test_engine.py`` checks against
+    ``transformers``' warpers): rows with top-p (a full sort) and rows with top-k alone (a
+    partial one), each beside rows without filters."""
     from deft.engine.sampling import filtered
 
     x = (3 * torch.randn(5, 300, generator=torch.Generator().manual_seed(2))).to(DEV)
-    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=20),
+    with_p = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=20),
               SamplingParams(temperature=1.0, top_p=0.8),
               SamplingParams(temperature=0.9, top_k=50, top_p=0.6),
               SamplingParams(temperature=2.0, top_k=300)]
-    got = torch.softmax(filtered(x.float(), params), -1)
-    for i, p in enumerate(params):
-        assert torch.equal(got[i:i + 1], probabilities(x[i:i + 1], p))
+    k_alone = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=20),
+               SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=2.0, top_k=300),
+               SamplingParams(temperature=0.5, top_k=299)]
+    for params in (with_p, k_alone):
+        got = torch.softmax(filtered(x.float(), params), -1)
+        for i, p in enumerate(params):
+            assert torch.equal(got[i:i + 1], probabilities(x[i:i + 1], p))
+    assert torch.equal(probabilities(x[0], with_p[3]), probabilities(x[:1], with_p[3])[0])
 
 
 def test_filtered_draws_follow_the_filtered_softmax(monkeypatch):
@@ -223,8 +236,8 @@ def test_filtered_draws_follow_the_filtered_softmax(monkeypatch):
 
 def test_greedy_rows_of_several_samplers_are_drawn_in_one_call(monkeypatch):
     """Rows of different greedy samplers (several requests) share one draw, each as if drawn
-    alone; a sampled request's rows keep its own sampler's call, the same draws as alone; the
-    results come back in the batch's order."""
+    alone; a sampled request's rows take another call, the same draws as alone; the results
+    come back in the batch's order. Samplers of different keys are refused in one call."""
     from types import SimpleNamespace
 
     from deft.engine.inflight import draw
@@ -248,6 +261,8 @@ def test_greedy_rows_of_several_samplers_are_drawn_in_one_call(monkeypatch):
         assert got[i][1:3] == (t.item(), lp.item())
     t, lp = real(Sampler(hot, DEV), rows[[1, 3]])
     assert [got[i][1:3] for i in (1, 3)] == list(zip(t.tolist(), lp.tolist()))
+    with pytest.raises(ValueError, match="batch_key"):
+        sampling.draw_rows([greedy[0], sampled], rows[:2])
 
 
 def test_steps_that_wait_draw_every_greedy_request_in_one_call(monkeypatch):
@@ -286,7 +301,8 @@ def test_a_greedy_row_draws_the_same_beside_any_other_rows():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sampled_requests_draw_the_same_in_one_call_on_a_gpu():
     """Eight sampled requests of one to four rows, with and without top-k and top-p, at Llama
-    3's vocab in bf16: one call, and each request's tokens and log-probabilities bitwise those
+    3's vocab in bf16: one call that never waits for the GPU (an overlapped step draws while
+    the forward before runs), and each request's tokens and log-probabilities bitwise those
     of its own call."""
     from deft.engine.sampling import draw_rows
 
@@ -296,7 +312,12 @@ def test_sampled_requests_draw_the_same_in_one_call_on_a_gpu():
     samplers = [Sampler(p, "cuda") for p in params]
     owner = [i for i, n in enumerate(sizes) for _ in range(n)]
     logits = (3 * torch.randn(len(owner), 128256, device="cuda")).to(torch.bfloat16)
-    tokens, logp = draw_rows([samplers[i] for i in owner], logits)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # raises at a call that waits for the GPU
+    try:
+        tokens, logp = draw_rows([samplers[i] for i in owner], logits)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     for i, p in enumerate(params):
         mine = [r for r, o in enumerate(owner) if o == i]
         t, lp = Sampler(p, "cuda").draw(logits[mine])

@@ -13,7 +13,14 @@ import torch
 
 from .params import SamplingParams
 
-__all__ = ["Sampler", "draw_rows", "filtered", "probabilities"]
+__all__ = ["Sampler", "draw_rows", "filtered", "probabilities", "to_device"]
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor's copy on ``device`` without waiting for the GPU: a plain host-to-CUDA
+    copy synchronises the stream (so the host would wait for the forward in flight), one
+    from pinned memory does not."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -24,24 +31,27 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     x = logits.float()
     if params.greedy:
         return torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
-    rows = x.shape[0]
-    return torch.softmax(filtered(x, [params] * rows), dim=-1)
+    rows = x.reshape(-1, x.shape[-1])
+    return torch.softmax(filtered(rows, [params] * rows.shape[0]), dim=-1).reshape(x.shape)
 
 
 def filtered(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Float32 logits ``[B, vocab]`` scaled and filtered as row ``i``'s sampling parameters
     ``params[i]`` (none greedy) ask: ``softmax`` of row ``i`` is the distribution it samples
-    from. Each row's result depends on that row alone."""
+    from. Each row's result depends on that row alone. Tokens tied with the k-th largest
+    stay; at the top-p cut, of tokens tied in value the lower ids come first (a stable sort)."""
     vocab = x.shape[-1]
-    # Shifted by the row's maximum first: under a tiny temperature x / T overflows to inf
-    # (and softmax to NaN), where (x - max) / T only underflows to -inf (the argmax's limit).
-    t = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    x = (x - x.amax(-1, keepdim=True)) / t.to(x.device)[:, None]
     k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     top_p = [p.top_p for p in params]
+    # One upload: float64 holds every k and each float32 temperature and top-p exactly.
+    table = to_device(torch.tensor([[p.temperature for p in params], k, top_p],
+                                   dtype=torch.float64).T, x.device)
+    t, k_on, p_on = table[:, :1].float(), table[:, 1:2].long(), table[:, 2:].float()
+    # Shifted by the row's maximum first: under a tiny temperature x / T overflows to inf
+    # (and softmax to NaN), where (x - max) / T only underflows to -inf (the argmax's limit).
+    x = (x - x.amax(-1, keepdim=True)) / t
     if not any(k) and min(top_p) == 1.0:
         return x
-    k_on = torch.tensor(k, device=x.device)[:, None]
     if min(top_p) == 1.0:  # top-k alone: the k-th largest of each row, by a partial sort
         kth = torch.topk(x, max(k), dim=-1).values.gather(-1, (k_on - 1).clamp(min=0))
         return x.masked_fill((k_on > 0) & (x < kth), float("-inf"))
@@ -50,7 +60,6 @@ def filtered(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     kth = sorted_x.gather(-1, (k_on - 1).clamp(min=0))
     sorted_x = sorted_x.masked_fill((k_on > 0) & (sorted_x < kth), ninf)  # ties with it stay
     p = torch.softmax(sorted_x, dim=-1)
-    p_on = torch.tensor(top_p, device=x.device)[:, None]
     drop = (torch.cumsum(p, dim=-1) - p) >= p_on  # the mass before it already enough
     drop[:, 0] = False
     drop &= p_on < 1.0
@@ -126,9 +135,10 @@ def draw_rows(samplers: Sequence[Sampler], logits: torch.Tensor) -> tuple[torch.
     """As :meth:`Sampler.draw`, row ``i`` of ``logits`` under ``samplers[i]``, samplers of one
     :attr:`~Sampler.batch_key`, in one call. Each sampler's rows draw what they would in a
     call of their own (its next seed, its rows' noise in their order)."""
-    if samplers[0].batch_key != "sampled":
-        return samplers[0].draw(logits)
-    return _draw_sampled(samplers, logits)
+    key = samplers[0].batch_key
+    if any(s.batch_key != key for s in samplers):
+        raise ValueError("draw_rows: samplers of one batch_key expected")
+    return samplers[0].draw(logits) if key != "sampled" else _draw_sampled(samplers, logits)
 
 
 def _draw_sampled(samplers: Sequence[Sampler], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +163,7 @@ def _draw_sampled(samplers: Sequence[Sampler], logits: torch.Tensor) -> tuple[to
         tokens, logp, _ = pick(logits, temperature, seed, alone=True, noise_rows=noise)
         return tokens, logp
     x = logits.to(torch.float32, copy=True)
-    at = torch.tensor(hot, device=logits.device)
+    at = to_device(torch.tensor(hot), logits.device)
     x[at] = filtered(x[at], [samplers[i].params for i in hot])
     hot_rows = set(hot)
     temperature = [1.0 if i in hot_rows else t for i, t in enumerate(temperature)]

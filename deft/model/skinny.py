@@ -32,7 +32,7 @@ MAX_ROWS = 64
 # (BLOCK_N, BLOCK_K, num_stages, num_warps), chosen by a sweep on the H200 at 1-20 rows; from
 # 33 rows (64-row blocks, where _NARROW's stages outgrow shared memory) by a sweep on the H100.
 _NARROW = (32, 256, 5, 4)  # outputs no wider than inputs: o, down
-_NARROW_TALL = (32, 128, 5, 4)  # the same beyond 32 rows
+_NARROW_TALL, _TALL = (32, 128, 5, 4), 32  # the same beyond _TALL rows
 _HEAD = (128, 128, 3, 4)  # the LM head
 # Outputs wider than inputs (qkv) up to 16 rows, and gate/up fused with SiLU·mul (2 x BLOCK_N
 # weight rows per program) from 17 rows where each half is at least 7,168 wide; cuBLAS where
@@ -135,7 +135,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)`` for ``x [M, K]``: the kernel for a bias-free projection
     whose outputs are no wider than its inputs (o, down), cuBLAS otherwise."""
     n, k = weight.shape
-    cfg = _NARROW if x.shape[0] <= 32 else _NARROW_TALL
+    cfg = _NARROW if x.shape[0] <= _TALL else _NARROW_TALL
     if bias is None and n <= k and _takes_kernel(x, weight, cfg, captured):
         return _launch(x, weight, x.dtype, cfg)
     return F.linear(x, weight, bias)
