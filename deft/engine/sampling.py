@@ -13,10 +13,10 @@ import torch
 
 from .params import SamplingParams
 
-__all__ = ["Sampler", "draw_rows", "filtered", "probabilities", "to_device"]
+__all__ = ["Sampler", "draw_rows", "filtered", "probabilities"]
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor's copy on ``device`` without waiting for the GPU: a plain host-to-CUDA
     copy synchronises the stream (so the host would wait for the forward in flight), one
     from pinned memory does not."""
@@ -44,8 +44,8 @@ def filtered(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     top_p = [p.top_p for p in params]
     # One upload: float64 holds every k and each float32 temperature and top-p exactly.
-    table = to_device(torch.tensor([[p.temperature for p in params], k, top_p],
-                                   dtype=torch.float64).T, x.device)
+    table = _to_device(torch.tensor([[p.temperature for p in params], k, top_p],
+                                    dtype=torch.float64, device="cpu").T, x.device)
     t, k_on, p_on = table[:, :1].float(), table[:, 1:2].long(), table[:, 2:].float()
     # Shifted by the row's maximum first: under a tiny temperature x / T overflows to inf
     # (and softmax to NaN), where (x - max) / T only underflows to -inf (the argmax's limit).
@@ -163,7 +163,7 @@ def _draw_sampled(samplers: Sequence[Sampler], logits: torch.Tensor) -> tuple[to
         tokens, logp, _ = pick(logits, temperature, seed, alone=True, noise_rows=noise)
         return tokens, logp
     x = logits.to(torch.float32, copy=True)
-    at = to_device(torch.tensor(hot), logits.device)
+    at = _to_device(torch.tensor(hot, device="cpu"), logits.device)
     x[at] = filtered(x[at], [samplers[i].params for i in hot])
     hot_rows = set(hot)
     temperature = [1.0 if i in hot_rows else t for i, t in enumerate(temperature)]

@@ -28,8 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .sampling import to_device
-
 __all__ = ["pick"]
 
 _BLOCK = 1024  # entries a program reads per iteration
@@ -142,9 +140,10 @@ def pick(logits: torch.Tensor, temperature: float | Sequence[float] = 0.0,
                              f"for each of the {rows} rows")
         if not all(0 <= v < 2**31 for v in (*seed, *noise_rows)):
             raise ValueError("per-row draws: seeds and noise rows are ints in [0, 2**31)")
-        scales = torch.tensor([_scales(t) for t in temperature], dtype=torch.float32)
-        table = torch.cat([torch.tensor([list(seed), list(noise_rows)], dtype=torch.int32).T,
-                           scales.view(torch.int32)], 1)
+        scales = torch.tensor([_scales(t) for t in temperature], dtype=torch.float32,
+                              device="cpu")
+        table = torch.cat([torch.tensor([list(seed), list(noise_rows)], dtype=torch.int32,
+                                        device="cpu").T, scales.view(torch.int32)], 1)
         sample, seed, x_scale, g_scale = True, 0, 1.0, 0.0
     elif noise_rows is not None:
         raise ValueError("noise_rows: only for per-row draws (a temperature per row)")
@@ -167,7 +166,10 @@ def pick(logits: torch.Tensor, temperature: float | Sequence[float] = 0.0,
     chunks = triton.cdiv(vocab, chunk)
     parts = torch.empty((4, rows, chunks), dtype=torch.float32, device=dev)
     first = torch.empty((rows, chunks), dtype=torch.int32, device=dev)
-    table = to_device(table, dev) if per_row else first  # unread without PER_ROW
+    if per_row and dev.type == "cuda":  # pinned: a plain copy would wait for the GPU
+        table = table.pin_memory().to(dev, non_blocking=True)
+    elif not per_row:
+        table = first  # unread without PER_ROW
     _chunk_kernel[(rows, chunks)](logits, parts[0], parts[1], first, parts[2], parts[3], vocab,
                                   logits.stride(0), chunks, seed, x_scale, g_scale, table,
                                   CHUNK=chunk, BLOCK=_BLOCK, SAMPLE=sample, PER_ROW=per_row,
