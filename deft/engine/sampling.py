@@ -43,7 +43,8 @@ def filtered(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     vocab = x.shape[-1]
     k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     top_p = [p.top_p for p in params]
-    # One upload: float64 holds every k and each float32 temperature and top-p exactly.
+    # One upload: float64 holds every k, temperature and top-p exactly; the latter two are
+    # rounded to float32 on the device, as a float32 op rounds a Python float.
     table = _to_device(torch.tensor([[p.temperature for p in params], k, top_p],
                                     dtype=torch.float64, device="cpu").T, x.device)
     t, k_on, p_on = table[:, :1].float(), table[:, 1:2].long(), table[:, 2:].float()
