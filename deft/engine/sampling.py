@@ -46,7 +46,7 @@ def filtered(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     # One upload: float64 holds every k, temperature and top-p exactly; the latter two are
     # rounded to float32 on the device, as a float32 op rounds a Python float.
     table = _to_device(torch.tensor([[p.temperature for p in params], k, top_p],
-                                    dtype=torch.float64, device="cpu").T, x.device)
+                                    dtype=torch.float64, device="cpu").T.contiguous(), x.device)
     t, k_on, p_on = table[:, :1].float(), table[:, 1:2].long(), table[:, 2:].float()
     # Shifted by the row's maximum first: under a tiny temperature x / T overflows to inf
     # (and softmax to NaN), where (x - max) / T only underflows to -inf (the argmax's limit).
@@ -132,7 +132,8 @@ class Sampler:
         return tokens, logp
 
 
-def draw_rows(samplers: Sequence[Sampler], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_rows(samplers: Sequence[Sampler], logits: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """As :meth:`Sampler.draw`, row ``i`` of ``logits`` under ``samplers[i]``, samplers of one
     :attr:`~Sampler.batch_key`, in one call. Each sampler's rows draw what they would in a
     call of their own (its next seed, its rows' noise in their order)."""
@@ -142,7 +143,8 @@ def draw_rows(samplers: Sequence[Sampler], logits: torch.Tensor) -> tuple[torch.
     return samplers[0].draw(logits) if key != "sampled" else _draw_sampled(samplers, logits)
 
 
-def _draw_sampled(samplers: Sequence[Sampler], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw_sampled(samplers: Sequence[Sampler], logits: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled rows on CUDA, one fused pick: plain temperature rows as they are (the kernel
     scales them), rows with top-k or top-p :func:`filtered` first and picked at temperature 1;
     log-probabilities under the unfiltered logits."""
