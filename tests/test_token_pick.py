@@ -240,9 +240,8 @@ def test_greedy_rows_of_several_samplers_are_drawn_in_one_call(monkeypatch):
     come back in the batch's order. Samplers of different keys are refused in one call."""
     from types import SimpleNamespace
 
-    from deft.engine.inflight import draw
-
     from deft.engine import inflight, sampling
+    from deft.engine.inflight import draw
 
     calls = []
     monkeypatch.setattr(inflight, "draw_rows",
