@@ -4,7 +4,7 @@ A :class:`~deft.engine.requests.Branch` is a run of tokens growing from a cache 
 step, every live branch of every request feeds its pending tokens (part of a prompt, a
 prefix, or the token it sampled last) in ONE ``engine.extend``; then all branches that wait
 for a token sample it, one batched call per :attr:`~deft.engine.sampling.Sampler.batch_key`
-(all greedy requests together). Prompts are fed in chunks of at most
+(all greedy requests together, and on CUDA all sampled ones). Prompts are fed in chunks of at most
 ``engine.prefill_chunk`` tokens per step, alongside the other requests' decode tokens.
 A branch whose feed is done forks its ``then`` branches, which continue from its last
 token and share its K/V (a prompt's samples; the prompts that share a prefix). A

@@ -92,6 +92,8 @@ class Sampler:
             self.generator.manual_seed(params.seed)
         # Seeds of the fused CUDA picks' noise, drawn on the host (no synchronisation).
         self._seeds = random.Random(self.generator.initial_seed())
+        self._key = ("greedy" if params.greedy else
+                     "sampled" if _fused(self.generator.device) else id(self))
 
     @property
     def batch_key(self) -> object:
@@ -100,9 +102,7 @@ class Sampler:
         its own); on the CPU a sampled sampler's own (its generator draws them in order).
         Each row is picked as if alone, so one request's tokens and log-probabilities do not
         depend on the others'."""
-        if self.params.greedy:
-            return "greedy"
-        return "sampled" if _fused(self.generator.device) else id(self)
+        return self._key
 
     def __call__(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """Tokens for logits ``[B, vocab]`` and their log-probabilities under the model.
@@ -150,14 +150,13 @@ def _draw_sampled(samplers: Sequence[Sampler], logits: torch.Tensor
     log-probabilities under the unfiltered logits."""
     from .token_pick import pick
 
-    seeds: dict[int, int] = {}
-    taken: dict[int, int] = {}
+    drawn: dict[Sampler, list[int]] = {}  # per sampler: its seed, its rows so far
     rows: list[tuple[int, int, float]] = []  # per row: seed, noise row, temperature
     for s in samplers:
-        if id(s) not in seeds:
-            seeds[id(s)] = s._seeds.getrandbits(31)
-        rows.append((seeds[id(s)], taken.get(id(s), 0), s.params.temperature))
-        taken[id(s)] = rows[-1][1] + 1
+        if s not in drawn:
+            drawn[s] = [s._seeds.getrandbits(31), 0]
+        rows.append((*drawn[s], s.params.temperature))
+        drawn[s][1] += 1
     seed, noise, temperature = zip(*rows)
     vocab = logits.shape[-1]
     hot = [i for i, s in enumerate(samplers)
