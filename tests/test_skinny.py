@@ -77,6 +77,7 @@ def test_the_wide_kernels_take_the_rows_they_were_measured_at(monkeypatch):
     monkeypatch.setattr(skinny, "_takes_kernel", lambda *a: True)
     monkeypatch.setattr(skinny, "_launch", lambda x, w, dt, cfg, *kernel: taken.append(
         (x.shape[0], cfg, bool(kernel))) or torch.empty(0))
+    monkeypatch.setattr(skinny, "silu_mul", lambda gate_up: gate_up)  # CPU tensors on a GPU host
     wide, narrow = torch.zeros(96, 64), torch.zeros(48, 64)
     for rows in (skinny._WIDE_ROWS, skinny._WIDE_ROWS + 1):
         x = torch.zeros(rows, 64)
