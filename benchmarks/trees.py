@@ -159,11 +159,14 @@ WORKLOADS: dict[str, tuple[str, Callable[[Path], TreeLayout]]] = {
     **{f"long prompt {k}k x{b}": ("long-prompt", lambda d, k=k, b=b: fan_layout(k * 1024, b))
        for k in (32, 128) for b in (16, 64)},
     "forest 1000 nodes 100k": ("forest", lambda d: random_forest_layout()),
+    "prompts 32 x 1000": ("forest", lambda d: TreeLayout.from_node_lengths(
+        [-1] * 32, [1000] * 32, list(range(32)))),
     "fan 4000 x256": ("speculative", lambda d: fan_layout(4000, 256)),
 }
 
 GPU_SUITE = [n for n in WORKLOADS
-             if not n.startswith(("forest", "fan 4000", "medusa mc_sim", "long prompt 128k"))]
+             if not n.startswith(("forest", "prompts", "fan 4000", "medusa mc_sim",
+                                  "long prompt 128k"))]
 CPU_SUITE = ["few-shot b=20", "medusa mc_sim_7b_63", "medusa APPS-64"]
 PLAN_SUITE = ["fan 4000 x256", "forest 1000 nodes 100k", "few-shot b=50", "speculative t=256",
               "medusa APPS-256", "reasoning docmergeToT", "long prompt 20k x64"]
