@@ -52,11 +52,9 @@ config and coarsening (``deft.plan.coarsen.refine``):
   output's rows tested and NaN selected into a bad row's values (no ``acc_checks``); and
   rows tested by their sums over one-byte K/V too (``kv8_sum_checks``). The timed steps'
   K/V are finite, so no item is computed again.
-* ``nodes``: the flatten plan's tiles cut afresh at the start of every node of at least
-  32 or 128 tokens (:func:`cut_at_nodes`), so a long node's tokens do not share a tile with
-  the node before it (a tile of two groups, masked), then the shipped coarsening; and the
-  cut chosen per tree by the launch model (at nodes where its modelled makespan is
-  shorter). Planned with numpy (the compiled planner cuts as shipped).
+* ``nodes``: flatten tiles never cut at long nodes (``node_cut`` 0; shipped on sm_90: at
+  nodes of 32+ tokens where the launch model says the cut plan finishes sooner), or cut at
+  nodes of 128+ tokens (docs/decisions.md, "Tiles cut at long nodes").
 * ``order``: a graph-safe launch reads whether the plan's queries are in plan order from
   its header and then loads no query order (``header_in_order``; all but the Medusa
   trees' queries are in plan order); a work item's query order, prefixes and lengths
@@ -95,10 +93,9 @@ from deft.ops.base import Capacity, Heads
 from deft.ops.reference import reference_attention
 from deft.ops.triton import backend, configs, kernels
 from deft.plan import coarsen_plan, step as plan_step
-from deft.plan.coarsen import (Coarsening, coarsen_factor, lpt_factor, lpt_makespan,
-                               masked_tiles, plan_runs, refine as shipped_refine,
-                               resident_wave, run_masks)
-from deft.plan.tree_plan import TreePlan, _chunk_bounds, assemble
+from deft.plan.coarsen import (Coarsening, coarsen_factor, lpt_factor, plan_runs,
+                               resident_wave)
+from deft.plan.tree_plan import TreePlan
 from deft.recorded import workloads_dir
 
 from .attention_gpu import (D, DTYPE, FP8, H_KV, H_Q, LAYERS, fp8_copy, planned_as_engine,
@@ -136,56 +133,6 @@ def config_slots_model() -> Refine:
                                  min(4 * base, params.max_factor), params.num_kv_heads,
                                  plan.block_kv, params.resident_slots, params.program_cost)
         return coarsen_plan(plan, best, params.masked_apart)
-    return refine
-
-
-def cut_at_nodes(plan: TreePlan, min_len: int) -> TreePlan:
-    """``plan`` (uncoarsened flatten) with its tokens cut into tiles afresh: a new tile at
-    the start of every node of at least ``min_len`` of the plan's tokens, then every
-    ``block_kv`` tokens; groups as :func:`~deft.plan.make_plan` forms them (the queries whose
-    node lies in ``[lo of the first token, max hi)``), tiles nobody sees dropped."""
-    lo, n = plan.token_lo, plan.num_plan_tokens
-    if n == 0:
-        return plan
-    starts = np.flatnonzero(np.append(True, lo[1:] != lo[:-1]))
-    long_node = np.diff(np.append(starts, n)) >= min_len
-    long_node[0] = True
-    tile_lens = _chunk_bounds(np.diff(np.append(starts[long_node], n)), plan.block_kv)
-    first = np.cumsum(tile_lens) - tile_lens
-    q_start = np.searchsorted(plan.query_pre, lo[first], side="left")
-    q_end = np.searchsorted(plan.query_pre, np.maximum.reduceat(plan.token_hi, first),
-                            side="left")
-    keep, tok = q_end > q_start, slice(None)
-    if not keep.all():
-        tok = np.repeat(keep, tile_lens)
-        tile_lens, q_start, q_end = tile_lens[keep], q_start[keep], q_end[keep]
-    indptr = np.append(0, np.cumsum(tile_lens))
-    return assemble(plan.kind, plan.block_kv, plan.num_layout_tokens, plan.needs_mask,
-                    plan.token_slots[tok], lo[tok], plan.token_hi[tok], plan.token_off[tok],
-                    indptr, q_start, q_end, plan.query_order, plan.query_pre, plan.query_len)
-
-
-def _makespan(plan: TreePlan, params: Coarsening) -> int:
-    """The launch model's makespan of ``plan`` at the shipped coarsening factor."""
-    masked = masked_tiles(plan)
-    u = coarsen_factor(plan, params, masked)
-    fewer = 0 < params.resident_slots < params.slots
-    return lpt_makespan(plan_runs(plan, params.g, params.block_m), u, params.num_kv_heads,
-                        plan.block_kv, params.resident_slots if fewer else params.slots,
-                        params.program_cost, run_masks(plan, params.masked_apart, masked),
-                        params.masked_cost)
-
-
-def nodes_refine(min_len: int, by_model: bool = False) -> Refine:
-    """The shipped coarsening of :func:`cut_at_nodes` tiles (``by_model``: only where the
-    launch model says they finish sooner than the shipped cut's)."""
-    def refine(plan: TreePlan, params: Coarsening) -> TreePlan:
-        if plan.num_tiles == 0:
-            return plan
-        cut = cut_at_nodes(plan, min_len)
-        if by_model and _makespan(cut, params) >= _makespan(plan, params):
-            cut = plan
-        return shipped_refine(cut, params)
     return refine
 
 
@@ -279,9 +226,8 @@ def variants(sweep: str, factors: str = "2,4,8,16,32"
                 ("in order + item loads after the wait",
                  v(header_in_order=True, early_item_loads=False), None)]
     elif sweep == "nodes":
-        out += [("cut at nodes of 32+", shipped, nodes_refine(32)),
-                ("cut at nodes of 128+", shipped, nodes_refine(128)),
-                ("cut at nodes of 32+ by model", shipped, nodes_refine(32, by_model=True))]
+        out += [("no cut at nodes", v(node_cut=0), None),
+                ("cut at nodes of 128+", v(node_cut=128), None)]
     elif sweep == "cap":
         out += [("no cap", v(maxnreg=None), None),
                 ("no cap resident 2", v(maxnreg=None, resident_per_sm=2), None),

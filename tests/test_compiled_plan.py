@@ -157,20 +157,51 @@ def test_random_forests(seed, nodes, max_len, roots, block, heads, d, shuffle, g
 @given(seed=st.integers(0, 2**31), nodes=st.integers(1, 60), sms=st.integers(1, 8),
        waves=st.sampled_from([1.0, 2.0, 4.0]), per_sm=st.integers(1, 4),
        resident=st.integers(0, 4), cost=st.sampled_from([0, 8, 128]), apart=st.booleans(),
-       masked=st.sampled_from([0, 8, 300]))
+       masked=st.sampled_from([0, 8, 300]), node_cut=st.sampled_from([0, 4, 12, 40]))
 def test_random_coarsening_parameters(seed, nodes, sms, waves, per_sm, resident, cost, apart,
-                                      masked):
-    """The compiled coarsening (launch model, resident wave, masked tiles apart and charged)
-    cuts the tiles that ``refine`` cuts, for any parameters."""
+                                      masked, node_cut):
+    """The compiled coarsening (launch model, resident wave, masked tiles apart and charged,
+    tiles cut at long nodes where the model says) cuts the tiles that ``refine`` of
+    ``flatten_cut`` cuts, and orders the work items alike, for any parameters."""
     from deft.plan.coarsen import refine
+    from deft.plan.packing import pack
+    from deft.plan.step import flatten_cut
 
     rng = np.random.default_rng(seed)
     layout = random_forest(rng, nodes, 200, max_tokens=3000)
     params = Coarsening(2, 16, 2, sms, waves, 0, 64, per_sm * sms, cost, resident * sms, apart,
-                        masked)
+                        masked, node_cut)
     got = compiled.flatten_plan(layout, 8, params, lambda n: torch.zeros(n, dtype=torch.int32))
-    want = refine(make_plan(layout, "flatten", 8), params)
+    want = refine(flatten_cut(layout, 8, params), params)
     np.testing.assert_array_equal(got[0].tile_indptr, want.tile_indptr)
+    ref = pack(want, 2, 16, lambda n: torch.zeros(n, dtype=torch.int32))
+    a, n = got[1].starts[4], 8 * got[1].num_work
+    assert n == 8 * ref.num_work
+    np.testing.assert_array_equal(got[1].buffer[a:a + n], ref.buffer[ref.starts[4]:][:n])
+
+
+@needs_cc
+@pytest.mark.parametrize("planner", ["compiled", "python"])
+def test_tiles_cut_at_long_nodes_where_the_model_says(monkeypatch, planner):
+    """H200-like: 32 separate prompts of 1,000 tokens take one tile each (the cut at their
+    starts: 256 programs, one wave, none masked) where flatten alone makes 92; few-shot b=20,
+    whose cut plan the launch model finishes no sooner, keeps flatten's 45 tiles, and b=50
+    takes the cut (56 tiles, not 100)."""
+    act_as(monkeypatch, True)
+    backend, heads = tb.TritonBackend(), Heads(32, 8, 128)
+    prompts = TreeLayout.from_node_lengths([-1] * 32, [1000] * 32, list(range(32)))
+
+    def tiles(layout):
+        with python_planner() if planner == "python" else contextlib.nullcontext():
+            return backend.plan(layout, "flatten", 64, heads, CPU).plan.num_tiles
+
+    assert tiles(prompts) == 32
+    assert tiles(few_shot_layout(4000, 20, 200)) == 45
+    assert tiles(few_shot_layout(4000, 50, 200)) == 56
+    key = ("sm90", 128, 0)
+    monkeypatch.setitem(configs.CONFIGS, key,
+                        dataclasses.replace(configs.CONFIGS[key], node_cut=0))
+    assert tiles(prompts) == 92
 
 
 _FEW_SHOT = few_shot_layout(64, 5, 20)

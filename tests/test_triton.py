@@ -954,27 +954,39 @@ def test_sweep_plans_need_no_gpu(capsys):
     assert "--only: no variant 'aligned' in --sweep tails" in capsys.readouterr().err
 
 
-def test_sweep_cut_at_nodes_stays_exact(monkeypatch):
-    """The ``nodes`` sweep's cut keeps the plan's tokens in order, starts a tile at every
-    node of at least ``min_len`` of them, so flatten's tiles that straddle two branches (one
-    group of both, masked) are gone, and runs exactly through the triton backend, coarsened."""
-    from benchmarks import sweep
+def test_flatten_tiles_cut_at_long_nodes_stay_exact(monkeypatch):
+    """``make_plan(..., node_cut=n)`` keeps the flatten plan's tokens in order and starts a
+    tile at every node of at least ``n`` tokens, so flatten's tiles that straddle two
+    branches (one group of both, masked) are gone; such plans, coarsened, run exactly
+    through the triton backend (the cut forced on every step)."""
+    import dataclasses
+    import itertools
+
     from deft.plan import make_plan, step
     from deft.plan.coarsen import masked_tiles
 
     layout = few_shot_layout(70, 3, 21)
     plan = make_plan(layout, "flatten", 8)
-    cut = sweep.cut_at_nodes(plan, 8)
+    cut = make_plan(layout, "flatten", 8, node_cut=8)
     assert np.array_equal(cut.token_slots, plan.token_slots)
     assert np.array_equal(cut.token_off, plan.token_off)
     node_starts = np.flatnonzero(np.append(True, plan.token_lo[1:] != plan.token_lo[:-1]))
     assert set(node_starts.tolist()) <= set(cut.tile_indptr[:-1].tolist())
     assert masked_tiles(plan).sum() == 2 and masked_tiles(cut).sum() == 0  # at 64 and 88
     assert cut.num_tiles == plan.num_tiles + 1  # 9 + 3 x 3 tiles where 133 tokens made 17
+    assert np.array_equal(make_plan(layout, "flatten", 8, node_cut=22).tile_indptr,
+                          plan.tile_indptr)  # no node that long but the prompt at 0
+    with pytest.raises(ValueError, match="node_cut"):
+        make_plan(layout, "flatten", 8, node_cut=-1)
     monkeypatch.setenv("DEFT_FASTPLAN", "0")
-    monkeypatch.setattr(step, "refine", sweep.nodes_refine(4))
+    calls = itertools.count()  # the cut's makespan is always the shorter
+    monkeypatch.setattr(step, "modelled_makespan", lambda plan, params: next(calls))
+    key = ("interpreter", 0, 0)
+    monkeypatch.setitem(configs.CONFIGS, key,
+                        dataclasses.replace(configs.CONFIGS[key], node_cut=4))
     for lay in (layout, *TINY.values()):
         check(lay, 4, 2, 16, torch.float16)
+    assert next(calls) > 0
 
 
 @pytest.mark.gpu

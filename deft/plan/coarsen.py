@@ -20,7 +20,7 @@ from .packing import mask_from
 from .tree_plan import TreePlan, assemble
 
 __all__ = ["Coarsening", "group_runs", "plan_runs", "masked_tiles", "run_masks", "coarsen_plan",
-           "coarsen_factor", "refine", "list_makespan", "lpt_makespan", "lpt_candidates",
+           "coarsen_factor", "modelled_makespan", "refine", "list_makespan", "lpt_makespan", "lpt_candidates",
            "lpt_factor", "launch_programs", "resident_wave"]
 
 _I = np.int64
@@ -47,6 +47,9 @@ class Coarsening(NamedTuple):
     # The launch model charges a tile that holds a masked part this many tokens more (its
     # loop over the masked tokens: per-token ranges and mask), see :func:`run_masks`.
     masked_cost: int = 0
+    # Flatten plans also cut tiles at nodes of at least this many tokens where the launch
+    # model finishes sooner (0: never), see :func:`~deft.plan.step.flatten_cut`.
+    node_cut: int = 0
 
 
 def group_runs(plan: TreePlan) -> np.ndarray:
@@ -145,6 +148,21 @@ def coarsen_factor(plan: TreePlan, c: Coarsening, masked: np.ndarray | None = No
     masks = run_masks(plan, c.masked_apart, masked) if c.masked_cost else None
     return lpt_factor(plan, factor, c.g, c.block_m, c.num_kv_heads, c.slots, c.program_cost,
                       c.max_factor, c.resident_slots, masks, c.masked_cost)
+
+
+def modelled_makespan(plan: TreePlan, c: Coarsening, masked: np.ndarray | None = None) -> int:
+    """The launch model's makespan of ``plan`` coarsened by :func:`coarsen_factor` (on the
+    resident slots where the kernel keeps fewer than ``c.slots``), in tokens; 0 without a
+    model (``c.slots <= 0``). ``masked``: :func:`masked_tiles` of ``plan``, if known."""
+    if plan.num_tiles == 0 or c.slots <= 0:
+        return 0
+    if masked is None and (c.masked_apart or c.masked_cost):
+        masked = masked_tiles(plan)
+    u = coarsen_factor(plan, c, masked)
+    slots = c.resident_slots if 0 < c.resident_slots < c.slots else c.slots
+    masks = run_masks(plan, c.masked_apart, masked) if c.masked_cost else None
+    return lpt_makespan(plan_runs(plan, c.g, c.block_m), u, c.num_kv_heads, plan.block_kv,
+                        slots, c.program_cost, masks, c.masked_cost)
 
 
 def refine(plan: TreePlan, c: Coarsening) -> TreePlan:

@@ -1,7 +1,8 @@
 /* DeFT-Flatten planning for the kernel backends, in a few linear passes.
  *
- * Computes exactly what deft.plan.make_plan(layout, "flatten", block_kv), then
- * deft.plan.coarsen.refine (coarsening) and deft.plan.packing.pack (work items, tile flags,
+ * Computes exactly what deft.plan.step.flatten_cut (the flatten tiles, cut at long nodes
+ * where the launch model says so), then deft.plan.coarsen.refine (coarsening) and
+ * deft.plan.packing.pack (work items, tile flags,
  * reduction map, int32 packing) compute with numpy, without any sort: orders come from
  * counting sorts and walks over the nodes in DFS preorder. A CPython extension module: the
  * planning is plain C on raw arrays; thin wrappers at the end (`plan`, `fill`, `mask`) take
@@ -39,7 +40,8 @@ typedef int32_t i32;
 enum {
     H_N, H_T, H_P, H_W, H_Q, H_SORTED, H_ALL_MERGED, H_OUT_SIZE,
     H_SEG, /* 11 offsets of the packed segments; the last is the buffer's length */
-    H_NODES = H_SEG + 11, H_TOKENS, H_BLOCK_KV, H_MAX_FACTOR, H_G, H_BLOCK_M, /* for fill */
+    H_NODES = H_SEG + 11, H_TOKENS, H_BLOCK_KV, H_MAX_FACTOR, H_G, H_BLOCK_M, H_NODE_CUT,
+    /* for fill */
     H_SIZE
 };
 
@@ -47,7 +49,8 @@ enum {
 typedef struct {
     i64 order, hi, fstart, cnt_lt, min_len, child_ptr, children, stack;  /* [nodes + 3] */
     i64 q_order, q_pre, q_len, merge_indptr, cursor;                     /* [queries + 1] */
-    i64 kept, kept_qs, kept_qe, cstart, tile_indptr, tile_qs, tile_qe;  /* [tiles + 1] */
+    i64 kept, kept_end, kept_qs, kept_qe, cstart, tile_indptr, tile_qs;  /* [tiles + 1] */
+    i64 tile_qe;
     i64 partial_indptr, mask_from, slot0, by_len, run_flag;
     i64 bucket;                                                    /* [2 (max_factor + 2)] */
     i64 heap_load, heap_count;                                           /* [slots + 1] */
@@ -60,16 +63,19 @@ static i64 ceil_div(i64 a, i64 b) { return a / b + (a % b != 0); }
 /* End of the flattened tile that starts at token s, without overflowing s + block_kv. */
 static i64 tile_end(i64 s, i64 block_kv, i64 nl) { return block_kv < nl - s ? s + block_kv : nl; }
 
+/* Room for the tiles: a cut at nodes (node_cut > 0) adds at most one per node. */
 static Ws ws_layout(i64 nodes, i64 tokens, i64 queries, i64 block_kv, i64 max_factor,
-                    i64 slots) {
+                    i64 slots, i64 node_cut) {
     Ws w;
-    i64 off = H_SIZE, nn = nodes + 3, nq = queries + 1, nt = ceil_div(tokens, block_kv) + 1;
+    i64 off = H_SIZE, nn = nodes + 3, nq = queries + 1;
+    i64 nt = ceil_div(tokens, block_kv) + 2 + (node_cut > 0 ? nodes : 0);
 #define PLACE(field, size) (w.field = off, off += (size))
     PLACE(order, nn); PLACE(hi, nn); PLACE(fstart, nn); PLACE(cnt_lt, nn); PLACE(min_len, nn);
     PLACE(child_ptr, nn); PLACE(children, nn); PLACE(stack, nn);
     PLACE(q_order, nq); PLACE(q_pre, nq); PLACE(q_len, nq); PLACE(merge_indptr, nq);
     PLACE(cursor, nq);
-    PLACE(kept, nt); PLACE(kept_qs, nt); PLACE(kept_qe, nt); PLACE(cstart, nt);
+    PLACE(kept, nt); PLACE(kept_end, nt); PLACE(kept_qs, nt); PLACE(kept_qe, nt);
+    PLACE(cstart, nt);
     PLACE(tile_indptr, nt); PLACE(tile_qs, nt); PLACE(tile_qe, nt); PLACE(partial_indptr, nt);
     PLACE(mask_from, nt); PLACE(slot0, nt); PLACE(by_len, nt); PLACE(run_flag, nt);
     PLACE(bucket, 2 * (max_factor + 2));
@@ -115,28 +121,109 @@ static int preorder(const i64 *parents, const i64 *indptr, i64 n, i64 *x, const 
 
 #include "launch_model.c"  /* the launch model: lpt_makespan and lpt_factor */
 
+/* Kept tiles of the flattened tokens (deft.plan.make_plan "flatten"): block_kv tokens each,
+ * restarting at the first token of every node of at least node_cut tokens when node_cut > 0.
+ * A tile's group is the queries whose node lies in [lo of its first token, max hi of its
+ * tokens); tiles nobody sees are dropped. Writes each kept tile's token range, group and
+ * (with want_masked) whether some group query may not see some of its tokens
+ * (deft.plan.coarsen.masked_tiles); returns how many, with their tokens and token work
+ * (tokens times row chunks) in *ntok and *work. */
+static i64 cut_tiles(i64 n, i64 nl, i64 block_kv, i64 node_cut, i64 g, i64 block_m,
+                     int want_masked, const i64 *hi, const i64 *fstart, const i64 *cnt_lt,
+                     const i64 *min_len, i64 *kept, i64 *kend, i64 *kqs, i64 *kqe,
+                     i64 *masked, i64 *ntok, i64 *work) {
+    i64 nk = 0;
+    *ntok = *work = 0;
+    for (i64 s = 0, k = 0; s < nl;) {
+        i64 e = tile_end(s, block_kv, nl), ghi, qs, qe;
+        while (fstart[k + 1] <= s) k++;
+        if (node_cut > 0)
+            for (i64 j = k + 1; j < n && fstart[j] < e; j++)
+                if (fstart[j + 1] - fstart[j] >= node_cut) {
+                    e = fstart[j];
+                    break;
+                }
+        ghi = hi[k];
+        for (i64 j = k + 1; j < n && fstart[j] < e; j++)
+            if (fstart[j + 1] > fstart[j] && hi[j] > ghi) ghi = hi[j];
+        qs = cnt_lt[k];
+        qe = cnt_lt[ghi];
+        if (qe > qs) {
+            /* Some query of the group may not see some token of the tile
+             * (deft.plan.packing.mask_from before the tile's end). */
+            if (want_masked) {
+                masked[nk] = 0;
+                for (i64 j = k; j < n && fstart[j] < e && !masked[nk]; j++) {
+                    i64 a = fstart[j] > s ? fstart[j] : s;
+                    i64 b = fstart[j + 1] < e ? fstart[j + 1] : e;
+                    if (b > a && (!(cnt_lt[j] <= qs && cnt_lt[hi[j]] >= qe) ||
+                                  min_len[j] <= b - 1 - fstart[j]))
+                        masked[nk] = 1;
+                }
+            }
+            kept[nk] = s;
+            kend[nk] = e;
+            kqs[nk] = qs;
+            kqe[nk] = qe;
+            nk++;
+            *ntok += e - s;
+            *work += (e - s) * ceil_div((qe - qs) * g, block_m);
+        }
+        s = e;
+    }
+    return nk;
+}
+
+/* The coarsening factor of the kept tiles (deft.plan.coarsen.coarsen_factor): about work /
+ * (waves * SMs) tokens, at least min_tile_tokens unless that leaves fewer programs than SMs,
+ * rounded down to 2^k or 3 * 2^k plan tiles, then the launch model's choice (lpt_factor). */
+static i64 rule_factor(const i64 *kqs, const i64 *kqe, const i64 *masked, i64 nk, i64 work,
+                       i64 block_kv, i64 g, i64 block_m, i64 num_kv_heads, i64 sms,
+                       double waves, i64 min_tile_tokens, i64 max_factor, i64 slots,
+                       i64 program_cost, i64 resident_slots, i64 masked_apart,
+                       i64 masked_cost, i64 *x, const Ws *w) {
+    double wk = (double)num_kv_heads * (double)work, length = (double)block_kv;
+    double floor_len = fmin((double)min_tile_tokens, wk / (double)sms);
+    double balanced = wk / (waves * (double)sms);
+    double e;
+    i64 factor = 1;
+    if (nk == 0) return 1;
+    if (floor_len > length) length = floor_len;
+    if (balanced > length) length = balanced;
+    /* _factor: the largest 2^k or 3 * 2^k plan tiles within the length. */
+    e = floor(log2(length / (double)block_kv));
+    for (; e >= 1 && factor < max_factor; e -= 1) factor *= 2;
+    if (factor >= 2 && factor < max_factor && 1.5 * (double)factor <= length / (double)block_kv)
+        factor += factor / 2;
+    if (factor > max_factor) factor = max_factor;
+    return lpt_factor(kqs, kqe, masked, nk, factor, g, block_m, num_kv_heads, block_kv,
+                      max_factor, slots, program_cost, resident_slots, masked_apart,
+                      masked_cost, x, w);
+}
+
 /* Returns 0; the workspace size needed if ws_size is smaller; -1 for a malformed forest.
  * parents [n], indptr [n + 1], query_nodes and query_kv_lens [nq]. */
 static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 *query_nodes,
                         const i64 *query_kv_lens, i64 nq, i64 block_kv, i64 g, i64 block_m,
                         i64 num_kv_heads, i64 sms, double waves, i64 min_tile_tokens,
                         i64 max_factor, i64 slots, i64 program_cost, i64 resident_slots,
-                        i64 masked_apart, i64 masked_cost, i64 *x, i64 ws_size) {
-    i64 nl, t0, nk = 0, ntok = 0, work = 0, factor = 1, nt = 0, sorted = 1;
-    i64 all_merged = 1, nwork = 0, run_start = 0, np_;
+                        i64 masked_apart, i64 masked_cost, i64 node_cut, i64 *x,
+                        i64 ws_size) {
+    i64 nl, nk, ntok = 0, work = 0, factor = 1, nt = 0, sorted = 1, cut = 0;
+    i64 all_merged = 1, nwork = 0, run_start = 0, np_, pos = 0;
     i64 *pre, *hi, *fstart, *cnt_lt, *min_len, *cursor, *q_order, *q_pre, *q_len;
-    i64 *kept, *kqs, *kqe, *cstart, *tile_indptr, *tqs, *tqe, *partial_indptr, *merge_indptr;
-    i64 *diff, *seg, *masked;
+    i64 *kept, *kend, *kqs, *kqe, *cstart, *tile_indptr, *tqs, *tqe, *partial_indptr;
+    i64 *merge_indptr, *diff, *seg, *masked;
+    int want_masked = masked_apart || masked_cost > 0;
     Ws w;
     nl = indptr[n];
-    t0 = ceil_div(nl, block_kv);
-    w = ws_layout(n, nl, nq, block_kv, max_factor, slots);
+    w = ws_layout(n, nl, nq, block_kv, max_factor, slots, node_cut);
     if (w.total > ws_size) return w.total;
     hi = x + w.hi; fstart = x + w.fstart; cnt_lt = x + w.cnt_lt;
     min_len = x + w.min_len; q_order = x + w.q_order; q_pre = x + w.q_pre; q_len = x + w.q_len;
-    kept = x + w.kept; kqs = x + w.kept_qs; kqe = x + w.kept_qe; cstart = x + w.cstart;
-    tile_indptr = x + w.tile_indptr; tqs = x + w.tile_qs; tqe = x + w.tile_qe;
-    partial_indptr = x + w.partial_indptr; merge_indptr = x + w.merge_indptr;
+    kept = x + w.kept; kend = x + w.kept_end; kqs = x + w.kept_qs; kqe = x + w.kept_qe;
+    cstart = x + w.cstart; tile_indptr = x + w.tile_indptr; tqs = x + w.tile_qs;
+    tqe = x + w.tile_qe; partial_indptr = x + w.partial_indptr; merge_indptr = x + w.merge_indptr;
     pre = x + w.min_len;  /* pre[node] lives there until the queries are sorted */
     masked = x + w.by_len;  /* per kept tile, with masked_apart or masked_cost (fill's by_len) */
     cursor = x + w.children;  /* free after the preorder */
@@ -151,82 +238,66 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
     for (i64 k = 0; k < n; k++) cnt_lt[k + 1] += cnt_lt[k];  /* queries with pre < k */
     memcpy(cursor, cnt_lt, (size_t)n * sizeof(i64));
     for (i64 i = 0; i < nq; i++) {
-        i64 k = pre[query_nodes[i]], pos = cursor[k]++;
-        q_order[pos] = i;
-        q_pre[pos] = k;
-        q_len[pos] = query_kv_lens[i];
-        sorted &= pos == i;
+        i64 k = pre[query_nodes[i]], pos_q = cursor[k]++;
+        q_order[pos_q] = i;
+        q_pre[pos_q] = k;
+        q_len[pos_q] = query_kv_lens[i];
+        sorted &= pos_q == i;
     }
     /* Smallest query_kv_len of the queries on each node (preorder index). */
     for (i64 k = 0; k < n; k++) min_len[k] = INT64_MAX;
-    for (i64 pos = 0; pos < nq; pos++)
-        if (q_len[pos] < min_len[q_pre[pos]]) min_len[q_pre[pos]] = q_len[pos];
+    for (i64 pos_q = 0; pos_q < nq; pos_q++)
+        if (q_len[pos_q] < min_len[q_pre[pos_q]]) min_len[q_pre[pos_q]] = q_len[pos_q];
 
-    /* Tiles of block_kv flattened tokens; a tile's group is the queries whose node lies in
-     * [lo of its first token, max hi of its tokens). Tiles nobody sees are dropped. */
-    for (i64 t = 0, k = 0; t < t0; t++) {
-        i64 s = t * block_kv, e = tile_end(s, block_kv, nl), ghi, qs, qe;
-        while (fstart[k + 1] <= s) k++;
-        ghi = hi[k];
-        for (i64 j = k + 1; j < n && fstart[j] < e; j++)
-            if (fstart[j + 1] > fstart[j] && hi[j] > ghi) ghi = hi[j];
-        qs = cnt_lt[k];
-        qe = cnt_lt[ghi];
-        if (qe > qs) {
-            /* Some query of the group may not see some token of the tile
-             * (deft.plan.packing.mask_from before the tile's end). */
-            if (masked_apart || masked_cost > 0) {
-                masked[nk] = 0;
-                for (i64 j = k; j < n && fstart[j] < e && !masked[nk]; j++) {
-                    i64 a = fstart[j] > s ? fstart[j] : s;
-                    i64 b = fstart[j + 1] < e ? fstart[j + 1] : e;
-                    if (b > a && (!(cnt_lt[j] <= qs && cnt_lt[hi[j]] >= qe) ||
-                                  min_len[j] <= b - 1 - fstart[j]))
-                        masked[nk] = 1;
-                }
-            }
-            kept[nk] = t;
-            kqs[nk] = qs;
-            kqe[nk] = qe;
-            nk++;
-            ntok += e - s;
-            work += (e - s) * ceil_div((qe - qs) * g, block_m);
-        }
+    /* The tiles cut at nodes of node_cut+ tokens where the launch model finishes them sooner
+     * (deft.plan.step.flatten_cut; a tie keeps the plain cut). Only a long node that starts
+     * off the block_kv grid makes the two cuts differ. */
+    if (node_cut > 0 && slots > 0)
+        for (i64 k = 0; k < n && !cut; k++)
+            cut = fstart[k + 1] - fstart[k] >= node_cut && fstart[k] % block_kv != 0;
+    if (cut) {
+        i64 span_cut, span;
+        nk = cut_tiles(n, nl, block_kv, node_cut, g, block_m, want_masked, hi, fstart, cnt_lt,
+                       min_len, kept, kend, kqs, kqe, masked, &ntok, &work);
+        factor = rule_factor(kqs, kqe, masked, nk, work, block_kv, g, block_m, num_kv_heads,
+                             sms, waves, min_tile_tokens, max_factor, slots, program_cost,
+                             resident_slots, masked_apart, masked_cost, x, &w);
+        span_cut = modelled_makespan(kqs, kqe, masked, nk, factor, g, block_m, num_kv_heads,
+                                     block_kv, slots, program_cost, resident_slots,
+                                     masked_apart, masked_cost, x, &w);
+        nk = cut_tiles(n, nl, block_kv, 0, g, block_m, want_masked, hi, fstart, cnt_lt,
+                       min_len, kept, kend, kqs, kqe, masked, &ntok, &work);
+        factor = rule_factor(kqs, kqe, masked, nk, work, block_kv, g, block_m, num_kv_heads,
+                             sms, waves, min_tile_tokens, max_factor, slots, program_cost,
+                             resident_slots, masked_apart, masked_cost, x, &w);
+        span = modelled_makespan(kqs, kqe, masked, nk, factor, g, block_m, num_kv_heads,
+                                 block_kv, slots, program_cost, resident_slots, masked_apart,
+                                 masked_cost, x, &w);
+        cut = span_cut < span;
     }
+    nk = cut_tiles(n, nl, block_kv, cut ? node_cut : 0, g, block_m, want_masked, hi, fstart,
+                   cnt_lt, min_len, kept, kend, kqs, kqe, masked, &ntok, &work);
+    factor = rule_factor(kqs, kqe, masked, nk, work, block_kv, g, block_m, num_kv_heads, sms,
+                         waves, min_tile_tokens, max_factor, slots, program_cost,
+                         resident_slots, masked_apart, masked_cost, x, &w);
 
-    /* Coarsening factor (deft.plan.coarsen.coarsen_factor), then coarsen_plan: runs of tiles with
-     * the same group are cut into tiles of `factor` plan tiles, and with masked_apart before
-     * a run's masked last tile that follows an unmasked one. */
-    if (nk > 0) {
-        double wk = (double)num_kv_heads * (double)work, length = (double)block_kv;
-        double floor_len = fmin((double)min_tile_tokens, wk / (double)sms);
-        double balanced = wk / (waves * (double)sms);
-        double e;
-        if (floor_len > length) length = floor_len;
-        if (balanced > length) length = balanced;
-        /* _factor: the largest 2^k or 3 * 2^k plan tiles within the length. */
-        e = floor(log2(length / (double)block_kv));
-        for (; e >= 1 && factor < max_factor; e -= 1) factor *= 2;
-        if (factor >= 2 && factor < max_factor && 1.5 * (double)factor <= length / (double)block_kv)
-            factor += factor / 2;
-        if (factor > max_factor) factor = max_factor;
-        factor = lpt_factor(kqs, kqe, masked, nk, factor, g, block_m, num_kv_heads, block_kv,
-                            max_factor, slots, program_cost, resident_slots, masked_apart,
-                            masked_cost, x, &w);
-    }
+    /* coarsen_plan: runs of tiles with the same group are cut into tiles of `factor` plan
+     * tiles, and with masked_apart before a run's masked last tile that follows an unmasked
+     * one; a tile starts at its first kept tile's offset among the plan tokens. */
     for (i64 i = 0; i < nk; i++) {
         int new_run = i == 0 || kqs[i] != kqs[i - 1] || kqe[i] != kqe[i - 1];
         int last = i + 1 == nk || kqs[i + 1] != kqs[i] || kqe[i + 1] != kqe[i];
         if (new_run) run_start = i;
         if (new_run || (i - run_start) % factor == 0 ||
-            (masked_apart && last && masked[i] && !masked[i - 1]))
+            (masked_apart && last && masked[i] && !masked[i - 1])) {
+            tile_indptr[nt] = pos;
             cstart[nt++] = i;
+        }
+        pos += kend[i] - kept[i];
     }
     cstart[nt] = nk;
-    /* Only the last flattened tile may be short, so kept tile i starts at i * block_kv. */
     partial_indptr[0] = 0;
     for (i64 ct = 0; ct < nt; ct++) {
-        tile_indptr[ct] = cstart[ct] * block_kv;
         tqs[ct] = kqs[cstart[ct]];
         tqe[ct] = kqe[cstart[ct]];
         partial_indptr[ct + 1] = partial_indptr[ct] + tqe[ct] - tqs[ct];
@@ -239,9 +310,9 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
     memset(diff, 0, (size_t)(nq + 1) * sizeof(i64));
     for (i64 ct = 0; ct < nt; ct++) { diff[tqs[ct]]++; diff[tqe[ct]]--; }
     merge_indptr[0] = 0;
-    for (i64 pos = 0, run = 0; pos < nq; pos++) {
-        run += diff[pos];
-        merge_indptr[q_order[pos] + 1] = run;
+    for (i64 pos_q = 0, run = 0; pos_q < nq; pos_q++) {
+        run += diff[pos_q];
+        merge_indptr[q_order[pos_q] + 1] = run;
         all_merged &= run > 0;
     }
     for (i64 i = 0; i < nq; i++) merge_indptr[i + 1] += merge_indptr[i];
@@ -256,7 +327,7 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
         for (int j = 0; j < 10; j++) seg[j + 1] = seg[j] + ceil_div(sizes[j], 16) * 16;
     }
     x[H_NODES] = n; x[H_TOKENS] = nl; x[H_BLOCK_KV] = block_kv; x[H_MAX_FACTOR] = max_factor;
-    x[H_G] = g; x[H_BLOCK_M] = block_m;
+    x[H_G] = g; x[H_BLOCK_M] = block_m; x[H_NODE_CUT] = node_cut;
     return 0;
 }
 
@@ -299,9 +370,10 @@ static i64 flatten_fill(const i64 *indptr, const i64 *kv_indices, i64 *x, i64 *o
     i64 g = x[H_G], block_m = x[H_BLOCK_M], ntok = x[H_N], nt = x[H_T], np_ = x[H_P];
     i64 nwork = x[H_W], p = 0, all_contig = 1, any_contig = 0, nbucket = 0;
     const i64 *seg = x + H_SEG;
-    Ws w = ws_layout(n, nl, nq, block_kv, x[H_MAX_FACTOR], 0);
+    Ws w = ws_layout(n, nl, nq, block_kv, x[H_MAX_FACTOR], 0, x[H_NODE_CUT]);
     const i64 *order = x + w.order, *hi = x + w.hi, *fstart = x + w.fstart;
     const i64 *cnt_lt = x + w.cnt_lt, *min_len = x + w.min_len, *kept = x + w.kept;
+    const i64 *kend = x + w.kept_end;
     const i64 *cstart = x + w.cstart, *tile_indptr = x + w.tile_indptr;
     const i64 *tqs = x + w.tile_qs, *tqe = x + w.tile_qe, *partial_indptr = x + w.partial_indptr;
     const i64 *q_order = x + w.q_order, *merge_indptr = x + w.merge_indptr;
@@ -324,7 +396,7 @@ static i64 flatten_fill(const i64 *indptr, const i64 *kv_indices, i64 *x, i64 *o
         i64 qs = tqs[ct], qe = tqe[ct], first_bad = tile_indptr[ct + 1], contig = 1, prev = 0;
         i64 first = -1;
         for (i64 i = cstart[ct]; i < cstart[ct + 1]; i++) {
-            i64 s = kept[i] * block_kv, e = tile_end(s, block_kv, nl);
+            i64 s = kept[i], e = kend[i];
             while (s < e) {
                 i64 seg_end, len, o, h;
                 const i64 *src;
@@ -360,9 +432,9 @@ static i64 flatten_fill(const i64 *indptr, const i64 *kv_indices, i64 *x, i64 *o
     for (int j = 0; j < 4; j++)
         for (i64 i = seg[j] + ntok; i < seg[j + 1]; i++) packed[i] = 0;
 
-    /* Work items: tiles by decreasing length, stably (counting sort on the number of
-     * block_kv blocks: only the last tile can be short, and it sorts last among equals),
-     * each cut into chunks of block_m query rows. */
+    /* Work items: tiles by decreasing length, stably (a counting sort on the number of
+     * block_kv blocks, then an insertion sort by tokens, which moves only the short tiles
+     * of a cut at nodes), each cut into chunks of block_m query rows. */
     for (i64 ct = 0; ct < nt; ct++) {
         i64 b = ceil_div(tile_indptr[ct + 1] - tile_indptr[ct], block_kv);
         for (; nbucket <= b; nbucket++) bucket[nbucket] = 0;
@@ -375,6 +447,12 @@ static i64 flatten_fill(const i64 *indptr, const i64 *kv_indices, i64 *x, i64 *o
     }
     for (i64 ct = 0; ct < nt; ct++)
         by_len[bucket[ceil_div(tile_indptr[ct + 1] - tile_indptr[ct], block_kv)]++] = ct;
+    for (i64 r = 1; r < nt; r++) {
+        i64 ct = by_len[r], len = tile_indptr[ct + 1] - tile_indptr[ct], q = r;
+        for (; q > 0 && tile_indptr[by_len[q - 1] + 1] - tile_indptr[by_len[q - 1]] < len; q--)
+            by_len[q] = by_len[q - 1];
+        by_len[q] = ct;
+    }
     for (i64 r = 0, item = 0; r < nt; r++) {
         i64 ct = by_len[r], rows = (tqe[ct] - tqs[ct]) * g;
         for (i64 row0 = 0; row0 < rows; row0 += block_m, item++) {
@@ -435,7 +513,8 @@ static void release(Py_buffer *views, int n) {
 
 /* plan(parents, node_kv_indptr, query_nodes, query_kv_lens, kv_indices, block_kv, g,
  *      block_m, num_kv_heads, sms, waves, min_tile_tokens, max_factor, slots, program_cost,
- *      resident_slots, masked_apart, masked_cost, ws, packed_address, packed_capacity)
+ *      resident_slots, masked_apart, masked_cost, node_cut, ws, packed_address,
+ *      packed_capacity)
  * Plans into the int64 array ws and, when packed_address is not 0 and the buffer holds
  * packed_capacity >= the packed size int32, fills it. Returns the tuple (flags, tokens,
  * tiles, partials, work items, queries, sorted, all merged, plan-array size, 11 segment
@@ -443,36 +522,37 @@ static void release(Py_buffer *views, int n) {
  * malformed forest, -2 for arrays that are not 1-D int64 of consistent lengths. */
 static PyObject *py_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer v[6];
-    long long p[21];
+    long long p[22];
     double waves;
     i64 rc = -2, flags = -3, n, nq;
     i32 *packed;
     int got = 0;
     PyObject *res;
     (void)self;
-    if (nargs != 21) {
-        PyErr_SetString(PyExc_TypeError, "plan() takes 21 arguments");
+    if (nargs != 22) {
+        PyErr_SetString(PyExc_TypeError, "plan() takes 22 arguments");
         return NULL;
     }
-    for (int i = 5; i < 21; i++)
-        if (i != 10 && i != 18) p[i] = PyLong_AsLongLong(args[i]);
+    for (int i = 5; i < 22; i++)
+        if (i != 10 && i != 19) p[i] = PyLong_AsLongLong(args[i]);
     waves = PyFloat_AsDouble(args[10]);
-    packed = (i32 *)PyLong_AsVoidPtr(args[19]);
+    packed = (i32 *)PyLong_AsVoidPtr(args[20]);
     if (PyErr_Occurred()) return NULL;
     for (; got < 6; got++)
-        if (int64_view(args[got == 5 ? 18 : got], &v[got], got == 5) < 0) break;
+        if (int64_view(args[got == 5 ? 19 : got], &v[got], got == 5) < 0) break;
     if (got == 6) {
         const i64 *indptr = v[1].buf;
         n = v[0].len / 8;
         nq = v[2].len / 8;
         if (v[1].len / 8 == n + 1 && v[3].len / 8 == nq && indptr[0] == 0 &&
-            indptr[n] <= v[4].len / 8 && p[5] > 0 && p[7] > 0 && p[9] > 0 && p[12] > 0) {
+            indptr[n] <= v[4].len / 8 && p[5] > 0 && p[7] > 0 && p[9] > 0 && p[12] > 0 &&
+            p[18] >= 0) {
             i64 *x = v[5].buf;
             Py_BEGIN_ALLOW_THREADS
             rc = flatten_plan(v[0].buf, indptr, n, v[2].buf, v[3].buf, nq, p[5], p[6], p[7],
                               p[8], p[9], waves, p[11], p[12], p[13], p[14], p[15], p[16], p[17],
-                              x, v[5].len / 8);
-            if (rc == 0 && packed && x[H_SEG + 10] <= p[20])
+                              p[18], x, v[5].len / 8);
+            if (rc == 0 && packed && x[H_SEG + 10] <= p[21])
                 flags = flatten_fill(indptr, v[4].buf, x, NULL, packed);
             Py_END_ALLOW_THREADS
         }

@@ -107,17 +107,13 @@ static i64 launch_programs(const i64 *run_len, const i64 *run_chunks, i64 nruns,
  * masked_apart). Then, with 0 < resident_slots < slots (deft.plan.coarsen.resident_wave): the
  * smallest factor up to 4x the rule's that fits one wave of resident_slots programs, if the
  * model on those slots finishes it sooner. */
-static i64 lpt_factor(const i64 *kqs, const i64 *kqe, const i64 *masked, i64 nk, i64 factor,
-                      i64 g, i64 block_m, i64 heads, i64 block_kv, i64 max_factor, i64 slots,
-                      i64 program_cost, i64 resident_slots, i64 masked_apart, i64 masked_cost,
-                      i64 *x, const Ws *w) {
+/* The runs of kept tiles that serve one group (deft.plan.coarsen.plan_runs): their lengths,
+ * row chunks and masked-tile flags (run_masks; none without masked_cost) in ws. Returns
+ * their number. */
+static i64 model_runs(const i64 *kqs, const i64 *kqe, const i64 *masked, i64 nk, i64 g,
+                      i64 block_m, i64 masked_apart, i64 masked_cost, i64 *x, const Ws *w) {
     i64 *run_len = x + w->mask_from, *run_chunks = x + w->slot0, *run_flag = x + w->run_flag;
-    i64 nruns = 0, best = factor, best_span = -1, steps = factor < 16 ? factor : 16;
-    i64 programs, limit, lo, hi, model_slots;
-    i64 *count = x + w->bucket, *load = x + w->heap_load, *group = x + w->heap_count;
-    int fewer = resident_slots > 0 && resident_slots < slots;
-    if (slots <= 0) return factor;
-    model_slots = fewer ? resident_slots : slots;
+    i64 nruns = 0;
     for (i64 i = 0; i < nk; i++) {
         if (i == 0 || kqs[i] != kqs[i - 1] || kqe[i] != kqe[i - 1]) {
             run_len[nruns] = 0;
@@ -130,6 +126,21 @@ static i64 lpt_factor(const i64 *kqs, const i64 *kqe, const i64 *masked, i64 nk,
                 ? RUN_MASKED | (masked_apart && r > 1 && !masked[i - 1] ? RUN_CUT : 0) : 0;
         }
     }
+    return nruns;
+}
+
+static i64 lpt_factor(const i64 *kqs, const i64 *kqe, const i64 *masked, i64 nk, i64 factor,
+                      i64 g, i64 block_m, i64 heads, i64 block_kv, i64 max_factor, i64 slots,
+                      i64 program_cost, i64 resident_slots, i64 masked_apart, i64 masked_cost,
+                      i64 *x, const Ws *w) {
+    i64 *run_len = x + w->mask_from, *run_chunks = x + w->slot0, *run_flag = x + w->run_flag;
+    i64 nruns, best = factor, best_span = -1, steps = factor < 16 ? factor : 16;
+    i64 programs, limit, lo, hi, model_slots;
+    i64 *count = x + w->bucket, *load = x + w->heap_load, *group = x + w->heap_count;
+    int fewer = resident_slots > 0 && resident_slots < slots;
+    if (slots <= 0) return factor;
+    model_slots = fewer ? resident_slots : slots;
+    nruns = model_runs(kqs, kqe, masked, nk, g, block_m, masked_apart, masked_cost, x, w);
     /* In one wave the rule's factor is best (longer tiles only lengthen the longest program);
      * past 8 waves a last wave costs little. */
     programs = launch_programs(run_len, run_chunks, nruns, factor, heads);
@@ -164,4 +175,20 @@ static i64 lpt_factor(const i64 *kqs, const i64 *kqe, const i64 *masked, i64 nk,
                      program_cost, 0, count, load, group))
         return hi;
     return best;
+}
+
+/* The launch model's makespan at coarsening factor u (deft.plan.coarsen.modelled_makespan),
+ * on resident_slots where 0 < resident_slots < slots, else on slots; 0 without a model. */
+static i64 modelled_makespan(const i64 *kqs, const i64 *kqe, const i64 *masked, i64 nk, i64 u,
+                             i64 g, i64 block_m, i64 heads, i64 block_kv, i64 slots,
+                             i64 program_cost, i64 resident_slots, i64 masked_apart,
+                             i64 masked_cost, i64 *x, const Ws *w) {
+    i64 nruns;
+    if (slots <= 0 || nk == 0) return 0;
+    nruns = model_runs(kqs, kqe, masked, nk, g, block_m, masked_apart, masked_cost, x, w);
+    return lpt_makespan(x + w->mask_from, x + w->slot0, x + w->run_flag, nruns, u, heads,
+                        block_kv, resident_slots > 0 && resident_slots < slots ? resident_slots
+                                                                                : slots,
+                        program_cost, masked_cost, x + w->bucket, x + w->heap_load,
+                        x + w->heap_count);
 }

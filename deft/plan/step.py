@@ -5,25 +5,42 @@ from __future__ import annotations
 from typing import Callable
 
 from ..layout import TreeLayout
-from .coarsen import Coarsening, refine
+from .coarsen import Coarsening, modelled_makespan, refine
 from .compiled import flatten_plan
 from .packing import HostBuffer, PackedPlan, pack
 from .tree_plan import TreePlan, make_plan
 
-__all__ = ["plan_step"]
+__all__ = ["plan_step", "flatten_cut"]
+
+
+def flatten_cut(layout: TreeLayout, block_kv: int, params: Coarsening) -> TreePlan:
+    """The ``flatten`` plan of ``layout``, its tiles also cut at nodes of at least
+    ``params.node_cut`` tokens (``make_plan``'s ``node_cut``) where the launch model says
+    that plan, coarsened, finishes sooner (:func:`~deft.plan.coarsen.modelled_makespan`; a
+    tie keeps the plain cut). A node that starts inside a tile makes that tile serve the
+    groups on both sides, masked: on separate prompts or long branches that costs programs
+    and masked parts, while on a tree of short branches one tile per node would cost many
+    short programs (docs/decisions.md, "Tiles cut at long nodes")."""
+    plan = make_plan(layout, "flatten", block_kv)
+    if params.node_cut <= 0 or params.slots <= 0:
+        return plan
+    cut = make_plan(layout, "flatten", block_kv, params.node_cut)
+    return cut if modelled_makespan(cut, params) < modelled_makespan(plan, params) else plan
 
 
 def plan_step(layout: TreeLayout, kind: str, block_kv: int, params: Coarsening,
               host_buffer: Callable[[int], HostBuffer],
               reuse: HostBuffer | None = None) -> tuple[TreePlan, PackedPlan]:
-    """Plan ``layout``, coarsen ``flatten`` and ``per_query`` plans with ``params`` and pack
-    the result for programs of ``params.block_m`` rows into ``reuse`` or ``host_buffer(n)``.
-    ``flatten`` plans come from the compiled planner when it is built (identical results)."""
+    """Plan ``layout`` (``flatten``: :func:`flatten_cut`), coarsen ``flatten`` and
+    ``per_query`` plans with ``params`` and pack the result for programs of
+    ``params.block_m`` rows into ``reuse`` or ``host_buffer(n)``. ``flatten`` plans come from
+    the compiled planner when it is built (identical results)."""
     if kind == "flatten":
         done = flatten_plan(layout, block_kv, params, host_buffer, reuse)
         if done is not None:
             return done
-    plan = make_plan(layout, kind, block_kv)
+    plan = flatten_cut(layout, block_kv, params) if kind == "flatten" else \
+        make_plan(layout, kind, block_kv)
     if kind in ("flatten", "per_query"):
         plan = refine(plan, params)
     return plan, pack(plan, params.g, params.block_m, host_buffer, reuse)

@@ -201,7 +201,20 @@ def _chunk_bounds(lens: np.ndarray, block: int) -> np.ndarray:
     return out
 
 
-def make_plan(layout: TreeLayout, kind: str = "flatten", block_kv: int = 64) -> TreePlan:
+def _cut_segments(lens_pre: np.ndarray, node_cut: int) -> np.ndarray:
+    """Lengths of the runs of flattened tokens that ``flatten`` cuts into tiles: all of them,
+    or with ``node_cut > 0`` a new run at every node of at least ``node_cut`` tokens."""
+    total = np.asarray([lens_pre.sum()], _I)
+    if node_cut <= 0 or lens_pre.size == 0:
+        return total
+    starts = np.flatnonzero(lens_pre >= node_cut)
+    if starts.size == 0:
+        return total
+    return np.add.reduceat(lens_pre, np.union1d([0], starts))
+
+
+def make_plan(layout: TreeLayout, kind: str = "flatten", block_kv: int = 64,
+              node_cut: int = 0) -> TreePlan:
     """Plan one step of tree attention over ``layout``.
 
     Parameters
@@ -214,10 +227,16 @@ def make_plan(layout: TreeLayout, kind: str = "flatten", block_kv: int = 64) -> 
     block_kv:
         Tile size in tokens (maximum tile size for ``node_chunk`` and ``per_query``;
         ignored by ``node``).
+    node_cut:
+        ``flatten`` only: when positive, a tile also starts at the first token of every node
+        of at least ``node_cut`` tokens, so such a node shares no tile with the tokens before
+        it (a tile of both sides' groups, masked); tiles run ``block_kv`` tokens from there.
     """
     if kind not in PLAN_KINDS:
         raise ValueError(f"kind: expected one of {', '.join(PLAN_KINDS)}, got {kind!r}")
     block_kv = positive_int(block_kv, "block_kv")
+    if not isinstance(node_cut, (int, np.integer)) or node_cut < 0:
+        raise ValueError(f"node_cut: expected an int >= 0, got {node_cut!r}")
     if not isinstance(layout, TreeLayout):
         raise TypeError(f"layout: expected a deft.TreeLayout, got {type(layout).__name__}")
 
@@ -249,7 +268,7 @@ def make_plan(layout: TreeLayout, kind: str = "flatten", block_kv: int = 64) -> 
         needs_mask = False
     else:
         if kind == "flatten":
-            tile_lens = _chunk_bounds(np.asarray([flat_slots.shape[0]], _I), block_kv)
+            tile_lens = _chunk_bounds(_cut_segments(lens_pre, node_cut), block_kv)
         elif kind == "node":
             tile_lens = lens_pre[lens_pre > 0]
         else:

@@ -70,7 +70,7 @@ def coarsening(cfg: KernelConfig, heads: Heads, device: torch.device) -> Coarsen
     return Coarsening(heads.num_qo_heads // heads.num_kv_heads, cfg.block_m, heads.num_kv_heads,
                       sms, cfg.waves, cfg.min_tile_tokens, cfg.max_coarsen,
                       cfg.programs_per_sm * sms, cfg.program_cost, (resident or 0) * sms,
-                      cfg.masked_apart, cfg.masked_cost)
+                      cfg.masked_apart, cfg.masked_cost, cfg.node_cut)
 
 
 class TritonBackend(Backend):

@@ -87,6 +87,9 @@ class KernelConfig:
     # The launch model charges a tile with a masked part this many tokens more
     # (``deft.plan.coarsen.Coarsening.masked_cost``).
     masked_cost: int = 0
+    # Flatten plans also cut at nodes of at least this many tokens where the launch model
+    # says so (``deft.plan.coarsen.Coarsening.node_cut``; 0: never).
+    node_cut: int = 0
     # Over e4m3 K (no infinities) and a 16-bit q, no score is made NaN for being -inf: only
     # a ±inf K value or an fp32 overflow could give one (``softmax.no_neg_inf``).
     e4m3_finite_scores: bool = False
@@ -134,7 +137,7 @@ class KernelConfig:
 # masked tiles apart and charged 128 tokens: docs/decisions.md.
 _SM90 = dict(tma=True, pdl=True, graph_waves=3, kv8_maxnreg=168, deferred_v_checks=True,
              e4m3_finite_scores=True, sum_checks=True, inf_by_fma=True, acc_checks=True,
-             early_item_loads=True, masked_apart=True, masked_cost=128)
+             early_item_loads=True, masked_apart=True, masked_cost=128, node_cut=32)
 _NARROW = dict(_SM90, narrow_partials=True, maxnreg=168, kv8_block_n=64)
 CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
     ("sm90", 64, 0): KernelConfig(64, 32, 4, 3, 4.0, **_SM90),
