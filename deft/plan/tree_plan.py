@@ -7,8 +7,9 @@ Every plan kind produces the same structure, so one backend executes all of them
   their slots concatenated: each token once. For ``per_query`` they are every query's whole
   path, so shared tokens repeat (what per-query decoding such as Flash-Decoding reads).
 * **tiles** — runs of consecutive plan tokens (CSR ``tile_indptr``). ``flatten`` cuts the
-  DFS-ordered tokens into equal tiles of ``block_kv`` that cross node boundaries; ``node``
-  makes one tile per node; ``node_chunk`` cuts each node into chunks of at most ``block_kv``.
+  DFS-ordered tokens into equal tiles of ``block_kv`` that cross node boundaries (with
+  ``node_cut``, restarting at every node of at least that many tokens); ``node`` makes one
+  tile per node; ``node_chunk`` cuts each node into chunks of at most ``block_kv``.
 * **KV-guided query groups** — queries are sorted by the preorder index of their node. The
   queries that see token ``j`` of node ``m`` are then exactly those whose node lies in
   ``m``'s subtree, a contiguous run of sorted queries. A tile's group is therefore the range
