@@ -20,8 +20,8 @@ from .packing import mask_from
 from .tree_plan import TreePlan, assemble
 
 __all__ = ["Coarsening", "group_runs", "plan_runs", "masked_tiles", "run_masks", "coarsen_plan",
-           "coarsen_factor", "modelled_makespan", "refine", "list_makespan", "lpt_makespan", "lpt_candidates",
-           "lpt_factor", "launch_programs", "resident_wave"]
+           "coarsen_factor", "modelled_makespan", "refine", "list_makespan", "lpt_makespan",
+           "lpt_candidates", "lpt_factor", "launch_programs", "resident_wave"]
 
 _I = np.int64
 _INT64_MAX = 2**63 - 1  # the compiled planner's bound: the launch model saturates there

@@ -2,8 +2,8 @@
  *
  * Computes exactly what deft.plan.step.flatten_cut (the flatten tiles, cut at long nodes
  * where the launch model says so), then deft.plan.coarsen.refine (coarsening) and
- * deft.plan.packing.pack (work items, tile flags,
- * reduction map, int32 packing) compute with numpy, without any sort: orders come from
+ * deft.plan.packing.pack (work items, tile flags, reduction map, int32 packing) compute with
+ * numpy, without a comparison sort but over nearly sorted work items: orders come from
  * counting sorts and walks over the nodes in DFS preorder. A CPython extension module: the
  * planning is plain C on raw arrays; thin wrappers at the end (`plan`, `fill`, `mask`) take
  * numpy arrays through the buffer protocol, so a step's planning is one call from Python.
@@ -210,7 +210,7 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
                         i64 masked_apart, i64 masked_cost, i64 node_cut, i64 *x,
                         i64 ws_size) {
     i64 nl, nk, ntok = 0, work = 0, factor = 1, nt = 0, sorted = 1, cut = 0;
-    i64 all_merged = 1, nwork = 0, run_start = 0, np_, pos = 0;
+    i64 all_merged = 1, nwork = 0, run_start = 0, np_, offset = 0;
     i64 *pre, *hi, *fstart, *cnt_lt, *min_len, *cursor, *q_order, *q_pre, *q_len;
     i64 *kept, *kend, *kqs, *kqe, *cstart, *tile_indptr, *tqs, *tqe, *partial_indptr;
     i64 *merge_indptr, *diff, *seg, *masked;
@@ -238,16 +238,16 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
     for (i64 k = 0; k < n; k++) cnt_lt[k + 1] += cnt_lt[k];  /* queries with pre < k */
     memcpy(cursor, cnt_lt, (size_t)n * sizeof(i64));
     for (i64 i = 0; i < nq; i++) {
-        i64 k = pre[query_nodes[i]], pos_q = cursor[k]++;
-        q_order[pos_q] = i;
-        q_pre[pos_q] = k;
-        q_len[pos_q] = query_kv_lens[i];
-        sorted &= pos_q == i;
+        i64 k = pre[query_nodes[i]], pos = cursor[k]++;
+        q_order[pos] = i;
+        q_pre[pos] = k;
+        q_len[pos] = query_kv_lens[i];
+        sorted &= pos == i;
     }
     /* Smallest query_kv_len of the queries on each node (preorder index). */
     for (i64 k = 0; k < n; k++) min_len[k] = INT64_MAX;
-    for (i64 pos_q = 0; pos_q < nq; pos_q++)
-        if (q_len[pos_q] < min_len[q_pre[pos_q]]) min_len[q_pre[pos_q]] = q_len[pos_q];
+    for (i64 pos = 0; pos < nq; pos++)
+        if (q_len[pos] < min_len[q_pre[pos]]) min_len[q_pre[pos]] = q_len[pos];
 
     /* The tiles cut at nodes of node_cut+ tokens where the launch model finishes them sooner
      * (deft.plan.step.flatten_cut; a tie keeps the plain cut). Only a long node that starts
@@ -290,10 +290,10 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
         if (new_run) run_start = i;
         if (new_run || (i - run_start) % factor == 0 ||
             (masked_apart && last && masked[i] && !masked[i - 1])) {
-            tile_indptr[nt] = pos;
+            tile_indptr[nt] = offset;
             cstart[nt++] = i;
         }
-        pos += kend[i] - kept[i];
+        offset += kend[i] - kept[i];
     }
     cstart[nt] = nk;
     partial_indptr[0] = 0;
@@ -310,9 +310,9 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
     memset(diff, 0, (size_t)(nq + 1) * sizeof(i64));
     for (i64 ct = 0; ct < nt; ct++) { diff[tqs[ct]]++; diff[tqe[ct]]--; }
     merge_indptr[0] = 0;
-    for (i64 pos_q = 0, run = 0; pos_q < nq; pos_q++) {
-        run += diff[pos_q];
-        merge_indptr[q_order[pos_q] + 1] = run;
+    for (i64 pos = 0, run = 0; pos < nq; pos++) {
+        run += diff[pos];
+        merge_indptr[q_order[pos] + 1] = run;
         all_merged &= run > 0;
     }
     for (i64 i = 0; i < nq; i++) merge_indptr[i + 1] += merge_indptr[i];
