@@ -23,11 +23,12 @@ H_Q, H_KV, D = 4, 2, 32
 
 def random_tree(rng: np.random.Generator, num_queries: int, max_tokens: int) -> TreeLayout:
     """A random forest of ``num_queries`` queries, at most ``max_tokens`` tokens in slots of a
-    ``max_tokens`` cache, queries with partial ``query_kv_len`` on random nodes."""
+    ``max_tokens`` cache, queries with partial ``query_kv_len`` on random nodes; a third of
+    the forests have nodes of up to 150 tokens (plans that may cut tiles at long nodes)."""
     n = int(rng.integers(1, 40))
     parents = [-1] + [int(rng.integers(-1, i)) if rng.random() < 0.1 else int(rng.integers(0, i))
                       for i in range(1, n)]
-    lens = rng.integers(0, 30, n)
+    lens = rng.integers(0, 150 if rng.random() < 0.3 else 30, n)
     if lens.sum() > max_tokens:
         lens = lens * max_tokens // lens.sum()
     qn = rng.integers(0, n, num_queries)
@@ -121,6 +122,38 @@ def test_plans_change_no_launch_argument_and_stay_exact(launches, monkeypatch):
     assert len(shapes) > 4  # the trees really differed
     assert pairs > attn._reserved.programs
     assert [name for name, *_ in first] == ["tree_partial_kernel", "merge_kernel"]
+
+
+def test_plans_cut_at_long_nodes_stay_exact(launches, monkeypatch):
+    """Trees whose plans cut tiles at long nodes (``node_cut``, the cut forced on every step)
+    through one reservation of 4 programs: no launch argument changes, outputs exact."""
+    import itertools
+
+    from deft.plan import step
+
+    small_grid(monkeypatch)
+    for key, cfg in list(configs.CONFIGS.items()):
+        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, node_cut=4))
+    monkeypatch.setenv("DEFT_FASTPLAN", "0")
+    calls = itertools.count()  # the cut's makespan is always the shorter
+    monkeypatch.setattr(step, "modelled_makespan", lambda plan, params: next(calls))
+    nq, cache = 6, 200
+    attn, q, k, v = reservation(nq, cache, seed=2)
+    out = torch.empty_like(q)
+    layouts = [TreeLayout.from_node_lengths([-1] * 6, [21] * 6, list(range(6))),
+               TreeLayout.from_node_lengths([-1] + [0] * 5, [37] + [13] * 5, list(range(6)))]
+    rng = np.random.default_rng(3)
+    layouts += [random_tree(rng, nq, cache) for _ in range(4)]
+    first = None
+    for i, layout in enumerate(layouts):
+        plan = attn.plan(layout)
+        launches.clear()
+        attn.run(q, k, v, out=out)
+        first = first or list(launches)
+        assert launches == first, f"plan {i} changed a launch"
+        ref_o, _ = reference_attention(q, k, v, layout, D**-0.5)
+        assert_close(out.cpu(), ref_o.cpu(), torch.float16, f"cut plan {i}")
+    assert plan.kind == "flatten" and next(calls) >= 2 * len(layouts)
 
 
 @pytest.mark.parametrize("flags", [dict(header_in_order=True), dict(early_item_loads=True),
