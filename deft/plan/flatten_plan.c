@@ -119,7 +119,7 @@ static int preorder(const i64 *parents, const i64 *indptr, i64 n, i64 *x, const 
     return 0;
 }
 
-#include "launch_model.c"  /* the launch model: lpt_makespan and lpt_factor */
+#include "launch_model.c"  /* the launch model: lpt_makespan, lpt_factor, modelled_makespan */
 
 /* Kept tiles of the flattened tokens (deft.plan.make_plan "flatten"): block_kv tokens each,
  * restarting at the first token of every node of at least node_cut tokens when node_cut > 0.

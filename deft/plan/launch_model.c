@@ -1,5 +1,6 @@
 /* The coarsening rule's launch model (deft.plan.coarsen.lpt_makespan, lpt_factor,
- * resident_wave); included by flatten_plan.c (one extension module), after its types. */
+ * resident_wave, modelled_makespan); included by flatten_plan.c (one extension module),
+ * after its types. */
 
 /* a + b and a * b for a, b >= 0, saturating at INT64_MAX (as deft.plan.coarsen's model does):
  * a tile size near 2**63 must not overflow the model's loads. */
@@ -98,15 +99,6 @@ static i64 launch_programs(const i64 *run_len, const i64 *run_chunks, i64 nruns,
     return programs;
 }
 
-/* The factor of the shortest modelled makespan (the smallest on ties) among factor + i *
- * factor / s for i = 0..s, s = min(factor, 16), up to max_factor: every factor up to twice
- * the rule's when it is at most 16, else 17 of them. Longer tiles pay when fewer programs
- * leave less of a last wave; with one wave or more than 8 at the rule's factor, none is
- * tried. The model runs on resident_slots where 0 < resident_slots < slots, else on slots,
- * and with masked_cost > 0 charges masked tiles (`masked` per kept tile, cut off with
- * masked_apart). Then, with 0 < resident_slots < slots (deft.plan.coarsen.resident_wave): the
- * smallest factor up to 4x the rule's that fits one wave of resident_slots programs, if the
- * model on those slots finishes it sooner. */
 /* The runs of kept tiles that serve one group (deft.plan.coarsen.plan_runs): their lengths,
  * row chunks and masked-tile flags (run_masks; none without masked_cost) in ws. Returns
  * their number. */
@@ -129,6 +121,15 @@ static i64 model_runs(const i64 *kqs, const i64 *kqe, const i64 *masked, i64 nk,
     return nruns;
 }
 
+/* The factor of the shortest modelled makespan (the smallest on ties) among factor + i *
+ * factor / s for i = 0..s, s = min(factor, 16), up to max_factor: every factor up to twice
+ * the rule's when it is at most 16, else 17 of them. Longer tiles pay when fewer programs
+ * leave less of a last wave; with one wave or more than 8 at the rule's factor, none is
+ * tried. The model runs on resident_slots where 0 < resident_slots < slots, else on slots,
+ * and with masked_cost > 0 charges masked tiles (`masked` per kept tile, cut off with
+ * masked_apart). Then, with 0 < resident_slots < slots (deft.plan.coarsen.resident_wave): the
+ * smallest factor up to 4x the rule's that fits one wave of resident_slots programs, if the
+ * model on those slots finishes it sooner. */
 static i64 lpt_factor(const i64 *kqs, const i64 *kqe, const i64 *masked, i64 nk, i64 factor,
                       i64 g, i64 block_m, i64 heads, i64 block_kv, i64 max_factor, i64 slots,
                       i64 program_cost, i64 resident_slots, i64 masked_apart, i64 masked_cost,
