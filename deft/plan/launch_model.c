@@ -1,6 +1,6 @@
-/* The coarsening rule's launch model (deft.plan.coarsen.lpt_makespan, lpt_factor,
- * resident_wave, modelled_makespan); included by flatten_plan.c (one extension module),
- * after its types. */
+/* The coarsening rule and its launch model (deft.plan.coarsen.coarsen_factor, lpt_makespan,
+ * lpt_factor, resident_wave, modelled_makespan); included by flatten_plan.c (one extension
+ * module), after its types. */
 
 /* a + b and a * b for a, b >= 0, saturating at INT64_MAX (as deft.plan.coarsen's model does):
  * a tile size near 2**63 must not overflow the model's loads. */
@@ -192,4 +192,31 @@ static i64 modelled_makespan(const i64 *kqs, const i64 *kqe, const i64 *masked, 
                                                                                 : slots,
                         program_cost, masked_cost, x + w->bucket, x + w->heap_load,
                         x + w->heap_count);
+}
+
+/* The coarsening factor of the kept tiles (deft.plan.coarsen.coarsen_factor): about work /
+ * (waves * SMs) tokens, at least min_tile_tokens unless that leaves fewer programs than SMs,
+ * rounded down to 2^k or 3 * 2^k plan tiles, then the launch model's choice (lpt_factor). */
+static i64 rule_factor(const i64 *kqs, const i64 *kqe, const i64 *masked, i64 nk, i64 work,
+                       i64 block_kv, i64 g, i64 block_m, i64 num_kv_heads, i64 sms,
+                       double waves, i64 min_tile_tokens, i64 max_factor, i64 slots,
+                       i64 program_cost, i64 resident_slots, i64 masked_apart,
+                       i64 masked_cost, i64 *x, const Ws *w) {
+    double wk = (double)num_kv_heads * (double)work, length = (double)block_kv;
+    double floor_len = fmin((double)min_tile_tokens, wk / (double)sms);
+    double balanced = wk / (waves * (double)sms);
+    double e;
+    i64 factor = 1;
+    if (nk == 0) return 1;
+    if (floor_len > length) length = floor_len;
+    if (balanced > length) length = balanced;
+    /* _factor: the largest 2^k or 3 * 2^k plan tiles within the length. */
+    e = floor(log2(length / (double)block_kv));
+    for (; e >= 1 && factor < max_factor; e -= 1) factor *= 2;
+    if (factor >= 2 && factor < max_factor && 1.5 * (double)factor <= length / (double)block_kv)
+        factor += factor / 2;
+    if (factor > max_factor) factor = max_factor;
+    return lpt_factor(kqs, kqe, masked, nk, factor, g, block_m, num_kv_heads, block_kv,
+                      max_factor, slots, program_cost, resident_slots, masked_apart,
+                      masked_cost, x, w);
 }
