@@ -233,6 +233,25 @@ def test_special_trees(setting, name, block):
 
 
 @needs_cc
+@pytest.mark.parametrize("planner", ["compiled", "python"])
+def test_a_cut_plan_fits_the_default_capacity(monkeypatch, planner):
+    """H200-like: a plan cut at long nodes holds no more partial states than flatten's plan
+    before coarsening, so it fits a graph-safe reservation's default room (queries times
+    flatten's tiles): here the cut would hold 36 where 25 are reserved, and the plain cut
+    stays."""
+    from deft import Capacity
+
+    act_as(monkeypatch, True)
+    qn = [0, 0, 1, 0, 1, 1, 0, 1, 1, 0, 0, 1, 0, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 1, 1]
+    layout = TreeLayout.from_node_lengths([-1, 0], [21, 34], qn)
+    assert make_plan(layout, "flatten", 64, node_cut=32).num_tiles == 2
+    attn = TreeAttention(32, 8, 128, backend="triton", device="cpu", block_kv=64,
+                         capacity=Capacity(queries=25, tokens=64))
+    with python_planner() if planner == "python" else contextlib.nullcontext():
+        assert attn.plan(layout).num_partials == 25
+
+
+@needs_cc
 def test_masked_tiles_apart(setting, monkeypatch):
     """``KernelConfig.masked_apart`` and ``masked_cost``: both planners cut a run's masked
     last plan tile off and charge masked tiles alike, and the packed buffers agree, on the

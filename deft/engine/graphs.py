@@ -150,8 +150,7 @@ class StepGraphs:
         at least the ``old`` bucket's capacity (so rebuilds only ever grow it)."""
         m = self.model
         bound = self._bound.make_plan(layout)
-        # The uncoarsened plan's partials bound the coarsened plan's (a plan cut at long
-        # nodes may hold a few more; the CapacityError below grows the room then).
+        # The uncoarsened plan's partials bound the coarsened plan's.
         tokens, partials = bound.num_plan_tokens, bound.num_partials
         if old is not None:
             tokens, partials = max(tokens, old.tokens), max(partials, old.partials)

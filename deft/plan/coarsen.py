@@ -97,7 +97,7 @@ def coarsen_plan(plan: TreePlan, max_tiles: int, masked_apart: bool = False,
     writes one partial state per query instead of ``max_tiles``.
 
     Groups stay exact (only identical groups merge), so the result is a valid plan of the
-    same kind; tiles become multiples of ``block_kv`` long. ``masked_apart``: a run's last
+    same kind; tiles end where plan tiles end. ``masked_apart``: a run's last
     plan tile, when some group query may not see some of its tokens and every group query
     sees all of the tile before it, stays a tile of its own, so that its masked part (the
     node's last tokens, which a kernel runs with the per-token mask) does not lengthen a

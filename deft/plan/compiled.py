@@ -1,8 +1,8 @@
 """The compiled DeFT-Flatten planner: ``flatten_plan.c``, built when the package is installed.
 
-The C code computes in a few linear passes exactly what :func:`~deft.plan.make_plan` (kind
-``"flatten"``), :func:`~deft.plan.coarsen.refine` and :func:`~deft.plan.packing.pack`
-compute with numpy (about 150 small numpy calls per step), in one call that takes
+The C code computes in a few linear passes exactly what
+:func:`~deft.plan.step.flatten_cut`, :func:`~deft.plan.coarsen.refine` and
+:func:`~deft.plan.packing.pack` compute with numpy (about 150 small numpy calls per step), in one call that takes
 the layout's arrays as they are. It is the extension module ``deft.plan._flatten_plan``,
 compiled by ``pip install`` (``setup.py``). When the build failed (no compiler or Python
 headers), or with ``DEFT_FASTPLAN=0``, :func:`flatten_plan` returns ``None`` (with one
@@ -101,7 +101,7 @@ class _CompiledPlan(TreePlan):
 def flatten_plan(layout: TreeLayout, block_kv: int, params: Coarsening,
                  host_buffer: Callable[[int], HostBuffer],
                  reuse: HostBuffer | None = None) -> tuple[TreePlan, PackedPlan] | None:
-    """``refine(make_plan(layout, "flatten", block_kv), params)`` and its packing for
+    """``refine(flatten_cut(layout, block_kv, params), params)`` and its packing for
     programs of ``params.block_m`` rows, in compiled code; ``None`` if unavailable.
 
     The segments are packed into ``reuse`` when it is large enough, else into

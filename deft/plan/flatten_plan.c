@@ -126,14 +126,14 @@ static int preorder(const i64 *parents, const i64 *indptr, i64 n, i64 *x, const 
  * A tile's group is the queries whose node lies in [lo of its first token, max hi of its
  * tokens); tiles nobody sees are dropped. Writes each kept tile's token range, group and
  * (with want_masked) whether some group query may not see some of its tokens
- * (deft.plan.coarsen.masked_tiles); returns how many, with their tokens and token work
- * (tokens times row chunks) in *ntok and *work. */
+ * (deft.plan.coarsen.masked_tiles); returns how many, with their tokens, token work
+ * (tokens times row chunks) and partial states in *ntok, *work and *partials. */
 static i64 cut_tiles(i64 n, i64 nl, i64 block_kv, i64 node_cut, i64 g, i64 block_m,
                      int want_masked, const i64 *hi, const i64 *fstart, const i64 *cnt_lt,
                      const i64 *min_len, i64 *kept, i64 *kend, i64 *kqs, i64 *kqe,
-                     i64 *masked, i64 *ntok, i64 *work) {
+                     i64 *masked, i64 *ntok, i64 *work, i64 *partials) {
     i64 nk = 0;
-    *ntok = *work = 0;
+    *ntok = *work = *partials = 0;
     for (i64 s = 0, k = 0; s < nl;) {
         i64 e = tile_end(s, block_kv, nl), ghi, qs, qe;
         while (fstart[k + 1] <= s) k++;
@@ -168,6 +168,7 @@ static i64 cut_tiles(i64 n, i64 nl, i64 block_kv, i64 node_cut, i64 g, i64 block
             nk++;
             *ntok += e - s;
             *work += (e - s) * ceil_div((qe - qs) * g, block_m);
+            *partials += qe - qs;
         }
         s = e;
     }
@@ -183,6 +184,7 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
                         i64 masked_apart, i64 masked_cost, i64 node_cut, i64 *x,
                         i64 ws_size) {
     i64 nl, nk, ntok = 0, work = 0, factor = 1, nt = 0, sorted = 1, cut = 0;
+    i64 span_cut = 0, parts_cut = 0;
     i64 all_merged = 1, nwork = 0, run_start = 0, np_, offset = 0;
     i64 *pre, *hi, *fstart, *cnt_lt, *min_len, *cursor, *q_order, *q_pre, *q_len;
     i64 *kept, *kend, *kqs, *kqe, *cstart, *tile_indptr, *tqs, *tqe, *partial_indptr;
@@ -223,46 +225,37 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
         if (q_len[pos] < min_len[q_pre[pos]]) min_len[q_pre[pos]] = q_len[pos];
 
     /* The tiles cut at nodes of node_cut+ tokens where the launch model finishes them sooner
+     * and they hold no more partial states than the plain tiles before coarsening
      * (deft.plan.step.flatten_cut; a tie keeps the plain cut). Only a long node that starts
      * off the block_kv grid makes the two cuts differ. */
     if (node_cut > 0 && slots > 0)
         for (i64 k = 0; k < n && !cut; k++)
             cut = fstart[k + 1] - fstart[k] >= node_cut && fstart[k] % block_kv != 0;
-    if (cut) {
-        i64 span_cut, span;
-        nk = cut_tiles(n, nl, block_kv, node_cut, g, block_m, want_masked, hi, fstart, cnt_lt,
-                       min_len, kept, kend, kqs, kqe, masked, &ntok, &work);
+    for (int pass = cut ? 0 : 1; pass < 3; pass++) {  /* cut, plain, and the cut if chosen */
+        i64 at = pass == 1 ? 0 : node_cut, span, parts;
+        nk = cut_tiles(n, nl, block_kv, at, g, block_m, want_masked, hi, fstart, cnt_lt,
+                       min_len, kept, kend, kqs, kqe, masked, &ntok, &work, &parts);
         factor = rule_factor(kqs, kqe, masked, nk, work, block_kv, g, block_m, num_kv_heads,
                              sms, waves, min_tile_tokens, max_factor, slots, program_cost,
                              resident_slots, masked_apart, masked_cost, x, &w);
-        span_cut = modelled_makespan(kqs, kqe, masked, nk, factor, g, block_m, num_kv_heads,
-                                     block_kv, slots, program_cost, resident_slots,
-                                     masked_apart, masked_cost, x, &w);
-        nk = cut_tiles(n, nl, block_kv, 0, g, block_m, want_masked, hi, fstart, cnt_lt,
-                       min_len, kept, kend, kqs, kqe, masked, &ntok, &work);
-        factor = rule_factor(kqs, kqe, masked, nk, work, block_kv, g, block_m, num_kv_heads,
-                             sms, waves, min_tile_tokens, max_factor, slots, program_cost,
-                             resident_slots, masked_apart, masked_cost, x, &w);
+        if (!cut || pass == 2) break;
         span = modelled_makespan(kqs, kqe, masked, nk, factor, g, block_m, num_kv_heads,
                                  block_kv, slots, program_cost, resident_slots, masked_apart,
                                  masked_cost, x, &w);
-        cut = span_cut < span;
+        if (pass == 0) {
+            span_cut = span;
+            parts_cut = coarsened_partials(kqs, kqe, masked, nk, factor, masked_apart);
+        } else if (!(cut = span_cut < span && parts_cut <= parts)) {
+            break;  /* the plain tiles stay */
+        }
     }
-    nk = cut_tiles(n, nl, block_kv, cut ? node_cut : 0, g, block_m, want_masked, hi, fstart,
-                   cnt_lt, min_len, kept, kend, kqs, kqe, masked, &ntok, &work);
-    factor = rule_factor(kqs, kqe, masked, nk, work, block_kv, g, block_m, num_kv_heads, sms,
-                         waves, min_tile_tokens, max_factor, slots, program_cost,
-                         resident_slots, masked_apart, masked_cost, x, &w);
 
     /* coarsen_plan: runs of tiles with the same group are cut into tiles of `factor` plan
      * tiles, and with masked_apart before a run's masked last tile that follows an unmasked
      * one; a tile starts at its first kept tile's offset among the plan tokens. */
     for (i64 i = 0; i < nk; i++) {
-        int new_run = i == 0 || kqs[i] != kqs[i - 1] || kqe[i] != kqe[i - 1];
-        int last = i + 1 == nk || kqs[i + 1] != kqs[i] || kqe[i + 1] != kqe[i];
-        if (new_run) run_start = i;
-        if (new_run || (i - run_start) % factor == 0 ||
-            (masked_apart && last && masked[i] && !masked[i - 1])) {
+        if (new_run(kqs, kqe, i)) run_start = i;
+        if (starts_tile(kqs, kqe, masked, nk, i, run_start, factor, masked_apart)) {
             tile_indptr[nt] = offset;
             cstart[nt++] = i;
         }
@@ -335,13 +328,34 @@ static void emit(i64 *out, i32 *packed, i64 start, i64 end, const i64 *src, i64 
     for (i64 i = start + n; i < end; i++) packed[i] = 0;
 }
 
+/* by_len: the tiles 0..nt-1 by decreasing length, stably (as deft.plan.packing.work_items
+ * orders them): a bottom-up merge sort through tmp [nt]. */
+static void sort_by_length(const i64 *tile_indptr, i64 nt, i64 *by_len, i64 *tmp) {
+    i64 *src = by_len, *dst = tmp;
+    for (i64 i = 0; i < nt; i++) by_len[i] = i;
+    for (i64 width = 1; width < nt; width *= 2) {
+        for (i64 lo = 0; lo < nt; lo += 2 * width) {
+            i64 mid = lo + width < nt ? lo + width : nt;
+            i64 end = mid + width < nt ? mid + width : nt, a = lo, b = mid, o = lo;
+            while (a < mid && b < end)  /* the right one first only if strictly longer */
+                dst[o++] = tile_indptr[src[b] + 1] - tile_indptr[src[b]] >
+                           tile_indptr[src[a] + 1] - tile_indptr[src[a]] ? src[b++] : src[a++];
+            while (a < mid) dst[o++] = src[a++];
+            while (b < end) dst[o++] = src[b++];
+        }
+        src = dst;
+        dst = src == by_len ? tmp : by_len;
+    }
+    if (src != by_len) memcpy(by_len, src, (size_t)nt * sizeof(i64));
+}
+
 /* Returns flags: 1 if every tile's slots are consecutive, | 2 if some tile's are. With
  * `out` NULL, writes the device buffer only (the plan arrays are not needed to run it). */
 static i64 flatten_fill(const i64 *indptr, const i64 *kv_indices, i64 *x, i64 *out,
                         i32 *packed) {
     i64 n = x[H_NODES], nl = x[H_TOKENS], nq = x[H_Q], block_kv = x[H_BLOCK_KV];
     i64 g = x[H_G], block_m = x[H_BLOCK_M], ntok = x[H_N], nt = x[H_T], np_ = x[H_P];
-    i64 nwork = x[H_W], p = 0, all_contig = 1, any_contig = 0, nbucket = 0;
+    i64 nwork = x[H_W], p = 0, all_contig = 1, any_contig = 0;
     const i64 *seg = x + H_SEG;
     Ws w = ws_layout(n, nl, nq, block_kv, x[H_MAX_FACTOR], 0, x[H_NODE_CUT]);
     const i64 *order = x + w.order, *hi = x + w.hi, *fstart = x + w.fstart;
@@ -351,7 +365,7 @@ static i64 flatten_fill(const i64 *indptr, const i64 *kv_indices, i64 *x, i64 *o
     const i64 *tqs = x + w.tile_qs, *tqe = x + w.tile_qe, *partial_indptr = x + w.partial_indptr;
     const i64 *q_order = x + w.q_order, *merge_indptr = x + w.merge_indptr;
     i64 *mask_from = x + w.mask_from, *slot0 = x + w.slot0, *by_len = x + w.by_len;
-    i64 *bucket = x + w.bucket, *cursor = x + w.cursor;
+    i64 *cursor = x + w.cursor;
     i64 *slot = NULL, *lo = NULL, *hi_out = NULL, *off = NULL, *tiles = NULL, *queries = NULL;
     i32 *slot32 = packed + seg[0], *lo32 = packed + seg[1], *hi32 = packed + seg[2];
     i32 *off32 = packed + seg[3], *work = packed + seg[4], *partials32 = packed + seg[9];
@@ -405,27 +419,9 @@ static i64 flatten_fill(const i64 *indptr, const i64 *kv_indices, i64 *x, i64 *o
     for (int j = 0; j < 4; j++)
         for (i64 i = seg[j] + ntok; i < seg[j + 1]; i++) packed[i] = 0;
 
-    /* Work items: tiles by decreasing length, stably (a counting sort on the number of
-     * block_kv blocks, then an insertion sort by tokens, which moves only the short tiles
-     * of a cut at nodes), each cut into chunks of block_m query rows. */
-    for (i64 ct = 0; ct < nt; ct++) {
-        i64 b = ceil_div(tile_indptr[ct + 1] - tile_indptr[ct], block_kv);
-        for (; nbucket <= b; nbucket++) bucket[nbucket] = 0;
-        bucket[b]++;
-    }
-    for (i64 j = nbucket - 1, acc = 0; j >= 0; j--) {
-        i64 cnt = bucket[j];
-        bucket[j] = acc;
-        acc += cnt;
-    }
-    for (i64 ct = 0; ct < nt; ct++)
-        by_len[bucket[ceil_div(tile_indptr[ct + 1] - tile_indptr[ct], block_kv)]++] = ct;
-    for (i64 r = 1; r < nt; r++) {
-        i64 ct = by_len[r], len = tile_indptr[ct + 1] - tile_indptr[ct], q = r;
-        for (; q > 0 && tile_indptr[by_len[q - 1] + 1] - tile_indptr[by_len[q - 1]] < len; q--)
-            by_len[q] = by_len[q - 1];
-        by_len[q] = ct;
-    }
+    /* Work items: tiles by decreasing length, stably, each cut into chunks of block_m query
+     * rows. */
+    sort_by_length(tile_indptr, nt, by_len, x + w.run_flag);
     for (i64 r = 0, item = 0; r < nt; r++) {
         i64 ct = by_len[r], rows = (tqe[ct] - tqs[ct]) * g;
         for (i64 row0 = 0; row0 < rows; row0 += block_m, item++) {

@@ -99,6 +99,11 @@ static i64 launch_programs(const i64 *run_len, const i64 *run_chunks, i64 nruns,
     return programs;
 }
 
+/* Whether kept tile i starts a new run of tiles of one group (deft.plan.coarsen.group_runs). */
+static int new_run(const i64 *kqs, const i64 *kqe, i64 i) {
+    return i == 0 || kqs[i] != kqs[i - 1] || kqe[i] != kqe[i - 1];
+}
+
 /* The runs of kept tiles that serve one group (deft.plan.coarsen.plan_runs): their lengths,
  * row chunks and masked-tile flags (run_masks; none without masked_cost) in ws. Returns
  * their number. */
@@ -107,12 +112,12 @@ static i64 model_runs(const i64 *kqs, const i64 *kqe, const i64 *masked, i64 nk,
     i64 *run_len = x + w->mask_from, *run_chunks = x + w->slot0, *run_flag = x + w->run_flag;
     i64 nruns = 0;
     for (i64 i = 0; i < nk; i++) {
-        if (i == 0 || kqs[i] != kqs[i - 1] || kqe[i] != kqe[i - 1]) {
+        if (new_run(kqs, kqe, i)) {
             run_len[nruns] = 0;
             run_chunks[nruns++] = ceil_div((kqe[i] - kqs[i]) * g, block_m);
         }
         run_len[nruns - 1]++;
-        if (i + 1 == nk || kqs[i + 1] != kqs[i] || kqe[i + 1] != kqe[i]) {
+        if (i + 1 == nk || new_run(kqs, kqe, i + 1)) {
             i64 r = run_len[nruns - 1];
             run_flag[nruns - 1] = masked_cost > 0 && masked[i]
                 ? RUN_MASKED | (masked_apart && r > 1 && !masked[i - 1] ? RUN_CUT : 0) : 0;
@@ -219,4 +224,27 @@ static i64 rule_factor(const i64 *kqs, const i64 *kqe, const i64 *masked, i64 nk
     return lpt_factor(kqs, kqe, masked, nk, factor, g, block_m, num_kv_heads, block_kv,
                       max_factor, slots, program_cost, resident_slots, masked_apart,
                       masked_cost, x, w);
+}
+
+/* Whether kept tile i, of the run starting at run_start, starts a tile of coarsen_plan: every
+ * factor-th tile of a run, and with masked_apart a run's masked last tile after an unmasked
+ * one. */
+static int starts_tile(const i64 *kqs, const i64 *kqe, const i64 *masked, i64 nk, i64 i,
+                       i64 run_start, i64 factor, i64 masked_apart) {
+    return (i - run_start) % factor == 0 ||
+           (masked_apart && (i + 1 == nk || new_run(kqs, kqe, i + 1)) && masked[i] &&
+            !masked[i - 1]);
+}
+
+/* Partial states of the kept tiles coarsened by `factor` (a state per query of each tile's
+ * group). */
+static i64 coarsened_partials(const i64 *kqs, const i64 *kqe, const i64 *masked, i64 nk,
+                              i64 factor, i64 masked_apart) {
+    i64 parts = 0, run_start = 0;
+    for (i64 i = 0; i < nk; i++) {
+        if (new_run(kqs, kqe, i)) run_start = i;
+        if (starts_tile(kqs, kqe, masked, nk, i, run_start, factor, masked_apart))
+            parts += kqe[i] - kqs[i];
+    }
+    return parts;
 }
