@@ -108,6 +108,33 @@ def random_qkv(layout: TreeLayout, h_q: int, h_kv: int, d: int, dtype: torch.dty
     return tuple(t.to(dtype=dtype, device=device) for t in (q, k, v))  # type: ignore[return-value]
 
 
+def prefer_cuts(monkeypatch, node_cut: int) -> list:
+    """Plan with the numpy specification, every kernel config cutting flatten tiles at nodes
+    of ``node_cut``+ tokens and the launch model made to finish each cut plan sooner (a step
+    keeps it where it holds no more partial states); the cut plans made, in a list."""
+    import dataclasses
+
+    from deft.ops.triton import configs
+    from deft.plan import step
+
+    for key, cfg in list(configs.CONFIGS.items()):
+        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, node_cut=node_cut))
+    monkeypatch.setenv("DEFT_FASTPLAN", "0")
+    cuts: list = []
+
+    def make_plan(layout, kind, block_kv, node_cut=0):  # noqa: ANN001, ANN202
+        plan = plain(layout, kind, block_kv, node_cut)
+        if node_cut:
+            cuts.append(plan)
+        return plan
+
+    plain = step.make_plan
+    monkeypatch.setattr(step, "make_plan", make_plan)
+    monkeypatch.setattr(step, "modelled_makespan",
+                        lambda plan, params: 0 if any(plan is c for c in cuts) else 1)
+    return cuts
+
+
 def to_paged(cache: torch.Tensor, page_size: int) -> torch.Tensor:
     """``[num_slots, H, D]`` → ``[num_pages, page_size, H, D]`` (zero-padded): same slots."""
     pad = (-cache.shape[0]) % page_size

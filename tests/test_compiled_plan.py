@@ -183,25 +183,30 @@ def test_random_coarsening_parameters(seed, nodes, sms, waves, per_sm, resident,
 @needs_cc
 @pytest.mark.parametrize("planner", ["compiled", "python"])
 def test_tiles_cut_at_long_nodes_where_the_model_says(monkeypatch, planner):
-    """H200-like: 32 separate prompts of 1,000 tokens take one tile each (the cut at their
-    starts: 256 programs, one wave, none masked) where flatten alone makes 92; few-shot b=20,
-    whose cut plan the launch model finishes no sooner, keeps flatten's 45 tiles, and b=50
-    takes the cut (56 tiles, not 100)."""
+    """H200-like, in partial states: 32 separate prompts of 1,000 tokens take one tile each
+    (the cut at their starts: 256 programs, one wave, none masked) where flatten alone makes
+    120 states; few-shot b=20, whose cut plan the launch model finishes no sooner and which
+    would hold more, keeps flatten's 214, and b=50 takes the cut (350, not 486). 8 prompts
+    tie in the model; their cut holds fewer states (24, not 38) and is taken."""
     act_as(monkeypatch, True)
     backend, heads = tb.TritonBackend(), Heads(32, 8, 128)
     prompts = TreeLayout.from_node_lengths([-1] * 32, [1000] * 32, list(range(32)))
+    eight = TreeLayout.from_node_lengths([-1] * 8, [1000] * 8, list(range(8)))
 
-    def tiles(layout):
+    def partials(layout):
         with python_planner() if planner == "python" else contextlib.nullcontext():
-            return backend.plan(layout, "flatten", 64, heads, CPU).plan.num_tiles
+            return backend.plan(layout, "flatten", 64, heads, CPU).plan.num_partials
 
-    assert tiles(prompts) == 32
-    assert tiles(few_shot_layout(4000, 20, 200)) == 45
-    assert tiles(few_shot_layout(4000, 50, 200)) == 56
+    assert partials(prompts) == 32
+    assert partials(few_shot_layout(4000, 20, 200)) == 214
+    assert partials(few_shot_layout(4000, 50, 200)) == 350
+    assert partials(eight) == 24
     key = ("sm90", 128, 0)
     monkeypatch.setitem(configs.CONFIGS, key,
                         dataclasses.replace(configs.CONFIGS[key], node_cut=0))
-    assert tiles(prompts) == 92
+    assert partials(prompts) == 120
+    assert partials(few_shot_layout(4000, 50, 200)) == 486
+    assert partials(eight) == 38
 
 
 _FEW_SHOT = few_shot_layout(64, 5, 20)

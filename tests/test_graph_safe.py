@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close, assert_lse_close
+from conftest import assert_close, assert_lse_close, prefer_cuts
 from deft import Capacity, TreeAttention, TreeLayout
 from deft.ops.reference import reference_attention
 
@@ -128,17 +128,10 @@ def test_plans_cut_at_long_nodes_stay_exact(launches, monkeypatch):
     """Trees whose plans cut tiles at long nodes (``node_cut``; the launch model made to
     prefer the cut, which a step keeps where it holds no more partial states) through one
     reservation of 4 programs: no launch argument changes, outputs exact."""
-    import itertools
-
-    from deft.plan import step
     from deft.plan.coarsen import masked_tiles
 
     small_grid(monkeypatch)
-    for key, cfg in list(configs.CONFIGS.items()):
-        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, node_cut=4))
-    monkeypatch.setenv("DEFT_FASTPLAN", "0")
-    calls = itertools.count()  # the cut's makespan is always the shorter
-    monkeypatch.setattr(step, "modelled_makespan", lambda plan, params: next(calls))
+    cuts = prefer_cuts(monkeypatch, 4)
     nq, cache = 6, 200
     attn, q, k, v = reservation(nq, cache, seed=2)
     out = torch.empty_like(q)
@@ -157,7 +150,7 @@ def test_plans_cut_at_long_nodes_stay_exact(launches, monkeypatch):
         assert launches == first, f"plan {i} changed a launch"
         ref_o, _ = reference_attention(q, k, v, layout, D**-0.5)
         assert_close(out.cpu(), ref_o.cpu(), torch.float16, f"cut plan {i}")
-    assert plan.kind == "flatten" and next(calls) >= 2 * len(layouts)
+    assert plan.kind == "flatten" and len(cuts) == len(layouts)
 
 
 @pytest.mark.parametrize("flags", [dict(header_in_order=True), dict(early_item_loads=True),

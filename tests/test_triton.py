@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import (CHECK_VARIANTS, to_paged, assert_close, assert_lse_close,
-                      random_forest, random_qkv)
+                      prefer_cuts, random_forest, random_qkv)
 from deft import TreeAttention, TreeLayout, merge_states
 from deft.ops.reference import reference_attention
 from benchmarks.trees import few_shot_layout, medusa_layout, shuffle_slots
@@ -958,11 +958,8 @@ def test_flatten_tiles_cut_at_long_nodes_stay_exact(monkeypatch):
     """``make_plan(..., node_cut=n)`` keeps the flatten plan's tokens in order and starts a
     tile at every node of at least ``n`` tokens, so flatten's tiles that straddle two
     branches (one group of both, masked) are gone; such plans, coarsened, run exactly
-    through the triton backend (the cut forced on every step)."""
-    import dataclasses
-    import itertools
-
-    from deft.plan import make_plan, step
+    through the triton backend (the launch model made to prefer the cut)."""
+    from deft.plan import make_plan
     from deft.plan.coarsen import masked_tiles
 
     layout = few_shot_layout(70, 3, 21)
@@ -978,15 +975,10 @@ def test_flatten_tiles_cut_at_long_nodes_stay_exact(monkeypatch):
                           plan.tile_indptr)  # no node that long but the prompt at 0
     with pytest.raises(ValueError, match="node_cut"):
         make_plan(layout, "flatten", 8, node_cut=-1)
-    monkeypatch.setenv("DEFT_FASTPLAN", "0")
-    calls = itertools.count()  # the cut's makespan is always the shorter
-    monkeypatch.setattr(step, "modelled_makespan", lambda plan, params: next(calls))
-    key = ("interpreter", 0, 0)
-    monkeypatch.setitem(configs.CONFIGS, key,
-                        dataclasses.replace(configs.CONFIGS[key], node_cut=4))
+    cuts = prefer_cuts(monkeypatch, 4)
     for lay in (layout, *TINY.values()):
         check(lay, 4, 2, 16, torch.float16)
-    assert next(calls) > 0
+    assert len(cuts) == 1 + len(TINY)
 
 
 @pytest.mark.gpu

@@ -225,9 +225,9 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
         if (q_len[pos] < min_len[q_pre[pos]]) min_len[q_pre[pos]] = q_len[pos];
 
     /* The tiles cut at nodes of node_cut+ tokens where the launch model finishes them sooner
-     * and they hold no more partial states than the plain tiles before coarsening
-     * (deft.plan.step.flatten_cut; a tie keeps the plain cut). Only a long node that starts
-     * off the block_kv grid makes the two cuts differ. */
+     * (on a tie, where they hold fewer partial states coarsened) and they hold no more
+     * partial states than the plain tiles before coarsening (deft.plan.step.flatten_cut).
+     * Only a long node that starts off the block_kv grid makes the two cuts differ. */
     if (node_cut > 0 && slots > 0)
         for (i64 k = 0; k < n && !cut; k++)
             cut = fstart[k + 1] - fstart[k] >= node_cut && fstart[k] % block_kv != 0;
@@ -245,7 +245,10 @@ static i64 flatten_plan(const i64 *parents, const i64 *indptr, i64 n, const i64 
         if (pass == 0) {
             span_cut = span;
             parts_cut = coarsened_partials(kqs, kqe, masked, nk, factor, masked_apart);
-        } else if (!(cut = span_cut < span && parts_cut <= parts)) {
+        } else if (!(cut = (span_cut < span || (span_cut == span &&
+                            parts_cut < coarsened_partials(kqs, kqe, masked, nk, factor,
+                                                           masked_apart))) &&
+                           parts_cut <= parts)) {
             break;  /* the plain tiles stay */
         }
     }

@@ -16,9 +16,10 @@ __all__ = ["plan_step", "flatten_cut"]
 def flatten_cut(layout: TreeLayout, block_kv: int, params: Coarsening) -> TreePlan:
     """The ``flatten`` plan of ``layout``, its tiles also cut at nodes of at least
     ``params.node_cut`` tokens (``make_plan``'s ``node_cut``) where the launch model says
-    that plan, coarsened, finishes sooner (:func:`~deft.plan.coarsen.modelled_makespan`; a
-    tie keeps the plain cut) and holds no more partial states than the plain plan before
-    coarsening (which bounds what graph-safe buffers reserve). A node that starts inside a
+    that plan, coarsened, finishes sooner (:func:`~deft.plan.coarsen.modelled_makespan`; on
+    a tie, where it holds fewer partial states coarsened: less to write and merge) and holds
+    no more partial states than the plain plan before coarsening (which bounds what
+    graph-safe buffers reserve). A node that starts inside a
     tile makes that tile serve the groups on both sides, masked: on separate prompts or long
     branches that costs programs and masked parts, while on a tree of short branches one tile
     per node would cost many short programs (docs/decisions.md, "Tiles cut at long nodes")."""
@@ -26,8 +27,10 @@ def flatten_cut(layout: TreeLayout, block_kv: int, params: Coarsening) -> TreePl
     if params.node_cut <= 0 or params.slots <= 0:
         return plan
     cut = make_plan(layout, "flatten", block_kv, params.node_cut)
-    if (modelled_makespan(cut, params) < modelled_makespan(plan, params)
-            and refine(cut, params).num_partials <= plan.num_partials):
+    span, span_cut = modelled_makespan(plan, params), modelled_makespan(cut, params)
+    parts_cut = refine(cut, params).num_partials
+    if (span_cut < span or span_cut == span and parts_cut < refine(plan, params).num_partials) \
+            and parts_cut <= plan.num_partials:
         return cut
     return plan
 
