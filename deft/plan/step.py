@@ -19,10 +19,10 @@ def flatten_cut(layout: TreeLayout, block_kv: int, params: Coarsening) -> TreePl
     that plan, coarsened, finishes sooner (:func:`~deft.plan.coarsen.modelled_makespan`; on
     a tie, where it holds fewer partial states coarsened: less to write and merge) and holds
     no more partial states than the plain plan before coarsening (which bounds what
-    graph-safe buffers reserve). A node that starts inside a
-    tile makes that tile serve the groups on both sides, masked: on separate prompts or long
-    branches that costs programs and masked parts, while on a tree of short branches one tile
-    per node would cost many short programs (docs/decisions.md, "Tiles cut at long nodes")."""
+    graph-safe buffers reserve). A node that starts inside a tile makes that tile serve the
+    groups on both sides, masked: on separate prompts or long branches that costs programs
+    and masked parts, while on a tree of short branches one tile per node would cost many
+    short programs (docs/decisions.md, "Tiles cut at long nodes")."""
     plan = make_plan(layout, "flatten", block_kv)
     if params.node_cut <= 0 or params.slots <= 0:
         return plan
