@@ -32,6 +32,7 @@ from ..checks import int_at_least, real_number
 from ..model.tokenizer import Tokenizer
 from .core import TreeEngine
 from .params import GenerationResult, SamplingParams
+from .pinned import to_device
 
 if TYPE_CHECKING:
     from .requests import Request
@@ -177,10 +178,8 @@ class BeamSearch:
         """
         k, lp, early_stopping = self.params.num_beams, self.params.length_penalty, self.params.early_stopping
         logp = torch.log_softmax(self.logits.float(), dim=-1)  # [beams, vocab]
-        scores = torch.tensor([b.score for b in self.running], dtype=torch.float32, device="cpu")
-        if logp.is_cuda:  # pinned, so the copy does not wait for the GPU: the one below does
-            scores = scores.pin_memory()
-        scores = scores.to(logp.device, non_blocking=True)
+        scores = to_device(torch.tensor([b.score for b in self.running], dtype=torch.float32,
+                                        device="cpu"), logp.device)  # the host waits below
         acc = (logp + scores[:, None]).reshape(-1)
         top = torch.topk(acc, min(self.width, acc.shape[0]))
         vocab = logp.shape[1]

@@ -12,15 +12,9 @@ from typing import Sequence
 import torch
 
 from .params import SamplingParams
+from .pinned import to_device
 
 __all__ = ["Sampler", "draw_rows", "filtered", "probabilities"]
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor's copy on ``device`` without waiting for the GPU: a plain host-to-CUDA
-    copy synchronises the stream (so the host would wait for the forward in flight), one
-    from pinned memory does not."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -45,7 +39,7 @@ def filtered(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     top_p = [p.top_p for p in params]
     # One upload: float64 holds every k, temperature and top-p exactly; the latter two are
     # rounded to float32 on the device, as a float32 op rounds a Python float.
-    table = _to_device(torch.tensor([[p.temperature for p in params], k, top_p],
+    table = to_device(torch.tensor([[p.temperature for p in params], k, top_p],
                                     dtype=torch.float64, device="cpu").T.contiguous(), x.device)
     t, k_on, p_on = table[:, :1].float(), table[:, 1:2].long(), table[:, 2:].float()
     # Shifted by the row's maximum first: under a tiny temperature x / T overflows to inf
@@ -165,7 +159,7 @@ def _draw_sampled(samplers: Sequence[Sampler], logits: torch.Tensor
         tokens, logp, _ = pick(logits, temperature, seed, alone=True, noise_rows=noise)
         return tokens, logp
     x = logits.to(torch.float32, copy=True)
-    at = _to_device(torch.tensor(hot, device="cpu"), logits.device)
+    at = to_device(torch.tensor(hot, device="cpu"), logits.device)
     x[at] = filtered(x[at], [samplers[i].params for i in hot])
     hot_rows = set(hot)
     temperature = [1.0 if i in hot_rows else t for i, t in enumerate(temperature)]

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pinned import to_device
+
 __all__ = ["pick"]
 
 _BLOCK = 1024  # entries a program reads per iteration
@@ -166,10 +168,7 @@ def pick(logits: torch.Tensor, temperature: float | Sequence[float] = 0.0,
     chunks = triton.cdiv(vocab, chunk)
     parts = torch.empty((4, rows, chunks), dtype=torch.float32, device=dev)
     first = torch.empty((rows, chunks), dtype=torch.int32, device=dev)
-    if per_row and dev.type == "cuda":  # pinned: a plain copy would wait for the GPU
-        table = table.pin_memory().to(dev, non_blocking=True)
-    elif not per_row:
-        table = first  # unread without PER_ROW
+    table = to_device(table, dev) if per_row else first  # unread without PER_ROW
     _chunk_kernel[(rows, chunks)](logits, parts[0], parts[1], first, parts[2], parts[3], vocab,
                                   logits.stride(0), chunks, seed, x_scale, g_scale, table,
                                   CHUNK=chunk, BLOCK=_BLOCK, SAMPLE=sample, PER_ROW=per_row,

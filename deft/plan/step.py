@@ -28,8 +28,10 @@ def flatten_cut(layout: TreeLayout, block_kv: int, params: Coarsening) -> TreePl
         return plan
     cut = make_plan(layout, "flatten", block_kv, params.node_cut)
     span, span_cut = modelled_makespan(plan, params), modelled_makespan(cut, params)
+    if span_cut > span:
+        return plan
     parts_cut = refine(cut, params).num_partials
-    if (span_cut < span or span_cut == span and parts_cut < refine(plan, params).num_partials) \
+    if (span_cut < span or parts_cut < refine(plan, params).num_partials) \
             and parts_cut <= plan.num_partials:
         return cut
     return plan
