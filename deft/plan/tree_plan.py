@@ -35,7 +35,7 @@ from typing import Literal
 
 import numpy as np
 
-from ..checks import positive_int
+from ..checks import int_at_least, positive_int
 from ..layout import TreeLayout
 
 __all__ = ["PLAN_KINDS", "PlanKind", "TreePlan", "make_plan", "assemble", "dfs_preorder"]
@@ -236,8 +236,7 @@ def make_plan(layout: TreeLayout, kind: str = "flatten", block_kv: int = 64,
     if kind not in PLAN_KINDS:
         raise ValueError(f"kind: expected one of {', '.join(PLAN_KINDS)}, got {kind!r}")
     block_kv = positive_int(block_kv, "block_kv")
-    if not isinstance(node_cut, (int, np.integer)) or node_cut < 0:
-        raise ValueError(f"node_cut: expected an int >= 0, got {node_cut!r}")
+    node_cut = int_at_least(node_cut, "node_cut", 0)
     if not isinstance(layout, TreeLayout):
         raise TypeError(f"layout: expected a deft.TreeLayout, got {type(layout).__name__}")
 
