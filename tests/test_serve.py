@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -91,6 +92,18 @@ class Server:
         return self.proc.returncode
 
 
+def running(started: list[Server]) -> Iterator[list[Server]]:
+    """``started`` once each answers ``/health``; every one stopped afterwards (a fixture's
+    body: ``yield from running([...])``)."""
+    try:
+        for s in started:
+            s.wait()
+        yield started
+    finally:
+        for s in started:
+            s.stop()
+
+
 @pytest.fixture(scope="module")
 def servers(smol):
     from deft.model.loader import default_model_path
@@ -99,16 +112,9 @@ def servers(smol):
         default_model_path()
     except (FileNotFoundError, ValueError) as exc:
         pytest.skip(str(exc))
-    started = [Server("--max-running", "8", "--max-queue", "64", "--num-pages", "512"),
-               Server("--max-running", "1", "--max-queue", "1", "--num-pages", "64", "--api-key", KEY,
-                      "--no-prefix-cache")]
-    try:
-        for s in started:
-            s.wait()
-        yield started
-    finally:
-        for s in started:
-            s.stop()
+    yield from running([Server("--max-running", "8", "--max-queue", "64", "--num-pages", "512"),
+                        Server("--max-running", "1", "--max-queue", "1", "--num-pages", "64",
+                               "--api-key", KEY, "--no-prefix-cache")])
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from test_serve import Server  # noqa: E402
+from test_serve import Server, running  # noqa: E402
 
 MODEL = "random:tiny"
 KEY = "sesame"
@@ -60,16 +60,9 @@ def body(max_tokens: int = LONG, **kw) -> dict:
 
 @pytest.fixture(scope="module")
 def servers():
-    started = [TinyServer("--max-running", "2", "--max-queue", "2", "--max-request-bytes", "2000000",
-                          "--max-draft-tokens", "64"),
-               TinyServer("--max-running", "2", "--max-queue", "0", "--api-key", KEY)]
-    try:
-        for s in started:
-            s.wait()
-        yield started
-    finally:
-        for s in started:
-            s.stop()
+    yield from running([TinyServer("--max-running", "2", "--max-queue", "2",
+                                   "--max-request-bytes", "2000000", "--max-draft-tokens", "64"),
+                        TinyServer("--max-running", "2", "--max-queue", "0", "--api-key", KEY)])
 
 
 @pytest.fixture(scope="module")
