@@ -13,10 +13,13 @@ programs longest first onto the least-loaded one. Then the shipped merge launch.
 Builds (``BUILDS``) vary the block, the ring, the next block's scores computed while the
 softmax runs (``overlap``), and the isolation of non-finite K/V the kernel contract asks for
 (``check``: 0 none, 1 a checker in the q warpgroup, 2 in the consumer as the shipped kernel
-does it, 3 as 2 with zero padding rows as the K check, 4 timing only: 2 without the per-block
--inf select), pairs of at most 16 rows on 16-row ``mma.sync`` products (``small``), two
-consumer warpgroups taking alternate pairs (``consumers``: each with a loader warp and its
-rings, q loaded by TMA from one warp); and, for timing only, no softmax or no products at all
+did it before its lean checks, 3 as 2 with zero padding rows as the K check, 4 timing only: 2
+without the per-block -inf select, 5 the shipped kernel's lean checks: none in the blocks but
+the -inf score made NaN by the exponent's FMA, and a pair whose accumulator or sums come out
+non-finite computed again from global memory with every check, ``_checked_pair``), pairs of
+at most 16 rows on 16-row ``mma.sync`` products (``small``), two consumer warpgroups taking
+alternate pairs (``consumers``: each with a loader warp and its rings, q loaded by TMA from
+one warp); and, for timing only, no softmax or no products at all
 (what streaming alone takes).
 
 The plan is the shipped backend's for the tree (``backend._pack``), so the tiles, row chunks
@@ -73,7 +76,9 @@ BUILDS = [dict(block_n=64, stages=4), dict(block_n=64, stages=3), dict(block_n=3
           dict(block_n=64, stages=2, overlap=True, check=2, consumers=2),
           dict(block_n=64, stages=3, softmax=False),
           dict(block_n=64, stages=3, compute=False),
-          dict(block_n=64, stages=5, compute=False)]
+          dict(block_n=64, stages=5, compute=False),
+          dict(block_n=64, stages=4, overlap=True, check=5),
+          dict(block_n=64, stages=3, check=5)]
 DEFAULT_TREES = ["few-shot b=20", "few-shot b=50", "speculative t=64", "long prompt 32k x16"]
 
 
@@ -246,6 +251,76 @@ def _online(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
+def _online_fma(s, vis, m_i, l_i, qk_scale, MASKED: gl.constexpr):
+    """``_online`` with the shipped kernel's -inf check: the exponent's offset is ``s * 0 -
+    m``, ``-m`` for a finite score and NaN for ±inf or NaN, so a non-finite K row leaves a NaN
+    probability in every row that sees it (``MASKED``: only where ``vis``, the others' 0)."""
+    if MASKED:
+        m_new = gl.maximum(m_i, gl.max(gl.where(vis, s, float("-inf")), 1) * qk_scale)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(gl.fma(s, qk_scale, gl.fma(s, 0.0, -gl.expand_dims(m_new, 1))))
+    if MASKED:
+        p = gl.where(vis, p, 0.0)
+    return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+
+@gluon.jit
+def _checked_pair(K, V, stride_kn, qbuf, qi, pbuf, lbuf, kvh, tok0, tok1, slot0, mask_from,
+                  tok_lo, tok_hi, tok_off, qk_scale, CB: gl.constexpr):
+    """A pair's state computed again with every check, from K and V in global memory (its
+    slots from ``slot0``), ``CB`` tokens a block on ``mma.sync`` (the cold path of ``CHECK``
+    5): a -inf score becomes NaN, masked scores are selected away, a non-finite V row is
+    zeroed and the probabilities of the rows that see it made NaN. Returns ``acc`` (in the
+    ``mma`` layout), ``m_i`` and ``l_i``; a row that saw a non-finite K/V row has a NaN sum."""
+    MR: gl.constexpr = qbuf.type.shape[1]
+    DH: gl.constexpr = qbuf.type.shape[2]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    row: gl.constexpr = gl.SliceLayout(1, mma)
+    col: gl.constexpr = gl.SliceLayout(0, mma)
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [CB, DH]
+    q = qbuf.index(qi).load(a_l)
+    pre = gl.expand_dims(pbuf.index(qi).load(row), 1)
+    qlen = gl.expand_dims(lbuf.index(qi).load(row), 1)
+    t_b = gl.arange(0, CB, gl.SliceLayout(1, blk))
+    d_b = gl.arange(0, DH, gl.SliceLayout(0, blk))
+    zero_s = gl.zeros([MR, CB], gl.float32, mma)
+    zero_i = gl.zeros([MR, CB], gl.int32, mma)
+    m_i = gl.full([MR], -1.0e30, gl.float32, row)
+    l_i = gl.zeros([MR], gl.float32, row)
+    acc = gl.zeros([MR, DH], gl.float32, mma)
+    for start in range(tok0, tok1, CB):
+        inb = gl.expand_dims(start + t_b < tok1, 1)
+        offs = (gl.expand_dims((slot0 + start - tok0 + t_b).to(gl.int64) * stride_kn, 1)
+                + kvh * DH + gl.expand_dims(d_b, 0))
+        k = gl.load(K + offs, mask=inb, other=0.0)
+        v = gl.load(V + offs, mask=inb, other=0.0)
+        s = mma_v2(q, gl.convert_layout(gl.permute(k, (1, 0)), b_l), zero_s)
+        s = gl.where(s == float("-inf"), float("nan"), s)
+        cols = start + gl.arange(0, CB, col)
+        need = (cols < tok1) & (cols >= mask_from)
+        lo_t = gl.expand_dims(gl.load(tok_lo + cols, mask=need, other=0), 0)
+        hi_t = gl.expand_dims(gl.load(tok_hi + cols, mask=need, other=0), 0)
+        off_t = gl.expand_dims(gl.load(tok_off + cols, mask=need, other=0), 0)
+        seen = (lo_t <= pre) & (pre < hi_t) & ((pre != lo_t) | (off_t < qlen))
+        vis = (gl.expand_dims(cols, 0) + zero_i < tok1) & (
+            seen | gl.expand_dims(cols < mask_from, 0))
+        p, m_i, l_i, alpha = _online(gl.where(vis, s, float("-inf")), m_i, l_i, qk_scale)
+        v_bad = gl.max(gl.where(gl.abs(v) < float("inf"), 0, 1), 1)  # [CB]
+        bad_v = vis & gl.expand_dims(gl.convert_layout(v_bad, col) > 0, 0)
+        l_i = gl.where(gl.max(bad_v.to(gl.int32), 1) > 0, float("nan"), l_i)
+        p = gl.where(bad_v, float("nan"), p)
+        v = gl.where(gl.abs(v) < float("inf"), v, 0.0)
+        acc = mma_v2(gl.convert_layout(p.to(v.dtype), a_l), gl.convert_layout(v, b_l),
+                     acc * gl.expand_dims(alpha, 1))
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _v_check(vbuf, idx):
     """Per token of V block ``idx``, 1 where its row holds a NaN or inf (then zeroed in shared
     memory, before the product reads it)."""
@@ -291,10 +366,13 @@ def _softmax(s, start, cols, zero_i, tok1, mask_from, pre, qlen, tok_lo, tok_hi,
                 seen | gl.expand_dims(cols < mask_from, 0))
             if CHECK == 1:
                 s = gl.where(vis & gl.expand_dims((flags & 1) != 0, 0), float("nan"), s)
-            if CHECK >= 2:
+            if CHECK >= 2 and CHECK != 5:
                 s = gl.where(s == float("-inf"), float("nan"), s)
-            p, m_i, l_i, alpha = _online(gl.where(vis, s, float("-inf")), m_i, l_i, qk_scale)
-            if CHECK != 0:
+            if CHECK == 5:
+                p, m_i, l_i, alpha = _online_fma(s, vis, m_i, l_i, qk_scale, True)
+            else:
+                p, m_i, l_i, alpha = _online(gl.where(vis, s, float("-inf")), m_i, l_i, qk_scale)
+            if CHECK != 0 and CHECK != 5:
                 if CHECK == 1:
                     bad_v = vis & gl.expand_dims((flags & 2) != 0, 0)
                 else:
@@ -309,7 +387,10 @@ def _softmax(s, start, cols, zero_i, tok1, mask_from, pre, qlen, tok_lo, tok_hi,
             if CHECK == 3:
                 if full:
                     s = gl.where(s == float("-inf"), float("nan"), s)
-            p, m_i, l_i, alpha = _online(s, m_i, l_i, qk_scale)
+            if CHECK == 5:
+                p, m_i, l_i, alpha = _online_fma(s, s, m_i, l_i, qk_scale, False)
+            else:
+                p, m_i, l_i, alpha = _online(s, m_i, l_i, qk_scale)
     else:
         p = s
         alpha = l_i + 1.0
@@ -434,8 +515,8 @@ def _small_pair(c, rb, qi, kvh, tok0, tok1, nq, p0, mask_from, row0, qbuf, pbuf,
 
 @gluon.jit
 def _consumer(sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kbuf, vbuf,
-              q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE, qk_scale,
-              stride_pn, h_kv, SOFTMAX: gl.constexpr, OVERLAP: gl.constexpr,
+              q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE, K, V, stride_kn,
+              qk_scale, stride_pn, h_kv, SOFTMAX: gl.constexpr, OVERLAP: gl.constexpr,
               CHECK: gl.constexpr, SMALL: gl.constexpr, first, step, qb, rb,
               S: gl.constexpr):
     """The partial states of pairs ``first, first + step, ...``, through the q ring of two
@@ -444,8 +525,10 @@ def _consumer(sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kb
     (each block's scores are waited for before its softmax, its product before the rescale
     that follows). ``CHECK``: blocks are taken once checked (``_q_loader``) where it is 1,
     non-finite K/V isolated (``_softmax``, ``_zero_bad_v``), and a row whose output is not
-    finite made NaN (o and lse). ``SMALL``: pairs of at most ``SMALL_ROWS`` rows go to
-    ``_small_pair``."""
+    finite made NaN (o and lse); where it is 5, a pair whose rows' accumulator sums or
+    softmax sums are not all finite is computed again (``_checked_pair``, from ``K`` and
+    ``V`` with rows ``stride_kn`` apart) before its q slot is handed back. ``SMALL``: pairs
+    of at most ``SMALL_ROWS`` rows go to ``_small_pair``."""
     MR: gl.constexpr = qbuf.type.shape[1]
     BLOCK_N: gl.constexpr = kbuf.type.shape[1]
     DH: gl.constexpr = kbuf.type.shape[2]
@@ -554,11 +637,27 @@ def _consumer(sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kb
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                     mbarrier.arrive(kv_empty.index(idx), count=1)
                     c += 1
+            if CHECK == 5:
+                valid = gl.arange(0, MR, row_s) < nq * GQ - row0
+                sums = gl.convert_layout(gl.sum(acc, 1), row_s)
+                fine = (gl.abs(sums) < float("inf")) & (gl.abs(l_i) < float("inf"))
+                redo = gl.max(gl.where(valid & ~fine, 1, 0), 0)
+                row_bad = gl.zeros([MR], gl.int32, row_o) > 0
+                if redo > 0:
+                    acc2, m_i, l_i = _checked_pair(K, V, stride_kn, qbuf, qi, pbuf, lbuf, kvh,
+                                                   tok0, tok1, _pick(desc, 6), mask_from,
+                                                   tok_lo, tok_hi, tok_off, qk_scale, 16)
+                    acc = gl.convert_layout(acc2, o_layout)
+                    m_i = gl.convert_layout(m_i, row_s)
+                    l_i = gl.convert_layout(l_i, row_s)
+                    row_bad = gl.max(gl.where(gl.abs(acc) < float("inf"), 0, 1), 1) > 0
             mbarrier.arrive(q_empty.index(qi), count=1)
             has = l_i > 0
             l_o = gl.convert_layout(gl.where(has, l_i, 1.0), row_o)
             o = acc / gl.expand_dims(l_o, 1)
-            if CHECK:
+            if CHECK == 5:
+                o = gl.where(gl.expand_dims(row_bad, 1), float("nan"), o)
+            elif CHECK:
                 row_bad = gl.max(gl.where(gl.abs(o) < float("inf"), 0, 1), 1) > 0
                 if CHECK == 3:
                     # A padding row's NaN sum: a non-finite K row that every row sees.
@@ -602,8 +701,8 @@ def _streamer(sched, lo, hi, dbuf, kbuf, q_empty, q_ready, kv_empty, kv_ready):
 
 @gluon.jit
 def persistent_partial_kernel(Q, q_desc, k_desc, v_desc, PO, PLSE, work, sched, cta_ptr, tok_lo,
-                              tok_hi,
-                              tok_off, q_pre, q_len, qk_scale, stride_qn, stride_pn, h_kv,
+                              tok_hi, tok_off, q_pre, q_len, K, V, stride_kn, qk_scale,
+                              stride_qn, stride_pn, h_kv,
                               MR: gl.constexpr, DH: gl.constexpr, BLOCK_N: gl.constexpr,
                               STAGES: gl.constexpr, COMPUTE: gl.constexpr,
                               SOFTMAX: gl.constexpr, OVERLAP: gl.constexpr, CHECK: gl.constexpr,
@@ -649,9 +748,9 @@ def persistent_partial_kernel(Q, q_desc, k_desc, v_desc, PO, PLSE, work, sched, 
     elif CONS == 1:
         gl.warp_specialize([
             (_consumer, (sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kbuf,
-                         vbuf, q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE,
-                         qk_scale, stride_pn, h_kv, SOFTMAX, OVERLAP, CHECK, SMALL, 0, 1, 0, 0,
-                         STAGES)),
+                         vbuf, q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE, K,
+                         V, stride_kn, qk_scale, stride_pn, h_kv, SOFTMAX, OVERLAP, CHECK, SMALL,
+                         0, 1, 0, 0, STAGES)),
             (_kv_loader, (k_desc, v_desc, work, sched, lo, hi, kbuf, vbuf, kv_empty, kv_ready,
                           h_kv, 0, 1, 0, STAGES)),
             (_q_loader, (Q, work, sched, lo, hi, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty,
@@ -663,17 +762,17 @@ def persistent_partial_kernel(Q, q_desc, k_desc, v_desc, PO, PLSE, work, sched, 
         # its STAGES K/V slots.
         gl.warp_specialize([
             (_consumer, (sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kbuf,
-                         vbuf, q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE,
-                         qk_scale, stride_pn, h_kv, SOFTMAX, OVERLAP, CHECK, SMALL, 0, 2, 0, 0,
-                         STAGES)),
+                         vbuf, q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE, K,
+                         V, stride_kn, qk_scale, stride_pn, h_kv, SOFTMAX, OVERLAP, CHECK, SMALL,
+                         0, 2, 0, 0, STAGES)),
             (_kv_loader, (k_desc, v_desc, work, sched, lo, hi, kbuf, vbuf, kv_empty, kv_ready,
                           h_kv, 0, 2, 0, STAGES)),
             (_q_tma_loader, (q_desc, work, sched, lo, hi, q_pre, q_len, qbuf, dbuf, pbuf, lbuf,
                              q_empty, q_ready, h_kv, 2)),
             (_consumer, (sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kbuf,
-                         vbuf, q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE,
-                         qk_scale, stride_pn, h_kv, SOFTMAX, OVERLAP, CHECK, SMALL, 1, 2, 2,
-                         STAGES, STAGES)),
+                         vbuf, q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE, K,
+                         V, stride_kn, qk_scale, stride_pn, h_kv, SOFTMAX, OVERLAP, CHECK, SMALL,
+                         1, 2, 2, STAGES, STAGES)),
             (_kv_loader, (k_desc, v_desc, work, sched, lo, hi, kbuf, vbuf, kv_empty, kv_ready,
                           h_kv, 1, 2, STAGES, STAGES)),
         ], [1, 1, 4, 1], [24, 48, 232, 24])
@@ -709,6 +808,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po: torch.Tensor,
     if consumers == 2 and (check == 1 or small or not compute):
         raise ValueError("two consumers take neither the checker, the small consumer nor "
                          "the streaming-only build")
+    if check == 5 and small:
+        raise ValueError("the small consumer keeps the per-block checks (check 2)")
     n, h_kv, d = k.shape
     layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.bfloat16)
     k2, v2 = k.view(n, h_kv * d), v.view(n, h_kv * d)
@@ -718,8 +819,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po: torch.Tensor,
     qd = TensorDescriptor(q, list(q.shape), list(q.stride()), [M // G, G, d], ql)
     a = arrays
     args = (q, qd, kd, vd, po, plse, a["work"], a["sched"], a["cta_ptr"], a["tok_lo"],
-            a["tok_hi"], a["tok_off"], a["q_pre"], a["q_len"], d**-0.5 * math.log2(math.e),
-            q.stride(0), po.stride(0), h_kv)
+            a["tok_hi"], a["tok_off"], a["q_pre"], a["q_len"], k2, v2, k2.stride(0),
+            d**-0.5 * math.log2(math.e), q.stride(0), po.stride(0), h_kv)
     kw = dict(MR=M, DH=d, BLOCK_N=block_n, STAGES=stages, COMPUTE=compute,
               SOFTMAX=softmax, OVERLAP=overlap, CHECK=check, SMALL=small, CONS=consumers,
               num_warps=4)
@@ -753,8 +854,8 @@ def _plan_arrays(layout, device: torch.device) -> tuple[dict, int, object]:  # n
     from deft.plan.packing import SEGMENTS, WORK_FIELDS
 
     plan, packed, cfg, _ = backend._pack(
-        layout, "flatten", 16, Heads(H_Q, H_KV, D), device,
-        lambda n: torch.empty(n, dtype=torch.int32), None, None, small=False)
+        layout, "flatten", backend.TritonBackend.default_block_kv, Heads(H_Q, H_KV, D), device,
+        lambda n: torch.empty(n, dtype=torch.int32), None, None, build="default")
     if not (packed.all_contiguous and packed.sorted_queries):
         return None, 0, cfg
     buf = packed.buffer.numpy()
@@ -855,7 +956,7 @@ def main() -> None:
             merge()
             diff = (f"{float((o.float() - ref).abs().max()):.2e}"
                     if build.get("compute", True) and build.get("softmax", True) else "- (timing)")
-            if build.get("check", 0) in (1, 2, 3):
+            if build.get("check", 0) in (1, 2, 3, 5):
                 diff += "; " + _isolation(q, ks[0], vs[0], shipped, build, arrays, programs, po,
                                           plse, o, merge)
             us_p = time_us(lambda: [partial(i) for i in range(LAYERS)], True)
