@@ -251,6 +251,21 @@ def _online(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
+def _visible(cols, zero_i, tok1, mask_from, pre, qlen, tok_lo, tok_hi, tok_off):
+    """Which rows see which of a block's plan tokens ``cols``: none past ``tok1``, every row
+    those before ``mask_from``, and from there the rows whose node (``pre``) lies in the
+    token's range (``tok_lo``, ``tok_hi``; at the range's first node only the rows whose
+    length ``qlen`` passes the token's offset ``tok_off``). ``zero_i``: int zeros of the
+    scores' shape and layout."""
+    need = (cols < tok1) & (cols >= mask_from)
+    lo_t = gl.expand_dims(gl.load(tok_lo + cols, mask=need, other=0), 0)
+    hi_t = gl.expand_dims(gl.load(tok_hi + cols, mask=need, other=0), 0)
+    off_t = gl.expand_dims(gl.load(tok_off + cols, mask=need, other=0), 0)
+    seen = (lo_t <= pre) & (pre < hi_t) & ((pre != lo_t) | (off_t < qlen))
+    return (gl.expand_dims(cols, 0) + zero_i < tok1) & (seen | gl.expand_dims(cols < mask_from, 0))
+
+
+@gluon.jit
 def _online_fma(s, vis, m_i, l_i, qk_scale, MASKED: gl.constexpr):
     """``_online`` with the shipped kernel's -inf check: the exponent's offset is ``s * 0 -
     m``, ``-m`` for a finite score and NaN for ±inf or NaN, so a non-finite K row leaves a NaN
@@ -302,13 +317,7 @@ def _checked_pair(K, V, stride_kn, qbuf, qi, pbuf, lbuf, kvh, tok0, tok1, slot0,
         s = mma_v2(q, gl.convert_layout(gl.permute(k, (1, 0)), b_l), zero_s)
         s = gl.where(s == float("-inf"), float("nan"), s)
         cols = start + gl.arange(0, CB, col)
-        need = (cols < tok1) & (cols >= mask_from)
-        lo_t = gl.expand_dims(gl.load(tok_lo + cols, mask=need, other=0), 0)
-        hi_t = gl.expand_dims(gl.load(tok_hi + cols, mask=need, other=0), 0)
-        off_t = gl.expand_dims(gl.load(tok_off + cols, mask=need, other=0), 0)
-        seen = (lo_t <= pre) & (pre < hi_t) & ((pre != lo_t) | (off_t < qlen))
-        vis = (gl.expand_dims(cols, 0) + zero_i < tok1) & (
-            seen | gl.expand_dims(cols < mask_from, 0))
+        vis = _visible(cols, zero_i, tok1, mask_from, pre, qlen, tok_lo, tok_hi, tok_off)
         p, m_i, l_i, alpha = _online(gl.where(vis, s, float("-inf")), m_i, l_i, qk_scale)
         v_bad = gl.max(gl.where(gl.abs(v) < float("inf"), 0, 1), 1)  # [CB]
         bad_v = vis & gl.expand_dims(gl.convert_layout(v_bad, col) > 0, 0)
@@ -357,13 +366,7 @@ def _softmax(s, start, cols, zero_i, tok1, mask_from, pre, qlen, tok_lo, tok_hi,
         if CHECK == 1:
             slow = slow | (bad != 0)
         if slow:
-            need = (cols < tok1) & (cols >= mask_from)
-            lo_t = gl.expand_dims(gl.load(tok_lo + cols, mask=need, other=0), 0)
-            hi_t = gl.expand_dims(gl.load(tok_hi + cols, mask=need, other=0), 0)
-            off_t = gl.expand_dims(gl.load(tok_off + cols, mask=need, other=0), 0)
-            seen = (lo_t <= pre) & (pre < hi_t) & ((pre != lo_t) | (off_t < qlen))
-            vis = (gl.expand_dims(cols, 0) + zero_i < tok1) & (
-                seen | gl.expand_dims(cols < mask_from, 0))
+            vis = _visible(cols, zero_i, tok1, mask_from, pre, qlen, tok_lo, tok_hi, tok_off)
             if CHECK == 1:
                 s = gl.where(vis & gl.expand_dims((flags & 1) != 0, 0), float("nan"), s)
             if CHECK >= 2 and CHECK != 5:
