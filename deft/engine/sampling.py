@@ -40,7 +40,7 @@ def filtered(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     # One upload: float64 holds every k, temperature and top-p exactly; the latter two are
     # rounded to float32 on the device, as a float32 op rounds a Python float.
     table = to_device(torch.tensor([[p.temperature for p in params], k, top_p],
-                                    dtype=torch.float64, device="cpu").T.contiguous(), x.device)
+                                   dtype=torch.float64, device="cpu").T.contiguous(), x.device)
     t, k_on, p_on = table[:, :1].float(), table[:, 1:2].long(), table[:, 2:].float()
     # Shifted by the row's maximum first: under a tiny temperature x / T overflows to inf
     # (and softmax to NaN), where (x - max) / T only underflows to -inf (the argmax's limit).
