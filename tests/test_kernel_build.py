@@ -124,7 +124,7 @@ def test_the_warp_specialised_gluon_experiment_compiles_for_sm90_without_spills(
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this Triton ships no ptxas")
-def test_the_persistent_gluon_experiment_compiles_for_sm90_without_spills():
+def test_the_persistent_gluon_experiment_compiles_for_sm90_spilling_only_where_known():
     """``tools/persistent_gluon.py --compile-only``: each of its 22 builds compiles for sm_90a
     (one program per SM, 168 registers at most), and all but the two with a 16-row consumer
     for small pairs, the two-consumer one with isolation and the overlapped one with the lean
