@@ -39,7 +39,7 @@ from .timing import median_plan_seconds
 from .trees import GPU_SUITE, available
 
 __all__ = ["D", "DTYPE", "FP8", "H_KV", "H_Q", "LAYERS", "fp8_copy", "gpu_attention_report",
-           "measure_ceilings", "planned_as_engine", "time_us"]
+           "measure_ceilings", "planned_as_engine", "random_inputs", "time_us"]
 
 H_Q, H_KV, D, LAYERS = 32, 8, 128, 32
 DTYPE = torch.bfloat16
@@ -77,6 +77,18 @@ def time_us(step: Callable[[], object], graph: bool) -> float:
     with torch.cuda.graph(g):
         step()
     return triton.testing.do_bench(g.replay, return_mode="median") * 1e3
+
+
+def random_inputs(tokens: int, queries: int, seed: int = 0
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """A step's random inputs on the GPU: each of the ``LAYERS`` layers' K and V ``[tokens,
+    H_KV, D]``, and q ``[queries, H_Q, D]``, in ``DTYPE``, drawn in that order from ``seed``."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    ks = [torch.randn(tokens, H_KV, D, device="cuda", dtype=DTYPE, generator=gen)
+          for _ in range(LAYERS)]
+    vs = [torch.randn(tokens, H_KV, D, device="cuda", dtype=DTYPE, generator=gen)
+          for _ in range(LAYERS)]
+    return ks, vs, torch.randn(queries, H_Q, D, device="cuda", dtype=DTYPE, generator=gen)
 
 
 def fp8_copy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

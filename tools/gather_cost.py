@@ -10,7 +10,7 @@ Usage: python3 tools/gather_cost.py TREE ...   (GPU only)
 
 import numpy as np
 import torch
-from benchmarks.attention_gpu import D, DTYPE, H_KV, H_Q, LAYERS, time_us
+from benchmarks.attention_gpu import D, DTYPE, H_KV, H_Q, LAYERS, random_inputs, time_us
 from benchmarks.trees import available
 from deft import TreeAttention
 from deft.layout import TreeLayout
@@ -37,10 +37,7 @@ names = args(__doc__)
 print("tree | slots | launch | µs/step | µs/layer | tiles of consecutive slots | max|diff|")
 for name, layout in available(names, workloads_dir(None)):
     n = int(layout.kv_indices.max(initial=0)) + 1
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    ks = [torch.randn(n, H_KV, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(LAYERS)]
-    vs = [torch.randn(n, H_KV, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(LAYERS)]
-    q = torch.randn(layout.num_queries, H_Q, D, device="cuda", dtype=DTYPE, generator=gen)
+    ks, vs, q = random_inputs(n, layout.num_queries)
     ref, _ = reference_attention(q, ks[0], vs[0], layout, D**-0.5)
     out = torch.empty_like(q)
     moved_layout, moved = scattered(layout)
