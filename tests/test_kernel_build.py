@@ -86,7 +86,8 @@ def test_work_rows_finds_the_small_items_of_a_few_shot_tree_and_none_of_a_long_p
     are small items holding much of its token work, and over FP8 K/V its tiles pick the
     few-row build; a 32k prompt seen by 16 queries has neither; the 64 leaves of speculative
     t=64 (200 programs) ask for the light build, and some of its masked items end their
-    unmasked part inside a K/V block, where none of few-shot b=20's do."""
+    unmasked part inside a K/V block, where none of few-shot b=20's do; only the prompt seen
+    by 16 queries reads each K/V block once."""
     for kv, few_cols in (("auto", ["-", "default"]), ("fp8_e4m3", ["0.33", "few_rows"])):
         out = subprocess.run(
             [sys.executable, str(ROOT / "tools" / "work_rows.py"), "--kv-dtype", kv,
@@ -100,6 +101,9 @@ def test_work_rows_finds_the_small_items_of_a_few_shot_tree_and_none_of_a_long_p
         assert int(few[1]) > int(few[0]) // 2 and 0.3 < float(few[2]) < 1, out
         assert few[4:6] == few_cols, out
         assert long[1:6] == ["0", "0.00", "0%", "-" if kv == "auto" else "0.00", "default"], out
+        # Each tile's K/V read once per row chunk: the 32k prompt's 64 rows are one chunk,
+        # few-shot b=20's prompt has more rows than one.
+        assert long[9] == "1.00" and float(few[9]) > 1, out
         assert rows["speculative t=64"][5] == "light", out
         # Masked items: the branches' (their unmasked part a whole number of blocks), and
         # the draft tree's (most of them ending their prompt part inside a block).

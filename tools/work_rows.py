@@ -8,9 +8,12 @@ against ``KernelConfig.kv8_few_share``), the build the tree asks for (``TreeAtte
 the items with a masked part, and those of them whose unmasked part ends inside a K/V block (a
 partial block run outside the pipelined loop, unless ``KernelConfig.aligned_mask``), and the
 share of the K/V blocks that the programs run masked (those ``KernelConfig.deferred_v_checks``
-makes cheaper). It tells which trees smaller dots serve (docs/decisions.md, "16-row dots for
-FP8" and "A few-row build per tree") and which take the light build ("The register cap stays,
-but for steps of few programs"). Plans are made as on an H200 (the sm90 configs and their
+makes cheaper), and how many times the work items read each K/V block of their tiles (a
+tile's row chunks each read it: 1.00 where every tile is one item). It tells which trees
+smaller dots serve (docs/decisions.md, "16-row dots for FP8" and "A few-row build per tree"),
+which take the light build ("The register cap stays, but for steps of few programs") and
+what row chunks that share their tile's loads would save ("Row chunks read their tile's K/V
+again"). Plans are made as on an H200 (the sm90 configs and their
 default build, the backend's tile size, ``--sms`` SMs), for one-byte K/V with ``--kv-dtype
 fp8_e4m3``.
 
@@ -44,12 +47,13 @@ from deft.recorded import workloads_dir  # noqa: E402
 
 def work_rows(layout, sms: int,  # noqa: ANN001
               kv_dtype: torch.dtype | None) -> tuple[np.ndarray, np.ndarray, int, str, str,
-                                                     np.ndarray, np.ndarray]:
+                                                     np.ndarray, np.ndarray, float]:
     """Each work item's tokens and rows in the default build's plan of ``layout`` on ``sms``
     SMs, ``block_m``, the tiles' few-row share ("-" without a few-row build for this K/V), the
     build the tree asks for, ``[W, 2]`` flags: the item has a masked part, and its unmasked
     part ends inside a K/V block of the launched config; and ``[W, 2]`` K/V blocks each item
-    runs, unmasked and masked."""
+    runs, unmasked and masked; and the K/V blocks the items read over those of their tiles
+    (each tile's once)."""
     shipped = backend._num_sms
     backend._num_sms = lambda device: sms
     try:
@@ -70,7 +74,10 @@ def work_rows(layout, sms: int,  # noqa: ANN001
     block_n = configs.kv_config(cfg, kv_dtype).block_n
     mid = masked & ((work[:, 5] - work[:, 0]) % block_n > 0)
     blocks = -(-np.stack([work[:, 5] - work[:, 0], work[:, 1] - work[:, 5]], 1) // block_n)
-    return tokens, rows, cfg.block_m, share, build, np.stack([masked, mid], 1), blocks
+    tiles = np.unique(work[:, :2], axis=0)
+    tile_blocks = int((-(-(tiles[:, 1] - tiles[:, 0]) // block_n)).sum())
+    reads = (-(-tokens // block_n)).sum() / max(tile_blocks, 1)
+    return tokens, rows, cfg.block_m, share, build, np.stack([masked, mid], 1), blocks, reads
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -89,16 +96,17 @@ def main(argv: list[str] | None = None) -> None:
     kv = FP8 if args.kv_dtype == "fp8_e4m3" else None
     print(f"| tree | items | items of <= {args.small} rows | their share of token work "
           "| padded dot rows | few-row share of tiles | build asked | masked items "
-          "| their unmasked part ending mid-block | masked share of blocks |")
-    print("| --- " * 10 + "|")
+          "| their unmasked part ending mid-block | masked share of blocks | K/V block reads "
+          "over the tiles' |")
+    print("| --- " * 11 + "|")
     for name, layout in available(args.trees or GPU_SUITE, workloads):
-        tokens, rows, block_m, share, build, flags, blocks = work_rows(layout, args.sms, kv)
+        tokens, rows, block_m, share, build, flags, blocks, reads = work_rows(layout, args.sms, kv)
         small = rows <= args.small
         padded = 1 - float((tokens * rows).sum()) / float(tokens.sum() * block_m)
         print(f"| {name} | {len(rows)} | {int(small.sum())} "
               f"| {tokens[small].sum() / tokens.sum():.2f} | {padded:.0%} | {share} | {build} "
               f"| {int(flags[:, 0].sum())} | {int(flags[:, 1].sum())} "
-              f"| {blocks[:, 1].sum() / blocks.sum():.2f} |", flush=True)
+              f"| {blocks[:, 1].sum() / blocks.sum():.2f} | {reads:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
