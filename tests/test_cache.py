@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from deft import TreeAttention, TreeLayout
 from deft.cache import CacheFullError, KVPool, PageAllocator, TreeKVCache
+from deft.cache.pages import RUN_PAGES
 from deft.ops.reference import reference_attention
 
 
@@ -89,6 +90,49 @@ def test_allocator_counts_users_and_frees_at_zero():
     assert a.decref(np.array([0, 1, 1])).tolist() == [0]
     assert a.refcounts.tolist() == [0, 1, 1, 0] and a.num_free == 2
     assert sorted(a.alloc(2).tolist()) == [0, 3]  # freed pages are reused
+
+
+def test_a_take_of_run_pages_gets_the_smallest_run_that_holds_it():
+    assert RUN_PAGES == 4
+    a = PageAllocator(32)
+    a.alloc(32)
+    a.decref(np.array([3, 4, 5, 10, 11, 12, 13, 20, 25]))  # runs of 3 and 4, two singles
+    a.decref(np.array([30]))  # on top of the free list: 30, 3, 4, 5, 10, ...
+    assert a.alloc(4).tolist() == [10, 11, 12, 13]  # the top 4 are no run: the run that fits
+    assert a.alloc(2).tolist() == [30, 3]  # small takes pop the list's top
+    assert a.alloc(4).tolist() == [4, 5, 20, 25]  # no run of 4 left: popped, skipping 10-13
+    assert a.free_pages().tolist() == [] and a.num_free == 0
+    a = PageAllocator(16)
+    a.alloc(16)
+    a.decref(np.array([2, 3, 4, 5]))
+    a.decref(np.array([10, 11, 12, 13, 14, 15]))
+    assert a.alloc(4).tolist() == [10, 11, 12, 13]  # a run on top is popped, not scanned for
+
+
+def test_allocator_keeps_its_free_pages_exact_under_random_takes_and_releases():
+    rng = np.random.default_rng(0)
+    a, free, held = PageAllocator(64), set(range(64)), []
+    for _ in range(3000):
+        if held and (rng.random() < 0.5 or not free):
+            pages = held.pop(int(rng.integers(len(held))))
+            assert sorted(a.decref(np.array(pages)).tolist()) == sorted(pages)
+            free.update(pages)
+        else:
+            n = int(rng.integers(1, min(len(free), 12) + 1))
+            pages = a.take(n)
+            assert len(set(pages)) == n and set(pages) <= free
+            if n >= RUN_PAGES:
+                frees = np.zeros(66, bool)
+                frees[[p + 1 for p in free]] = True
+                runs = [len(r) for r in "".join("1" if f else "0" for f in frees).split("0")]
+                if max(runs) >= n:
+                    assert pages == list(range(pages[0], pages[0] + n))
+            free.difference_update(pages)
+            held.append(pages)
+        listed = a.free_pages().tolist()
+        assert len(listed) == len(set(listed)) and set(listed) == free and a.num_free == len(free)
+        assert (a.refcounts == 0).sum() == len(free)
+        assert len(a._free) <= 2 * a.num_free + 64  # white-box: stale entries are dropped
 
 
 def test_allocator_errors_change_nothing():
