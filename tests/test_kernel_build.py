@@ -215,11 +215,12 @@ def test_program_timeline_kernel_takes_the_partial_kernels_arguments():
     assert set(names(timed, True)) == set(names(shipped, True))
 
 
-def test_slot_runs_sees_tiles_of_one_node_gather_and_churn_scatter_pages():
+def test_slot_runs_sees_tiles_of_one_node_gather_and_run_takes_survive_churn():
     """``tools/slot_runs.py`` on the CPU: a greedy sequence's one tile spans its prompt's
     pages and the pages its new tokens took after every prompt's, so no tile of greedy32 is
     consecutive though almost every K/V block is; 16 samples of one prompt on a fresh pool
-    keep most tiles consecutive, fewer after churn."""
+    keep most tiles consecutive, after churn too, but fewer where every take pops the free
+    list."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "slot_runs.py"), "--steps", "4", "--churn", "16",
          "greedy32", "sample16"],
@@ -230,4 +231,5 @@ def test_slot_runs_sees_tiles_of_one_node_gather_and_churn_scatter_pages():
         rows[cells[0], cells[1]] = [float(c.rstrip("%")) for c in cells[3:]]
     assert rows["greedy32", "fresh"][0] == 0 and rows["greedy32", "fresh"][1] > 90, out
     assert rows["sample16", "fresh"][0] > 80, out
-    assert rows["sample16", "after churn"][0] < rows["sample16", "fresh"][0], out
+    assert rows["sample16", "after churn"][0] > 80, out
+    assert rows["sample16", "after churn, pages popped"][0] < rows["sample16", "after churn"][0], out

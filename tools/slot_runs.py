@@ -11,7 +11,8 @@ prints, over each loop's last ``--steps`` steps, the share of token work in tile
 consecutive slots, and the share of the config's K/V blocks whose slots are consecutive (what
 a kernel that chose TMA per block could load so). Each loop runs on a fresh pool and on one
 after churn (``--churn`` requests of random lengths run first and released), as a server's
-pool is. Loops: ``sample16`` (16 samples of a 2,000-token prompt), ``beam16`` (beam search
+pool is; and after churn with every take of pages popped off the free list (the allocator's
+``run_pages`` above the pool: no take looks for a run of consecutive free pages). Loops: ``sample16`` (16 samples of a 2,000-token prompt), ``beam16`` (beam search
 k=16 on a 2,000-token prompt), ``greedy32`` (greedy decoding of 32 prompts of 1,000 tokens).
 
 Usage: ``python tools/slot_runs.py [LOOP ...] [--steps N] [--churn N]``
@@ -87,13 +88,16 @@ def main(argv: list[str] | None = None) -> None:
     print("| loop | pool | steps | token work in consecutive tiles | consecutive K/V blocks |")
     print("| --- | --- | --- | --- | --- |")
     for name in a.loops:
-        for churned in (False, True):
+        for pool in ("fresh", "after churn", "after churn, pages popped"):
+            churned = pool != "fresh"
             gen = torch.Generator().manual_seed(0)
 
             def prompt(n: int) -> list[int]:
                 return torch.randint(258, VOCAB, (n,), generator=gen).tolist()
 
             engine = TreeEngine(random_model(config, "cpu"), byte_tokenizer(VOCAB), num_pages=8192)
+            if pool.endswith("popped"):
+                engine.cache.allocator.run_pages = engine.cache.num_pages + 1
             table = torch.randn(TABLE, VOCAB, generator=gen)
             seen: list[TreeLayout] = []
 
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
                 generate(engine, [prompt(1000) for _ in range(32)], SamplingParams(
                     max_new_tokens=new_tokens, stop_token_ids=NEVER))
             counts = np.array([consecutive(lay) for lay in seen[-a.steps:]]).sum(0)
-            print(f"| {name} | {'after churn' if churned else 'fresh'} | {min(a.steps, len(seen))} "
+            print(f"| {name} | {pool} | {min(a.steps, len(seen))} "
                   f"| {counts[1] / counts[0]:.1%} | {counts[3] / counts[2]:.1%} |", flush=True)
 
 

@@ -58,7 +58,9 @@ class PageAllocator:
 
     The free list is a LIFO stack (a list whose top is the end), so recently freed
     pages, likely still in cache, are reused first; entries of pages in use (left by run
-    takes) or repeated are skipped when popped and dropped when the list is rebuilt. ``users[p]`` is page ``p``'s count
+    takes) or repeated are skipped when popped and dropped when the list is rebuilt.
+    ``run_pages`` (default :data:`RUN_PAGES`) is the smallest take that looks for a run; above
+    ``num_pages`` every take pops, as ``tools/slot_runs.py`` compares. ``users[p]`` is page ``p``'s count
     (``array('q')``, read-only for callers); ``_parked[p]`` how many of them are parked.
     """
 
@@ -68,6 +70,7 @@ class PageAllocator:
         self._refcount = np.frombuffer(self.users, _I)  # the same memory, as numpy
         self._free = list(range(num_pages - 1, -1, -1))
         self._num_free = num_pages
+        self.run_pages = RUN_PAGES  # takes of this many pages or more look for a run
         self._parked = array("q", bytes(8 * num_pages))
         self._parked_np = np.frombuffer(self._parked, _I)
         self._num_parked = 0  # pages in use whose every user is parked
@@ -131,7 +134,7 @@ class PageAllocator:
             raise CacheFullError(n, self._num_free, self.num_pages)
         if not n:
             return []
-        pages = self._run(n) if n >= RUN_PAGES and not self._run_on_top(n) else None
+        pages = self._run(n) if n >= self.run_pages and not self._run_on_top(n) else None
         if pages is None:
             pages = self._pop(n)
         users = self.users
