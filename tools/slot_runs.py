@@ -72,6 +72,18 @@ def consecutive(layout: TreeLayout, sms: int = 132) -> tuple[int, int, int, int]
     return int(tokens.sum()), int(tokens[work[:, 6] >= 0].sum()), blocks, good
 
 
+def churn(engine: TreeEngine, requests: int, gen: torch.Generator, vocab: int) -> None:
+    """Run ``requests`` requests on ``engine`` and release them, as a server's pool sees
+    traffic: prompts of 50-1,499 random tokens, 1-63 new tokens, two samples each, eight
+    requests at a time so that their pages interleave."""
+    lengths = torch.randint(50, 1500, (requests,), generator=gen).tolist()
+    new = torch.randint(1, 64, (requests,), generator=gen).tolist()
+    for i in range(0, requests, 8):
+        prompts = [torch.randint(258, vocab, (n,), generator=gen).tolist() for n in lengths[i:i + 8]]
+        sample(engine, prompts, 2, SamplingParams(max_new_tokens=new[i], temperature=0.8, seed=i,
+                                                  stop_token_ids=NEVER))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("loops", nargs="*", default=list(LOOPS), metavar="LOOP",
@@ -108,11 +120,7 @@ def main(argv: list[str] | None = None) -> None:
 
             engine.runner.run = run
             if churned:
-                lengths = torch.randint(50, 1500, (a.churn,), generator=gen).tolist()
-                new = torch.randint(1, 64, (a.churn,), generator=gen).tolist()
-                for i in range(0, a.churn, 8):  # eight at a time: their pages interleave
-                    sample(engine, [prompt(p) for p in lengths[i:i + 8]], 2, SamplingParams(
-                        max_new_tokens=new[i], temperature=0.8, seed=i, stop_token_ids=NEVER))
+                churn(engine, a.churn, gen, VOCAB)
             new_tokens = a.steps + 2
             if name == "sample16":
                 sample(engine, [prompt(2000)], 16, SamplingParams(
