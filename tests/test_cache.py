@@ -107,6 +107,15 @@ def test_a_take_of_run_pages_gets_the_smallest_run_that_holds_it():
     a.decref(np.array([2, 3, 4, 5]))
     a.decref(np.array([10, 11, 12, 13, 14, 15]))
     assert a.alloc(4).tolist() == [10, 11, 12, 13]  # a run on top is popped, not scanned for
+    a = PageAllocator(24)
+    a.alloc(24)
+    a.decref(np.array([20, 21, 22, 23]))
+    a.decref(np.array([0, 2]))
+    assert a.alloc(4).tolist() == [20, 21, 22, 23]  # its entries stay on the list, skipped
+    a.decref(np.array([20, 21, 22, 23]))  # listed twice now
+    a.decref(np.array([8, 9, 10, 11, 12, 13]))
+    assert a.alloc(4).tolist() == [8, 9, 10, 11]  # the top's run, though 20-23 fits better
+    assert sorted(a.free_pages().tolist()) == [0, 2, 12, 13, 20, 21, 22, 23] and a.num_free == 8
 
 
 def test_allocator_keeps_its_free_pages_exact_under_random_takes_and_releases():

@@ -162,10 +162,12 @@ class PageAllocator:
 
     def _run_on_top(self, n: int) -> bool:
         """Whether the free list's top ``n`` entries are consecutive free pages, as a fresh
-        pool's are and a draft tree's released pages are for the next: popped, they are a
-        run, found without scanning the counts."""
-        free = self._free
-        return len(free) == self._num_free and free[-n:] == list(range(free[-1] + n - 1, free[-1] - 1, -1))
+        pool's are and a released draft tree's are for the next: popped, they are a run,
+        found without scanning the counts."""
+        free, users = self._free, self.users
+        top = free[-1]
+        return (free[-n:] == list(range(top + n - 1, top - 1, -1))
+                and not any(users[p] for p in range(top, top + n)))
 
     def _run(self, n: int) -> list[int] | None:
         """The first ``n`` pages of the smallest run of consecutive free pages that holds
