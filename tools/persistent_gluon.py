@@ -19,10 +19,8 @@ the -inf score made NaN by the exponent's FMA, and a pair whose accumulator or s
 non-finite computed again from global memory with every check, ``_checked_pair``), pairs of
 at most 16 rows on 16-row ``mma.sync`` products (``small``), two consumer warpgroups taking
 alternate pairs (``consumers``: each with a loader warp and its rings, q loaded by TMA from
-one warp), two consumer warpgroups taking the two row chunks of one tile on the blocks of
-one shared ring, each block loaded once for up to 128 rows (``share``, pairs from
-``schedule_shared``; a tile's odd chunk leaves the second consumer only handing blocks
-back); and, for timing only, no softmax or no products at all (what streaming alone takes).
+one warp); and, for timing only, no softmax or no products at all
+(what streaming alone takes).
 
 The plan is the shipped backend's for the tree (``backend._pack``), so the tiles, row chunks
 and partial states are DeFT's; only trees whose slots are all consecutive and queries sorted
@@ -80,10 +78,7 @@ BUILDS = [dict(block_n=64, stages=4), dict(block_n=64, stages=3), dict(block_n=3
           dict(block_n=64, stages=3, compute=False),
           dict(block_n=64, stages=5, compute=False),
           dict(block_n=64, stages=4, overlap=True, check=5),
-          dict(block_n=64, stages=3, check=5),
-          dict(block_n=64, stages=4, overlap=True, share=True),
-          dict(block_n=64, stages=4, overlap=True, check=5, share=True),
-          dict(block_n=64, stages=4, check=5, share=True)]
+          dict(block_n=64, stages=3, check=5)]
 DEFAULT_TREES = ["few-shot b=20", "few-shot b=50", "speculative t=64", "long prompt 32k x16"]
 
 
@@ -175,18 +170,13 @@ def _q_tma_loader(q_desc, work, sched, lo, hi, q_pre, q_len, qbuf, dbuf, pbuf, l
     GQ: gl.constexpr = GROUP
     l1: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
     r1 = gl.arange(0, MR, l1)
-    l8: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     for t in range(hi - lo):
         pair = gl.load(sched + lo + t)
-        alone = pair < 0  # a shared pair's missing second chunk: its blocks, no rows
-        pair = gl.where(alone, -pair - 1, pair)
         w = pair // h_kv
         kvh = pair % h_kv
-        desc = gl.load(work + w * 8 + gl.arange(0, 8, l8))
+        desc = gl.load(work + w * 8 + gl.arange(0, 8, gl.BlockedLayout([1], [32], [1], [0])))
         qs = gl.load(work + w * 8 + 2)
         qe = gl.load(work + w * 8 + 3)
-        desc = gl.where((gl.arange(0, 8, l8) == 3) & alone, qs, desc)
-        qe = gl.where(alone, qs, qe)
         row0 = gl.load(work + w * 8 + 7)
         rows1 = row0 + r1
         ok1 = rows1 < (qe - qs) * GQ
@@ -530,8 +520,8 @@ def _small_pair(c, rb, qi, kvh, tok0, tok1, nq, p0, mask_from, row0, qbuf, pbuf,
 def _consumer(sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kbuf, vbuf,
               q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE, K, V, stride_kn,
               qk_scale, stride_pn, h_kv, SOFTMAX: gl.constexpr, OVERLAP: gl.constexpr,
-              CHECK: gl.constexpr, SMALL: gl.constexpr, SHARE: gl.constexpr, first, step, qb,
-              rb, S: gl.constexpr):
+              CHECK: gl.constexpr, SMALL: gl.constexpr, first, step, qb, rb,
+              S: gl.constexpr):
     """The partial states of pairs ``first, first + step, ...``, through the q ring of two
     slots from ``qb`` and the K/V ring of ``S`` slots from ``rb`` (its own). ``OVERLAP``: the
     next block's ``q @ K.T`` and this one's ``p @ V`` are in flight while the softmax runs
@@ -541,9 +531,7 @@ def _consumer(sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kb
     finite made NaN (o and lse); where it is 5, a pair whose rows' accumulator sums or
     softmax sums are not all finite is computed again (``_checked_pair``, from ``K`` and
     ``V`` with rows ``stride_kn`` apart) before its q slot is handed back. ``SMALL``: pairs
-    of at most ``SMALL_ROWS`` rows go to ``_small_pair``. ``SHARE``: the K/V ring is the
-    other consumer's too (each block handed back by both), and a pair of no rows (a tile's
-    chunk that has no second) only hands its blocks back."""
+    of at most ``SMALL_ROWS`` rows go to ``_small_pair``."""
     MR: gl.constexpr = qbuf.type.shape[1]
     BLOCK_N: gl.constexpr = kbuf.type.shape[1]
     DH: gl.constexpr = kbuf.type.shape[2]
@@ -577,8 +565,6 @@ def _consumer(sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kb
         row0 = _pick(desc, 7)
         if SMALL:
             few = nq * GQ - row0 <= SMALL_ROWS
-        elif SHARE:
-            few = nq <= 0
         else:
             few = nq < 0
         if few:
@@ -586,11 +572,6 @@ def _consumer(sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kb
                 c = _small_pair(c, rb, qi, kvh, tok0, tok1, nq, p0, mask_from, row0, qbuf, pbuf,
                                 kbuf, vbuf, lbuf, ready, kv_empty, tok_lo, tok_hi, tok_off, PO,
                                 PLSE, qk_scale, stride_pn, CHECK, S)
-            if SHARE:
-                for start in range(tok0, tok1, BLOCK_N):
-                    mbarrier.wait(ready.index(rb + c % S), (c // S) & 1)
-                    mbarrier.arrive(kv_empty.index(rb + c % S), count=1)
-                    c += 1
             mbarrier.arrive(q_empty.index(qi), count=1)
         else:
             full = nq * GQ - row0 >= MR  # no padding rows
@@ -728,15 +709,12 @@ def persistent_partial_kernel(Q, q_desc, k_desc, v_desc, PO, PLSE, work, sched, 
                               MR: gl.constexpr, DH: gl.constexpr, BLOCK_N: gl.constexpr,
                               STAGES: gl.constexpr, COMPUTE: gl.constexpr,
                               SOFTMAX: gl.constexpr, OVERLAP: gl.constexpr, CHECK: gl.constexpr,
-                              SMALL: gl.constexpr, CONS: gl.constexpr, SHARE: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              SMALL: gl.constexpr, CONS: gl.constexpr, num_warps: gl.constexpr):
     pid = gl.program_id(0)
     lo = gl.load(cta_ptr + pid)
     hi = gl.load(cta_ptr + pid + 1)
     dt: gl.constexpr = k_desc.dtype
-    # Per consumer: a two-slot q ring and a K/V ring of STAGES slots (one ring for both where
-    # they SHARE it).
-    RINGS: gl.constexpr = 1 if SHARE else CONS
+    # Per consumer: a two-slot q ring and a K/V ring of STAGES slots.
     qbuf = gl.allocate_shared_memory(dt, [2 * CONS, MR, DH],
                                      gl.NVMMASharedLayout.get_default_for([MR, DH], dt))
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -744,19 +722,19 @@ def persistent_partial_kernel(Q, q_desc, k_desc, v_desc, PO, PLSE, work, sched, 
     pbuf = gl.allocate_shared_memory(gl.int32, [2 * CONS, MR], plain)
     lbuf = gl.allocate_shared_memory(gl.int32, [2 * CONS, MR], plain)
     fbuf = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], plain)
-    kbuf = gl.allocate_shared_memory(dt, [RINGS * STAGES, BLOCK_N, DH], k_desc.layout)
-    vbuf = gl.allocate_shared_memory(dt, [RINGS * STAGES, BLOCK_N, DH], v_desc.layout)
+    kbuf = gl.allocate_shared_memory(dt, [CONS * STAGES, BLOCK_N, DH], k_desc.layout)
+    vbuf = gl.allocate_shared_memory(dt, [CONS * STAGES, BLOCK_N, DH], v_desc.layout)
     bl: gl.constexpr = mbarrier.MBarrierLayout()
     q_empty = gl.allocate_shared_memory(gl.int64, [2 * CONS, 1], bl)
     q_ready = gl.allocate_shared_memory(gl.int64, [2 * CONS, 1], bl)
-    kv_empty = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], bl)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], bl)
+    kv_empty = gl.allocate_shared_memory(gl.int64, [CONS * STAGES, 1], bl)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [CONS * STAGES, 1], bl)
     chk_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bl)
     for i in gl.static_range(2 * CONS):
         mbarrier.init(q_empty.index(i), count=1)
         mbarrier.init(q_ready.index(i), count=1)
-    for i in gl.static_range(RINGS * STAGES):
-        mbarrier.init(kv_empty.index(i), count=CONS if SHARE else 1)
+    for i in gl.static_range(CONS * STAGES):
+        mbarrier.init(kv_empty.index(i), count=1)
         mbarrier.init(kv_ready.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(chk_ready.index(i), count=1)
@@ -775,30 +753,13 @@ def persistent_partial_kernel(Q, q_desc, k_desc, v_desc, PO, PLSE, work, sched, 
             (_consumer, (sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kbuf,
                          vbuf, q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE, K,
                          V, stride_kn, qk_scale, stride_pn, h_kv, SOFTMAX, OVERLAP, CHECK, SMALL,
-                         False, 0, 1, 0, 0, STAGES)),
+                         0, 1, 0, 0, STAGES)),
             (_kv_loader, (k_desc, v_desc, work, sched, lo, hi, kbuf, vbuf, kv_empty, kv_ready,
                           h_kv, 0, 1, 0, STAGES)),
             (_q_loader, (Q, work, sched, lo, hi, q_pre, q_len, qbuf, dbuf, pbuf, lbuf, q_empty,
                          q_ready, kbuf, vbuf, kv_ready, chk_ready, fbuf, stride_qn, h_kv, CHECK,
                          SMALL, 1)),
         ], [1, 4], [24, 80])
-    elif SHARE:
-        # Two consumers take the two row chunks of each shared pair (``schedule_shared``: its
-        # entries alternate) on the blocks one loader warp brings into one ring.
-        gl.warp_specialize([
-            (_consumer, (sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kbuf,
-                         vbuf, q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE, K,
-                         V, stride_kn, qk_scale, stride_pn, h_kv, SOFTMAX, OVERLAP, CHECK, SMALL,
-                         True, 0, 2, 0, 0, STAGES)),
-            (_kv_loader, (k_desc, v_desc, work, sched, lo, hi, kbuf, vbuf, kv_empty, kv_ready,
-                          h_kv, 0, 2, 0, STAGES)),
-            (_q_tma_loader, (q_desc, work, sched, lo, hi, q_pre, q_len, qbuf, dbuf, pbuf, lbuf,
-                             q_empty, q_ready, h_kv, 2)),
-            (_consumer, (sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kbuf,
-                         vbuf, q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE, K,
-                         V, stride_kn, qk_scale, stride_pn, h_kv, SOFTMAX, OVERLAP, CHECK, SMALL,
-                         True, 1, 2, 2, 0, STAGES)),
-        ], [1, 1, 4], [24, 48, 232])
     else:
         # Two consumers take alternate pairs, each with its loader warp, its two q slots and
         # its STAGES K/V slots.
@@ -806,7 +767,7 @@ def persistent_partial_kernel(Q, q_desc, k_desc, v_desc, PO, PLSE, work, sched, 
             (_consumer, (sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kbuf,
                          vbuf, q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE, K,
                          V, stride_kn, qk_scale, stride_pn, h_kv, SOFTMAX, OVERLAP, CHECK, SMALL,
-                         False, 0, 2, 0, 0, STAGES)),
+                         0, 2, 0, 0, STAGES)),
             (_kv_loader, (k_desc, v_desc, work, sched, lo, hi, kbuf, vbuf, kv_empty, kv_ready,
                           h_kv, 0, 2, 0, STAGES)),
             (_q_tma_loader, (q_desc, work, sched, lo, hi, q_pre, q_len, qbuf, dbuf, pbuf, lbuf,
@@ -814,7 +775,7 @@ def persistent_partial_kernel(Q, q_desc, k_desc, v_desc, PO, PLSE, work, sched, 
             (_consumer, (sched, lo, hi, tok_lo, tok_hi, tok_off, qbuf, dbuf, pbuf, lbuf, kbuf,
                          vbuf, q_empty, q_ready, kv_empty, kv_ready, chk_ready, fbuf, PO, PLSE, K,
                          V, stride_kn, qk_scale, stride_pn, h_kv, SOFTMAX, OVERLAP, CHECK, SMALL,
-                         False, 1, 2, 2, STAGES, STAGES)),
+                         1, 2, 2, STAGES, STAGES)),
             (_kv_loader, (k_desc, v_desc, work, sched, lo, hi, kbuf, vbuf, kv_empty, kv_ready,
                           h_kv, 1, 2, STAGES, STAGES)),
         ], [1, 1, 4, 1], [24, 48, 232, 24])
@@ -838,39 +799,11 @@ def schedule(work: np.ndarray, h_kv: int, programs: int, block_n: int) -> tuple[
     return order, ptr
 
 
-def schedule_shared(work: np.ndarray, h_kv: int, programs: int, block_n: int
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """``schedule`` for the ``share`` builds: each tile's row chunks (work items of one tile
-    and query range, adjacent in the plan) two at a time per KV head, as one shared pair of
-    two entries (the second ``-(first + 1)`` where the chunk has none), shared pairs longest
-    first onto the least-loaded program."""
-    blocks = -(-(work[:, 1] - work[:, 0]) // block_n) + 1
-    chunks: list[list[int]] = []
-    for w in range(len(work)):
-        if chunks and len(chunks[-1]) == 1 and (work[w, :4] == work[chunks[-1][0], :4]).all():
-            chunks[-1].append(w)
-        else:
-            chunks.append([w])
-    shared = [[a * h_kv + h, (b * h_kv + h) if b is not None else -(a * h_kv + h) - 1]
-              for a, b in ((c[0], c[1] if len(c) > 1 else None) for c in chunks)
-              for h in range(h_kv)]
-    shared.sort(key=lambda sp: -blocks[sp[0] // h_kv])
-    heap = [(0, i) for i in range(programs)]
-    mine: list[list[int]] = [[] for _ in range(programs)]
-    for sp in shared:
-        load, i = heapq.heappop(heap)
-        mine[i] += sp
-        heapq.heappush(heap, (load + int(blocks[sp[0] // h_kv]), i))
-    order = np.array([p for m in mine for p in m], dtype=np.int32)
-    ptr = np.cumsum([0] + [len(m) for m in mine]).astype(np.int32)
-    return order, ptr
-
-
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po: torch.Tensor,
            plse: torch.Tensor, arrays: dict, programs: int, block_n: int = 64,
            stages: int = 4, compute: bool = True, softmax: bool = True,
            overlap: bool = False, check: int = 0, small: bool = False, consumers: int = 1,
-           share: bool = False, compile_only: bool = False) -> object:
+           compile_only: bool = False) -> object:
     """Partial states of ``q [N, H_q, D]`` over ``k, v [slots, H_kv, D]`` (bf16) into ``po
     [P, H_q, D]`` (fp32) and ``plse [P, H_q]``, for the plan ``arrays`` (device int32:
     work, sched, cta_ptr, tok_lo, tok_hi, tok_off, q_pre, q_len); the other arguments are
@@ -880,11 +813,6 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po: torch.Tensor,
                          "the streaming-only build")
     if check == 5 and small:
         raise ValueError("the small consumer keeps the per-block checks (check 2)")
-    if share and (small or check not in (0, 5) or not compute):
-        raise ValueError("shared pairs take neither the small consumer, the checks before the "
-                         "lean ones, nor the streaming-only build")
-    if share:
-        consumers = 2
     n, h_kv, d = k.shape
     layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.bfloat16)
     k2, v2 = k.view(n, h_kv * d), v.view(n, h_kv * d)
@@ -898,7 +826,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, po: torch.Tensor,
             d**-0.5 * math.log2(math.e), q.stride(0), po.stride(0), h_kv)
     kw = dict(MR=M, DH=d, BLOCK_N=block_n, STAGES=stages, COMPUTE=compute,
               SOFTMAX=softmax, OVERLAP=overlap, CHECK=check, SMALL=small, CONS=consumers,
-              SHARE=share, num_warps=4)
+              num_warps=4)
     if compile_only:
         return persistent_partial_kernel.warmup(*args, grid=(programs,), **kw)
     return persistent_partial_kernel[(programs,)](*args, **kw)
@@ -1007,8 +935,7 @@ def main() -> None:
         us_safe = time_us(lambda: [safe.run(q, ks[i], vs[i]) for i in range(LAYERS)], True)
         work = seg["work"].reshape(-1, 8)
         for build in chosen:
-            plan_pairs = schedule_shared if build.get("share") else schedule
-            order, ptr = plan_pairs(work, H_KV, min(sms, len(work) * H_KV), build["block_n"])
+            order, ptr = schedule(work, H_KV, min(sms, len(work) * H_KV), build["block_n"])
             arrays = {name_: torch.from_numpy(np.ascontiguousarray(x)).to(dev) for name_, x in (
                 ("work", seg["work"]), ("sched", order), ("cta_ptr", ptr),
                 ("tok_lo", seg["tok_lo"]), ("tok_hi", seg["tok_hi"]), ("tok_off", seg["tok_off"]),
