@@ -12,8 +12,9 @@ consecutive slots, and the share of the config's K/V blocks whose slots are cons
 a kernel that chose TMA per block could load so). Each loop runs on a fresh pool and on one
 after churn (``--churn`` requests of random lengths run first and released), as a server's
 pool is; and after churn with every take of pages popped off the free list (the allocator's
-``run_pages`` above the pool: no take looks for a run of consecutive free pages). Loops: ``sample16`` (16 samples of a 2,000-token prompt), ``beam16`` (beam search
-k=16 on a 2,000-token prompt), ``greedy32`` (greedy decoding of 32 prompts of 1,000 tokens).
+``run_pages`` above the pool: no take looks for a run of consecutive free pages). Loops:
+``sample16`` (16 samples of a 2,000-token prompt), ``beam16`` (beam search k=16 on a
+2,000-token prompt), ``greedy32`` (greedy decoding of 32 prompts of 1,000 tokens).
 
 Usage: ``python tools/slot_runs.py [LOOP ...] [--steps N] [--churn N]``
 """
@@ -79,7 +80,8 @@ def churn(engine: TreeEngine, requests: int, gen: torch.Generator, vocab: int) -
     lengths = torch.randint(50, 1500, (requests,), generator=gen).tolist()
     new = torch.randint(1, 64, (requests,), generator=gen).tolist()
     for i in range(0, requests, 8):
-        prompts = [torch.randint(258, vocab, (n,), generator=gen).tolist() for n in lengths[i:i + 8]]
+        prompts = [torch.randint(258, vocab, (n,), generator=gen).tolist()
+                   for n in lengths[i:i + 8]]
         sample(engine, prompts, 2, SamplingParams(max_new_tokens=new[i], temperature=0.8, seed=i,
                                                   stop_token_ids=NEVER))
 

@@ -7,10 +7,11 @@ allocator as it was.
 
 A take of :data:`RUN_PAGES` or more pages (a prompt, a draft tree) gets consecutive free
 pages where there are enough in a row: the free list's top when it is such a run, else the
-smallest run that holds it (best fit keeps the long runs for long takes). its slots are then consecutive, and the
-attention kernel loads such tiles by TMA instead of gathering them (``tools/gather_cost.py``:
-gathered tiles cost 4-22% more). Smaller takes pop the free list. The pages a run take leaves
-on the list are skipped when popped, so the list may hold more entries than free pages.
+smallest run that holds it (best fit keeps the long runs for long takes). Its slots are then
+consecutive, and the attention kernel loads such tiles by TMA instead of gathering them
+(``tools/gather_cost.py``: gathered tiles cost graph-safe steps 4-22% more on an H100).
+Smaller takes pop the free list. The entries a run take leaves on the list are skipped when
+popped, so the list may hold more entries than there are free pages.
 
 The counts live in an ``array('q')`` that ``refcounts`` views as numpy without a copy:
 the cache's per-step updates touch one or two pages, and Python ints index an array
@@ -59,9 +60,10 @@ class PageAllocator:
     The free list is a LIFO stack (a list whose top is the end), so recently freed
     pages, likely still in cache, are reused first; entries of pages in use (left by run
     takes) or repeated are skipped when popped and dropped when the list is rebuilt.
-    ``run_pages`` (default :data:`RUN_PAGES`) is the smallest take that looks for a run; above
-    ``num_pages`` every take pops, as ``tools/slot_runs.py`` compares. ``users[p]`` is page ``p``'s count
-    (``array('q')``, read-only for callers); ``_parked[p]`` how many of them are parked.
+    ``run_pages`` (default :data:`RUN_PAGES`) is the smallest take that looks for a run;
+    above ``num_pages`` every take pops, as ``tools/slot_runs.py`` compares. ``users[p]`` is
+    page ``p``'s count (``array('q')``, read-only for callers); ``_parked[p]`` how many of
+    them are parked.
     """
 
     def __init__(self, num_pages: int) -> None:
