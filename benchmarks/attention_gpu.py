@@ -114,11 +114,8 @@ def planned_as_engine(layout: TreeLayout, capacity: Capacity | None,
 def _bench_tree(name: str, layout: TreeLayout, bw: float, flops: float,
                 progress: Callable[[str], None] | None, flex: bool = True,
                 kv_dtype: str = "auto") -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(0)
     n = layout.num_tokens
-    ks = [torch.randn(n, H_KV, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(LAYERS)]
-    vs = [torch.randn(n, H_KV, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(LAYERS)]
-    q = torch.randn(layout.num_queries, H_Q, D, device="cuda", dtype=DTYPE, generator=gen)
+    ks, vs, q = random_inputs(n, layout.num_queries)
     vis = visibility_mask(layout)
     kv_bytes = LAYERS * n * H_KV * D * 2 * DTYPE.itemsize
     flop = LAYERS * 4 * D * H_Q * int(vis.sum())

@@ -103,7 +103,7 @@ from .attention_gpu import (D, DTYPE, FP8, H_KV, H_Q, LAYERS, fp8_copy, planned_
 from .report import record, write_record
 from .trees import GPU_SUITE, available
 
-__all__ = ["SWEEPS", "variants", "variant", "plan_rows", "main"]
+__all__ = ["SWEEPS", "variants", "variant", "planned_as_h200", "plan_rows", "main"]
 
 SHAPES = [(64, 32, 4, 2), (64, 32, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (128, 32, 8, 3),
           (128, 64, 8, 2), (64, 16, 4, 4), (16, 32, 2, 3), (16, 64, 4, 3), (32, 32, 2, 3),
@@ -268,30 +268,37 @@ def variant(changes: dict, u: int | Refine | None) -> Iterator[None]:
             os.environ["DEFT_FASTPLAN"] = opted_out
 
 
+@contextlib.contextmanager
+def planned_as_h200(sms: int = 132) -> Iterator[None]:
+    """In the block, the triton backend plans as an H200's does (its sm90 configs, ``sms``
+    SMs) on any machine, even under Triton's interpreter."""
+    shipped = backend._num_sms, configs.arch_of
+    backend._num_sms, configs.arch_of = (lambda device: sms), (lambda device: "sm90")
+    try:
+        yield
+    finally:
+        backend._num_sms, configs.arch_of = shipped
+
+
 def plan_rows(name: str, layout, variant_list, fp8: bool = False,  # noqa: ANN001
               sms: int = 132) -> list[dict]:
     """Each variant's plan of one tree as an H200's backend makes it (its configs, ``sms``
     SMs, the build the tree asks for), on any machine, even under Triton's interpreter:
     tiles, the longest one's tokens, partial states, programs and a digest of the tiles
     (equal digests: the same tiles)."""
-    shipped = backend._num_sms, configs.arch_of
-    backend._num_sms, configs.arch_of = (lambda device: sms), (lambda device: "sm90")
     rows = []
-    try:
-        for label, changes, u in variant_list:
-            with variant(changes, u):
-                plan, packed, _, build = backend._pack(
-                    layout, "flatten", backend.TritonBackend.default_block_kv, Heads(H_Q, H_KV, D),
-                    torch.device("cpu"), lambda n: torch.empty(n, dtype=torch.int32), None,
-                    FP8 if fp8 else None)
-            tokens = np.diff(plan.tile_indptr)
-            digest = hashlib.sha1(np.stack([plan.tile_indptr[1:], plan.tile_q_start]).tobytes())
-            rows.append({"tree": name, "variant": label, "build": build,
-                         "tiles": plan.num_tiles, "longest tile": int(tokens.max(initial=0)),
-                         "partials": plan.num_partials, "programs": packed.num_work * H_KV,
-                         "plan": digest.hexdigest()[:8]})
-    finally:
-        backend._num_sms, configs.arch_of = shipped
+    for label, changes, u in variant_list:
+        with planned_as_h200(sms), variant(changes, u):
+            plan, packed, _, build = backend._pack(
+                layout, "flatten", backend.TritonBackend.default_block_kv, Heads(H_Q, H_KV, D),
+                torch.device("cpu"), lambda n: torch.empty(n, dtype=torch.int32), None,
+                FP8 if fp8 else None)
+        tokens = np.diff(plan.tile_indptr)
+        digest = hashlib.sha1(np.stack([plan.tile_indptr[1:], plan.tile_q_start]).tobytes())
+        rows.append({"tree": name, "variant": label, "build": build,
+                     "tiles": plan.num_tiles, "longest tile": int(tokens.max(initial=0)),
+                     "partials": plan.num_partials, "programs": packed.num_work * H_KV,
+                     "plan": digest.hexdigest()[:8]})
     return rows
 
 

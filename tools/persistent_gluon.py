@@ -901,7 +901,7 @@ def main() -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         _compile_all()
         return
-    from benchmarks.attention_gpu import time_us
+    from benchmarks.attention_gpu import random_inputs, time_us
     from benchmarks.trees import available
     from deft import TreeAttention
     from deft.ops.base import Capacity
@@ -918,13 +918,8 @@ def main() -> None:
         if seg is None:
             print(f"| {name} | gathered slots or unsorted queries: skipped | | | | | |")
             continue
-        gen = torch.Generator(device="cuda").manual_seed(0)
         n, nq = layout.num_tokens, layout.num_queries
-        ks = [torch.randn(n, H_KV, D, device=dev, dtype=torch.bfloat16, generator=gen)
-              for _ in range(LAYERS)]
-        vs = [torch.randn(n, H_KV, D, device=dev, dtype=torch.bfloat16, generator=gen)
-              for _ in range(LAYERS)]
-        q = torch.randn(nq, H_Q, D, device=dev, dtype=torch.bfloat16, generator=gen)
+        ks, vs, q = random_inputs(n, nq)
         shipped = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda")
         shipped.plan(layout)
         safe = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda",

@@ -38,7 +38,8 @@ import triton.language as tl  # noqa: E402
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: E402
 
 from benchmarks import sweep  # noqa: E402
-from benchmarks.attention_gpu import D, DTYPE, H_KV, H_Q, LAYERS, planned_as_engine  # noqa: E402
+from benchmarks.attention_gpu import (H_KV, H_Q, LAYERS, planned_as_engine,  # noqa: E402
+                                     random_inputs)
 from benchmarks.trees import available  # noqa: E402
 from deft.ops.base import Capacity  # noqa: E402
 from deft.ops.triton import kernels, launch  # noqa: E402
@@ -137,11 +138,8 @@ def timeline(name: str, layout, variant: tuple,  # noqa: ANN001
              replays: int = 3) -> list[dict]:
     """Every pair of the last replay's layers, for ``variant`` (label, config changes,
     coarsening: one of ``benchmarks.sweep.variants``)."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
     n = layout.num_tokens
-    ks = [torch.randn(n, H_KV, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(LAYERS)]
-    vs = [torch.randn(n, H_KV, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(LAYERS)]
-    q = torch.randn(layout.num_queries, H_Q, D, device="cuda", dtype=DTYPE, generator=gen)
+    ks, vs, q = random_inputs(n, layout.num_queries)
     label, changes, u = variant
     with sweep.variant(changes, u):
         attn = planned_as_engine(layout, Capacity(layout.num_queries, max(n, 1)), None)

@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.attention_gpu import D, H_KV, H_Q  # noqa: E402
+from benchmarks.sweep import planned_as_h200  # noqa: E402
 from deft.engine import SamplingParams, TreeEngine, beam_search, generate, sample  # noqa: E402
 from deft.layout import TreeLayout  # noqa: E402
 from deft.model import LlamaConfig  # noqa: E402
@@ -50,14 +51,10 @@ def consecutive(layout: TreeLayout, sms: int = 132) -> tuple[int, int, int, int]
     """Token work in ``layout``'s plan (as an H200's backend makes it): all of it, that in
     tiles of consecutive slots; K/V blocks run by the work items: all, those of consecutive
     slots."""
-    shipped = backend._num_sms, configs.arch_of
-    backend._num_sms, configs.arch_of = (lambda device: sms), (lambda device: "sm90")
-    try:
+    with planned_as_h200(sms):
         plan, packed, cfg, _ = backend._pack(
             layout, "flatten", backend.TritonBackend.default_block_kv, Heads(H_Q, H_KV, D),
             torch.device("cpu"), lambda n: torch.empty(n, dtype=torch.int32), None, None)
-    finally:
-        backend._num_sms, configs.arch_of = shipped
     buf, starts = packed.buffer.numpy(), packed.starts
     seg = {name: buf[starts[i]:starts[i + 1]] for i, name in enumerate(SEGMENTS)}
     work = seg["work"][:WORK_FIELDS * packed.num_work].reshape(-1, WORK_FIELDS)
