@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.attention_gpu import D, H_KV, H_Q  # noqa: E402
+from benchmarks.sweep import planned_as_h200  # noqa: E402
 from benchmarks.trees import GPU_SUITE, available  # noqa: E402
 from deft.cache.pool import FP8  # noqa: E402
 from deft.ops.base import Heads  # noqa: E402
@@ -54,15 +55,11 @@ def work_rows(layout, sms: int,  # noqa: ANN001
     part ends inside a K/V block of the launched config; and ``[W, 2]`` K/V blocks each item
     runs, unmasked and masked; and the K/V blocks the items read over those of their tiles
     (each tile's once)."""
-    shipped = backend._num_sms
-    backend._num_sms = lambda device: sms
-    try:
+    with planned_as_h200(sms):
         plan, packed, cfg, build = backend._pack(
             layout, "flatten", backend.TritonBackend.default_block_kv, Heads(H_Q, H_KV, D),
             torch.device("cpu"),
             lambda n: torch.empty(n, dtype=torch.int32), None, kv_dtype, build="default")
-    finally:
-        backend._num_sms = shipped
     start = packed.starts[SEGMENTS.index("work")]
     work = packed.buffer[start:start + WORK_FIELDS * packed.num_work].numpy().reshape(-1, WORK_FIELDS)
     tokens = (work[:, 1] - work[:, 0]).astype(np.int64)
