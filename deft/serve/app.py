@@ -129,12 +129,9 @@ async def _respond(scheduler: Scheduler, request: Request, body: Any, prompts: C
             job, ev = await queue.get()
             if isinstance(ev, End):
                 open_jobs.discard(job)
-                if ev.error is not None:
-                    status, message = ev.error
-                    raise ApiError(status, message, type_="server_error" if status >= 500 else
-                                   "invalid_request_error")
-                usage[0] += ev.prompt_tokens
-                usage[1] += ev.completion_tokens
+                failed = _tally(ev, usage)
+                if failed is not None:
+                    raise ApiError(failed[0], failed[1], type_=failed[2])
             else:
                 fmt.gather(choices.setdefault(ev.index, {"text": "", "logprobs": [], "finish": None}), ev)
     finally:
@@ -165,13 +162,10 @@ async def _stream(scheduler: Scheduler, jobs: list[Job], queue: asyncio.Queue, h
             job, ev = await queue.get()
             if isinstance(ev, End):
                 open_jobs.discard(job)
-                if ev.error is not None:
-                    status, message = ev.error
-                    yield _sse(error_body(message, "server_error" if status >= 500 else
-                                          "invalid_request_error", None, str(status)))
+                failed = _tally(ev, usage)
+                if failed is not None:
+                    yield _sse(error_body(failed[1], failed[2], None, str(failed[0])))
                     break
-                usage[0] += ev.prompt_tokens
-                usage[1] += ev.completion_tokens
                 continue
             if ev.text or ev.finish_reason or ev.logprobs:
                 yield _sse(obj | {"choices": [fmt.chunk(ev)]} | ({"usage": None} if include_usage else {}))
@@ -234,6 +228,17 @@ class _Format:
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+def _tally(end: End, usage: list[int]) -> tuple[int, str, str] | None:
+    """Add a finished job's tokens to ``usage`` (prompt, completion), or return its error as
+    (HTTP status, message, OpenAI error type)."""
+    if end.error is not None:
+        status, message = end.error
+        return status, message, "server_error" if status >= 500 else "invalid_request_error"
+    usage[0] += end.prompt_tokens
+    usage[1] += end.completion_tokens
+    return None
 
 
 def _usage(prompt: int, completion: int) -> dict:
