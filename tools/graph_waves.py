@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.attention_gpu import D, DTYPE, H_KV, H_Q, LAYERS, time_us
+from benchmarks.attention_gpu import D, H_KV, H_Q, LAYERS, random_inputs, time_us
 from benchmarks.trees import available, fan_layout
 from deft import TreeAttention
 from deft.ops import Capacity
@@ -33,10 +33,7 @@ shipped = dict(configs.CONFIGS)
 print("tree | plan-specialised µs | " + " | ".join(f"{v} µs" for v in VARIANTS))
 for name, layout in trees.items():
     n = layout.num_tokens
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    ks = [torch.randn(n, H_KV, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(LAYERS)]
-    vs = [torch.randn_like(k) for k in ks]
-    q = torch.randn(layout.num_queries, H_Q, D, device="cuda", dtype=DTYPE, generator=gen)
+    ks, vs, q = random_inputs(n, layout.num_queries)
     ref = reference_attention(q.double(), ks[0].double(), vs[0].double(), layout, D**-0.5)[0]
     cells = []
     for label in (None, *VARIANTS):
