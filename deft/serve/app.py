@@ -125,15 +125,10 @@ async def _respond(scheduler: Scheduler, request: Request, body: Any, prompts: C
     open_jobs = set(jobs)
     watch = asyncio.ensure_future(_left(request, lambda: [scheduler.cancel(j) for j in jobs]))
     try:
-        while open_jobs:
-            job, ev = await queue.get()
-            if isinstance(ev, End):
-                open_jobs.discard(job)
-                failed = _tally(ev, usage)
-                if failed is not None:
-                    raise ApiError(failed[0], failed[1], type_=failed[2])
-            else:
-                fmt.gather(choices.setdefault(ev.index, {"text": "", "logprobs": [], "finish": None}), ev)
+        async for ev in _events(queue, open_jobs, usage):
+            if isinstance(ev, ApiError):
+                raise ev
+            fmt.gather(choices.setdefault(ev.index, {"text": "", "logprobs": [], "finish": None}), ev)
     finally:
         watch.cancel()
         for job in open_jobs:
@@ -158,15 +153,10 @@ async def _stream(scheduler: Scheduler, jobs: list[Job], queue: asyncio.Queue, h
             for i in range(len(jobs) * n):
                 yield _sse(obj | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                "logprobs": None, "finish_reason": None}]})
-        while open_jobs:
-            job, ev = await queue.get()
-            if isinstance(ev, End):
-                open_jobs.discard(job)
-                failed = _tally(ev, usage)
-                if failed is not None:
-                    yield _sse(error_body(failed[1], failed[2], None, str(failed[0])))
-                    break
-                continue
+        async for ev in _events(queue, open_jobs, usage):
+            if isinstance(ev, ApiError):
+                yield _sse(error_body(ev.message, ev.type, None, str(ev.status)))
+                break
             if ev.text or ev.finish_reason or ev.logprobs:
                 yield _sse(obj | {"choices": [fmt.chunk(ev)]} | ({"usage": None} if include_usage else {}))
         if include_usage and not open_jobs:
@@ -230,15 +220,23 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _tally(end: End, usage: list[int]) -> tuple[int, str, str] | None:
-    """Add a finished job's tokens to ``usage`` (prompt, completion), or return its error as
-    (HTTP status, message, OpenAI error type)."""
-    if end.error is not None:
-        status, message = end.error
-        return status, message, "server_error" if status >= 500 else "invalid_request_error"
-    usage[0] += end.prompt_tokens
-    usage[1] += end.completion_tokens
-    return None
+async def _events(queue: asyncio.Queue, open_jobs: set[Job], usage: list[int]
+                  ) -> AsyncIterator[Delta | ApiError]:
+    """The jobs' deltas as they come off ``queue``. A finished job leaves ``open_jobs`` and
+    adds its tokens to ``usage`` (prompt, completion); a failed one's error is the last item."""
+    while open_jobs:
+        job, ev = await queue.get()
+        if not isinstance(ev, End):
+            yield ev
+            continue
+        open_jobs.discard(job)
+        if ev.error is not None:
+            status, message = ev.error
+            yield ApiError(status, message,
+                           type_="server_error" if status >= 500 else "invalid_request_error")
+            return
+        usage[0] += ev.prompt_tokens
+        usage[1] += ev.completion_tokens
 
 
 def _usage(prompt: int, completion: int) -> dict:
