@@ -854,16 +854,15 @@ def _plan_arrays(layout, device: torch.device) -> tuple[dict, int, object]:  # n
     states, and kernel config; None where the tree does not qualify (see the top)."""
     from deft.ops.base import Heads
     from deft.ops.triton import backend
-    from deft.plan.packing import SEGMENTS, WORK_FIELDS
+    from deft.plan.packing import SEGMENTS
 
     plan, packed, cfg, _ = backend._pack(
         layout, "flatten", backend.TritonBackend.default_block_kv, Heads(H_Q, H_KV, D), device,
         lambda n: torch.empty(n, dtype=torch.int32), None, None, build="default")
     if not (packed.all_contiguous and packed.sorted_queries):
         return None, 0, cfg
-    buf = packed.buffer.numpy()
-    seg = {name: buf[packed.starts[i]:packed.starts[i + 1]] for i, name in enumerate(SEGMENTS)}
-    seg["work"] = seg["work"][:WORK_FIELDS * packed.num_work]
+    seg = {name: packed.segment(name) for name in SEGMENTS}
+    seg["work"] = packed.work().reshape(-1)
     return seg, plan.num_partials, cfg
 
 

@@ -40,7 +40,6 @@ from deft.model import LlamaConfig  # noqa: E402
 from deft.model.synthetic import byte_tokenizer, random_model  # noqa: E402
 from deft.ops.base import Heads  # noqa: E402
 from deft.ops.triton import backend, configs  # noqa: E402
-from deft.plan.packing import SEGMENTS, WORK_FIELDS  # noqa: E402
 
 LOOPS = ("sample16", "beam16", "greedy32")
 VOCAB, TABLE = 512, 256
@@ -55,10 +54,7 @@ def consecutive(layout: TreeLayout, sms: int = 132) -> tuple[int, int, int, int]
         plan, packed, cfg, _ = backend._pack(
             layout, "flatten", backend.TritonBackend.default_block_kv, Heads(H_Q, H_KV, D),
             torch.device("cpu"), lambda n: torch.empty(n, dtype=torch.int32), None, None)
-    buf, starts = packed.buffer.numpy(), packed.starts
-    seg = {name: buf[starts[i]:starts[i + 1]] for i, name in enumerate(SEGMENTS)}
-    work = seg["work"][:WORK_FIELDS * packed.num_work].reshape(-1, WORK_FIELDS)
-    slots = seg["tok_slot"].astype(np.int64)
+    work, slots = packed.work(), packed.segment("tok_slot").astype(np.int64)
     tokens = work[:, 1] - work[:, 0]
     block_n = configs.kv_config(cfg, None).block_n
     blocks = good = 0
@@ -72,8 +68,8 @@ def consecutive(layout: TreeLayout, sms: int = 132) -> tuple[int, int, int, int]
 
 def churn(engine: TreeEngine, requests: int, gen: torch.Generator, vocab: int) -> None:
     """Run ``requests`` requests on ``engine`` and release them, as a server's pool sees
-    traffic: prompts of 50-1,499 random tokens, 1-63 new tokens, two samples each, eight
-    requests at a time so that their pages interleave."""
+    traffic: prompts of 50-1,499 random tokens, two samples each, eight requests at a time
+    (one call, 1-63 new tokens, the same for the eight) so that their pages interleave."""
     lengths = torch.randint(50, 1500, (requests,), generator=gen).tolist()
     new = torch.randint(1, 64, (requests,), generator=gen).tolist()
     for i in range(0, requests, 8):

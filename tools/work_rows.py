@@ -42,7 +42,7 @@ from deft.ops.base import Heads  # noqa: E402
 from deft.ops.triton import backend  # noqa: E402
 from deft.ops.triton import configs  # noqa: E402
 from deft.ops.triton.configs import few_rows_config  # noqa: E402
-from deft.plan.packing import SEGMENTS, WORK_FIELDS, few_rows_share  # noqa: E402
+from deft.plan.packing import few_rows_share  # noqa: E402
 from deft.recorded import workloads_dir  # noqa: E402
 
 
@@ -60,8 +60,7 @@ def work_rows(layout, sms: int,  # noqa: ANN001
             layout, "flatten", backend.TritonBackend.default_block_kv, Heads(H_Q, H_KV, D),
             torch.device("cpu"),
             lambda n: torch.empty(n, dtype=torch.int32), None, kv_dtype, build="default")
-    start = packed.starts[SEGMENTS.index("work")]
-    work = packed.buffer[start:start + WORK_FIELDS * packed.num_work].numpy().reshape(-1, WORK_FIELDS)
+    work = packed.work()
     tokens = (work[:, 1] - work[:, 0]).astype(np.int64)
     rows = np.minimum(cfg.block_m, (work[:, 3] - work[:, 2]) * (H_Q // H_KV) - work[:, 7])
     few = few_rows_config(cfg, kv_dtype)

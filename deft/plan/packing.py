@@ -47,6 +47,15 @@ class PackedPlan(NamedTuple):
     sorted_queries: bool  # query_order is the identity
     every_query_merged: bool  # every query owns at least one partial state
 
+    def segment(self, name: str) -> np.ndarray:
+        """The host view of one ``SEGMENTS`` segment, padding included."""
+        i = SEGMENTS.index(name)
+        return self.buffer.numpy()[self.starts[i]:self.starts[i + 1]]
+
+    def work(self) -> np.ndarray:
+        """``[num_work, WORK_FIELDS]`` the work items (a host view)."""
+        return self.segment("work")[:WORK_FIELDS * self.num_work].reshape(-1, WORK_FIELDS)
+
 
 def mask_from(plan: TreePlan) -> np.ndarray:
     """``[T]`` per tile, the first plan token some query of its group may not see (the
