@@ -144,6 +144,87 @@ def test_allocator_keeps_its_free_pages_exact_under_random_takes_and_releases():
         assert len(a._free) <= 2 * a.num_free + 64  # white-box: stale entries are dropped
 
 
+def test_an_owner_takes_a_run_for_what_it_expects_and_claims_the_rest():
+    a = PageAllocator(32)
+    assert a.take(2, owner=1, extent=8) == [0, 1]  # pages 2-7 claimed for owner 1
+    assert a.take(2, owner=2, extent=8) == [8, 9]  # passes owner 1's claim by
+    assert a.take(1) == [16]  # so does a plain take (popped: claimed entries skipped)
+    assert a.num_claimed == 12 and a.num_free == 27
+    assert a.take(3, after=1, owner=1, extent=6) == [2, 3, 4]  # its run goes on
+    assert a.take(1, after=9, owner=2) == [10]
+    assert a.num_claimed == 8 and sorted(a.free_pages().tolist()) == [
+        p for p in range(32) if p not in (0, 1, 2, 3, 4, 8, 9, 10, 16)]
+    assert a.take(2, after=20, owner=1) == [5, 6]  # not after its claim: given up, listed
+    assert a.num_claimed == 5
+    a.release_claim(2)
+    assert a.num_claimed == 0 and a.take(4) == [11, 12, 13, 14]  # listed again, a run on top
+    b = PageAllocator(8)
+    assert b.take(1, owner=1, extent=6) == [0]
+    assert b.take(3) == [1, 2, 3] and b.num_claimed == 0  # short of unclaimed pages: given up
+    assert b.take(1, after=0, owner=1, extent=5) == [4]  # no run of 5 left
+    c = PageAllocator(8)
+    c.run_pages = 9  # every take pops: no owner runs or claims either
+    assert c.take(1, owner=1, extent=6) == [0] and c.num_claimed == 0
+
+
+def test_allocator_keeps_claims_exact_under_random_owned_takes_and_releases():
+    rng = np.random.default_rng(1)
+    a, free = PageAllocator(96), set(range(96))
+    held: dict[int, list[int]] = {}  # owner (or a plain take's negative key) -> its pages
+    for step in range(3000):
+        r = rng.random()
+        if held and (r < 0.3 or not free):
+            key = list(held)[int(rng.integers(len(held)))]
+            pages = held.pop(key)
+            a.decref(np.array(pages))
+            a.release_claim(key)
+            free.update(pages)
+        elif r < 0.4 and held:
+            a.release_claim(list(held)[int(rng.integers(len(held)))])
+        else:
+            n = int(rng.integers(1, min(len(free), 6) + 1))
+            key = int(rng.integers(8)) if rng.random() < 0.7 else -1 - step
+            mine = held.get(key, [])
+            after = mine[-1] if mine else -1
+            pages = a.take(n, after, key if key >= 0 else -1, n + int(rng.integers(0, 12)))
+            assert len(set(pages)) == n and set(pages) <= free
+            claim = a._claims.get(key)  # white-box: a claim starts right after its owner's pages
+            assert claim is None or claim[0] == pages[-1] + 1
+            free.difference_update(pages)
+            held[key] = mine + pages
+        listed = a.free_pages().tolist()
+        assert len(listed) == len(set(listed)) and set(listed) == free and a.num_free == len(free)
+        claimed = [p for lo, hi in a._claims.values() for p in range(lo, hi)]
+        assert len(claimed) == len(set(claimed)) == a.num_claimed and set(claimed) <= free
+        assert len(a._free) <= 2 * a.num_free + 64
+
+
+def test_expected_nodes_fill_runs_of_their_own_when_appends_interleave():
+    cache = TreeKVCache(64, 16)
+    roots = [cache.add_root() for _ in range(4)]
+    for r in roots[:2]:
+        cache.expect(r, 100)
+    for _ in range(7):  # prompts fed 16 tokens at a time in turns, then decode tokens
+        for r in roots:
+            cache.append(r, 16)
+    for r in roots[:2]:
+        assert (np.diff(cache.slots(r)) == 1).all(), "an expected node's slots are one run"
+    for r in roots[2:]:
+        assert not (np.diff(cache.slots(r)) == 1).all()  # the plain ones' interleave
+    kids = cache.fork(roots[0], 2)
+    assert cache.allocator.num_claimed == 0  # 100 of 112 tokens used; a fork ends the claim
+    cache.expect(kids[0], 100)
+    cache.append(kids[0], 1)
+    cache.append(kids[1], 1)  # not into the expected child's page: into a fresh one
+    cache.append(kids[0], 99)
+    assert (np.diff(cache.slots(kids[0])) == 1).all()
+    cache.prune(kids[0])
+    assert cache.allocator.num_claimed == 0
+    check_pages(cache)
+    with pytest.raises(ValueError, match="without live children"):
+        cache.expect(roots[0], 10)
+
+
 def test_allocator_errors_change_nothing():
     a = PageAllocator(3)
     a.alloc(2)
@@ -493,7 +574,8 @@ def test_layout_through_tree_attention_matches_reference(page_size):
 
 
 class CacheModel(RuleBasedStateMachine):
-    """Random add/fork/append/add_subtree/split/prune/commit sequences against a plain model.
+    """Random add/fork/append/expect/add_subtree/split/prune/commit sequences against a plain
+    model.
 
     The model keeps each live node's parent and the unique values written into its
     tokens' K/V; after every step the cache must agree on structure, page counts,
@@ -502,7 +584,7 @@ class CacheModel(RuleBasedStateMachine):
     allocator's counts of pages in use and parked pages must equal a recount.
     """
 
-    @initialize(page_size=st.sampled_from([1, 2, 3, 4, 16]), num_pages=st.integers(3, 16))
+    @initialize(page_size=st.sampled_from([1, 2, 3, 4, 16]), num_pages=st.integers(3, 40))
     def setup(self, page_size, num_pages):
         self.pool = KVPool(1, num_pages, page_size, 1, 1)
         self.cache = TreeKVCache(num_pages, page_size, on_copy=copying(self.pool))
@@ -571,6 +653,22 @@ class CacheModel(RuleBasedStateMachine):
         slots = self.attempt(lambda: self.cache.append(node, k))
         if slots is not None:
             self.fill(node, slots)
+
+    @rule(data=st.data(), pages=st.sampled_from([0, 4, 6, 8]),
+          ks=st.lists(st.integers(0, 20), max_size=3))
+    def expect_and_append(self, data, pages, ks):
+        """A leaf is expected to grow by ``pages`` pages (0: no expectation), then grows by
+        ``ks`` tokens, one append each."""
+        leaves = sorted(n for n in self.parent if not self.children_of(n))
+        if not leaves:
+            return
+        node = data.draw(st.sampled_from(leaves))
+        more = pages * self.cache.page_size
+        self.cache.expect(node, self.cache.num_tokens(node) + more if more else 0)
+        for k in ks:
+            slots = self.attempt(lambda k=k: self.cache.append(node, k))
+            if slots is not None:
+                self.fill(node, slots)
 
     @rule(data=st.data(), m=st.integers(1, 12))
     def add_subtree(self, data, m):
@@ -667,6 +765,13 @@ class CacheModel(RuleBasedStateMachine):
             parked[pages] += 1
         assert self.cache.allocator.num_used == int(np.count_nonzero(users))
         assert self.cache.allocator.num_parked == int(np.count_nonzero((users > 0) & (users == parked)))
+        # White-box: claims are free pages right after a live, childless owner's last page.
+        claims = self.cache.allocator._claims
+        assert self.cache.allocator.num_claimed == sum(hi - lo for lo, hi in claims.values())
+        ps = self.cache.page_size
+        for owner, (lo, hi) in claims.items():
+            assert owner in self.parent and not self.children_of(owner)
+            assert (users[lo:hi] == 0).all() and int(self.cache.slots(owner)[-1]) // ps == lo - 1
 
     @invariant()
     def structure_and_pages_agree(self):

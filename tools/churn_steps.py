@@ -1,5 +1,5 @@
-"""Whole decode steps on a pool that has seen traffic, with the page allocator's run takes and
-with every take popped off the free list (GPU only).
+"""Whole decode steps on a pool that has seen traffic, with the page allocator's runs and
+claims and with every take popped off the free list (GPU only).
 
 A server's pool is not fresh: requests came and went, and a free list popped page by page
 hands a new prompt scattered pages, whose tiles the attention kernel gathers instead of
@@ -7,8 +7,9 @@ loading by TMA (``tools/slot_runs.py`` counts them, ``tools/gather_cost.py`` tim
 kernel both ways). This times what that costs a user: each ``deft bench e2e --device cuda``
 workload, on the Llama-3-8B-shaped random model, in an engine (CUDA graphs, the default) whose
 pool first ran ``--churn`` requests (``slot_runs.churn``), once with the allocator as shipped
-(a take of ``RUN_PAGES`` or more pages gets consecutive free pages where a run holds it) and
-once with ``run_pages`` above the pool (every take pops), in alternating order over
+(a take of ``RUN_PAGES`` or more pages gets consecutive free pages where a run holds it, and
+a node with an expectation takes a run for all of it and claims the rest: each sequence in one
+run) and once with ``run_pages`` above the pool (every take pops), in alternating order over
 ``--rounds``. ms/step as in the e2e benchmark (decode steps' wall time, host work included;
 the last step's graph replayed alone for the GPU's part).
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
                 m = _measure(engine, w, prompts, parents, trace,
                              lambda msg: print(f"  {msg}", file=sys.stderr))
                 gpu = "" if m["gpu_ms"] is None else f"{m['gpu_ms']:.3f}"
-                print(f"| {r} | {name} | {'run takes' if runs else 'pages popped'} "
+                print(f"| {r} | {name} | {'runs and claims' if runs else 'pages popped'} "
                       f"| {m['ms_step']:.3f} | {gpu} | {m['plan_ms']:.3f} "
                       f"| {time.perf_counter() - t0:.0f} |", flush=True)
 

@@ -12,7 +12,8 @@ consecutive slots, and the share of the config's K/V blocks whose slots are cons
 a kernel that chose TMA per block could load so). Each loop runs on a fresh pool and on one
 after churn (``--churn`` requests of random lengths run first and released), as a server's
 pool is; and after churn with every take of pages popped off the free list (the allocator's
-``run_pages`` above the pool: no take looks for a run of consecutive free pages). Loops:
+``run_pages`` above the pool: no take looks for a run of consecutive free pages, no node
+claims one). Loops:
 ``sample16`` (16 samples of a 2,000-token prompt), ``beam16`` (beam search k=16 on a
 2,000-token prompt), ``greedy32`` (greedy decoding of 32 prompts of 1,000 tokens).
 

@@ -49,10 +49,14 @@ class Node:
     ``group_page`` is the page this node's token-less children start filling (``-1``:
     wherever this node's own next token would go), so siblings share one partly filled
     page.
+
+    ``expect`` is how many tokens of its own the node is expected to hold (``0``: no
+    expectation): its pages are then taken as a run that can hold them all
+    (:meth:`~deft.cache.TreeKVCache.expect`).
     """
 
     __slots__ = ("id", "parent", "children", "buf", "n", "slots", "pages", "group_page", "dense",
-                 "start")
+                 "start", "expect")
 
     def __init__(
         self,
@@ -70,6 +74,7 @@ class Node:
         self.group_page = -1
         self.dense = -1
         self.start = 0 if parent is None else parent.start + parent.n
+        self.expect = 0
 
     @classmethod
     def tree(cls, top: Node, first_id: int, parents: list[int], slots: list[np.ndarray],
@@ -93,6 +98,7 @@ class Node:
             nd.pages = pg
             nd.group_page = nd.dense = -1
             nd.start = par.start + par.n
+            nd.expect = 0
             par.children[i] = nd
             add(nd)
         return new

@@ -13,6 +13,15 @@ consecutive, and the attention kernel loads such tiles by TMA instead of gatheri
 Smaller takes pop the free list. The entries a run take leaves on the list are skipped when
 popped, so the list may hold more entries than there are free pages.
 
+A node that will grow on (a prompt fed in chunks, then its decode tokens) takes as an
+*owner*: its next pages are the ones right after its last page where those are free, and its
+first take of a long expected growth places it at the start of a run that holds all of it and
+*claims* the rest of that run. Claimed pages stay free (counted in :attr:`num_free`), but
+other takes pass them by, and the owner's later takes find them; claims are given up when
+their owner is done (:meth:`release_claim`) or when other takes need the pages. So the K/V of
+prompts prefilled together, in chunks taken in turns, each lie in one run of slots rather
+than one per chunk.
+
 The counts live in an ``array('q')`` that ``refcounts`` views as numpy without a copy:
 the cache's per-step updates touch one or two pages, and Python ints index an array
 faster than numpy scalars do. :meth:`take`, :meth:`share` and
@@ -60,8 +69,9 @@ class PageAllocator:
     The free list is a LIFO stack (a list whose top is the end), so recently freed
     pages, likely still in cache, are reused first; entries of pages in use (left by run
     takes) or repeated are skipped when popped and dropped when the list is rebuilt.
-    ``run_pages`` (default :data:`RUN_PAGES`) is the smallest take that looks for a run;
-    above ``num_pages`` every take pops, as ``tools/slot_runs.py`` compares. ``users[p]`` is
+    ``run_pages`` (default :data:`RUN_PAGES`) is the smallest take, or owner's expected
+    extent, that looks for a run; above ``num_pages`` every take pops (no claims either), as
+    ``tools/slot_runs.py`` compares. ``users[p]`` is
     page ``p``'s count (``array('q')``, read-only for callers); ``_parked[p]`` how many of
     them are parked.
     """
@@ -77,6 +87,10 @@ class PageAllocator:
         self._parked_np = np.frombuffer(self._parked, _I)
         self._num_parked = 0  # pages in use whose every user is parked
         self._marks = 0  # parked users of all pages: none, and the hot paths skip the checks
+        self._owner = array("q", [-1]) * num_pages  # the owner that claims each free page, or -1
+        self._owner_np = np.frombuffer(self._owner, _I)
+        self._claims: dict[int, tuple[int, int]] = {}  # owner -> its claimed pages [lo, hi)
+        self._num_claimed = 0
 
     @property
     def num_free(self) -> int:
@@ -85,6 +99,11 @@ class PageAllocator:
     @property
     def num_used(self) -> int:
         return self.num_pages - self._num_free
+
+    @property
+    def num_claimed(self) -> int:
+        """Free pages claimed by an owner (see :meth:`take`); other takes use them last."""
+        return self._num_claimed
 
     @property
     def num_parked(self) -> int:
@@ -104,8 +123,10 @@ class PageAllocator:
 
     def free_pages(self) -> np.ndarray:
         """``[num_free]`` the free pages; :meth:`alloc` pops them from the end (a take of
-        :data:`RUN_PAGES` or more takes a run of consecutive ones first, where there is one)."""
-        return np.array(self._listed(), _I)
+        :data:`RUN_PAGES` or more takes a run of consecutive ones first, where there is one),
+        claimed pages last (listed first)."""
+        claimed = [p for lo, hi in self._claims.values() for p in range(lo, hi)]
+        return np.array(claimed + self._listed(), _I)
 
     def alloc(self, n: int) -> np.ndarray:
         """Take ``n`` free pages, each with one user; ``[n]`` int64 page ids.
@@ -129,35 +150,106 @@ class PageAllocator:
         """
         return np.array(self.drop(self._check(pages, "pages").tolist()), _I)
 
-    def take(self, n: int) -> list[int]:
+    def take(self, n: int, after: int = -1, owner: int = -1, extent: int = 0) -> list[int]:
         """:meth:`alloc` for a known ``int`` ``n >= 0``: the pages as a list (ascending for a
-        run)."""
+        run).
+
+        ``owner >= 0`` (a node's id) takes for a node that grows on, whose last page is
+        ``after`` (``-1``: none yet) and which expects to need ``extent`` pages from here in
+        all: the ``n`` pages after ``after`` where its claim starts there (the claim moves
+        past them); else, with ``extent > n`` and at least ``run_pages``, the first ``n``
+        pages of the smallest run of ``extent`` free unclaimed pages, the rest of which it
+        claims (what it claimed before is given up). Otherwise as for no owner.
+        """
         if n > self._num_free:
             raise CacheFullError(n, self._num_free, self.num_pages)
         if not n:
             return []
-        pages = self._run(n) if n >= self.run_pages and not self._run_on_top(n) else None
+        pages = None
+        if owner >= 0:
+            pages = self._follow(after, n, owner)
+            if pages is None:
+                self.release_claim(owner)
+                if n < extent and self.run_pages <= extent <= self._num_free - self._num_claimed:
+                    pages = self._run(extent)
+                    if pages is not None:
+                        self._claim(owner, pages[n], pages[-1] + 1)
+                        pages = pages[:n]
         if pages is None:
-            pages = self._pop(n)
+            if n > self._num_free - self._num_claimed:
+                self._release_claims_for(n)
+            pages = self._run(n) if n >= self.run_pages and not self._run_on_top(n) else None
+            if pages is None:
+                pages = self._pop(n)
         users = self.users
         for p in pages:
             users[p] = 1
         self._num_free -= n
+        self._bound_list()
+        return pages
+
+    def release_claim(self, owner: int, listed: bool = True) -> None:
+        """Give up the pages ``owner`` claims, if any (its node is done growing or gone);
+        ``listed``: back on the free list (the caller claims or takes them otherwise)."""
+        claim = self._claims.pop(owner, None)
+        if claim is None:
+            return
+        lo, hi = claim
+        self._owner_np[lo:hi] = -1
+        self._num_claimed -= hi - lo
+        if listed:
+            self._free += range(hi - 1, lo - 1, -1)
+            self._bound_list()
+
+    def _bound_list(self) -> None:
+        """Rebuild the free list once it holds more than twice the free pages + 64 entries."""
         if len(self._free) > 2 * self._num_free + 64:
             self._free = self._listed()
-        return pages
+
+    def _claim(self, owner: int, lo: int, hi: int) -> None:
+        """``owner`` claims the free pages ``[lo, hi)``, which no one claims."""
+        if hi > lo:
+            self._claims[owner] = (lo, hi)
+            self._owner_np[lo:hi] = owner
+            self._num_claimed += hi - lo
+
+    def _follow(self, after: int, n: int, owner: int) -> list[int] | None:
+        """The ``n`` pages after page ``after`` where ``owner``'s claim starts right there and
+        holds them (or the pages past its end are free and unclaimed); the claim then moves
+        past them. Else ``None``."""
+        claim = self._claims.get(owner)
+        if claim is None or claim[0] != after + 1:
+            return None
+        lo, end = claim
+        hi = lo + n
+        if hi > end:
+            if hi > self.num_pages:
+                return None
+            users, own = self.users, self._owner
+            if any(users[p] or own[p] >= 0 for p in range(end, hi)):
+                return None
+        self.release_claim(owner, listed=False)
+        self._claim(owner, hi, end)
+        return list(range(lo, hi))
+
+    def _release_claims_for(self, n: int) -> None:
+        """Give up claims, the oldest first, until ``n`` free pages are unclaimed."""
+        for owner in list(self._claims):
+            if n <= self._num_free - self._num_claimed:
+                return
+            self.release_claim(owner)
 
     def _pop(self, n: int) -> list[int]:
         """``n`` free pages from the free list's top, skipping entries of pages in use."""
         free = self._free
-        if len(free) == self._num_free:  # no stale or repeated entries
+        if len(free) == self._num_free and not self._num_claimed:  # no stale or repeated entries
             pages = free[-n:][::-1]
             del free[-n:]
             return pages
-        users, pages, seen = self.users, [], set()
+        users, own, pages, seen = self.users, self._owner, [], set()
         while len(pages) < n:
-            p = free.pop()
-            if not users[p] and p not in seen:
+            p = free.pop()  # a claimed page's entry goes: its claim's release lists it again
+            if not users[p] and own[p] < 0 and p not in seen:
                 seen.add(p)
                 pages.append(p)
         return pages
@@ -166,15 +258,18 @@ class PageAllocator:
         """Whether the free list's top ``n`` entries are consecutive free pages, as a fresh
         pool's are and a released draft tree's are for the next: popped, they are a run,
         found without scanning the counts."""
-        free, users = self._free, self.users
+        free, users, own = self._free, self.users, self._owner
         top = free[-1]
         return (free[-n:] == list(range(top + n - 1, top - 1, -1))
-                and not any(users[p] for p in range(top, top + n)))
+                and not any(users[p] or own[p] >= 0 for p in range(top, top + n)))
 
     def _run(self, n: int) -> list[int] | None:
-        """The first ``n`` pages of the smallest run of consecutive free pages that holds
-        ``n`` (the lowest such run), or ``None``. One numpy pass over the counts."""
-        edges = np.flatnonzero(np.diff(self._refcount == 0, prepend=False, append=False))
+        """The first ``n`` pages of the smallest run of consecutive free unclaimed pages that
+        holds ``n`` (the lowest such run), or ``None``. One numpy pass over the counts."""
+        free = self._refcount == 0
+        if self._num_claimed:
+            free &= self._owner_np < 0
+        edges = np.flatnonzero(np.diff(free, prepend=False, append=False))
         starts, lengths = edges[0::2], edges[1::2] - edges[0::2]
         fits = np.flatnonzero(lengths >= n)
         if not fits.size:
@@ -183,10 +278,11 @@ class PageAllocator:
         return list(range(start, start + n))
 
     def _listed(self) -> list[int]:
-        """The free list without entries of pages in use or repeats (the top's kept)."""
-        users, seen, kept = self.users, set(), []
+        """The free list without entries of pages in use, claimed or repeated (the top's
+        kept)."""
+        users, own, seen, kept = self.users, self._owner, set(), []
         for p in reversed(self._free):
-            if not users[p] and p not in seen:
+            if not users[p] and own[p] < 0 and p not in seen:
                 seen.add(p)
                 kept.append(p)
         return kept[::-1]

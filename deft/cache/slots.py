@@ -6,7 +6,11 @@ partly filled page without copying, and a node counts as one user of every page 
 slots touch (the :class:`PageAllocator`'s reference counts):
 
 * A node's next tokens go into the free tail of the page of its own last slot, then
-  into fresh pages (its *target page*).
+  into fresh pages (its *target page*). A node with an expectation (``Node.expect``) takes
+  its fresh pages as its allocator's owner: its first ones from a run that holds all it
+  expects, the rest of which it claims, the next ones from its claim
+  (:meth:`PageAllocator.take`); without tokens yet, it starts on such a run where the pool
+  has room for one.
 * A node without tokens (just forked) starts in its parent's *group page*: the
   parent's last page at first, later the fresh page the latest sibling opened, so
   siblings with few tokens (draft tokens) pack densely.
@@ -62,18 +66,38 @@ class SlotAllocator:
 
     def append(self, nd: Node, k: int) -> np.ndarray:
         """Give ``nd`` ``k`` more slots (its target page's free tail, then fresh pages)."""
-        page = self.target_page(nd)
         had = nd.n
-        slots, take, fresh = self._take(page, k)
+        page = -1 if nd.expect and not had and self._room_for_run(nd) else self.target_page(nd)
+        slots, take, fresh = self._take(page, k, nd if nd.expect else None)
         if take and not had:  # a node with tokens already uses its last page
             self.allocator.share([page])
             nd.pages.append(page)
         nd.pages += fresh
         nd.extend(slots)
         nd.group_page = -1
-        if not had and nd.parent is not None and k:
+        if not had and nd.parent is not None and k and not nd.expect:
             nd.parent.group_page = int(slots[-1]) // self.page_size
         return slots
+
+    def expect(self, nd: Node, total: int) -> None:
+        """Expect ``nd`` to hold ``total`` tokens of its own (``0``: no expectation)."""
+        if not total:
+            self.settle(nd)
+        nd.expect = total
+
+    def _room_for_run(self, nd: Node) -> bool:
+        """Whether the pool has free unclaimed pages for a run of all ``nd`` expects, long
+        enough to be taken as one: a token-less node then starts on it, not in its
+        parent's group page (else it shares that page as any child does)."""
+        a = self.allocator
+        pages = -(-nd.expect // self.page_size)
+        return a.run_pages <= pages <= a.num_free - a.num_claimed
+
+    def settle(self, nd: Node) -> None:
+        """``nd`` grows no more (it has children now): its expectation and claim go."""
+        if nd.expect:
+            nd.expect = 0
+            self.allocator.release_claim(nd.id)
 
     def subtree(self, nd: Node, lens: np.ndarray
                 ) -> tuple[np.ndarray, list[np.ndarray], list[list[int]]]:
@@ -119,6 +143,8 @@ class SlotAllocator:
         """
         ps = self.page_size
         first, rest = nd.slots[:at], nd.slots[at:]
+        if nd.expect:
+            self.expect(nd, max(nd.expect - at, 0))
         pages = np.unique(first // ps).tolist()
         nd.hold(rest)
         nd.pages = np.unique(rest // ps).tolist()
@@ -161,6 +187,10 @@ class SlotAllocator:
                 elif nd.n:
                     self.live[nd.slots] = False
         self.allocator.drop(touched)
+        if self.allocator.num_claimed:
+            for nd in nodes:
+                if nd.expect:
+                    self.allocator.release_claim(nd.id)
         users, fill, ps = self.allocator.users, self._fill, self.page_size
         for par in survivors:
             if par.group_page >= 0 and not users[par.group_page]:
@@ -189,8 +219,10 @@ class SlotAllocator:
                 return nd.group_page
         return int(nd.buf[nd.n - 1]) // self.page_size
 
-    def _take(self, page: int, k: int) -> tuple[np.ndarray, int, list[int]]:
-        """Hand out ``k`` slots: the free tail of ``page``, then fresh pages.
+    def _take(self, page: int, k: int, nd: Node | None = None
+              ) -> tuple[np.ndarray, int, list[int]]:
+        """Hand out ``k`` slots: the free tail of ``page``, then fresh pages (taken for
+        ``nd``, a node with an expectation whose last page is ``page`` if it has tokens).
 
         Returns ``slots [k]``, how many came from ``page`` and the ``fresh`` pages (one
         user each). Raises :class:`CacheFullError` before changing anything. A stale group
@@ -200,7 +232,11 @@ class SlotAllocator:
         room = ps - fill[page] if page >= 0 and self.allocator.users[page] else 0
         take = min(k, room)
         rest = k - take
-        fresh = self.allocator.take(-(-rest // ps))
+        if nd is None:
+            fresh = self.allocator.take(-(-rest // ps))
+        else:
+            fresh = self.allocator.take(-(-rest // ps), page if nd.n else -1, nd.id,
+                                        -(-(nd.expect - nd.n - take) // ps))
         start = page * ps + fill[page] if take else 0
         if take:
             fill[page] += take

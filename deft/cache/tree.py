@@ -140,6 +140,7 @@ class TreeKVCache:
         par = self._get(node)
         first = self._next_id
         n = int_at_least(n, "n", 1)
+        self._slot_alloc.settle(par)
         self._register(Node.tree(par, first, [-1] * n, [EMPTY] * n, [[] for _ in range(n)]))
         return list(range(first, self._next_id))
 
@@ -153,6 +154,24 @@ class TreeKVCache:
                 f"{nd.id} with children {list(nd.children)}"
             )
         return self._append(nd, num_tokens)
+
+    def expect(self, node: int, num_tokens: int) -> None:
+        """Expect leaf ``node`` to hold about ``num_tokens`` tokens of its own in all (a prompt
+        about to be fed in chunks, then its decode tokens; ``0``: no expectation).
+
+        A hint, not a reservation: the node's fresh pages are then taken as one run where the
+        pool has room for all of it, the pages after them claimed for it, which other takes
+        pass by while others are free (:class:`PageAllocator`), so its K/V lie in
+        consecutive slots however the appends of other nodes interleave with its own; the
+        attention kernel loads such tiles by TMA. Nothing is held: the claim goes when the
+        node forks, is pruned, or when other takes need the pages.
+        """
+        nd = self._get(node)
+        num_tokens = int_at_least(num_tokens, "num_tokens", 0)
+        if nd.children:
+            raise ValueError(f"node: expected a node without live children, got node {nd.id} "
+                             f"with children {list(nd.children)}")
+        self._slot_alloc.expect(nd, num_tokens)
 
     def add_subtree(
         self, node: int, parents: Any, num_tokens: Any = 1
@@ -186,6 +205,7 @@ class TreeKVCache:
             if lens.size and lens.min() < 0:
                 i = int(np.argmax(lens < 0))
                 raise ValueError(f"num_tokens[{i}]: expected an integer >= 0, got {int(lens[i])}")
+        self._slot_alloc.settle(nd)
         slots, own, pages = self._slot_alloc.subtree(nd, lens)
         first = self._next_id
         self._register(Node.tree(nd, first, par.tolist(), own, pages),

@@ -286,6 +286,7 @@ class Batch:
             else:
                 node, m = hit
                 leaf.node, leaf.feed = engine.cache.fork(node, 1)[0], req.prompt[m:]
+                _expect(engine, leaf)
                 self.live.append(leaf)
         self.live += prompt_branches(engine, plain)
 
@@ -304,6 +305,7 @@ class Batch:
             kids = [c for c in b.then if not c.done]
             for c, node in zip(kids, cache.fork(b.node, len(kids)) if kids else []):
                 c.node = node
+                _expect(self.engine, c)
                 if not c.feed:
                     c.logits = b.logits
             self.live += kids
@@ -364,6 +366,7 @@ def prompt_branches(engine: TreeEngine, prompts: list[tuple[list[int], Branch]])
         if len(members) == 1:
             ids, leaf = members[0]
             leaf.node, leaf.feed = engine.add_prompt([]), list(ids)
+            _expect(engine, leaf)
             roots.append(leaf)
             continue
         first = members[0][0]
@@ -373,7 +376,16 @@ def prompt_branches(engine: TreeEngine, prompts: list[tuple[list[int], Branch]])
         for ids, leaf in members:
             leaf.feed = list(ids[common:])
         roots.append(Branch(engine.add_prompt([]), feed=list(first[:common]), then=[m[1] for m in members]))
+        _expect(engine, roots[-1])
     return roots
+
+
+def _expect(engine: TreeEngine, b: Branch) -> None:
+    """Tell the cache how many tokens ``b``'s new node will hold: its feed, then the tokens
+    it samples there (a branch that forks others once fed samples none), so that its pages
+    are taken as one run (:meth:`~deft.cache.TreeKVCache.expect`)."""
+    own = b.max_new_tokens if b.sampler is not None and not b.then else 0
+    engine.cache.expect(b.node, len(b.feed) + own)
 
 
 def prefill(engine: TreeEngine, prompts: list[list[int]]) -> list[tuple[int, torch.Tensor]]:
