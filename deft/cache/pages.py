@@ -14,13 +14,12 @@ Smaller takes pop the free list. The entries a run take leaves on the list are s
 popped, so the list may hold more entries than there are free pages.
 
 A node that will grow on (a prompt fed in chunks, then its decode tokens) takes as an
-*owner*: its next pages are the ones right after its last page where those are free, and its
-first take of a long expected growth places it at the start of a run that holds all of it and
-*claims* the rest of that run. Claimed pages stay free (counted in :attr:`num_free`), but
-other takes pass them by, and the owner's later takes find them; claims are given up when
-their owner is done (:meth:`release_claim`) or when other takes need the pages. So the K/V of
-prompts prefilled together, in chunks taken in turns, each lie in one run of slots rather
-than one per chunk.
+*owner*: its first take of a long expected growth gets the start of a run that holds all of
+it and *claims* the rest of that run, and its later takes continue into the claim. Claimed
+pages stay free (counted in :attr:`num_free`), but other takes pass them by while other pages
+are free; claims are given up when their owner is done (:meth:`release_claim`) or when other
+takes need the pages, the oldest first. So the K/V of prompts prefilled together, in chunks
+taken in turns, each lie in one run of slots rather than one per chunk.
 
 The counts live in an ``array('q')`` that ``refcounts`` views as numpy without a copy:
 the cache's per-step updates touch one or two pages, and Python ints index an array
