@@ -165,6 +165,13 @@ def test_an_owner_takes_a_run_for_what_it_expects_and_claims_the_rest():
     c = PageAllocator(8)
     c.run_pages = 9  # every take pops: no owner runs or claims either
     assert c.take(1, owner=1, extent=6) == [0] and c.num_claimed == 0
+    d = PageAllocator(16)
+    d.alloc(16)
+    d.decref(np.array([1, 2, 3, 4, 5, 9, 10, 11, 12]))  # runs of 5 and 4: none holds 10
+    assert d.take(2, owner=1, extent=10) == [1, 2] and d._claims == {1: (3, 6)}  # the longest
+    assert d.take(2, owner=2, extent=10) == [9, 10] and d._claims[2] == (11, 13)
+    assert d.take(1, owner=3, extent=10) == [3]  # none unclaimed: the oldest claim goes
+    assert d._claims == {2: (11, 13)}
 
 
 def test_allocator_keeps_claims_exact_under_random_owned_takes_and_releases():

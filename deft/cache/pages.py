@@ -157,7 +157,8 @@ class PageAllocator:
         ``after`` (``-1``: none yet) and which expects to need ``extent`` pages from here in
         all: the ``n`` pages after ``after`` where its claim starts there (the claim moves
         past them); else, with ``extent > n`` and at least ``run_pages``, the first ``n``
-        pages of the smallest run of ``extent`` free unclaimed pages, the rest of which it
+        pages of the smallest run of ``extent`` free unclaimed pages (where none is that
+        long, of the longest run, if it holds ``n`` and ``run_pages``), the rest of which it
         claims (what it claimed before is given up). Otherwise as for no owner.
         """
         if n > self._num_free:
@@ -169,10 +170,10 @@ class PageAllocator:
             pages = self._follow(after, n, owner)
             if pages is None:
                 self.release_claim(owner)
-                if n < extent and self.run_pages <= extent <= self._num_free - self._num_claimed:
-                    pages = self._run(extent)
+                if n < extent and self.run_pages <= extent:
+                    pages = self._run(extent, shortest=max(n, self.run_pages))
                     if pages is not None:
-                        self._claim(owner, pages[n], pages[-1] + 1)
+                        self._claim(owner, pages[0] + n, pages[-1] + 1)
                         pages = pages[:n]
         if pages is None:
             if n > self._num_free - self._num_claimed:
@@ -262,19 +263,24 @@ class PageAllocator:
         return (free[-n:] == list(range(top + n - 1, top - 1, -1))
                 and not any(users[p] or own[p] >= 0 for p in range(top, top + n)))
 
-    def _run(self, n: int) -> list[int] | None:
+    def _run(self, n: int, shortest: int | None = None) -> list[int] | None:
         """The first ``n`` pages of the smallest run of consecutive free unclaimed pages that
-        holds ``n`` (the lowest such run), or ``None``. One numpy pass over the counts."""
+        holds ``n`` (the lowest such run); where none does, with ``shortest``, the whole
+        longest run if it holds ``shortest`` pages; else ``None``. One numpy pass over the
+        counts."""
         free = self._refcount == 0
         if self._num_claimed:
             free &= self._owner_np < 0
         edges = np.flatnonzero(np.diff(free, prepend=False, append=False))
         starts, lengths = edges[0::2], edges[1::2] - edges[0::2]
         fits = np.flatnonzero(lengths >= n)
-        if not fits.size:
+        if fits.size:
+            start = int(starts[fits[np.argmin(lengths[fits])]])
+            return list(range(start, start + n))
+        if shortest is None or not lengths.size or lengths.max() < shortest:
             return None
-        start = int(starts[fits[np.argmin(lengths[fits])]])
-        return list(range(start, start + n))
+        longest = int(np.argmax(lengths))
+        return list(range(int(starts[longest]), int(starts[longest] + lengths[longest])))
 
     def _listed(self) -> list[int]:
         """The free list without entries of pages in use, claimed or repeated (the top's
