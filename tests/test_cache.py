@@ -209,8 +209,8 @@ def test_allocator_keeps_claims_exact_under_random_owned_takes_and_releases():
 def test_expected_nodes_fill_runs_of_their_own_when_appends_interleave():
     cache = TreeKVCache(64, 16)
     roots = [cache.add_root() for _ in range(4)]
-    for r in roots[:2]:
-        cache.expect(r, 100)
+    cache.expect(roots[0], 200)
+    cache.expect(roots[1], 100)
     for _ in range(7):  # prompts fed 16 tokens at a time in turns, then decode tokens
         for r in roots:
             cache.append(r, 16)
@@ -218,8 +218,9 @@ def test_expected_nodes_fill_runs_of_their_own_when_appends_interleave():
         assert (np.diff(cache.slots(r)) == 1).all(), "an expected node's slots are one run"
     for r in roots[2:]:
         assert not (np.diff(cache.slots(r)) == 1).all()  # the plain ones' interleave
+    assert cache.allocator._claims == {roots[0]: (7, 13)}  # roots[1] filled its 7 pages
     kids = cache.fork(roots[0], 2)
-    assert cache.allocator.num_claimed == 0  # 100 of 112 tokens used; a fork ends the claim
+    assert cache.allocator.num_claimed == 0  # a node with children grows no more
     cache.expect(kids[0], 100)
     cache.append(kids[0], 1)
     cache.append(kids[1], 1)  # not into the expected child's page: into a fresh one
