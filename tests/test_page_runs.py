@@ -85,3 +85,29 @@ def test_claims_give_way_when_the_pool_is_short(model):
              for a in asks]
     assert [r.token_ids for r in tight] == [r.token_ids for r in alone]
     assert engine.cache.num_free_pages == 40 and engine.cache.allocator.num_claimed == 0
+
+
+def test_requests_that_fork_from_cached_prefixes_decode_from_runs(model):
+    """Requests whose prompts extend a cached prompt (the server's prefix cache) feed only
+    their rest, on nodes forked from the cached one: the rest and each answer lie in a run."""
+    pytest.importorskip("fastapi")  # deft.serve's package imports its app
+    from conftest import run_batch
+    from deft.engine.decoding import Batch, Request
+    from deft.serve import PrefixCache
+
+    engine, seen = watched(model, num_pages=256, page_size=16, prefill_chunk=32)
+    batch = Batch(engine, prefixes=PrefixCache(engine.cache))
+    params = SamplingParams(max_new_tokens=70, stop_token_ids=NEVER)
+    system = prompts(1, 100)[0]
+    batch.add(Request(system, 1, params, pin_prompt=True))
+    run_batch(batch)
+    turns = [Request(system + rest, 2, params, pin_prompt=True) for rest in prompts(3, 120)]
+    for r in turns:
+        batch.add(r)
+    start = len(seen)
+    run_batch(batch)
+    assert seen[-1].num_queries == 6  # two answers each
+    assert all(max(runs_per_node(lay)) == 1 for lay in seen[start:])
+    for r in turns:
+        (ref,) = generate(TreeEngine(*model, num_pages=256, page_size=16), [r.prompt], params)
+        assert r.branches[0].tokens == ref.token_ids
