@@ -188,6 +188,11 @@ class PageAllocator:
         self._bound_list()
         return pages
 
+    def room_for_run(self, pages: int) -> bool:
+        """Whether an owner expecting ``pages`` pages takes them as a run (at least
+        ``run_pages``) and the free unclaimed pages are as many."""
+        return self.run_pages <= pages <= self._num_free - self._num_claimed
+
     def release_claim(self, owner: int, listed: bool = True) -> None:
         """Give up the pages ``owner`` claims, if any (its node is done growing or gone);
         ``listed``: back on the free list (the caller claims or takes them otherwise)."""

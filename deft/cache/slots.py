@@ -67,7 +67,10 @@ class SlotAllocator:
     def append(self, nd: Node, k: int) -> np.ndarray:
         """Give ``nd`` ``k`` more slots (its target page's free tail, then fresh pages)."""
         had = nd.n
-        page = -1 if nd.expect and not had and self._room_for_run(nd) else self.target_page(nd)
+        # A token-less node with an expectation starts on a run of its own where the pool has
+        # room for one, not in its parent's group page (else it shares it as any child does).
+        run = nd.expect and not had and self.allocator.room_for_run(-(-nd.expect // self.page_size))
+        page = -1 if run else self.target_page(nd)
         slots, take, fresh = self._take(page, k, nd if nd.expect else None)
         if take and not had:  # a node with tokens already uses its last page
             self.allocator.share([page])
@@ -84,14 +87,6 @@ class SlotAllocator:
         if not total:
             self.settle(nd)
         nd.expect = total
-
-    def _room_for_run(self, nd: Node) -> bool:
-        """Whether the pool has free unclaimed pages for a run of all ``nd`` expects, long
-        enough to be taken as one: a token-less node then starts on it, not in its
-        parent's group page (else it shares that page as any child does)."""
-        a = self.allocator
-        pages = -(-nd.expect // self.page_size)
-        return a.run_pages <= pages <= a.num_free - a.num_claimed
 
     def settle(self, nd: Node) -> None:
         """``nd`` grows no more (it has children now): its expectation and claim go."""
