@@ -22,8 +22,9 @@ import torch
 
 from deft.table import format_cell, markdown_table
 
-__all__ = ["REQUIRED_KEYS", "check_record", "dumps_record", "format_cell", "load_record",
-           "markdown_table", "record", "rows_as_dicts", "write_record"]
+__all__ = ["REQUIRED_KEYS", "append_record", "check_record", "dumps_record", "format_cell",
+           "join_records", "load_record", "markdown_table", "record", "rows_as_dicts",
+           "write_record"]
 
 # Besides one of "gpu" (a GPU run) or "device" (a CPU run).
 REQUIRED_KEYS = ("commit", "date", "command", "rows")
@@ -122,6 +123,42 @@ def write_record(path: str | os.PathLike[str], rec: dict[str, Any]) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(dumps_record(rec))
+
+
+def _is_table(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(r, dict) for r in value)
+
+
+def join_records(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """One record of two runs of the same machine and commit (trees run in separate
+    processes): their tables' rows in run order, the dates joined by "and", the commands by
+    "; then"; a value the runs measured differently (a process's HBM throughput) becomes
+    the list of each run's. ``ValueError`` for runs of other machines or commits."""
+    for key in ("gpu", "device", "commit"):
+        if first.get(key) != then.get(key):
+            raise ValueError(f"the record holds a run of {key} {first.get(key)!r}, this run's "
+                             f"is {then.get(key)!r}: a record is one machine's and one commit's")
+    joined = dict(first)
+    for key, value in then.items():
+        old = joined.get(key)
+        if key not in joined:
+            joined[key] = value
+        elif key == "command":
+            joined[key] = f"{old}; then {value}"
+        elif key == "date":
+            joined[key] = old if value in old.split(" and ") else f"{old} and {value}"
+        elif _is_table(value) and (_is_table(old) or old == []):
+            joined[key] = old + value
+        elif old != value:
+            runs = old if isinstance(old, list) else [old]
+            joined[key] = runs + [value]
+    return joined
+
+
+def append_record(path: str | os.PathLike[str], rec: dict[str, Any]) -> None:
+    """Join ``rec`` to the record at ``path`` (:func:`join_records`), or write it there if
+    there is none yet."""
+    write_record(path, join_records(load_record(path), rec) if Path(path).is_file() else rec)
 
 
 def load_record(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.render import RESULTS, render, render_record, update_text
-from benchmarks.report import REQUIRED_KEYS, load_record, record, write_record
+from benchmarks.report import REQUIRED_KEYS, join_records, load_record, record, write_record
 from deft.cli import main
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -75,3 +75,47 @@ def test_bench_writes_a_result_record(tmp_path, capsys):
     assert rec["rows"][0]["tokens"] == 8000
     assert render_record(rec, meta=False).splitlines()[2].split("|")[1].strip() == "few-shot b=20"
     assert "| few-shot b=20 |" in printed
+
+
+def test_join_records_keeps_each_runs_rows_and_says_how():
+    first = {"gpu": "G", "commit": "abc", "date": "d1", "command": "deft bench x --workload a",
+             "tflops": 700, "kernel": "k", "rows": [{"workload": "a"}], "floors": [{"w": "a"}]}
+    then = {"gpu": "G", "commit": "abc", "date": "d2", "command": "deft bench x --workload b",
+            "tflops": 750, "kernel": "k", "rows": [{"workload": "b"}], "floors": [{"w": "b"}],
+            "notes": "n"}
+    joined = join_records(join_records(first, then), {**then, "date": "d2", "tflops": 760})
+    assert [r["workload"] for r in joined["rows"]] == ["a", "b", "b"]
+    assert [r["w"] for r in joined["floors"]] == ["a", "b", "b"]
+    assert joined["date"] == "d1 and d2"  # a date once
+    assert joined["command"].split("; then ") == [first["command"], then["command"],
+                                                  then["command"]]
+    assert joined["tflops"] == [700, 750, 760] and joined["kernel"] == "k"
+    assert joined["notes"] == "n" and first["rows"] == [{"workload": "a"}]  # inputs unchanged
+    for key, other in (("commit", "def"), ("gpu", "H")):
+        with pytest.raises(ValueError, match=f"a run of {key} .*a record is one machine's"):
+            join_records(first, {**then, key: other})
+
+
+def test_bench_append_joins_runs_into_one_record(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    for name in ("few-shot b=20", "speculative t=32"):
+        assert main(["bench", "plan", "--workload", name, "--reps", "1", "--json", str(path),
+                     "--append"]) == 0
+    rec = load_record(path)
+    assert [r["workload"] for r in rec["rows"]] == ["few-shot b=20", "speculative t=32"]
+    assert rec["command"].count("; then ") == 1  # each run's command line (here pytest's)
+    capsys.readouterr()
+    assert main(["bench", "plan", "--workload", "few-shot b=20", "--append"]) == 2
+    assert "give --json" in capsys.readouterr().err
+    other = {**rec, "commit": "0000000"}
+    write_record(path, other)
+    assert main(["bench", "plan", "--workload", "few-shot b=20", "--reps", "1", "--json",
+                 str(path), "--append"]) == 2
+    assert "a record is one machine's and one commit's" in capsys.readouterr().err
+    assert load_record(path) == other  # unchanged; the run's own record kept beside it
+    kept = load_record(tmp_path / "plan.run.json")
+    assert [r["workload"] for r in kept["rows"]] == ["few-shot b=20"]
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["bench", "plan", "--workload", "few-shot b=20", "--json",
+                 str(tmp_path / "bad.json"), "--append"]) == 2
+    assert "holds no result record" in capsys.readouterr().err

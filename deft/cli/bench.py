@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import functools
+import os
+import tempfile
+from typing import Any, Callable
 
 from . import common
 from .common import CliError, in_range
 
 __all__ = ["add_parser"]
+
+APPEND_HELP = ("with --json: join this run's rows to the record already at PATH (the same machine "
+               "and commit; trees run in separate processes make one record), or start it")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -21,6 +27,7 @@ def add_parser(subparsers: Any) -> None:
                         help="run only this workload (repeatable); see benchmarks.trees.WORKLOADS")
     shared.add_argument("--json", metavar="PATH",
                         help="also write the result as JSON (machine, commit, date, command, rows)")
+    shared.add_argument("--append", action="store_true", help=APPEND_HELP)
 
     plan = bsub.add_parser("plan", parents=[shared],
                            help="planning time per plan kind and of the triton step",
@@ -29,7 +36,7 @@ def add_parser(subparsers: Any) -> None:
                                        "with numpy and with the compiled planner.")
     plan.add_argument("--block-kv", type=int, default=64, help="tile size in tokens (default 64)")
     plan.add_argument("--reps", type=int, default=50, help="timed repetitions (default 50)")
-    plan.set_defaults(func=run_plan)
+    plan.set_defaults(func=_appending(run_plan))
 
     att = bsub.add_parser("attention", parents=[shared], help="DeFT against tree-attention peers",
                           description="One layer (cpu) or a 32-layer decode step (cuda) of "
@@ -42,7 +49,7 @@ def add_parser(subparsers: Any) -> None:
     att.add_argument("--kv-dtype", choices=("auto", "fp8_e4m3"), default="auto",
                      help="(cuda) fp8_e4m3: also DeFT-Flatten over FP8 copies of the K/V (per-head "
                      "scales), next to bf16, with the FP8 floor (default auto: bf16 only)")
-    att.set_defaults(func=run_attention)
+    att.set_defaults(func=_appending(run_attention))
 
     e2e = bsub.add_parser("e2e", help="the engine end to end, against per-branch decoding and "
                           "transformers generate",
@@ -79,8 +86,9 @@ def add_parser(subparsers: Any) -> None:
     e2e.add_argument("--kv-dtype", choices=("auto", "fp8_e4m3"), default="auto",
                      help="(cuda) fp8_e4m3: also the graph engine with an FP8 K/V cache (default "
                      "auto: the model's dtype only)")
+    e2e.add_argument("--append", action="store_true", help=APPEND_HELP)
     common.add_workloads_flag(e2e)
-    e2e.set_defaults(func=run_e2e)
+    e2e.set_defaults(func=_appending(run_e2e))
 
     srv = bsub.add_parser(
         "serve", parents=[common.model_flags("SmolLM2-135M-Instruct GGUF on cpu, random:llama-3-8b on cuda")],
@@ -139,6 +147,44 @@ def add_parser(subparsers: Any) -> None:
     tp.add_argument("--json", metavar="PATH",
                     help="also write the result as JSON (machine, commit, date, command, rows)")
     tp.set_defaults(func=run_tp)
+
+
+def _appending(run: Callable[[argparse.Namespace], None]) -> Callable[[argparse.Namespace], None]:
+    """``run`` with ``--append``: the benchmark writes its record to a temporary file, which
+    is then joined to the record at ``--json`` (``benchmarks.report.join_records``)."""
+    @functools.wraps(run)
+    def wrapped(args: argparse.Namespace) -> None:
+        if not args.append:
+            run(args)
+            return
+        from benchmarks.report import append_record, load_record, write_record
+
+        target = args.json
+        if not target:
+            raise CliError("--append: joins this run's record to the one at --json PATH; give --json")
+        if getattr(args, "speculative", False):
+            raise CliError("--append: not with --speculative (it writes a second record)")
+        if os.path.exists(target):
+            try:
+                load_record(target)
+            except (OSError, ValueError) as exc:
+                raise CliError(f"--append: {target} holds no result record to join: {exc}") from exc
+        with tempfile.TemporaryDirectory() as tmp:
+            args.json = os.path.join(tmp, "run.json")
+            try:
+                run(args)
+                if not os.path.isfile(args.json):
+                    return
+                rec = load_record(args.json)
+            finally:
+                args.json = target
+            try:
+                append_record(target, rec)
+            except ValueError as exc:
+                kept = target.removesuffix(".json") + ".run.json"
+                write_record(kept, rec)
+                raise CliError(f"--append: {exc}; this run's record is in {kept}") from exc
+    return wrapped
 
 
 def run_plan(args: argparse.Namespace) -> None:
