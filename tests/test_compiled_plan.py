@@ -165,7 +165,7 @@ def test_random_coarsening_parameters(seed, nodes, sms, waves, per_sm, resident,
     ``flatten_cut`` cuts, and orders the work items alike, for any parameters."""
     from deft.plan.coarsen import refine
     from deft.plan.packing import pack
-    from deft.plan.step import flatten_cut
+    from deft.plan.step import flatten_cut, plan_step
 
     rng = np.random.default_rng(seed)
     layout = random_forest(rng, nodes, 200, max_tokens=3000)
@@ -174,6 +174,9 @@ def test_random_coarsening_parameters(seed, nodes, sms, waves, per_sm, resident,
     got = compiled.flatten_plan(layout, 8, params, lambda n: torch.zeros(n, dtype=torch.int32))
     want = refine(flatten_cut(layout, 8, params), params)
     np.testing.assert_array_equal(got[0].tile_indptr, want.tile_indptr)
+    with python_planner():  # the Python step reuses the refinement its choice made
+        stepped = plan_step(layout, "flatten", 8, params, lambda n: torch.zeros(n, dtype=torch.int32))
+    np.testing.assert_array_equal(stepped[0].tile_indptr, want.tile_indptr)
     ref = pack(want, 2, 16, lambda n: torch.zeros(n, dtype=torch.int32))
     a, n = got[1].starts[4], 8 * got[1].num_work
     assert n == 8 * ref.num_work

@@ -23,18 +23,28 @@ def flatten_cut(layout: TreeLayout, block_kv: int, params: Coarsening) -> TreePl
     groups on both sides, masked: on separate prompts or long branches that costs programs
     and masked parts, while on a tree of short branches one tile per node would cost many
     short programs (docs/decisions.md, "Tiles cut at long nodes")."""
+    return _flatten_cut(layout, block_kv, params)[0]
+
+
+def _flatten_cut(layout: TreeLayout, block_kv: int,
+                 params: Coarsening) -> tuple[TreePlan, TreePlan | None]:
+    """:func:`flatten_cut`'s plan, and that plan refined where choosing it refined it
+    (else ``None``), so that a step refines it once."""
     plan = make_plan(layout, "flatten", block_kv)
     if params.node_cut <= 0 or params.slots <= 0:
-        return plan
+        return plan, None
     cut = make_plan(layout, "flatten", block_kv, params.node_cut)
     span, span_cut = modelled_makespan(plan, params), modelled_makespan(cut, params)
     if span_cut > span:
-        return plan
-    parts_cut = refine(cut, params).num_partials
-    if (span_cut < span or parts_cut < refine(plan, params).num_partials) \
-            and parts_cut <= plan.num_partials:
-        return cut
-    return plan
+        return plan, None
+    cut_refined = refine(cut, params)
+    fits = cut_refined.num_partials <= plan.num_partials
+    if span_cut < span:
+        return (cut, cut_refined) if fits else (plan, None)
+    plan_refined = refine(plan, params)
+    if fits and cut_refined.num_partials < plan_refined.num_partials:
+        return cut, cut_refined
+    return plan, plan_refined
 
 
 def plan_step(layout: TreeLayout, kind: str, block_kv: int, params: Coarsening,
@@ -48,8 +58,10 @@ def plan_step(layout: TreeLayout, kind: str, block_kv: int, params: Coarsening,
         done = flatten_plan(layout, block_kv, params, host_buffer, reuse)
         if done is not None:
             return done
-    plan = flatten_cut(layout, block_kv, params) if kind == "flatten" else \
-        make_plan(layout, kind, block_kv)
-    if kind in ("flatten", "per_query"):
-        plan = refine(plan, params)
+        plan, refined = _flatten_cut(layout, block_kv, params)
+        plan = refine(plan, params) if refined is None else refined
+    else:
+        plan = make_plan(layout, kind, block_kv)
+        if kind == "per_query":
+            plan = refine(plan, params)
     return plan, pack(plan, params.g, params.block_m, host_buffer, reuse)
