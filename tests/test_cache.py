@@ -159,9 +159,9 @@ def test_an_owner_takes_a_run_for_what_it_expects_and_claims_the_rest():
     a.release_claim(2)
     assert a.num_claimed == 0 and a.take(4) == [11, 12, 13, 14]  # listed again, a run on top
     b = PageAllocator(8)
-    assert b.take(1, owner=1, extent=6) == [0]
-    assert b.take(3) == [1, 2, 3] and b.num_claimed == 0  # short of unclaimed pages: given up
-    assert b.take(1, after=0, owner=1, extent=5) == [4]  # no run of 5 left
+    assert b.take(1, owner=1, extent=6) == [0] and b._claims == {1: (1, 6)}
+    assert b.take(3) == [5, 6, 7] and b._claims == {1: (1, 5)}  # two unclaimed: its end goes
+    assert b.take(1, after=0, owner=1, extent=5) == [1]  # the rest is still its own
     c = PageAllocator(8)
     c.run_pages = 9  # every take pops: no owner runs or claims either
     assert c.take(1, owner=1, extent=6) == [0] and c.num_claimed == 0
@@ -170,8 +170,38 @@ def test_an_owner_takes_a_run_for_what_it_expects_and_claims_the_rest():
     d.decref(np.array([1, 2, 3, 4, 5, 9, 10, 11, 12]))  # runs of 5 and 4: none holds 10
     assert d.take(2, owner=1, extent=10) == [1, 2] and d._claims == {1: (3, 6)}  # the longest
     assert d.take(2, owner=2, extent=10) == [9, 10] and d._claims[2] == (11, 13)
-    assert d.take(1, owner=3, extent=10) == [3]  # none unclaimed: the oldest claim goes
-    assert d._claims == {2: (11, 13)}
+    assert d.take(1, owner=3, extent=10) == [5]  # none unclaimed: the oldest claim's end goes
+    assert d._claims == {1: (3, 5), 2: (11, 13)}
+    assert sorted(d.take(3)) == [3, 4, 12] and d._claims == {2: (11, 12)}  # oldest first
+    assert d.take(1, after=10, owner=2) == [11] and d.num_claimed == 0
+
+
+def test_a_failed_subtree_keeps_the_parents_expectation_and_claim():
+    c = TreeKVCache(num_pages=8, page_size=1)
+    r = c.add_root(0)
+    c.expect(r, 6)
+    c.append(r, 2)  # pages 0-1; pages 2-5 claimed for r
+    c.add_root(2)  # pages 6-7
+    before = (c._nodes[r].expect, dict(c.allocator._claims), list(c.allocator._free))
+    with pytest.raises(CacheFullError):
+        c.add_subtree(r, [-1] * 5, 1)  # 5 pages, 4 free
+    assert (c._nodes[r].expect, dict(c.allocator._claims), list(c.allocator._free)) == before
+    nodes, slots = c.add_subtree(r, [-1] * 4, 1)  # fits: r settles, the drafts follow it
+    assert slots.tolist() == [2, 3, 4, 5] and c.allocator.num_claimed == 0
+    check_pages(c)
+
+
+def test_a_run_search_that_cannot_succeed_reads_no_counts_until_pages_come_free():
+    a = PageAllocator(16)
+    a.alloc(16)
+    a.decref(np.array([1, 2, 5, 6, 9]))  # free runs of 2, 2 and 1
+    assert a._run(4) is None and a._run(4, shortest=3) is None
+    counts, a._refcount = a._refcount, None  # white-box: reading the counts now fails
+    assert a._run(3) is None and a._run(8, shortest=3) is None
+    assert a.take(1, owner=1, extent=8) == [1]  # an owner finds no run: popped, no scan
+    a._refcount = counts
+    a.decref(np.array([3, 4]))  # pages come free: the next search looks again
+    assert a._run(4) == [2, 3, 4, 5]
 
 
 def test_allocator_keeps_claims_exact_under_random_owned_takes_and_releases():

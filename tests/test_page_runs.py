@@ -111,3 +111,27 @@ def test_requests_that_fork_from_cached_prefixes_decode_from_runs(model):
     for r in turns:
         (ref,) = generate(TreeEngine(*model, num_pages=256, page_size=16), [r.prompt], params)
         assert r.branches[0].tokens == ref.token_ids
+
+
+def test_an_answer_kept_for_later_requests_holds_no_claim(model):
+    """An answer that stops long before its ``max_new_tokens`` and is kept by the prefix
+    cache grows no more: its claim on the pages after it goes with its end, not with its
+    eviction."""
+    pytest.importorskip("fastapi")  # deft.serve's package imports its app
+    from deft.engine.decoding import Batch, Request
+    from deft.serve import PrefixCache
+
+    engine = TreeEngine(*model, num_pages=128, page_size=16, prefill_chunk=32)
+    batch = Batch(engine, prefixes=PrefixCache(engine.cache))
+    req = Request(prompts(1, 40)[0], 1, SamplingParams(max_new_tokens=600, stop_token_ids=NEVER),
+                  pin_prompt=True)
+    batch.add(req)
+    claimed = 0
+    while batch.step():
+        claimed = max(claimed, engine.cache.allocator.num_claimed)
+        if len(req.branches[0].tokens) >= 20:  # as a stop token would end it
+            batch.finish(req.branches[0], "stop")
+    assert claimed > 0  # it decoded into a claim
+    answer = req.branches[0].node
+    assert engine.cache.is_live(answer) and engine.cache.num_tokens(answer) >= 19  # kept
+    assert engine.cache.allocator.num_claimed == 0

@@ -17,9 +17,10 @@ A node that will grow on (a prompt fed in chunks, then its decode tokens) takes 
 *owner*: its first take of a long expected growth gets the start of a run that holds all of
 it and *claims* the rest of that run, and its later takes continue into the claim. Claimed
 pages stay free (counted in :attr:`num_free`), but other takes pass them by while other pages
-are free; claims are given up when their owner is done (:meth:`release_claim`) or when other
-takes need the pages, the oldest first. So the K/V of prompts prefilled together, in chunks
-taken in turns, each lie in one run of slots rather than one per chunk.
+are free; claims are given up when their owner is done (:meth:`release_claim`), and when other
+takes need the pages, those at the ends of the oldest claims (each owner keeps the pages right
+after its own). So the K/V of prompts prefilled together, in chunks taken in turns, each lie in
+one run of slots rather than one per chunk.
 
 The counts live in an ``array('q')`` that ``refcounts`` views as numpy without a copy:
 the cache's per-step updates touch one or two pages, and Python ints index an array
@@ -90,6 +91,10 @@ class PageAllocator:
         self._owner_np = np.frombuffer(self._owner, _I)
         self._claims: dict[int, tuple[int, int]] = {}  # owner -> its claimed pages [lo, hi)
         self._num_claimed = 0
+        # At least the longest run of free unclaimed pages (None: unknown): takes and claims
+        # only shorten it, so a run search that cannot succeed is skipped until pages are
+        # freed or unclaimed.
+        self._longest: int | None = None
 
     @property
     def num_free(self) -> int:
@@ -170,8 +175,9 @@ class PageAllocator:
             pages = self._follow(after, n, owner)
             if pages is None:
                 self.release_claim(owner)
-                if n < extent and self.run_pages <= extent:
-                    pages = self._run(extent, shortest=max(n, self.run_pages))
+                shortest = max(n, self.run_pages)
+                if n < extent and self.run_pages <= extent and self.room_for_run(shortest):
+                    pages = self._run(extent, shortest)
                     if pages is not None:
                         self._claim(owner, pages[0] + n, pages[-1] + 1)
                         pages = pages[:n]
@@ -196,14 +202,24 @@ class PageAllocator:
     def release_claim(self, owner: int, listed: bool = True) -> None:
         """Give up the pages ``owner`` claims, if any (its node is done growing or gone);
         ``listed``: back on the free list (the caller claims or takes them otherwise)."""
-        claim = self._claims.pop(owner, None)
-        if claim is None:
-            return
-        lo, hi = claim
-        self._owner_np[lo:hi] = -1
-        self._num_claimed -= hi - lo
+        claim = self._claims.get(owner)
+        if claim is not None:
+            self._unclaim(owner, claim[0], listed)
+
+    def _unclaim(self, owner: int, cut: int, listed: bool = True) -> None:
+        """Give up ``owner``'s claimed pages from page ``cut`` on (all of them from its
+        claim's first page), listed as :meth:`release_claim` says."""
+        lo, hi = self._claims[owner]
+        if cut <= lo:
+            cut = lo
+            del self._claims[owner]
+        else:
+            self._claims[owner] = (lo, cut)
+        self._owner_np[cut:hi] = -1
+        self._num_claimed -= hi - cut
         if listed:
-            self._free += range(hi - 1, lo - 1, -1)
+            self._free += range(hi - 1, cut - 1, -1)
+            self._longest = None
             self._bound_list()
 
     def _bound_list(self) -> None:
@@ -238,11 +254,13 @@ class PageAllocator:
         return list(range(lo, hi))
 
     def _release_claims_for(self, n: int) -> None:
-        """Give up claims, the oldest first, until ``n`` free pages are unclaimed."""
+        """Give up claimed pages until ``n`` free pages are unclaimed: those at the ends of
+        the oldest claims, so that every owner keeps the pages right after its own."""
         for owner in list(self._claims):
-            if n <= self._num_free - self._num_claimed:
+            short = n - (self._num_free - self._num_claimed)
+            if short <= 0:
                 return
-            self.release_claim(owner)
+            self._unclaim(owner, self._claims[owner][1] - short)
 
     def _pop(self, n: int) -> list[int]:
         """``n`` free pages from the free list's top, skipping entries of pages in use."""
@@ -272,12 +290,16 @@ class PageAllocator:
         """The first ``n`` pages of the smallest run of consecutive free unclaimed pages that
         holds ``n`` (the lowest such run); where none does, with ``shortest``, the whole
         longest run if it holds ``shortest`` pages; else ``None``. One numpy pass over the
-        counts."""
+        counts, skipped where the longest run known is too short."""
+        least = n if shortest is None else min(n, shortest)  # what any run it returns holds
+        if self._longest is not None and self._longest < least:
+            return None
         free = self._refcount == 0
         if self._num_claimed:
             free &= self._owner_np < 0
         edges = np.flatnonzero(np.diff(free, prepend=False, append=False))
         starts, lengths = edges[0::2], edges[1::2] - edges[0::2]
+        self._longest = int(lengths.max()) if lengths.size else 0
         fits = np.flatnonzero(lengths >= n)
         if fits.size:
             start = int(starts[fits[np.argmin(lengths[fits])]])
@@ -344,6 +366,8 @@ class PageAllocator:
         freed.sort()
         self._free += freed[::-1]
         self._num_free += len(freed)
+        if freed:
+            self._longest = None
         return freed
 
     def park(self, pages: list[int]) -> None:

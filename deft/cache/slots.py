@@ -97,13 +97,18 @@ class SlotAllocator:
     def subtree(self, nd: Node, lens: np.ndarray
                 ) -> tuple[np.ndarray, list[np.ndarray], list[list[int]]]:
         """Slots for ``m`` new nodes under ``nd`` holding ``lens [m]`` tokens each, packed in
-        order from ``nd``'s group page.
+        order from ``nd``'s group page; ``nd``, now a parent, settles (:meth:`settle`).
 
         Returns ``slots [sum(lens)]`` and, per new node, its slots (views of ``slots``) and
         its pages (one user per (new node, page) pair already counted).
         """
         m, ps = lens.shape[0], self.page_size
-        slots, take, _ = self._take(self.group_page(nd), int(lens.sum()))
+        page, k = self.group_page(nd), int(lens.sum())
+        fresh = -(-max(k - self._room(page), 0) // ps)
+        if fresh > self.allocator.num_free:  # before ``nd`` settles: a failed call changes nothing
+            raise CacheFullError(fresh, self.allocator.num_free, self.allocator.num_pages)
+        self.settle(nd)  # its claim goes first, so the new nodes' pages follow its own
+        slots, take, _ = self._take(page, k)
         # Each page is one run of ``slots`` and each node's slots are another, so a new
         # (node, page) pair starts wherever the node or the page changes: one user each,
         # but for the pair that opens a fresh page (alloc counted it).
@@ -214,6 +219,11 @@ class SlotAllocator:
                 return nd.group_page
         return int(nd.buf[nd.n - 1]) // self.page_size
 
+    def _room(self, page: int) -> int:
+        """Free slots at the tail of ``page`` that a take may hand out (none for ``-1`` or a
+        stale group page that was freed: its tail is not ours)."""
+        return self.page_size - self._fill[page] if page >= 0 and self.allocator.users[page] else 0
+
     def _take(self, page: int, k: int, nd: Node | None = None
               ) -> tuple[np.ndarray, int, list[int]]:
         """Hand out ``k`` slots: the free tail of ``page``, then fresh pages (taken for
@@ -224,8 +234,7 @@ class SlotAllocator:
         ``page`` may have been freed: its tail is not ours to hand out.
         """
         ps, fill = self.page_size, self._fill
-        room = ps - fill[page] if page >= 0 and self.allocator.users[page] else 0
-        take = min(k, room)
+        take = min(k, self._room(page))
         rest = k - take
         if nd is None:
             fresh = self.allocator.take(-(-rest // ps))

@@ -205,7 +205,6 @@ class TreeKVCache:
             if lens.size and lens.min() < 0:
                 i = int(np.argmax(lens < 0))
                 raise ValueError(f"num_tokens[{i}]: expected an integer >= 0, got {int(lens[i])}")
-        self._slot_alloc.settle(nd)
         slots, own, pages = self._slot_alloc.subtree(nd, lens)
         first = self._next_id
         self._register(Node.tree(nd, first, par.tolist(), own, pages),

@@ -262,8 +262,13 @@ class Batch:
         b.done = True
         b.feed, b.logits, b.source = [], None, -1
         b.finish_reason = b.finish_reason or reason
-        if b.node is not None and self.engine.cache.is_live(b.node) and not self._keep_answer(b):
-            self.engine.cache.prune(b.node, release_unused_ancestors=True, keep=self.pinned)
+        cache = self.engine.cache
+        if b.node is None or not cache.is_live(b.node):
+            return
+        if not cache.children(b.node):
+            cache.expect(b.node, 0)  # it grows no more: a kept answer holds no claim
+        if not self._keep_answer(b):
+            cache.prune(b.node, release_unused_ancestors=True, keep=self.pinned)
 
     def _keep_answer(self, b: Branch) -> bool:
         """Offer ``b``'s path to the prefix store if it is a ``pin_prompt`` request's one
