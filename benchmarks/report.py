@@ -22,9 +22,9 @@ import torch
 
 from deft.table import format_cell, markdown_table
 
-__all__ = ["REQUIRED_KEYS", "append_record", "check_record", "dumps_record", "format_cell",
-           "join_records", "load_record", "markdown_table", "record", "rows_as_dicts",
-           "write_record"]
+__all__ = ["REQUIRED_KEYS", "append_record", "check_record", "current_commit", "dumps_record",
+           "format_cell", "join_records", "load_record", "markdown_table", "record",
+           "rows_as_dicts", "write_record"]
 
 # Besides one of "gpu" (a GPU run) or "device" (a CPU run).
 REQUIRED_KEYS = ("commit", "date", "command", "rows")
@@ -36,7 +36,7 @@ def rows_as_dicts(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list
             for r in rows]
 
 
-def _commit() -> str:
+def current_commit() -> str:
     """The checkout's short commit, ``-dirty`` when it has changes; "unknown" outside git."""
     root = Path(__file__).resolve().parent.parent
     try:
@@ -65,7 +65,7 @@ def record(headers: Sequence[str], rows: Sequence[Sequence[Any]], device: str = 
         rec["gpu"] = torch.cuda.get_device_name()
     else:
         rec["device"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    rec.update(commit=_commit(),
+    rec.update(commit=current_commit(),
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                command=_command(), python=platform.python_version(), torch=torch.__version__)
     try:
@@ -125,19 +125,22 @@ def write_record(path: str | os.PathLike[str], rec: dict[str, Any]) -> None:
     p.write_text(dumps_record(rec))
 
 
-def _is_table(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(r, dict) for r in value)
+def _is_rows(value: Any) -> bool:
+    """Whether ``value`` is a table: a list of rows (dicts), maybe empty."""
+    return isinstance(value, list) and all(isinstance(r, dict) for r in value)
 
 
 def join_records(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
-    """One record of two runs of the same machine and commit (trees run in separate
-    processes): their tables' rows in run order, the dates joined by "and", the commands by
-    "; then"; a value the runs measured differently (a process's HBM throughput) becomes
-    the list of each run's. ``ValueError`` for runs of other machines or commits."""
+    """One record of runs of the same machine and commit (trees run in separate processes):
+    ``first`` (one run or several joined) and the run ``then``. Tables' rows in run order,
+    the dates joined by "and", the commands by "; then"; a value the runs measured
+    differently (a process's HBM throughput) becomes the list of every run's, in order.
+    ``ValueError`` for runs of other machines or commits."""
     for key in ("gpu", "device", "commit"):
         if first.get(key) != then.get(key):
             raise ValueError(f"the record holds a run of {key} {first.get(key)!r}, this run's "
                              f"is {then.get(key)!r}: a record is one machine's and one commit's")
+    runs = first["command"].count("; then ") + 1  # in ``first``
     joined = dict(first)
     for key, value in then.items():
         old = joined.get(key)
@@ -147,11 +150,12 @@ def join_records(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
             joined[key] = f"{old}; then {value}"
         elif key == "date":
             joined[key] = old if value in old.split(" and ") else f"{old} and {value}"
-        elif _is_table(value) and (_is_table(old) or old == []):
+        elif _is_rows(old) and _is_rows(value):
             joined[key] = old + value
+        elif isinstance(old, list):  # already one value per run
+            joined[key] = old + [value]
         elif old != value:
-            runs = old if isinstance(old, list) else [old]
-            joined[key] = runs + [value]
+            joined[key] = [old] * runs + [value]
     return joined
 
 

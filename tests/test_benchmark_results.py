@@ -91,6 +91,9 @@ def test_join_records_keeps_each_runs_rows_and_says_how():
                                                   then["command"]]
     assert joined["tflops"] == [700, 750, 760] and joined["kernel"] == "k"
     assert joined["notes"] == "n" and first["rows"] == [{"workload": "a"}]  # inputs unchanged
+    same = join_records(first, {**then, "tflops": 700, "rows": []})  # a run that ran no tree
+    assert same["rows"] == first["rows"] and same["tflops"] == 700
+    assert join_records(same, then)["tflops"] == [700, 700, 750]  # one value per run
     for key, other in (("commit", "def"), ("gpu", "H")):
         with pytest.raises(ValueError, match=f"a run of {key} .*a record is one machine's"):
             join_records(first, {**then, key: other})
@@ -107,14 +110,19 @@ def test_bench_append_joins_runs_into_one_record(tmp_path, capsys):
     capsys.readouterr()
     assert main(["bench", "plan", "--workload", "few-shot b=20", "--append"]) == 2
     assert "give --json" in capsys.readouterr().err
-    other = {**rec, "commit": "0000000"}
+    write_record(path, {**rec, "commit": "0000000"})
+    assert main(["bench", "plan", "--workload", "few-shot b=20", "--json", str(path),
+                 "--append"]) == 2  # before running
+    assert "holds a run of commit 0000000" in capsys.readouterr().err
+    other = {**rec, "device": "elsewhere"}
     write_record(path, other)
-    assert main(["bench", "plan", "--workload", "few-shot b=20", "--reps", "1", "--json",
-                 str(path), "--append"]) == 2
-    assert "a record is one machine's and one commit's" in capsys.readouterr().err
-    assert load_record(path) == other  # unchanged; the run's own record kept beside it
-    kept = load_record(tmp_path / "plan.run.json")
-    assert [r["workload"] for r in kept["rows"]] == ["few-shot b=20"]
+    for i, name in enumerate(("few-shot b=20", "speculative t=32")):
+        assert main(["bench", "plan", "--workload", name, "--reps", "1", "--json", str(path),
+                     "--append"]) == 2
+        assert "a record is one machine's and one commit's" in capsys.readouterr().err
+        kept = load_record(tmp_path / ("plan.run.json" if i == 0 else "plan.run2.json"))
+        assert [r["workload"] for r in kept["rows"]] == [name]  # each run's record kept
+    assert load_record(path) == other  # unchanged
     (tmp_path / "bad.json").write_text("{}")
     assert main(["bench", "plan", "--workload", "few-shot b=20", "--json",
                  str(tmp_path / "bad.json"), "--append"]) == 2

@@ -164,7 +164,8 @@ class TreeKVCache:
         pass by while others are free (:class:`PageAllocator`), so its K/V lie in
         consecutive slots however the appends of other nodes interleave with its own; the
         attention kernel loads such tiles by TMA. Nothing is held: the claim goes when the
-        node forks, is pruned, or when other takes need the pages.
+        node forks or is pruned, or is given ``0`` (the engine does so when a branch ends),
+        and other takes that find no other free page take from its end.
         """
         nd = self._get(node)
         num_tokens = int_at_least(num_tokens, "num_tokens", 0)

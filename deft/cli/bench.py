@@ -157,7 +157,7 @@ def _appending(run: Callable[[argparse.Namespace], None]) -> Callable[[argparse.
         if not args.append:
             run(args)
             return
-        from benchmarks.report import append_record, load_record, write_record
+        from benchmarks.report import append_record, current_commit, load_record, write_record
 
         target = args.json
         if not target:
@@ -166,9 +166,12 @@ def _appending(run: Callable[[argparse.Namespace], None]) -> Callable[[argparse.
             raise CliError("--append: not with --speculative (it writes a second record)")
         if os.path.exists(target):
             try:
-                load_record(target)
+                commit = load_record(target)["commit"]
             except (OSError, ValueError) as exc:
                 raise CliError(f"--append: {target} holds no result record to join: {exc}") from exc
+            if commit != current_commit():
+                raise CliError(f"--append: {target} holds a run of commit {commit}, this checkout "
+                               f"is {current_commit()}: a record is one commit's")
         with tempfile.TemporaryDirectory() as tmp:
             args.json = os.path.join(tmp, "run.json")
             try:
@@ -180,8 +183,12 @@ def _appending(run: Callable[[argparse.Namespace], None]) -> Callable[[argparse.
                 args.json = target
             try:
                 append_record(target, rec)
-            except ValueError as exc:
-                kept = target.removesuffix(".json") + ".run.json"
+            except (OSError, ValueError) as exc:
+                stem, n = target.removesuffix(".json"), 1
+                kept = f"{stem}.run.json"
+                while os.path.exists(kept):  # an earlier failed join's record stays too
+                    n += 1
+                    kept = f"{stem}.run{n}.json"
                 write_record(kept, rec)
                 raise CliError(f"--append: {exc}; this run's record is in {kept}") from exc
     return wrapped
