@@ -199,16 +199,16 @@ class PageAllocator:
         ``run_pages``) and the free unclaimed pages are as many."""
         return self.run_pages <= pages <= self._num_free - self._num_claimed
 
-    def release_claim(self, owner: int, listed: bool = True) -> None:
-        """Give up the pages ``owner`` claims, if any (its node is done growing or gone);
-        ``listed``: back on the free list (the caller claims or takes them otherwise)."""
+    def release_claim(self, owner: int) -> None:
+        """Give up the pages ``owner`` claims, if any (its node is done growing or gone):
+        back on the free list."""
         claim = self._claims.get(owner)
         if claim is not None:
-            self._unclaim(owner, claim[0], listed)
+            self._unclaim(owner, claim[0])
 
-    def _unclaim(self, owner: int, cut: int, listed: bool = True) -> None:
+    def _unclaim(self, owner: int, cut: int) -> None:
         """Give up ``owner``'s claimed pages from page ``cut`` on (all of them from its
-        claim's first page), listed as :meth:`release_claim` says."""
+        claim's first page): back on the free list."""
         lo, hi = self._claims[owner]
         if cut <= lo:
             cut = lo
@@ -217,10 +217,9 @@ class PageAllocator:
             self._claims[owner] = (lo, cut)
         self._owner_np[cut:hi] = -1
         self._num_claimed -= hi - cut
-        if listed:
-            self._free += range(hi - 1, cut - 1, -1)
-            self._longest = None
-            self._bound_list()
+        self._free += range(hi - 1, cut - 1, -1)
+        self._longest = None
+        self._bound_list()
 
     def _bound_list(self) -> None:
         """Rebuild the free list once it holds more than twice the free pages + 64 entries."""
@@ -249,8 +248,13 @@ class PageAllocator:
             users, own = self.users, self._owner
             if any(users[p] or own[p] >= 0 for p in range(end, hi)):
                 return None
-        self.release_claim(owner, listed=False)
-        self._claim(owner, hi, end)
+        mine = min(hi, end)  # its claimed pages it takes now
+        self._owner_np[lo:mine] = -1
+        self._num_claimed -= mine - lo
+        if hi < end:
+            self._claims[owner] = (hi, end)
+        else:
+            del self._claims[owner]
         return list(range(lo, hi))
 
     def _release_claims_for(self, n: int) -> None:

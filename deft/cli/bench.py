@@ -169,9 +169,10 @@ def _appending(run: Callable[[argparse.Namespace], None]) -> Callable[[argparse.
                 commit = load_record(target)["commit"]
             except (OSError, ValueError) as exc:
                 raise CliError(f"--append: {target} holds no result record to join: {exc}") from exc
-            if commit != current_commit():
+            here = current_commit()
+            if commit != here:
                 raise CliError(f"--append: {target} holds a run of commit {commit}, this checkout "
-                               f"is {current_commit()}: a record is one commit's")
+                               f"is {here}: a record is one commit's")
         with tempfile.TemporaryDirectory() as tmp:
             args.json = os.path.join(tmp, "run.json")
             try:

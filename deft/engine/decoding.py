@@ -265,9 +265,9 @@ class Batch:
         cache = self.engine.cache
         if b.node is None or not cache.is_live(b.node):
             return
-        if not cache.children(b.node):
-            cache.expect(b.node, 0)  # it grows no more: a kept answer holds no claim
-        if not self._keep_answer(b):
+        if self._keep_answer(b):
+            cache.expect(b.node, 0)  # kept, it grows no more: no claim on the pages after it
+        else:
             cache.prune(b.node, release_unused_ancestors=True, keep=self.pinned)
 
     def _keep_answer(self, b: Branch) -> bool:
