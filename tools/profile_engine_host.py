@@ -3,7 +3,12 @@ and draft-tree verification wait for each step's scores before they build the ne
 Runs the loop of ``deft bench e2e --device cuda`` (Llama-3-8B shapes, random bf16 weights)
 once to warm up, then for 32 steps and for one, timed (best of three) and under cProfile,
 and prints the difference per step (so the prompt's prefill drops out): wall ms, and the top
-functions by own time. It says whether planning is compiled: run it where the package's
+functions by own time. Then the critical path of 32 steps without the profiler: CUDA events
+around each replayed step and before each step's wait for its scores give the GPU's time in
+the replay (input copy, graph, output copy), after it (scores, picks) and idle; host clock
+stamps split the host's time from the end of that wait to the next replay by phase (the
+decode loop's own work, the engine's checks and slots, the layout, the plan and its upload,
+the replay's launch). It says whether planning is compiled: run it where the package's
 extensions were built (``python3 setup.py build_ext --inplace`` in the same call on a lent
 machine).
 
@@ -17,13 +22,15 @@ import cProfile
 import os
 import pstats
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from benchmarks.e2e_gpu import GPU_WORKLOADS, run_workload
 from benchmarks.trees import apps_tree, medusa_parents
-from deft.engine import TreeEngine
+from deft.engine import TreeEngine, core
+from deft.engine.runner import ModelRunner
 from deft.model.synthetic import load_random
 from deft.plan.compiled import load_library
 from _usage import args
@@ -62,6 +69,108 @@ def timed(run, steps: int, profiled: bool) -> tuple[float, dict]:
     return time.perf_counter() - t0, pstats.Stats(prof).stats
 
 
+# The host's phases from the end of a step's wait for its scores to the next replay's
+# launch, each named by the stamp that ends it.
+PHASES = {"forward": "decode loop (scores, tree)", "layout": "engine checks, slots",
+          "built": "layout", "run": "engine, to the runner", "plan": "runner, to the plan",
+          "planned": "graph plan and upload", "replay": "runner, to the replay",
+          "launched": "replay launch"}
+
+
+@contextmanager
+def stamped(engine: TreeEngine):
+    """Patches that record host stamps ``(name, seconds)`` at each phase's end and CUDA
+    events at each replay's start and end and before each wait of the host for the GPU
+    (``tolist`` of a CUDA tensor); yields the two lists, undone on exit."""
+    stamps, events = [], []
+    graphs = engine.runner.graphs
+
+    def mark(name):
+        stamps.append((name, time.perf_counter()))
+
+    def event(name):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        events.append((name, e))
+
+    def wrap(fn, before, after=None):
+        def wrapped(*a, **k):
+            mark(before)
+            out = fn(*a, **k)
+            if after is not None:
+                mark(after)
+            return out
+        return wrapped
+
+    def replay(b, step, _orig=graphs.replay):
+        mark("replay")
+        event("start")
+        out = _orig(b, step)
+        event("end")
+        mark("launched")
+        return out
+
+    def tolist(self, _orig=torch.Tensor.tolist):
+        if self.device.type != engine.device.type:  # not a wait for the device
+            return _orig(self)
+        event("wait")
+        out = _orig(self)
+        mark("synced")
+        return out
+
+    own = "tolist" in vars(torch.Tensor)
+    saved = (TreeEngine.forward, core.build_step, ModelRunner.run, torch.Tensor.tolist)
+    TreeEngine.forward = wrap(TreeEngine.forward, "forward")
+    core.build_step = wrap(core.build_step, "layout", "built")
+    ModelRunner.run = wrap(ModelRunner.run, "run")
+    graphs.plan = wrap(graphs.plan, "plan", "planned")
+    graphs.replay = replay
+    torch.Tensor.tolist = tolist
+    try:
+        yield stamps, events
+    finally:
+        TreeEngine.forward, core.build_step, ModelRunner.run = saved[:3]
+        if own:
+            torch.Tensor.tolist = saved[3]
+        else:
+            del torch.Tensor.tolist
+        del graphs.plan, graphs.replay
+
+
+def critical_path(engine: TreeEngine, run, steps: int) -> dict[str, float]:
+    """ms per steady step of ``run(steps)``: wall (from one wait's end to the next), the GPU's
+    time in the replay, after it and before the next (idle but for the plan's upload), and
+    the host's :data:`PHASES` between a wait's end and the next replay's launch."""
+    with stamped(engine) as (stamps, events):
+        run(steps)
+        torch.cuda.synchronize()
+    gpu = dict.fromkeys(("GPU: replayed step", "GPU: after it", "GPU: before the next"), 0.0)
+    kinds = [name for name, _ in events]
+    steady = 0
+    for i in range(len(events) - 3):  # a wait, a replay's start and end, the next wait
+        if kinds[i:i + 4] == ["wait", "start", "end", "wait"]:
+            (_, w0), (_, a), (_, b), (_, w1) = events[i:i + 4]
+            gpu["GPU: before the next"] += w0.elapsed_time(a)
+            gpu["GPU: replayed step"] += a.elapsed_time(b)
+            gpu["GPU: after it"] += b.elapsed_time(w1)
+            steady += 1
+    host = dict.fromkeys(PHASES.values(), 0.0)
+    walls, synced, prev = [], None, None  # prev: the last stamp of the open window
+    for name, t in stamps:
+        if name == "synced":
+            if synced is not None and prev is None:  # a replay was launched since
+                walls.append(t - synced)
+            synced, prev = t, t
+        elif prev is not None and name in PHASES:
+            host[PHASES[name]] += t - prev
+            prev = None if name == "launched" else t
+    out = {"ms/step (wait to wait)": 1e3 * sum(walls) / max(len(walls), 1)}
+    out.update({k: v / max(steady, 1) for k, v in gpu.items()})  # elapsed_time is in ms
+    out.update({f"host: {k}": 1e3 * v / max(len(walls), 1) for k, v in host.items()})
+    out["steps"] = min(steady, len(walls))
+    return out
+
+
 def main(argv: list[str]) -> None:
     model, tok = load_random("random:llama-3-8b", "cuda")
     engine = TreeEngine(model, tok, num_pages=4096)
@@ -85,6 +194,11 @@ def main(argv: list[str]) -> None:
             n = STEPS - 1
             print(f"  {1e6 * own / n:8.1f} {1e6 * cum / n:8.1f} {calls / n:6.1f}  "
                   f"{Path(file).name}:{line}({func})")
+        path = critical_path(engine, run, STEPS)
+        print(f"\n== {name}: the critical path of {path.pop('steps')} steady steps, ms per step "
+              "(events and clock stamps, no profiler):")
+        for what, ms in path.items():
+            print(f"  {ms:8.3f}  {what}")
 
 
 if __name__ == "__main__":
