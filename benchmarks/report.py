@@ -161,8 +161,24 @@ def join_records(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
 
 def append_record(path: str | os.PathLike[str], rec: dict[str, Any]) -> None:
     """Join ``rec`` to the record at ``path`` (:func:`join_records`), or write it there if
-    there is none yet."""
-    write_record(path, join_records(load_record(path), rec) if Path(path).is_file() else rec)
+    there is none yet (an empty file is none). Runs that append to one path at once take
+    turns: each holds an exclusive lock on the file (``flock``) from its read to its write,
+    so none loses another's rows."""
+    import fcntl
+
+    check_record(rec, str(path))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+", encoding="utf-8") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        f.seek(0)
+        text = f.read()
+        if text:
+            old = json.loads(text)
+            check_record(old, str(path))
+            rec = join_records(old, rec)
+        f.seek(0)
+        f.truncate()
+        f.write(dumps_record(rec))
 
 
 def load_record(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -127,3 +127,30 @@ def test_bench_append_joins_runs_into_one_record(tmp_path, capsys):
     assert main(["bench", "plan", "--workload", "few-shot b=20", "--json",
                  str(tmp_path / "bad.json"), "--append"]) == 2
     assert "holds no result record" in capsys.readouterr().err
+
+
+def _append_runs(path: str, worker: int, runs: int) -> None:
+    from benchmarks.report import append_record
+
+    for i in range(runs):
+        append_record(path, {"gpu": "G", "commit": "abc", "date": f"d{worker}",
+                             "command": f"run {worker}.{i}", "rows": [{"run": f"{worker}.{i}"}]})
+
+
+def test_append_record_from_processes_at_once_keeps_every_run(tmp_path):
+    import multiprocessing
+
+    path = tmp_path / "sub" / "joined.json"
+    path.parent.mkdir()
+    path.write_text("")  # an empty file holds no record yet
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_append_runs, args=(str(path), w, 8)) for w in range(6)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0] * 6
+    rec = load_record(path)
+    assert sorted(r["run"] for r in rec["rows"]) == sorted(f"{w}.{i}" for w in range(6)
+                                                           for i in range(8))
+    assert len(rec["command"].split("; then ")) == 48

@@ -164,7 +164,7 @@ def _appending(run: Callable[[argparse.Namespace], None]) -> Callable[[argparse.
             raise CliError("--append: joins this run's record to the one at --json PATH; give --json")
         if getattr(args, "speculative", False):
             raise CliError("--append: not with --speculative (it writes a second record)")
-        if os.path.exists(target):
+        if os.path.exists(target) and os.path.getsize(target):  # an empty file holds none yet
             try:
                 commit = load_record(target)["commit"]
             except (OSError, ValueError) as exc:
