@@ -5,7 +5,10 @@ A small random Llama (one layer) whose forward is replaced by rows of precompute
 logits over a ``--vocab``-entry vocabulary, so every step's time is host work. Loops:
 ``greedy32`` (greedy decoding of 32 prompts of 1,000 tokens, the e2e suite's "greedy, 32
 prompts"), ``sampled32`` (the same prompts sampled at temperature 0.8, a request each), ``topp32``
-(the same with top-p 0.9), ``beam16`` (beam search k=16 from one 2,000-token prompt). Prints ms of host
+(the same with top-p 0.9), ``beam16`` (beam search k=16 from one 2,000-token prompt),
+``verify256`` (the e2e suite's "Medusa APPS-256 verify": the APPS-256 draft tree added under a
+4,000-token prompt, its logits' argmax read, the tree pruned, each step; needs
+``$DEFT_WORKLOADS``, default ``.workloads``). Prints ms of host
 work per decode step: a run of ``--steps`` new tokens minus a run of one, best of
 ``--repeats``; with ``--profile``, cProfile's top functions of one run. On the CPU the picks
 run as PyTorch ops on the host; with ``--device cuda`` the forward is stubbed the same way,
@@ -26,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-LOOPS = ("greedy32", "sampled32", "topp32", "beam16")
+LOOPS = ("greedy32", "sampled32", "topp32", "beam16", "verify256")
 TABLE = 256  # rows of precomputed logits a step's rows are sliced from
 
 
@@ -67,8 +70,26 @@ def main() -> None:
     def prompt(n: int, seed: int) -> list[int]:
         return torch.randint(258, a.vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
+    def verify(n: int, prompt: list[int], parents: list[int]) -> None:
+        root = engine.add_prompt(prompt[:-1])
+        engine.extend([(root, prompt[-1:])])
+        tokens = list(range(len(parents)))
+        for _ in range(n):
+            nodes, logits = engine.extend_tree(root, parents, tokens)
+            logits.argmax(-1).tolist()
+            engine.cache.prune(nodes[0])
+        engine.cache.prune(root)
+
     def loop(name: str):
         """A run of ``name`` with ``n`` new tokens per sequence, as a callable of ``n``."""
+        if name == "verify256":
+            import os
+
+            from benchmarks.trees import apps_tree, medusa_parents
+
+            workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
+            parents = medusa_parents(apps_tree(256, workloads))
+            return lambda n, p=prompt(4000, 7): verify(n, p, parents)
         if name != "beam16":
             prompts = [prompt(1000, i) for i in range(32)]
             hot, top_p = {"greedy32": (0.0, 1.0), "sampled32": (0.8, 1.0), "topp32": (0.8, 0.9)}[name]
