@@ -229,3 +229,38 @@ def test_releasing_many_nodes_at_once_matches_the_loop(monkeypatch):
         random_ops(cache, np.random.default_rng(2), 300)
         final.append(snapshot(cache))
     assert final[0] == final[1]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_pruning_many_nodes_at_once_matches_pruning_them_in_turn(page_size):
+    """``prune_many`` against ``prune`` of each node still live, in order, on twin caches
+    grown alike: nodes listed twice, nested in another's subtree or above it, with and
+    without releasing unused ancestors, with kept ones. The same nodes, slots, page users,
+    free pages (as a set: one pass frees them in another order), used pages' fill pointers
+    and live slots."""
+    for seed in range(40):
+        caches = [TreeKVCache(num_pages=64, page_size=page_size) for _ in range(2)]
+        for c in caches:
+            random_ops(c, np.random.default_rng(seed), 60)
+        rng = np.random.default_rng(1000 + seed)
+        live = caches[0].live_nodes
+        if not live:
+            continue
+        nodes = rng.choice(live, int(rng.integers(1, min(len(live), 6) + 1))).tolist()
+        release = bool(rng.integers(2))
+        keep = rng.choice(live, int(rng.integers(0, 3))).tolist()
+        removed = caches[0].prune_many(nodes, release, keep)
+        gone = []
+        for n in nodes:
+            if caches[1].is_live(n):
+                gone += caches[1].prune(n, release, [k for k in keep if caches[1].is_live(k)])
+        assert sorted(removed) == sorted(gone) and len(set(removed)) == len(removed)
+        (a_nodes, a_refs, a_free, a_fill, a_live), (b_nodes, b_refs, b_free, b_fill, b_live) = \
+            (snapshot(c) for c in caches)
+        assert a_nodes == b_nodes and a_refs == b_refs and a_live == b_live
+        assert sorted(a_free) == sorted(b_free)
+        used = np.array(a_refs) > 0  # (a free page's fill pointer is set when it is taken)
+        np.testing.assert_array_equal(np.array(a_fill)[used], np.array(b_fill)[used])
+        check_state(caches[0])
+        with pytest.raises(ValueError, match=r"nodes\[0\]: expected a live node id"):
+            caches[0].prune_many([removed[0]])

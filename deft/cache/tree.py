@@ -250,18 +250,32 @@ class TreeKVCache:
         in ``keep`` (nodes that still have queries of their own, or a prompt to reuse).
         Pages no live node uses any more return to the free list.
         """
-        nd = self._get(node)
+        return self.prune_many([node], release_unused_ancestors, keep)
+
+    def prune_many(
+        self, nodes: Sequence[int], release_unused_ancestors: bool = False,
+        keep: Collection[int] = ()
+    ) -> list[int]:
+        """:meth:`prune` of each of ``nodes`` at once, as if one after the other (a node in
+        an earlier one's subtree goes with it): what is left is the same, in one pass over
+        the pages (beam search drops several beams a step). Returns the removed ids."""
+        tops = [self._get(node, f"nodes[{i}]") for i, node in enumerate(nodes)]
+        if not tops:
+            return []
         keep_ids = {self._get(k, "keep").id for k in keep}
-        removed, cur = self._bottom_up([nd]), nd
+        removed = self._bottom_up(tops)
+        if len(tops) > 1:  # a node listed twice, or inside another's subtree, goes once
+            removed = list(dict.fromkeys(removed))  # (its first place is after its children)
+        gone = {nd.id for nd in removed}
         if release_unused_ancestors:
-            while (
-                cur.parent is not None
-                and len(cur.parent.children) == 1
-                and cur.parent.id not in keep_ids
-            ):
-                cur = cur.parent
-                removed.append(cur)
-        self._remove(removed, [cur])
+            for cur in tops:
+                par = cur.parent
+                while (par is not None and par.id not in gone and par.id not in keep_ids
+                       and all(c in gone for c in par.children)):
+                    removed.append(par)
+                    gone.add(par.id)
+                    par = par.parent
+        self._remove(removed, [nd for nd in removed if nd.parent is None or nd.parent.id not in gone])
         return [r.id for r in removed]
 
     def commit_path(self, leaf: int, path: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

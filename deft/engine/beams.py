@@ -158,9 +158,8 @@ class BeamSearch:
 
     def release(self, keep: Collection[int] = ()) -> None:
         """End the search now (a cancel) and prune the running beams."""
-        for b in self.running:
-            if self.cache.is_live(b.node):
-                self.cache.prune(b.node, release_unused_ancestors=True, keep=keep)
+        self.cache.prune_many([b.node for b in self.running if self.cache.is_live(b.node)],
+                              release_unused_ancestors=True, keep=keep)
         self.running, self.logits, self.feed, self.done = [], None, [], True
 
     def results(self, tokenizer: Tokenizer, stats: dict[str, Any]) -> list[GenerationResult]:
@@ -217,14 +216,12 @@ class BeamSearch:
         """Move the K/V from ``parents`` to the new beams; the (node, [token]) items to compute."""
         cache = self.cache
         if self.done:
-            for b in parents:
-                cache.prune(b.node, release_unused_ancestors=True, keep=keep)
+            cache.prune_many([b.node for b in parents], release_unused_ancestors=True, keep=keep)
             self.running = []
             return []
         by_node = Counter(b.node for b in self.running)
-        for b in parents:
-            if b.node not in by_node:
-                cache.prune(b.node, release_unused_ancestors=True, keep=keep)
+        cache.prune_many([b.node for b in parents if b.node not in by_node],
+                         release_unused_ancestors=True, keep=keep)
         forks = {node: cache.fork(node, n) for node, n in by_node.items() if n > 1}
         items = []
         for b in self.running:
