@@ -14,13 +14,19 @@ work per decode step: a run of ``--steps`` new tokens minus a run of one, best o
 run as PyTorch ops on the host; with ``--device cuda`` the forward is stubbed the same way,
 so the figure includes launching the picks but no model.
 
+With ``--graph-plan`` (CPU only) the runner's part stays: each step is planned into its
+CUDA-graph bucket as an H200's engine plans it (Llama-3-8B's heads in one layer) and its
+inputs staged, and only the replayed forward is stubbed, so the figure is the host's whole
+part of a step that waits for the GPU (beam search, verification) but the graph's launch.
+
 Usage: python tools/host_work.py [LOOP ...] [--vocab N] [--steps N] [--repeats N]
-[--device DEV] [--profile]
+[--device DEV] [--profile] [--graph-plan]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import sys
@@ -30,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 LOOPS = ("greedy32", "sampled32", "topp32", "beam16", "verify256")
-TABLE = 256  # rows of precomputed logits a step's rows are sliced from
+TABLE, MAX_ROWS = 512, 256  # rows of precomputed logits, and at most a step's, sliced from them
 
 
 def main() -> None:
@@ -45,12 +51,23 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed runs, best kept (default 5)")
     ap.add_argument("--device", default="cpu", help="the engine's device (default cpu)")
     ap.add_argument("--profile", action="store_true", help="also print cProfile's top functions")
+    ap.add_argument("--graph-plan", action="store_true",
+                    help="keep the runner's part: each step is planned into its CUDA-graph bucket "
+                    "as on an H200 (the triton backend's sm90 configs, 132 SMs; Llama-3-8B's 32 "
+                    "query and 8 KV heads of 128 in one layer) and its inputs staged, only the "
+                    "replayed forward is stubbed (CPU only)")
     a = ap.parse_args()
     unknown = [n for n in a.loops if n not in LOOPS]
     if unknown:
         ap.error(f"unknown loop(s) {unknown}; known: {', '.join(LOOPS)}")
     if a.vocab < 259 or a.steps < 2 or a.repeats < 1:
         ap.error("expected --vocab >= 259, --steps >= 2 and --repeats >= 1")
+    if a.graph_plan and a.device != "cpu":
+        ap.error("--graph-plan: on the CPU only (it plans as an H200 would)")
+    if a.graph_plan:
+        import os
+
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # the triton backend on CPU tensors
 
     import torch
 
@@ -58,13 +75,35 @@ def main() -> None:
     from deft.model import LlamaConfig
     from deft.model.synthetic import byte_tokenizer, random_model
 
-    config = LlamaConfig(vocab_size=a.vocab, hidden_size=64, intermediate_size=128,
-                         num_layers=1, num_heads=2, num_kv_heads=1, max_position_embeddings=4096)
-    engine = TreeEngine(random_model(config, a.device), byte_tokenizer(a.vocab), num_pages=8192)
+    heads = dict(hidden_size=4096, num_heads=32, num_kv_heads=8) if a.graph_plan else \
+        dict(hidden_size=64, num_heads=2, num_kv_heads=1)
+    config = LlamaConfig(vocab_size=a.vocab, intermediate_size=128, num_layers=1,
+                         max_position_embeddings=8192, **heads)
+    engine = TreeEngine(random_model(config, a.device), byte_tokenizer(a.vocab),
+                        **(dict(num_pages=1024, backend="triton") if a.graph_plan else
+                           dict(num_pages=8192)))
     gen = torch.Generator().manual_seed(0)
     table = torch.randn(TABLE, a.vocab, generator=gen).to(engine.device)
-    offsets = iter(torch.randint(0, TABLE - 32, (1 << 20,), generator=gen).tolist())
-    engine.runner.run = lambda step: table[next(offsets):][:len(step.logits_rows)].clone()
+    offsets = iter(torch.randint(0, TABLE - MAX_ROWS, (1 << 20,), generator=gen).tolist())
+
+    def rows(n: int) -> torch.Tensor:
+        return table[next(offsets):][:n].clone()
+
+    stub = lambda step: rows(len(step.logits_rows))  # noqa: E731
+    engine.runner.run = stub
+    if a.graph_plan:
+        from benchmarks.sweep import planned_as_h200
+        from deft.engine.graphs import StepGraphs
+
+        runner = engine.runner
+        graphs = runner.graphs = StepGraphs(runner.model, runner.pool,
+                                            engine.config.num_pages * engine.config.page_size)
+        graphs._forward = lambda b, n: rows(n)
+        del engine.runner.run  # the runner's own, planning into the buckets
+        full = runner.run
+        # A prompt computed in one step of more queries than the largest bucket would run
+        # eagerly: it is no decode step's host work.
+        runner.run = lambda step: full(step) if graphs.bucket(step.num_queries) else stub(step)
     never = frozenset()
 
     def prompt(n: int, seed: int) -> list[int]:
@@ -105,18 +144,20 @@ def main() -> None:
             torch.cuda.synchronize()
         return time.perf_counter() - t
 
-    for name in a.loops:
-        run = loop(name)
-        timed(run, 4)
-        best = min(timed(run, a.steps) - timed(run, 1) for _ in range(a.repeats))
-        print(f"{name}: {best / (a.steps - 1) * 1e3:.3f} ms of host work per decode step "
-              f"(vocabulary {a.vocab}, {engine.device})", flush=True)
-        if a.profile:
-            pr = cProfile.Profile()
-            pr.enable()
-            run(a.steps)
-            pr.disable()
-            pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+    with planned_as_h200() if a.graph_plan else contextlib.nullcontext():
+        for name in a.loops:
+            run = loop(name)
+            timed(run, 4)
+            best = min(timed(run, a.steps) - timed(run, 1) for _ in range(a.repeats))
+            print(f"{name}: {best / (a.steps - 1) * 1e3:.3f} ms of host work per decode step "
+                  f"(vocabulary {a.vocab}, {engine.device}"
+                  f"{', planned into graph buckets' if a.graph_plan else ''})", flush=True)
+            if a.profile:
+                pr = cProfile.Profile()
+                pr.enable()
+                run(a.steps)
+                pr.disable()
+                pstats.Stats(pr).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
