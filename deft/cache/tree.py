@@ -250,7 +250,19 @@ class TreeKVCache:
         in ``keep`` (nodes that still have queries of their own, or a prompt to reuse).
         Pages no live node uses any more return to the free list.
         """
-        return self.prune_many([node], release_unused_ancestors, keep)
+        nd = self._get(node)
+        keep_ids = {self._get(k, "keep").id for k in keep}
+        removed, cur = self._bottom_up([nd]), nd
+        if release_unused_ancestors:
+            while (
+                cur.parent is not None
+                and len(cur.parent.children) == 1
+                and cur.parent.id not in keep_ids
+            ):
+                cur = cur.parent
+                removed.append(cur)
+        self._remove(removed, [cur])
+        return [r.id for r in removed]
 
     def prune_many(
         self, nodes: Sequence[int], release_unused_ancestors: bool = False,
@@ -260,12 +272,12 @@ class TreeKVCache:
         an earlier one's subtree goes with it): what is left is the same, in one pass over
         the pages (beam search drops several beams a step). Returns the removed ids."""
         tops = [self._get(node, f"nodes[{i}]") for i, node in enumerate(nodes)]
-        if not tops:
-            return []
+        if len(tops) < 2:
+            return self.prune(tops[0].id, release_unused_ancestors, keep) if tops else []
         keep_ids = {self._get(k, "keep").id for k in keep}
-        removed = self._bottom_up(tops)
-        if len(tops) > 1:  # a node listed twice, or inside another's subtree, goes once
-            removed = list(dict.fromkeys(removed))  # (its first place is after its children)
+        # A node listed twice, or inside another's subtree, goes once (its first place in
+        # the bottom-up order is after its children).
+        removed = list(dict.fromkeys(self._bottom_up(tops)))
         gone = {nd.id for nd in removed}
         if release_unused_ancestors:
             for cur in tops:
