@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from itertools import islice
 from typing import TYPE_CHECKING, Any, Collection, Sequence
 
 import numpy as np
@@ -200,8 +201,8 @@ class BeamSearch:
             del self.finished[k:]
 
         parents = self.running
-        self.running = [_Beam(parents[beam].node, parents[beam].tokens + [tok], v)
-                        for (v, beam, tok), hit in zip(cands, hits) if not hit][:k]
+        self.running = list(islice((_Beam(parents[beam].node, parents[beam].tokens + [tok], v)
+                                    for (v, beam, tok), hit in zip(cands, hits) if not hit), k))
         self.logits = None
         if self.running:
             best_len = self.max_new if early_stopping == "never" and lp > 0 else gen_len
