@@ -8,7 +8,7 @@ prompts"), ``sampled32`` (the same prompts sampled at temperature 0.8, a request
 (the same with top-p 0.9), ``beam16`` (beam search k=16 from one 2,000-token prompt),
 ``verify256`` (the e2e suite's "Medusa APPS-256 verify": the APPS-256 draft tree added under a
 4,000-token prompt, its logits' argmax read, the tree pruned, each step; needs
-``$DEFT_WORKLOADS``, default ``.workloads``). Prints ms of host
+``$DEFT_WORKLOADS``, default ``.workloads``; not run unless named). Prints ms of host
 work per decode step: a run of ``--steps`` new tokens minus a run of one, best of
 ``--repeats``; with ``--profile``, cProfile's top functions of one run. On the CPU the picks
 run as PyTorch ops on the host; with ``--device cuda`` the forward is stubbed the same way,
@@ -16,8 +16,9 @@ so the figure includes launching the picks but no model.
 
 With ``--graph-plan`` (CPU only) the runner's part stays: each step is planned into its
 CUDA-graph bucket as an H200's engine plans it (Llama-3-8B's heads in one layer) and its
-inputs staged, and only the replayed forward is stubbed, so the figure is the host's whole
-part of a step that waits for the GPU (beam search, verification) but the graph's launch.
+inputs staged, and only the replayed forward is stubbed, so the figure is all of the host's
+part of a step that waits for the GPU (beam search, verification) but the graph's launch
+itself.
 
 Usage: python tools/host_work.py [LOOP ...] [--vocab N] [--steps N] [--repeats N]
 [--device DEV] [--profile] [--graph-plan]
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import os
 import pstats
 import sys
 import time
@@ -42,8 +44,9 @@ TABLE, MAX_ROWS = 512, 256  # rows of precomputed logits, and at most a step's, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("loops", nargs="*", default=list(LOOPS), metavar="LOOP",
-                    help=f"decode loops to time, of {', '.join(LOOPS)} (default: all)")
+    ap.add_argument("loops", nargs="*", default=list(LOOPS[:-1]), metavar="LOOP",
+                    help=f"decode loops to time, of {', '.join(LOOPS)} (default: all but "
+                    f"{LOOPS[-1]})")
     ap.add_argument("--vocab", type=int, default=1000, help="vocabulary size, at least 259 "
                     "(default 1000)")
     ap.add_argument("--steps", type=int, default=64, help="new tokens of a timed run, at least 2 "
@@ -65,8 +68,6 @@ def main() -> None:
     if a.graph_plan and a.device != "cpu":
         ap.error("--graph-plan: on the CPU only (it plans as an H200 would)")
     if a.graph_plan:
-        import os
-
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the triton backend on CPU tensors
 
     import torch
@@ -89,21 +90,23 @@ def main() -> None:
     def rows(n: int) -> torch.Tensor:
         return table[next(offsets):][:n].clone()
 
-    stub = lambda step: rows(len(step.logits_rows))  # noqa: E731
-    engine.runner.run = stub
+    def stub(step):  # the logits a step returns, from the table
+        return rows(len(step.logits_rows))
+
+    runner = engine.runner
     if a.graph_plan:
         from benchmarks.sweep import planned_as_h200
         from deft.engine.graphs import StepGraphs
 
-        runner = engine.runner
         graphs = runner.graphs = StepGraphs(runner.model, runner.pool,
                                             engine.config.num_pages * engine.config.page_size)
         graphs._forward = lambda b, n: rows(n)
-        del engine.runner.run  # the runner's own, planning into the buckets
-        full = runner.run
+        planned = runner.run
         # A prompt computed in one step of more queries than the largest bucket would run
         # eagerly: it is no decode step's host work.
-        runner.run = lambda step: full(step) if graphs.bucket(step.num_queries) else stub(step)
+        runner.run = lambda step: planned(step) if graphs.bucket(step.num_queries) else stub(step)
+    else:
+        runner.run = stub
     never = frozenset()
 
     def prompt(n: int, seed: int) -> list[int]:
@@ -122,8 +125,6 @@ def main() -> None:
     def loop(name: str):
         """A run of ``name`` with ``n`` new tokens per sequence, as a callable of ``n``."""
         if name == "verify256":
-            import os
-
             from benchmarks.trees import apps_tree, medusa_parents
 
             workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
