@@ -163,7 +163,8 @@ def append_record(path: str | os.PathLike[str], rec: dict[str, Any]) -> None:
     """Join ``rec`` to the record at ``path`` (:func:`join_records`), or write it there if
     there is none yet (an empty file is none). Runs that append to one path at once take
     turns: each holds an exclusive lock on the file (``flock``) from its read to its write,
-    so none loses another's rows."""
+    so none loses another's rows; a join or serialisation that fails leaves the file as it
+    was."""
     import fcntl
 
     check_record(rec, str(path))
@@ -171,14 +172,31 @@ def append_record(path: str | os.PathLike[str], rec: dict[str, Any]) -> None:
     with open(path, "a+", encoding="utf-8") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
         f.seek(0)
-        text = f.read()
-        if text:
-            old = json.loads(text)
-            check_record(old, str(path))
-            rec = join_records(old, rec)
+        old = f.read()
+        if old:
+            first = json.loads(old)
+            check_record(first, str(path))
+            rec = join_records(first, rec)
+        text = dumps_record(rec)  # before the file is cut
         f.seek(0)
         f.truncate()
-        f.write(dumps_record(rec))
+        f.write(text)
+
+
+def record_commit(path: str | os.PathLike[str]) -> str | None:
+    """The commit of the record at ``path``, read under a shared lock (not while a run
+    appends to it, :func:`append_record`); ``None`` for an empty file. ``ValueError`` for a
+    file that holds no record."""
+    import fcntl
+
+    with open(path, encoding="utf-8") as f:
+        fcntl.flock(f, fcntl.LOCK_SH)
+        text = f.read()
+    if not text:
+        return None
+    rec = json.loads(text)
+    check_record(rec, str(path))
+    return rec["commit"]
 
 
 def load_record(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -154,3 +154,22 @@ def test_append_record_from_processes_at_once_keeps_every_run(tmp_path):
     assert sorted(r["run"] for r in rec["rows"]) == sorted(f"{w}.{i}" for w in range(6)
                                                            for i in range(8))
     assert len(rec["command"].split("; then ")) == 48
+
+
+def test_append_record_that_fails_leaves_the_file_as_it_was(tmp_path):
+    from benchmarks.report import append_record, record_commit
+
+    path = tmp_path / "r.json"
+    first = {"gpu": "G", "commit": "abc", "date": "d", "command": "c", "rows": [{"run": 1}]}
+    append_record(path, first)
+    before = path.read_text()
+    assert record_commit(path) == "abc"
+    for bad, err in (({**first, "commit": "def"}, ValueError),  # another commit's run
+                     ({**first, "rows": [{"run": object()}]}, TypeError)):  # not JSON
+        with pytest.raises(err):
+            append_record(path, bad)
+        assert path.read_text() == before
+    path.write_text("")
+    assert record_commit(path) is None  # an empty file holds no record yet
+    append_record(path, first)
+    assert load_record(path)["rows"] == [{"run": 1}]

@@ -14,7 +14,7 @@ work per decode step: a run of ``--steps`` new tokens minus a run of one, best o
 run as PyTorch ops on the host; with ``--device cuda`` the forward is stubbed the same way,
 so the figure includes launching the picks but no model.
 
-With ``--graph-plan`` (CPU only) the runner's part stays: each step is planned into its
+With ``--graph-plan`` (CPU only; ``beam16`` and ``verify256``) the runner's part stays: each step is planned into its
 CUDA-graph bucket as an H200's engine plans it (Llama-3-8B's heads in one layer) and its
 inputs staged, and only the replayed forward is stubbed, so the figure is all of the host's
 part of a step that waits for the GPU (beam search, verification) but the graph's launch
@@ -38,15 +38,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 LOOPS = ("greedy32", "sampled32", "topp32", "beam16", "verify256")
+WAITING = ("beam16", "verify256")  # the loops whose host work the GPU waits for
 TABLE, MAX_ROWS = 512, 256  # rows of precomputed logits, and at most a step's, sliced from them
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("loops", nargs="*", default=list(LOOPS[:-1]), metavar="LOOP",
+    ap.add_argument("loops", nargs="*", metavar="LOOP",
                     help=f"decode loops to time, of {', '.join(LOOPS)} (default: all but "
-                    f"{LOOPS[-1]})")
+                    f"{LOOPS[-1]}; with --graph-plan, {' and '.join(WAITING)})")
     ap.add_argument("--vocab", type=int, default=1000, help="vocabulary size, at least 259 "
                     "(default 1000)")
     ap.add_argument("--steps", type=int, default=64, help="new tokens of a timed run, at least 2 "
@@ -60,6 +61,7 @@ def main() -> None:
                     "query and 8 KV heads of 128 in one layer) and its inputs staged, only the "
                     "replayed forward is stubbed (CPU only)")
     a = ap.parse_args()
+    a.loops = a.loops or list(WAITING if a.graph_plan else LOOPS[:-1])
     unknown = [n for n in a.loops if n not in LOOPS]
     if unknown:
         ap.error(f"unknown loop(s) {unknown}; known: {', '.join(LOOPS)}")
@@ -67,6 +69,9 @@ def main() -> None:
         ap.error("expected --vocab >= 259, --steps >= 2 and --repeats >= 1")
     if a.graph_plan and a.device != "cpu":
         ap.error("--graph-plan: on the CPU only (it plans as an H200 would)")
+    if a.graph_plan and set(a.loops) - set(WAITING):
+        ap.error(f"--graph-plan: for the loops that wait for each step ({', '.join(WAITING)}); "
+                 "its pool does not hold 32 prompts")
     if a.graph_plan:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the triton backend on CPU tensors
 
@@ -98,6 +103,8 @@ def main() -> None:
         from benchmarks.sweep import planned_as_h200
         from deft.engine.graphs import StepGraphs
 
+        # The scratch slot lies past the pool (the engine adds a page for it on CUDA): only
+        # the stubbed forward would write it.
         graphs = runner.graphs = StepGraphs(runner.model, runner.pool,
                                             engine.config.num_pages * engine.config.page_size)
         graphs._forward = lambda b, n: rows(n)

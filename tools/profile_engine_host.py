@@ -138,9 +138,10 @@ def stamped(engine: TreeEngine):
 
 
 def critical_path(engine: TreeEngine, run, steps: int) -> dict[str, float]:
-    """ms per steady step of ``run(steps)``: wall (from one wait's end to the next), the GPU's
-    time in the replay, after it and before the next (idle but for the plan's upload), and
-    the host's :data:`PHASES` between a wait's end and the next replay's launch."""
+    """ms per steady step of ``run(steps)``: wall (from one wait's end to the next, over
+    the waits a replay follows), the GPU's time in the replay, after it and before the next
+    (idle but for the copy of the scores to the host and the plan's upload), and the host's
+    :data:`PHASES` between a wait's end and the next replay's launch."""
     with stamped(engine) as (stamps, events):
         run(steps)
         torch.cuda.synchronize()
@@ -156,13 +157,16 @@ def critical_path(engine: TreeEngine, run, steps: int) -> dict[str, float]:
             steady += 1
     host = dict.fromkeys(PHASES.values(), 0.0)
     walls, synced, prev = [], None, None  # prev: the last stamp of the open window
+    window: dict[str, float] = {}  # its phases: counted once a replay closes it
     for name, t in stamps:
         if name == "synced":
             if synced is not None and prev is None:  # a replay was launched since
                 walls.append(t - synced)
-            synced, prev = t, t
+                for k, v in window.items():
+                    host[k] += v
+            synced, prev, window = t, t, {}
         elif prev is not None and name in PHASES:
-            host[PHASES[name]] += t - prev
+            window[PHASES[name]] = window.get(PHASES[name], 0.0) + t - prev
             prev = None if name == "launched" else t
     out = {"ms/step (wait to wait)": 1e3 * sum(walls) / max(len(walls), 1)}
     out.update({k: v / max(steady, 1) for k, v in gpu.items()})  # elapsed_time is in ms

@@ -268,25 +268,29 @@ class TreeKVCache:
         self, nodes: Sequence[int], release_unused_ancestors: bool = False,
         keep: Collection[int] = ()
     ) -> list[int]:
-        """:meth:`prune` of each of ``nodes`` at once, as if one after the other (a node in
-        an earlier one's subtree goes with it): what is left is the same, in one pass over
-        the pages (beam search drops several beams a step). Returns the removed ids."""
+        """:meth:`prune` of each of ``nodes`` in turn (a node an earlier one removed is
+        skipped), in one pass over the pages (beam search drops several beams a step): the
+        same nodes go, in the same order, so the layout's node order is the same too. Only
+        placement can differ: the freed pages go on the free list in one sorted run, and a
+        surviving parent whose group page is freed forgets it. Returns the removed ids."""
         tops = [self._get(node, f"nodes[{i}]") for i, node in enumerate(nodes)]
         if len(tops) < 2:
             return self.prune(tops[0].id, release_unused_ancestors, keep) if tops else []
         keep_ids = {self._get(k, "keep").id for k in keep}
-        # A node listed twice, or inside another's subtree, goes once (its first place in
-        # the bottom-up order is after its children).
-        removed = list(dict.fromkeys(self._bottom_up(tops)))
-        gone = {nd.id for nd in removed}
-        if release_unused_ancestors:
-            for cur in tops:
-                par = cur.parent
-                while (par is not None and par.id not in gone and par.id not in keep_ids
-                       and all(c in gone for c in par.children)):
-                    removed.append(par)
-                    gone.add(par.id)
-                    par = par.parent
+        removed: list[Node] = []
+        gone: set[int] = set()
+        for cur in tops:  # as prune of each in turn: what is left of its subtree, bottom-up,
+            if cur.id in gone:  # then the ancestors that leaves without children
+                continue
+            sub = [nd for nd in self._bottom_up([cur]) if nd.id not in gone]
+            removed += sub
+            gone.update(nd.id for nd in sub)
+            par = cur.parent
+            while (release_unused_ancestors and par is not None and par.id not in keep_ids
+                   and all(c in gone for c in par.children)):
+                removed.append(par)
+                gone.add(par.id)
+                par = par.parent
         self._remove(removed, [nd for nd in removed if nd.parent is None or nd.parent.id not in gone])
         return [r.id for r in removed]
 

@@ -157,20 +157,21 @@ def _appending(run: Callable[[argparse.Namespace], None]) -> Callable[[argparse.
         if not args.append:
             run(args)
             return
-        from benchmarks.report import append_record, current_commit, load_record, write_record
+        from benchmarks.report import (append_record, current_commit, load_record, record_commit,
+                                       write_record)
 
         target = args.json
         if not target:
             raise CliError("--append: joins this run's record to the one at --json PATH; give --json")
         if getattr(args, "speculative", False):
             raise CliError("--append: not with --speculative (it writes a second record)")
-        if os.path.exists(target) and os.path.getsize(target):  # an empty file holds none yet
+        if os.path.exists(target):
             try:
-                commit = load_record(target)["commit"]
+                commit = record_commit(target)
             except (OSError, ValueError) as exc:
                 raise CliError(f"--append: {target} holds no result record to join: {exc}") from exc
             here = current_commit()
-            if commit != here:
+            if commit is not None and commit != here:
                 raise CliError(f"--append: {target} holds a run of commit {commit}, this checkout "
                                f"is {here}: a record is one commit's")
         with tempfile.TemporaryDirectory() as tmp:
