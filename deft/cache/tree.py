@@ -279,8 +279,10 @@ class TreeKVCache:
         keep_ids = {self._get(k, "keep").id for k in keep}
         removed: list[Node] = []
         gone: set[int] = set()
-        for cur in tops:  # as prune of each in turn: what is left of its subtree, bottom-up,
-            if cur.id in gone:  # then the ancestors that leaves without children
+        # As prune of each in turn: what is left of its subtree, bottom-up, then the
+        # ancestors that leaves without children.
+        for cur in tops:
+            if cur.id in gone:
                 continue
             sub = [nd for nd in self._bottom_up([cur]) if nd.id not in gone]
             removed += sub
