@@ -174,9 +174,7 @@ def append_record(path: str | os.PathLike[str], rec: dict[str, Any]) -> None:
         f.seek(0)
         old = f.read()
         if old:
-            first = json.loads(old)
-            check_record(first, str(path))
-            rec = join_records(first, rec)
+            rec = join_records(_parse_record(old, path), rec)
         text = dumps_record(rec)  # before the file is cut
         f.seek(0)
         f.truncate()
@@ -192,15 +190,16 @@ def record_commit(path: str | os.PathLike[str]) -> str | None:
     with open(path, encoding="utf-8") as f:
         fcntl.flock(f, fcntl.LOCK_SH)
         text = f.read()
-    if not text:
-        return None
-    rec = json.loads(text)
-    check_record(rec, str(path))
-    return rec["commit"]
+    return _parse_record(text, path)["commit"] if text else None
 
 
 def load_record(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A stored result record, checked."""
-    rec = json.loads(Path(path).read_text())
+    return _parse_record(Path(path).read_text(), path)
+
+
+def _parse_record(text: str, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The record stored as ``text`` in the file at ``path``, checked."""
+    rec = json.loads(text)
     check_record(rec, str(path))
     return rec
