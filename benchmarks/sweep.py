@@ -37,9 +37,10 @@ config and coarsening (``deft.plan.coarsen.refine``):
   cost of 256 tokens; masked tiles charged 0 or 256; not cut off, charged 128 or not. The
   graph-safe grid stays as shipped (docs/decisions.md, "Where a graph-safe partial launch
   spends its time").
-* ``tails``: the masked tiles' kernel variants: the masked loop from the block boundary
-  before each tile's ``mask_from`` (``aligned_mask``), a masked block's range loads before
-  its K load (``ranges_first``), and both.
+* ``tails``: the masked tiles' kernel variants, for every K/V width: neither, the masked
+  loop from the block boundary before each tile's ``mask_from`` (``aligned_mask``), a
+  masked block's range loads before its K load (``ranges_first``), or both (shipped on
+  sm_90 over 16-bit K/V; neither over one-byte K/V).
 * ``checks``: the isolation's checks of non-finite K/V: ``checked`` (every check in
   place, each value tested), masked blocks that leave V's values unchecked, with a work
   item whose state comes out non-finite computed again with the checks
@@ -202,9 +203,11 @@ def variants(sweep: str, factors: str = "2,4,8,16,32"
                 ("not apart", v(masked_apart=False), None),
                 ("not apart + masked 0", v(masked_apart=False, masked_cost=0), None)]
     elif sweep == "tails":
-        out += [("aligned mask", v(aligned_mask=True), None),
-                ("ranges first", v(ranges_first=True), None),
-                ("aligned mask + ranges first", v(aligned_mask=True, ranges_first=True), None)]
+        out += [(label, v(aligned_mask=aligned, ranges_first=first), None)
+                for label, aligned, first in (("neither", False, False),
+                                              ("aligned mask", True, False),
+                                              ("ranges first", False, True),
+                                              ("aligned mask + ranges first", True, True))]
     elif sweep == "checks":
         per_value = dict(sum_checks=False, inf_by_fma=False, acc_checks=False)
         out += [("checked", v(deferred_v_checks=False, e4m3_finite_scores=False, **per_value),
@@ -244,8 +247,9 @@ def variant(changes: dict, u: int | Refine | None) -> Iterator[None]:
     :func:`variants`) while the block runs; the shipped ones after."""
     shipped_table, shipped_refine = dict(configs.CONFIGS), plan_step.refine
     opted_out = os.environ.get("DEFT_FASTPLAN")
-    # A variant's cap and block hold for one-byte K/V too.
-    changes = {**{f"kv8_{f}": changes[f] for f in ("maxnreg", "block_n", "deferred_v_checks")
+    # A variant's cap, block, V checks and masked tiles hold for one-byte K/V too.
+    changes = {**{f"kv8_{f}": changes[f] for f in ("maxnreg", "block_n", "deferred_v_checks",
+                                                   "aligned_mask", "ranges_first")
                   if f in changes},
                **changes}
     try:

@@ -39,6 +39,15 @@ CHECK_VARIANTS = {"deferred": {**PER_VALUE, "deferred_v_checks": True},
                                "deferred_v_checks": True}}
 
 
+# The masked tiles' kernel variants, over every K/V width (``aligned_mask`` and
+# ``ranges_first`` with their ``kv8_`` fields): sm_90 takes both over 16-bit K/V, neither
+# over one-byte K/V; the interpreter's config neither.
+TAIL_VARIANTS = {name: {"aligned_mask": a, "kv8_aligned_mask": a, "ranges_first": r,
+                        "kv8_ranges_first": r}
+                 for name, a, r in (("neither", False, False), ("aligned", True, False),
+                                    ("ranges", False, True), ("both", True, True))}
+
+
 class Letters:
     """Characters as token ids modulo ``vocab``: enough for the engine and its strategies
     (encode, decode, no end token)."""

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import Letters, assert_lse_close, random_forest, random_qkv, TOL
+from conftest import Letters, TAIL_VARIANTS, assert_lse_close, random_forest, random_qkv, TOL
 from deft import KVPool, KVSpec, TreeAttention
 from deft.cache.pool import CALIBRATION_HEADROOM, FP8, quantize
 from deft.ops.reference import reference_attention
@@ -178,7 +178,7 @@ def test_bf16_queries_over_fp8_kv_past_the_fp16_range_match_the_reference(backen
 
 
 # The isolation's variants over one-byte K/V take the ``kv8_`` field (``configs.kv_config``).
-VARIANTS = {"shipped": {}, "masked-tile-variants": dict(aligned_mask=True, ranges_first=True),
+VARIANTS = {"shipped": {}, "masked-tile-variants": TAIL_VARIANTS["both"],
             "isolation-variants": dict(kv8_deferred_v_checks=True, e4m3_finite_scores=True)}
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import CHECK_VARIANTS, PER_VALUE, random_forest
+from conftest import CHECK_VARIANTS, PER_VALUE, TAIL_VARIANTS, random_forest
 from deft import PLAN_KINDS, TreeAttention, TreeLayout, merge_states
 from deft.ops.reference import reference_attention, visibility_mask
 from deft.ops.torch_backend import TorchBackend, _Dense
@@ -273,12 +273,13 @@ def test_triton_padded_head_dim(monkeypatch, fused):
 
 
 # Kernel variants (deft.ops.triton.configs.KernelConfig), the same on the interpreter's config
-# and on a GPU's but "shipped": the masked loop from a block boundary before mask_from, that
-# with ranges loaded first, every check in place ("checked") and the isolation checks'
-# (``CHECK_VARIANTS``: V's checks deferred, a work item recomputed with them where its state
-# comes out non-finite, and the flags sm_90 takes).
-VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True},
-            "both": {"aligned_mask": True, "ranges_first": True},
+# and on a GPU's but "shipped": the masked tiles' (``TAIL_VARIANTS``: neither, the masked
+# loop from a block boundary before mask_from, that with ranges loaded first), every check
+# in place ("checked") and the isolation checks' (``CHECK_VARIANTS``: V's checks deferred, a
+# work item recomputed with them where its state comes out non-finite, and the flags sm_90
+# takes).
+VARIANTS = {"shipped": {}, "neither": TAIL_VARIANTS["neither"],
+            "aligned": TAIL_VARIANTS["aligned"], "both": TAIL_VARIANTS["both"],
             "deferred": CHECK_VARIANTS["deferred"],
             "checked": {**PER_VALUE, "deferred_v_checks": False, "kv8_deferred_v_checks": False},
             **CHECK_VARIANTS}
@@ -412,15 +413,15 @@ def test_gpu_torch_backend(path, scenario):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("variant", [{}, {"fuse_merge": True}, VARIANTS["both"],
+@pytest.mark.parametrize("variant", [{}, {"fuse_merge": True}, VARIANTS["neither"],
                                      VARIANTS["checked"]],
-                         ids=["merge-launch", "fused-merge", "masked-tile-variants",
+                         ids=["merge-launch", "fused-merge", "masked-tiles-neither",
                               "checked-v"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
 def test_gpu_triton_isolation(monkeypatch, dtype, graph, variant):
     """The shipped kernel configs (with TMA allowed; the merge fused, the masked tiles'
-    variants, or V's checks in place, in turns) on the Llama-3-8B
+    variants off, or V's checks in place, in turns) on the Llama-3-8B
     attention shape: a prompt with branches in one tree and a second tree, poison in a
     branch, in the second tree and in a spare slot.
     Eagerly K/V are gathered; inside a CUDA graph consecutive-slot tiles load by TMA on

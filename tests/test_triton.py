@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (CHECK_VARIANTS, to_paged, assert_close, assert_lse_close,
+from conftest import (CHECK_VARIANTS, TAIL_VARIANTS, to_paged, assert_close, assert_lse_close,
                       prefer_cuts, random_forest, random_qkv)
 from deft import TreeAttention, TreeLayout, merge_states
 from deft.ops.reference import reference_attention
@@ -16,11 +16,11 @@ from deft.ops.triton import configs, launch  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-# Kernel variants (deft.ops.triton.configs.KernelConfig): the masked tiles' (not shipped) and
-# the isolation checks' (``CHECK_VARIANTS``; the interpreter's config keeps V checked and
-# values tested, and the GPU runs that kernel in test_isolation's "checked-v").
-VARIANTS = {"aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
-            "both": {"aligned_mask": True, "ranges_first": True}, **CHECK_VARIANTS}
+# Kernel variants (deft.ops.triton.configs.KernelConfig): the masked tiles'
+# (``TAIL_VARIANTS``) and the isolation checks' (``CHECK_VARIANTS``; the interpreter's config
+# keeps V checked and values tested, and the GPU runs that kernel in test_isolation's
+# "checked-v").
+VARIANTS = {**TAIL_VARIANTS, **CHECK_VARIANTS}
 
 
 def check(layout, h_q, h_kv, d, dtype, kind="flatten", seed=0, paged=0):
@@ -930,7 +930,7 @@ def test_sweep_plans_need_no_gpu(capsys):
     rows = [[c.strip() for c in line.strip("|").split("|")]
             for line in capsys.readouterr().out.splitlines() if line.startswith("| few-shot")]
     digests = {r[1]: r[-1] for r in rows}
-    kernel = {"shipped", "aligned mask", "ranges first", "aligned mask + ranges first",
+    kernel = {"shipped", "neither", "aligned mask", "ranges first", "aligned mask + ranges first",
               "checked", "deferred V checks", "finite e4m3 scores",
               "deferred V checks + finite e4m3 scores", "per-value checks",
               "row checks by values", "-inf by select", "checks on the output",

@@ -22,8 +22,9 @@ sums,fma,acc] [--dump DIR]``;
 the build: ``shipped``, ``few`` (FP8's few-row build, ``configs.few_rows_config``; skipped
 where there is none) or that many rows per program (16: ``mma.sync`` dots, converted K/V in
 registers). ``--variants`` the kernel's variants (``VARIANTS``, each a few ``KernelConfig``
-flags): the masked tiles' ``aligned`` (``aligned_mask``), ``ranges`` (``ranges_first``) or
-``both``; the isolation's ``checked`` (neither of the next two), ``deferred``
+flags): the masked tiles' ``neither``, ``aligned`` (``aligned_mask``), ``ranges``
+(``ranges_first``) or ``both`` (which the sm90 configs take over 16-bit K/V), over every
+K/V width; the isolation's ``checked`` (neither of the next two), ``deferred``
 (``deferred_v_checks``), ``finite`` (``e4m3_finite_scores``) and ``lean`` (those two); the
 graph-safe launches' ``in-order`` (``header_in_order``), every launch's ``late`` (no
 ``early_item_loads``, which the sm90 configs take: a work item's loads after the PDL wait)
@@ -67,8 +68,10 @@ KV = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 # Kernel variants: their ``KernelConfig`` changes to the shipped configs.
 PER_VALUE = {"sum_checks": False, "kv8_sum_checks": False, "inf_by_fma": False,
              "acc_checks": False}
-VARIANTS = {"shipped": {}, "aligned": {"aligned_mask": True}, "ranges": {"ranges_first": True},
-            "both": {"aligned_mask": True, "ranges_first": True},
+TAILS = {name: {"aligned_mask": a, "kv8_aligned_mask": a, "ranges_first": r, "kv8_ranges_first": r}
+         for name, a, r in (("neither", False, False), ("aligned", True, False),
+                            ("ranges", False, True), ("both", True, True))}
+VARIANTS = {"shipped": {}, **TAILS,
             "checked": {"deferred_v_checks": False, "e4m3_finite_scores": False},
             "deferred": {"deferred_v_checks": True, "e4m3_finite_scores": False},
             "finite": {"deferred_v_checks": False, "e4m3_finite_scores": True},

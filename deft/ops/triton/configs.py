@@ -77,10 +77,14 @@ class KernelConfig:
     graph_waves: int = 1  # graph-safe launches: a grid of this many waves of programs
     # A tile's masked loop starts at the block boundary at or before its ``mask_from``, so
     # its unmasked loop has no partial last block (run outside the pipelined loop).
+    # ``kv8_aligned_mask``: the same over one-byte K/V.
     aligned_mask: bool = False
+    kv8_aligned_mask: bool = False
     # A masked TMA block issues its tokens' range loads before its K load, so that a block
-    # outside the pipelined loop waits for both at once.
+    # outside the pipelined loop waits for both at once. ``kv8_ranges_first``: the same over
+    # one-byte K/V.
     ranges_first: bool = False
+    kv8_ranges_first: bool = False
     # Coarsening cuts a run's masked last plan tile off into a tile of its own
     # (``deft.plan.coarsen.coarsen_plan``).
     masked_apart: bool = False
@@ -132,12 +136,14 @@ class KernelConfig:
         return 2 if self.inf_by_fma else 1
 
 
-# Deferred V checks and row checks by sums over 16-bit K/V only, finite scores over e4m3 K,
-# -inf scores by an FMA, checks on the accumulator, a work item's loads before the PDL wait,
-# masked tiles apart and charged 128 tokens: docs/decisions.md.
+# Deferred V checks, row checks by sums and the masked tiles' aligned loop with ranges first
+# over 16-bit K/V only, finite scores over e4m3 K, -inf scores by an FMA, checks on the
+# accumulator, a work item's loads before the PDL wait, masked tiles apart and charged 128
+# tokens: docs/decisions.md.
 _SM90 = dict(tma=True, pdl=True, graph_waves=3, kv8_maxnreg=168, deferred_v_checks=True,
              e4m3_finite_scores=True, sum_checks=True, inf_by_fma=True, acc_checks=True,
-             early_item_loads=True, masked_apart=True, masked_cost=128, node_cut=32)
+             early_item_loads=True, masked_apart=True, masked_cost=128, node_cut=32,
+             aligned_mask=True, ranges_first=True)
 _NARROW = dict(_SM90, narrow_partials=True, maxnreg=168, kv8_block_n=64)
 CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
     ("sm90", 64, 0): KernelConfig(64, 32, 4, 3, 4.0, **_SM90),
@@ -203,7 +209,9 @@ def _one_byte(cfg: KernelConfig) -> KernelConfig:
     return dataclasses.replace(cfg, maxnreg=cfg.kv8_maxnreg or cfg.maxnreg,
                                block_n=cfg.kv8_block_n or cfg.block_n,
                                deferred_v_checks=cfg.kv8_deferred_v_checks,
-                               sum_checks=cfg.kv8_sum_checks)
+                               sum_checks=cfg.kv8_sum_checks,
+                               aligned_mask=cfg.kv8_aligned_mask,
+                               ranges_first=cfg.kv8_ranges_first)
 
 
 @functools.lru_cache(maxsize=64)
