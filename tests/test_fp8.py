@@ -202,6 +202,7 @@ def test_triton_fp8_tma_path_matches_the_reference(monkeypatch, variant):
     attn.plan(layout, FP8)
     launched = configs.kv_config(attn._prepared.config, FP8)
     assert launched.deferred_v_checks == (variant == "isolation-variants")
+    assert launched.aligned_mask == launched.ranges_first == (variant == "masked-tile-variants")
     work = attn._prepared.segment("work").view(-1, 8).cpu().numpy()
     box = configs.kv_config(configs.kernel_config(D, layout.num_queries * H_Q,
                                                   torch.device(DEV)), FP8).block_n
@@ -543,7 +544,8 @@ def test_one_byte_kv_launches_with_its_own_register_cap_and_block(monkeypatch):
     """The config's ``kv8_maxnreg`` and ``kv8_block_n`` shape the partial kernel over FP8
     K/V; 16-bit K/V keep ``maxnreg`` and ``block_n`` (on sm_90, steps under 2,048 rows are
     uncapped over either K/V but FP8's few-row build, capped at 168 registers; FP8 steps from
-    2,048 rows take 64-token blocks)."""
+    2,048 rows take 64-token blocks); the masked tiles' variants are on over 16-bit K/V only
+    (``kv8_aligned_mask``, ``kv8_ranges_first``)."""
     pytest.importorskip("triton")
     from deft.ops.triton import configs, launch
 
@@ -552,6 +554,10 @@ def test_one_byte_kv_launches_with_its_own_register_cap_and_block(monkeypatch):
     assert configs.kv_config(configs.few_rows_config(small, FP8), FP8).maxnreg == 168
     assert configs.kv_config(configs.CONFIGS[("sm90", 128, 2048)], FP8).block_n == 64
     assert configs.kv_config(configs.CONFIGS[("sm90", 128, 2048)], torch.bfloat16).block_n == 32
+    for cfg in (small, configs.few_rows_config(small, FP8), configs.CONFIGS[("sm90", 128, 2048)]):
+        for kv, on in ((FP8, False), (torch.bfloat16, True), (None, True)):  # None: q's dtype
+            launched = configs.kv_config(cfg, kv)
+            assert launched.aligned_mask == launched.ranges_first == on
     for key, cfg in list(configs.CONFIGS.items()):
         monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(
             cfg, kv8_maxnreg=96, maxnreg=128, kv8_block_n=2 * cfg.block_n))

@@ -273,13 +273,12 @@ def test_triton_padded_head_dim(monkeypatch, fused):
 
 
 # Kernel variants (deft.ops.triton.configs.KernelConfig), the same on the interpreter's config
-# and on a GPU's but "shipped": the masked tiles' (``TAIL_VARIANTS``: neither, the masked
-# loop from a block boundary before mask_from, that with ranges loaded first), every check
-# in place ("checked") and the isolation checks' (``CHECK_VARIANTS``: V's checks deferred, a
-# work item recomputed with them where its state comes out non-finite, and the flags sm_90
-# takes).
-VARIANTS = {"shipped": {}, "neither": TAIL_VARIANTS["neither"],
-            "aligned": TAIL_VARIANTS["aligned"], "both": TAIL_VARIANTS["both"],
+# and on a GPU's but "shipped" (the interpreter's takes neither of the masked tiles'
+# variants): the masked tiles' (``TAIL_VARIANTS``: the masked loop from a block boundary
+# before mask_from, that with ranges loaded first), every check in place ("checked") and
+# the isolation checks' (``CHECK_VARIANTS``: V's checks deferred, a work item recomputed
+# with them where its state comes out non-finite, and the flags sm_90 takes).
+VARIANTS = {"shipped": {}, "aligned": TAIL_VARIANTS["aligned"], "both": TAIL_VARIANTS["both"],
             "deferred": CHECK_VARIANTS["deferred"],
             "checked": {**PER_VALUE, "deferred_v_checks": False, "kv8_deferred_v_checks": False},
             **CHECK_VARIANTS}
@@ -413,7 +412,7 @@ def test_gpu_torch_backend(path, scenario):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("variant", [{}, {"fuse_merge": True}, VARIANTS["neither"],
+@pytest.mark.parametrize("variant", [{}, {"fuse_merge": True}, TAIL_VARIANTS["neither"],
                                      VARIANTS["checked"]],
                          ids=["merge-launch", "fused-merge", "masked-tiles-neither",
                               "checked-v"])

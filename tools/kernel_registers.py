@@ -231,8 +231,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="builds: shipped (the config's), few (FP8's few-row build) or a number "
                          "of rows per program")
     ap.add_argument("--variants", default="shipped",
-                    help="kernel variants: shipped; masked tiles: aligned (aligned_mask), ranges "
-                         "(ranges_first), both; isolation: deferred (deferred_v_checks), "
+                    help="kernel variants: shipped; masked tiles: neither, aligned (aligned_mask), "
+                         "ranges (ranges_first), both; isolation: deferred (deferred_v_checks), "
                          "finite (e4m3_finite_scores), lean (those two); in-order "
                          "(header_in_order, graph-safe), late (no early_item_loads), order "
                          "(both); end checks: per-value (none of the next three), sums "
