@@ -53,7 +53,8 @@ def work_rows(layout, sms: int,  # noqa: ANN001
     SMs, ``block_m``, the tiles' few-row share ("-" without a few-row build for this K/V), the
     build the tree asks for, ``[W, 2]`` flags: the item has a masked part, and its unmasked
     part ends inside a K/V block of the launched config; and ``[W, 2]`` K/V blocks each item
-    runs, unmasked and masked; and the K/V blocks the items read over those of their tiles
+    runs, unmasked and masked (the masked ones from the block boundary at or before its
+    ``mask_from`` where the launched config aligns them); and the K/V blocks the items read over those of their tiles
     (each tile's once)."""
     with planned_as_h200(sms):
         plan, packed, cfg, build = backend._pack(
@@ -67,9 +68,13 @@ def work_rows(layout, sms: int,  # noqa: ANN001
     share = ("-" if few is None else
              f"{few_rows_share(plan, H_Q // H_KV, cfg.block_m, few.block_m):.2f}")
     masked = work[:, 5] < work[:, 1]
-    block_n = configs.kv_config(cfg, kv_dtype).block_n
+    launched = configs.kv_config(cfg, kv_dtype)
+    block_n = launched.block_n
     mid = masked & ((work[:, 5] - work[:, 0]) % block_n > 0)
-    blocks = -(-np.stack([work[:, 5] - work[:, 0], work[:, 1] - work[:, 5]], 1) // block_n)
+    split = work[:, 5].astype(np.int64)  # where each item's masked loop starts
+    if launched.aligned_mask:
+        split[mid] -= (split[mid] - work[mid, 0]) % block_n
+    blocks = -(-np.stack([split - work[:, 0], work[:, 1] - split], 1) // block_n)
     tiles = np.unique(work[:, :2], axis=0)
     tile_blocks = int((-(-(tiles[:, 1] - tiles[:, 0]) // block_n)).sum())
     reads = (-(-tokens // block_n)).sum() / max(tile_blocks, 1)
