@@ -54,8 +54,8 @@ def work_rows(layout, sms: int,  # noqa: ANN001
     build the tree asks for, ``[W, 2]`` flags: the item has a masked part, and its unmasked
     part ends inside a K/V block of the launched config; and ``[W, 2]`` K/V blocks each item
     runs, unmasked and masked (the masked ones from the block boundary at or before its
-    ``mask_from`` where the launched config aligns them); and the K/V blocks the items read over those of their tiles
-    (each tile's once)."""
+    ``mask_from`` where the launched config aligns them); and the K/V blocks the items read
+    over those of their tiles (each tile's once)."""
     with planned_as_h200(sms):
         plan, packed, cfg, build = backend._pack(
             layout, "flatten", backend.TritonBackend.default_block_kv, Heads(H_Q, H_KV, D),
