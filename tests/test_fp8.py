@@ -544,8 +544,8 @@ def test_one_byte_kv_launches_with_its_own_register_cap_and_block(monkeypatch):
     """The config's ``kv8_maxnreg`` and ``kv8_block_n`` shape the partial kernel over FP8
     K/V; 16-bit K/V keep ``maxnreg`` and ``block_n`` (on sm_90, steps under 2,048 rows are
     uncapped over either K/V but FP8's few-row build, capped at 168 registers; FP8 steps from
-    2,048 rows take 64-token blocks); the masked tiles' variants are on over 16-bit K/V only
-    (``kv8_aligned_mask``, ``kv8_ranges_first``)."""
+    2,048 rows take 64-token blocks); the masked tiles' variants are on over 16-bit K/V, and
+    over one-byte K/V below 2,048 rows only (``kv8_aligned_mask``, ``kv8_ranges_first``)."""
     pytest.importorskip("triton")
     from deft.ops.triton import configs, launch
 
@@ -554,8 +554,9 @@ def test_one_byte_kv_launches_with_its_own_register_cap_and_block(monkeypatch):
     assert configs.kv_config(configs.few_rows_config(small, FP8), FP8).maxnreg == 168
     assert configs.kv_config(configs.CONFIGS[("sm90", 128, 2048)], FP8).block_n == 64
     assert configs.kv_config(configs.CONFIGS[("sm90", 128, 2048)], torch.bfloat16).block_n == 32
-    for cfg in (small, configs.few_rows_config(small, FP8), configs.CONFIGS[("sm90", 128, 2048)]):
-        for kv, on in ((FP8, False), (torch.bfloat16, True), (None, True)):  # None: q's dtype
+    for cfg, fp8_on in ((small, True), (configs.few_rows_config(small, FP8), True),
+                        (configs.CONFIGS[("sm90", 128, 2048)], False)):
+        for kv, on in ((FP8, fp8_on), (torch.bfloat16, True), (None, True)):  # None: q's dtype
             launched = configs.kv_config(cfg, kv)
             assert launched.aligned_mask == launched.ranges_first == on
     for key, cfg in list(configs.CONFIGS.items()):

@@ -136,10 +136,10 @@ class KernelConfig:
         return 2 if self.inf_by_fma else 1
 
 
-# Deferred V checks, row checks by sums and the masked tiles' aligned loop with ranges first
-# over 16-bit K/V only, finite scores over e4m3 K, -inf scores by an FMA, checks on the
-# accumulator, a work item's loads before the PDL wait, masked tiles apart and charged 128
-# tokens: docs/decisions.md.
+# Deferred V checks and row checks by sums over 16-bit K/V only, the masked tiles' aligned
+# loop with ranges first (over one-byte K/V only where a config says so), finite scores over
+# e4m3 K, -inf scores by an FMA, checks on the accumulator, a work item's loads before the
+# PDL wait, masked tiles apart and charged 128 tokens: docs/decisions.md.
 _SM90 = dict(tma=True, pdl=True, graph_waves=3, kv8_maxnreg=168, deferred_v_checks=True,
              e4m3_finite_scores=True, sum_checks=True, inf_by_fma=True, acc_checks=True,
              early_item_loads=True, masked_apart=True, masked_cost=128, node_cut=32,
@@ -148,9 +148,11 @@ _NARROW = dict(_SM90, narrow_partials=True, maxnreg=168, kv8_block_n=64)
 CONFIGS: dict[tuple[str, int, int], KernelConfig] = {
     ("sm90", 64, 0): KernelConfig(64, 32, 4, 3, 4.0, **_SM90),
     # Uncapped, this build takes 255 registers: two programs per SM (over FP8 K/V too; its
-    # few-row build keeps the cap).
+    # few-row build keeps the cap). Below 2,048 rows one-byte K/V take the masked tiles'
+    # aligned loop with ranges first too.
     ("sm90", 128, 0): KernelConfig(64, 32, 4, 3, 4.0, resident_per_sm=2, kv8_few_rows=(16, 64),
-                                   **dict(_SM90, kv8_maxnreg=None, kv8_few_maxnreg=168)),
+                                   **dict(_SM90, kv8_maxnreg=None, kv8_few_maxnreg=168,
+                                          kv8_aligned_mask=True, kv8_ranges_first=True)),
     ("sm90", 128, 2048): KernelConfig(64, 32, 4, 3, 4.0, merge_block=4, merge_warps=1,
                                       light_per_sm=2, **_NARROW),
     ("sm90", 128, 8192): KernelConfig(64, 32, 4, 3, 4.0, merge_block=2, merge_warps=4,
