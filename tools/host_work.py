@@ -165,7 +165,7 @@ def main() -> None:
                 pr.enable()
                 run(a.steps)
                 pr.disable()
-                pstats.Stats(pr).sort_stats(os.environ.get("HOST_WORK_SORT", "tottime")).print_stats(int(os.environ.get("HOST_WORK_TOP", "25")))
+                pstats.Stats(pr).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
