@@ -185,7 +185,7 @@ def test_split_graphs_replay_what_one_graph_does(monkeypatch, dtype):
         kids = engine.cache.fork(root, 3)
         logits = engine.extend([(k, [i + 1]) for i, k in enumerate(kids)])
         got[head] = tokens, beams, torch.stack(logits).cpu()
-        assert engine.stats["graph_steps"] > 30
+        assert engine.stats["graph_steps"] > 20
     for head in (1, 2, 5):
         assert got[head][:2] == got[0][:2], head
         assert torch.equal(got[head][2], got[0][2]), head
