@@ -265,3 +265,45 @@ def test_pruning_many_nodes_at_once_matches_pruning_them_in_turn(page_size):
         check_state(caches[0])
         with pytest.raises(ValueError, match=r"nodes\[0\]: expected a live node id"):
             caches[0].prune_many([removed[0]])
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_one_token_each_matches_appending_in_turn(page_size):
+    """``append_each`` against ``append(node, 1)`` of each node in turn, on twin caches grown
+    alike, some leaves listed twice and some expecting tokens: the same slots, the same
+    state (nodes, page users, free list, fill pointers, live slots, layout order), and
+    each node's length and position after its slot."""
+    for seed in range(60):
+        caches = [TreeKVCache(num_pages=64, page_size=page_size) for _ in range(2)]
+        for c in caches:
+            random_ops(c, np.random.default_rng(seed), 60)
+        rng = np.random.default_rng(2000 + seed)
+        leaves = [n for n in caches[0].live_nodes if not caches[0].children(n)]
+        if not leaves:
+            continue
+        nodes = rng.choice(leaves, int(rng.integers(1, 17))).tolist()
+        if caches[0].num_free_pages < len(nodes):  # each slot may need a fresh page
+            continue
+        for n in set(nodes):
+            if rng.integers(4) == 0:
+                for c in caches:
+                    c.expect(n, c.num_tokens(n) + 8)
+        slots, lens, positions = caches[0].append_each(nodes)
+        want = [int(caches[1].append(n, 1)[0]) for n in nodes]
+        assert slots.tolist() == want
+        for i, n in enumerate(nodes):  # the tokens each node had once it got its slot
+            later = nodes[i + 1:].count(n)
+            assert lens[i] == caches[1].num_tokens(n) - later
+            assert positions[i] == caches[1].position(n) - later - 1
+        assert snapshot(caches[0]) == snapshot(caches[1])
+        assert caches[0].layout_nodes().tolist() == caches[1].layout_nodes().tolist()
+        check_state(caches[0])
+    cache = TreeKVCache(num_pages=8, page_size=page_size)
+    root = cache.add_root(3)
+    kids = cache.fork(root, 2)
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=r"nodes\[1\]: expected a node without live children"):
+        cache.append_each([kids[0], root])
+    with pytest.raises(ValueError, match=r"nodes\[0\]: expected a live node id"):
+        cache.append_each([99, kids[0]])
+    assert snapshot(cache) == before

@@ -155,6 +155,30 @@ class TreeKVCache:
             )
         return self._append(nd, num_tokens)
 
+    def append_each(self, nodes: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One more slot for each of leaves ``nodes`` in turn, as :meth:`append` of each with
+        one token (a node listed twice gets two; a decode step's beams or branches).
+
+        Returns ``[m]`` each: the slots, each node's tokens once it got its slot (the new
+        token's ``query_kv_len``) and the new token's position. A node with children raises
+        ``ValueError`` naming ``nodes[i]`` before anything changes; :class:`CacheFullError`
+        comes as :meth:`append`'s would, the nodes before the one it stopped at keeping
+        their slots.
+        """
+        nds = [self._get(node, f"nodes[{i}]") for i, node in enumerate(nodes)]
+        for i, nd in enumerate(nds):
+            if nd.children:
+                raise ValueError(f"nodes[{i}]: expected a node without live children to append "
+                                 f"to, got node {nd.id} with children {list(nd.children)}")
+        slots, lens, positions = [], [], []
+        alloc, update = self._slot_alloc, self._dense.update
+        for nd in nds:
+            slots.append(alloc.append(nd, 1).item(0))
+            update(nd)
+            lens.append(nd.n)
+            positions.append(nd.start + nd.n - 1)
+        return np.array(slots, _I), np.array(lens, _I), np.array(positions, _I)
+
     def expect(self, node: int, num_tokens: int) -> None:
         """Expect leaf ``node`` to hold about ``num_tokens`` tokens of its own in all (a prompt
         about to be fed in chunks, then its decode tokens; ``0``: no expectation).

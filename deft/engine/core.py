@@ -253,17 +253,52 @@ class TreeEngine:
         drafts = [self._check_tree(i, tree, grow) for i, tree in enumerate(trees)]
         self._check_pages([ids.shape[0] for _, ids in checked] + [d[2].shape[0] for d in drafts])
         start = len(self._staged)
-        for (node, ids), mode, src in zip(checked, modes, sources):
-            self._stage(node, ids, mode, src)
+        held = self._stage_items(checked, modes, sources)
         new_ids = []
         for node, par, ids, positions in drafts:
             nodes, slots = self.cache.add_subtree(node, par, 1)
             self._staged.append(Feed(nodes, np.ones(len(nodes), _I), ids, positions, slots, "all"))
             new_ids.append(nodes)
         out = self._step(values)[start:]
-        return out[:len(checked)], list(zip(new_ids, out[len(checked):]))
+        rows: list[torch.Tensor | None] = []
+        for n, got in zip(held, out):
+            if n == 0:  # an item of its own
+                rows.append(got)
+            else:  # the rows of ``n`` one-token items
+                rows += [None] * n if got is None else list(got)
+        return rows, list(zip(new_ids, out[len(held):]))
 
     # -------------------------------------------------------------- internals
+
+    def _stage_items(self, checked: list[tuple[int, np.ndarray]], modes: list[str],
+                     sources: list[int]) -> list[int]:
+        """Stage checked items in order: each run of one-token items whose last logits are
+        wanted and whose token is on the host (a decode step's beams and branches) as one
+        feed of every row, the others one feed each. Per feed staged, the items it holds
+        (``0``: one, a feed of its own)."""
+        held: list[int] = []
+        run: list[tuple[int, np.ndarray]] = []
+        for item, mode, src in zip(checked, modes, sources):
+            if item[1].shape[0] == 1 and mode == "last" and src < 0:
+                run.append(item)
+                continue
+            if run:
+                held.append(self._stage_tokens(run))
+                run = []
+            self._stage(*item, mode, src)
+            held.append(0)
+        if run:
+            held.append(self._stage_tokens(run))
+        return held
+
+    def _stage_tokens(self, items: list[tuple[int, np.ndarray]]) -> int:
+        """Append each of ``items``' one token to its node as one feed of every row (slots
+        now, K/V at the next forward); returns how many items it holds."""
+        nodes = [node for node, _ in items]
+        slots, lens, positions = self.cache.append_each(nodes)
+        ids = np.concatenate([ids for _, ids in items])
+        self._staged.append(Feed(nodes, lens, ids, positions, slots, "all"))
+        return len(items)
 
     def _stage(self, node: int, ids: np.ndarray, mode: str, source: int = -1) -> None:
         """Append ``ids`` to ``node`` (slots now, K/V at the next forward)."""
