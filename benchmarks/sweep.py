@@ -40,7 +40,7 @@ config and coarsening (``deft.plan.coarsen.refine``):
 * ``tails``: the masked tiles' kernel variants, for every K/V width: neither, the masked
   loop from the block boundary before each tile's ``mask_from`` (``aligned_mask``), a
   masked block's range loads before its K load (``ranges_first``), or both (shipped on
-  sm_90 over 16-bit K/V; neither over one-byte K/V).
+  sm_90 over 16-bit K/V, and over one-byte K/V for head_dim 128 below 2,048 rows).
 * ``checks``: the isolation's checks of non-finite K/V: ``checked`` (every check in
   place, each value tested), masked blocks that leave V's values unchecked, with a work
   item whose state comes out non-finite computed again with the checks

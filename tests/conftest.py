@@ -40,8 +40,8 @@ CHECK_VARIANTS = {"deferred": {**PER_VALUE, "deferred_v_checks": True},
 
 
 # The masked tiles' kernel variants, over every K/V width (``aligned_mask`` and
-# ``ranges_first`` with their ``kv8_`` fields): sm_90 takes both over 16-bit K/V, neither
-# over one-byte K/V; the interpreter's config neither.
+# ``ranges_first`` with their ``kv8_`` fields): sm_90 takes both over 16-bit K/V, and over
+# one-byte K/V for head_dim 128 below 2,048 rows; the interpreter's config neither.
 TAIL_VARIANTS = {name: {"aligned_mask": a, "kv8_aligned_mask": a, "ranges_first": r,
                         "kv8_ranges_first": r}
                  for name, a, r in (("neither", False, False), ("aligned", True, False),

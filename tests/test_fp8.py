@@ -545,7 +545,8 @@ def test_one_byte_kv_launches_with_its_own_register_cap_and_block(monkeypatch):
     K/V; 16-bit K/V keep ``maxnreg`` and ``block_n`` (on sm_90, steps under 2,048 rows are
     uncapped over either K/V but FP8's few-row build, capped at 168 registers; FP8 steps from
     2,048 rows take 64-token blocks); the masked tiles' variants are on over 16-bit K/V, and
-    over one-byte K/V below 2,048 rows only (``kv8_aligned_mask``, ``kv8_ranges_first``)."""
+    over one-byte K/V of head_dim 128 below 2,048 rows only (``kv8_aligned_mask``,
+    ``kv8_ranges_first``)."""
     pytest.importorskip("triton")
     from deft.ops.triton import configs, launch
 
@@ -612,7 +613,8 @@ def test_few_rows_share_is_the_token_work_of_tiles_of_few_rows():
 @pytest.fixture
 def few_row_configs(monkeypatch):
     """The interpreter's config with 32-row programs and a 16-row build for FP8 trees of few
-    rows (the sm_90 table's shape, scaled down)."""
+    rows (the sm_90 table's shape, scaled down); the block rows and the masked tiles' flags
+    (``ALIGN_MASK``, ``RANGES_FIRST``) of each partial launch, recorded."""
     pytest.importorskip("triton")
     from deft.ops.triton import configs, launch
 
@@ -626,25 +628,32 @@ def few_row_configs(monkeypatch):
         def __getitem__(self, grid):
             def run(*args, **kw):
                 blocks.append(kw["BLOCK_M"])
+                tails.append((kw["ALIGN_MASK"], kw["RANGES_FIRST"]))
                 return kernel[grid](*args, **kw)
             return run
 
+    tails: list[tuple[bool, bool]] = []
     monkeypatch.setattr(launch, "tree_partial_kernel", Recording())
-    return configs, blocks
+    return configs, blocks, tails
 
 
 FEW_ROWS = few_shot_layout(20, 3, 40)  # 3 queries (6 rows) on every tile
 MANY_ROWS = few_shot_layout(200, 12, 1)  # the prompt's 24 rows hold nearly all the work
 
 
-@pytest.mark.parametrize("capacity", [None, "default", "few_rows"])
-def test_fp8_trees_of_few_rows_run_the_few_row_build(few_row_configs, capacity):
+@pytest.mark.parametrize("capacity, tails", [(None, "neither"), ("default", "neither"),
+                                             ("few_rows", "neither"), (None, "both")])
+def test_fp8_trees_of_few_rows_run_the_few_row_build(monkeypatch, few_row_configs, capacity,
+                                                     tails):
     """Unreserved, each FP8 plan takes the build its tree asks for (``"few_rows"``); a
     capacity keeps its own build for every plan; 16-bit K/V never take it. Every output matches the
-    reference of the dequantised K/V."""
+    reference of the dequantised K/V, also with the masked tiles' variants on (as sm_90's
+    few-row build has them over FP8)."""
     from deft import Capacity
 
-    configs, blocks = few_row_configs
+    configs, blocks, launched = few_row_configs
+    for key, cfg in list(configs.CONFIGS.items()):
+        monkeypatch.setitem(configs.CONFIGS, key, dataclasses.replace(cfg, **TAIL_VARIANTS[tails]))
     for layout, few in ((FEW_ROWS, True), (MANY_ROWS, False)):
         q = random_qkv(layout, H_Q, H_KV, D, torch.float32, 5)[0].half()
         k8, v8, ks, vs = fp8_kv(layout, 5)
@@ -659,8 +668,10 @@ def test_fp8_trees_of_few_rows_run_the_few_row_build(few_row_configs, capacity):
                 o, lse = attn.run(q, k8.half(), v8.half(), return_lse=True)
                 assert blocks == [32]
                 continue
+            launched.clear()
             o, lse = attn.run(q, k8, v8, return_lse=True, k_scale=ks, v_scale=vs)
             assert blocks == [16 if (few if capacity is None else capacity == "few_rows") else 32]
+            assert launched == [(tails == "both",) * 2]
             scale = float(ref_o.abs().max())
             torch.testing.assert_close(o.double(), ref_o, atol=2e-3 * scale, rtol=2e-3)
             assert_lse_close(lse, ref_lse, "fp8 few rows")
@@ -688,7 +699,7 @@ def test_a_host_plan_goes_to_attentions_reserved_for_its_build(few_row_configs):
 def test_graph_buckets_switch_to_the_few_row_build_and_back_as_eagerly(few_row_configs):
     """The engine's padded graph-bucket steps (run eagerly on CPU) plan into the bucket's
     few-row attention while the tree asks for it, and back: logits as the eager engine's."""
-    configs, _ = few_row_configs
+    configs, _, _ = few_row_configs
     key = ("interpreter", 0, 0)
     shipped = configs.CONFIGS[key]
     model = tiny_llama()

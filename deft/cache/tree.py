@@ -37,7 +37,8 @@ class TreeKVCache:
     it is host bookkeeping, and whoever owns the pool applies the rows it moves. Node ids are stable
     integer handles, never reused. Operations validate everything and check free pages
     before changing anything: a ``ValueError`` or :class:`CacheFullError` leaves the
-    cache as it was.
+    cache as it was (but :meth:`append_each`, which is :meth:`append` of each node in
+    turn and stops where one does not fit).
 
     Parameters
     ----------

@@ -260,12 +260,9 @@ class TreeEngine:
             self._staged.append(Feed(nodes, np.ones(len(nodes), _I), ids, positions, slots, "all"))
             new_ids.append(nodes)
         out = self._step(values)[start:]
-        rows: list[torch.Tensor | None] = []
-        for n, got in zip(held, out):
-            if n == 0:  # an item of its own
-                rows.append(got)
-            else:  # the rows of ``n`` one-token items
-                rows += [None] * n if got is None else list(got)
+        rows: list[torch.Tensor] = []
+        for n, got in zip(held, out):  # (a feed staged in this call keeps its nodes: no None)
+            rows += [got] if n == 0 else list(got)  # an item's logits, or ``n`` items' rows
         return rows, list(zip(new_ids, out[len(held):]))
 
     # -------------------------------------------------------------- internals
@@ -313,6 +310,7 @@ class TreeEngine:
         for (``None`` for one whose node was pruned since: it is dropped). A feed with a
         ``source`` takes its token from ``values`` on the device."""
         staged, self._staged = self._staged, []
+        # A feed's nodes are staged together: its first stands for all of them.
         kept = [i for i, f in enumerate(staged) if self.cache.is_live(f.nodes[0])]
         result: list[torch.Tensor | None] = [None] * len(staged)
         if not kept:

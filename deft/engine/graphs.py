@@ -98,7 +98,8 @@ class StepGraphs:
     ``model`` and ``pool`` are the engine's; ``scratch_slot`` is a pool slot no cache node
     uses; ``buckets`` the query counts that get graphs (steps beyond the largest run
     eagerly). ``backend`` must be graph-safe; ``plan_kind`` is the attention's.
-    ``captures`` counts the graphs captured, ``rebuilds`` the buckets a step outgrew.
+    ``captures`` counts the forwards captured (one graph each, or two split), ``rebuilds``
+    the buckets a step outgrew.
     """
 
     def __init__(self, model: DecoderModel, pool: KVPool, scratch_slot: int,
@@ -230,10 +231,11 @@ class StepGraphs:
                 out = self._model_step(b, logits, captured=True)
             return graph, out
         head, tail = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        capturing = [head]
+        capturing: list[torch.cuda.CUDAGraph | None] = [head]  # the capture to end
 
         def between(layer: int) -> None:
             if layer == split - 1:
+                capturing[0] = None
                 head.capture_end()
                 tail.capture_begin(pool=head.pool())
                 capturing[0] = tail
@@ -244,8 +246,10 @@ class StepGraphs:
             try:
                 out = self._model_step(b, logits, captured=True, between=between)
             finally:
-                capturing[0].capture_end()
-        return SplitGraph(head, tail), out
+                if capturing[0] is not None:
+                    capturing[0].capture_end()
+        # A model that never called back past the split layer is in ``head`` whole.
+        return (head if capturing[0] is head else SplitGraph(head, tail)), out
 
     def _model_step(self, b: _Bucket, logits: int, captured: bool,
                     between: Callable[[int], None] | None = None) -> torch.Tensor:

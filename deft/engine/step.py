@@ -44,7 +44,8 @@ class Step(NamedTuple):
 
 @dataclass
 class Feed:
-    """Tokens appended to one node (or a draft tree), computed in the next step."""
+    """Tokens computed in the next step: appended to one node, one each to several leaves
+    (a step's one-token items), or a draft tree."""
 
     nodes: list[int]  # [n] the node of each token's query
     kv_lens: np.ndarray  # [n] each query's query_kv_len
