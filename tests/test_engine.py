@@ -90,6 +90,44 @@ def test_prefill_and_decode_share_one_forward(engine, prompts):
     assert [engine.position(r) for r in (root_a, root_b, root_c)] == [len(a) + 1, len(b), len(c)]
 
 
+def test_one_token_items_staged_as_one_feed_return_what_one_feed_each_does(smol, prompts,
+                                                                          monkeypatch):
+    """Runs of one-token items that want their last logits share a feed; mixed with longer
+    items, other modes and a draft tree, each item still gets exactly its own result, in
+    order, as when every item is a feed of its own (the same step either way)."""
+    model, tok = smol
+    got, runs = [], []
+    for grouped in (True, False):
+        engine = TreeEngine(model, tok, num_pages=64, page_size=16, backend="torch")
+        if grouped:
+            stage = engine._stage_tokens
+            monkeypatch.setattr(engine, "_stage_tokens",
+                                lambda items, f=stage: runs.append(len(items)) or f(items))
+        else:
+            def one_each(checked, modes, sources, e=engine):
+                for item, mode, src in zip(checked, modes, sources):
+                    e._stage(*item, mode, src)
+                return [0] * len(checked)
+            monkeypatch.setattr(engine, "_stage_items", one_each)
+        root = engine.add_prompt(prompts[1][:-1])
+        engine.extend([(root, prompts[1][-1:])])
+        leaves = engine.cache.fork(root, 6)
+        steps, runs[:] = engine.stats["steps"], []
+        rows, trees = engine.forward(
+            [(leaves[0], [5]), (leaves[1], [6]), (leaves[2], [7, 8]), (leaves[3], [9]),
+             (leaves[4], [10]), (leaves[0], [11])],
+            [(leaves[5], [-1, 0], [12, 13])], ["last", "last", "all", "none", "last", "last"])
+        assert engine.stats["steps"] == steps + 1
+        got.append((rows, trees, list(runs)))
+    (a, ta, runs_a), (b, tb, runs_b) = got
+    assert runs_a == [2, 2] and runs_b == []  # items 0 and 1, then 4 and 5
+    vocab = engine.vocab_size
+    assert [r.shape for r in a] == [r.shape for r in b] == [
+        (vocab,), (vocab,), (2, vocab), (0, vocab), (vocab,), (vocab,)]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert ta[0][0] == tb[0][0] and torch.equal(ta[0][1], tb[0][1])
+
+
 def test_add_prompt_prefills_with_the_next_forward(engine, prompts):
     """A root from add_prompt can be forked at once; its K/V come with the next extend."""
     ids = prompts[0]
