@@ -231,14 +231,15 @@ class StepGraphs:
                 out = self._model_step(b, logits, captured=True)
             return graph, out
         head, tail = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        capturing: list[torch.cuda.CUDAGraph | None] = [head]  # the capture to end
+        open_: torch.cuda.CUDAGraph | None = head  # the capture still to end
 
         def between(layer: int) -> None:
+            nonlocal open_
             if layer == split - 1:
-                capturing[0] = None
+                open_ = None
                 head.capture_end()
                 tail.capture_begin(pool=head.pool())
-                capturing[0] = tail
+                open_ = tail
 
         torch.cuda.synchronize(self.device)
         with torch.cuda.stream(torch.cuda.Stream(self.device)):  # captures need a side stream
@@ -246,10 +247,10 @@ class StepGraphs:
             try:
                 out = self._model_step(b, logits, captured=True, between=between)
             finally:
-                if capturing[0] is not None:
-                    capturing[0].capture_end()
+                if open_ is not None:
+                    open_.capture_end()
         # A model that never called back past the split layer is in ``head`` whole.
-        return (head if capturing[0] is head else SplitGraph(head, tail)), out
+        return (head if open_ is head else SplitGraph(head, tail)), out
 
     def _model_step(self, b: _Bucket, logits: int, captured: bool,
                     between: Callable[[int], None] | None = None) -> torch.Tensor:
