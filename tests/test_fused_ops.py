@@ -119,29 +119,3 @@ def test_fused_forward_equals_the_plain_forward(head_dim, rotary, nope):
         logits.append(model(t([1, 5, 9, 3, 2, 8, 4, 6]), t([0, 1, 2, 3, 4, 5, 6, 6]), t(slots),
                             attn, pool, t([5, 6, 7])))
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("fused_ops", [True, False])
-def test_forward_calls_between_once_each_layer_is_queued(fused_ops):
-    """``between`` is called with each layer's index in order, on the fused path and the
-    plain one, and changes nothing computed (the engine ends a graph's capture there)."""
-    from deft import TreeKVCache
-
-    torch.manual_seed(4)
-    config = LlamaConfig(vocab_size=40, hidden_size=64, intermediate_size=80, num_layers=3,
-                         num_heads=4, num_kv_heads=2, max_position_embeddings=64)
-    model = LlamaModel(config).eval().requires_grad_(False).to(DEV)
-    model.fused_ops = fused_ops
-    cache = TreeKVCache(4, 4)
-    root = cache.add_root(0)
-    slots = cache.append(root, 5)
-    t = lambda a: torch.tensor(a, dtype=torch.int64, device=DEV)  # noqa: E731
-    logits, calls = [], []
-    for hook in (None, calls.append):
-        pool = model.new_pool(4, 4)
-        attn = model.attention(backend="torch")
-        attn.plan(cache.layout([(root, j + 1) for j in range(5)]))
-        logits.append(model(t([1, 5, 9, 3, 2]), t(range(5)), t(slots), attn, pool, t([4]),
-                            between=hook))
-    assert calls == [0, 1, 2]
-    assert torch.equal(logits[0], logits[1])

@@ -8,8 +8,6 @@ captures and replays them, checked against the same engine without graphs.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -143,52 +141,6 @@ def test_engine_replays_graphs_equal_to_eager_steps(monkeypatch):
     assert a == b
     assert on.graphs.rebuilds >= 1 and on.graphs.captures <= 4 * len(on.graphs.buckets)
     assert on.cache.live_nodes == [] and on.cache.num_free_pages == on.cache.num_pages
-
-
-def test_only_models_that_take_between_are_split():
-    """Forwards are captured as two graphs only for a model whose forward takes
-    ``between`` and has a layer to spare."""
-    from test_seams import AttentionOnly
-
-    toy = AttentionOnly(0)
-    assert graphs_mod.takes_between(tiny_model()) and not graphs_mod.takes_between(toy)
-    assert not graphs_mod.takes_between(lambda *args: None)
-    one = LlamaModel(dataclasses.replace(tiny_model().config, num_layers=1))
-    pool = tiny_model().new_pool(2, 4)
-    for model, splits in ((tiny_model(), True), (one, False), (toy, False)):
-        graphs = StepGraphs(model, pool, 4, backend="triton", device="cpu")
-        assert graphs._splits == splits
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_graphs_replay_what_one_graph_does(monkeypatch, dtype):
-    """Steps captured as two graphs (after each count of head layers) give the logits, the
-    greedy tokens and the beams of steps captured as one, bit for bit."""
-    from strategies_on_device import PROMPT, model, tokenizer
-    from deft.engine import SamplingParams, beam_search, generate
-
-    m = model("cuda", dtype, layers=3)
-    greedy = SamplingParams(max_new_tokens=24, stop_token_ids=frozenset())
-    got = {}
-    for head in (0, 1, 2, 5):
-        monkeypatch.setattr(graphs_mod, "HEAD_LAYERS", head)
-        engine = TreeEngine(m, tokenizer(), num_pages=256, backend="triton")
-        tokens = [r.token_ids for r in generate(engine, [PROMPT[:40], PROMPT[:90]], greedy)]
-        split = isinstance(engine.graphs.last_graph, graphs_mod.SplitGraph)
-        assert split == (head > 0), head
-        beams = [(r.token_ids, r.score) for r in beam_search(engine, PROMPT[:60], 4, 12,
-                                                             stop_token_ids=frozenset())[0]]
-        root = engine.add_prompt(PROMPT[:49])
-        engine.extend([(root, PROMPT[49:50])])
-        kids = engine.cache.fork(root, 3)
-        logits = engine.extend([(k, [i + 1]) for i, k in enumerate(kids)])
-        got[head] = tokens, beams, torch.stack(logits).cpu()
-        assert engine.stats["graph_steps"] > 20
-    for head in (1, 2, 5):
-        assert got[head][:2] == got[0][:2], head
-        assert torch.equal(got[head][2], got[0][2]), head
 
 
 @pytest.mark.gpu

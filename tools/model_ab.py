@@ -5,15 +5,13 @@
 ``--switch wide``: qkv through the few-row kernel and gate/up fused with SiLU·mul
 (:mod:`deft.model.skinny`, at the row counts it takes them) or both on cuBLAS.
 ``--switch rows``: the few-row kernels up to ``skinny.MAX_ROWS`` rows or only up to 32.
-``--switch split``: each step's forward captured as one graph or as two, the first two
-layers' and the rest's (:data:`deft.engine.graphs.HEAD_LAYERS`).
 This builds one random Llama-3-8B-shaped model and two graph engines on it, one captured
 with the switch off and one with it on (a step's graph keeps what its capture launched),
 and measures e2e workloads on each in turns (the order reversed every other round), as
 ``deft bench e2e`` measures its graph column: ms per decode step, host work included, and
 the GPU time of the run's last step replayed alone.
 
-Usage: ``python tools/model_ab.py [--switch chain|wide|rows|split] [--rounds N] [--pages N]
+Usage: ``python tools/model_ab.py [--switch chain|wide|rows] [--rounds N] [--pages N]
 [--json PATH] [WORKLOAD ...]`` (names of ``benchmarks.e2e_gpu.GPU_WORKLOADS``; the recorded
 ones need ``$DEFT_WORKLOADS``).
 """
@@ -35,7 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workloads", nargs="*", default=DEFAULT, help="e2e workload names")
-    ap.add_argument("--switch", choices=("chain", "wide", "rows", "split"), default="chain",
+    ap.add_argument("--switch", choices=("chain", "wide", "rows"), default="chain",
                     help="what differs between the two engines (default: chain)")
     ap.add_argument("--rounds", type=int, default=3, help="measurements of each engine")
     ap.add_argument("--pages", type=int, help="K/V pool pages of each engine "
@@ -46,7 +44,7 @@ def main() -> None:
     import torch
 
     from benchmarks import e2e_gpu
-    from deft.engine import TreeEngine, graphs
+    from deft.engine import TreeEngine
     from deft.model import fused, skinny
     from deft.model.synthetic import byte_tokenizer, random_model
 
@@ -61,8 +59,6 @@ def main() -> None:
     def switch(on: bool) -> None:
         if a.switch == "chain":
             fused.set_chained(on)
-        elif a.switch == "split":
-            graphs.HEAD_LAYERS = 2 if on else 0
         elif a.switch == "wide":
             skinny._WIDE_ROWS, skinny._GATED_ROWS = wide if on else (0, skinny.MAX_ROWS + 1)
         else:

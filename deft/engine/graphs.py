@@ -13,21 +13,12 @@ A step that outgrows a bucket's reserved plan tokens or partial states rebuilds 
 with room to spare and captures again (a few times per generation: the capacities grow
 geometrically). On a device without CUDA graphs the same padded steps run eagerly, which
 is how the CPU tests check everything but the capture.
-
-With ``HEAD_LAYERS`` set, a forward is captured as two graphs sharing one memory pool, the
-first ``HEAD_LAYERS`` layers' and the rest's (for a model that takes ``between``,
-:class:`~deft.model.DecoderModel`), replayed in that order: launching a graph costs the host
-time in proportion to its nodes, so the GPU can run the short first graph while the host
-still launches the second. The steps that would gain are those that wait for the last one's
-scores (beam search, draft verification): with one graph the GPU idles through the whole
-launch.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -40,36 +31,16 @@ from ..ops import Capacity, CapacityError
 from .config import DEFAULT_BUCKETS
 from .step import Step
 
-__all__ = ["HEAD_LAYERS", "SplitGraph", "StepGraphs", "put_device_ids", "takes_between"]
+__all__ = ["StepGraphs", "put_device_ids"]
 
 _HEADROOM = 1.25  # capacities reserved beyond a step's needs, before rounding up to 2^k
 _MIN_TOKENS = 2048
 _I = np.int64
-# Layers in a forward's first graph, read at each capture; 0: one graph. Off until measured
-# on a GPU (``python tools/model_ab.py --switch split`` sets 2: two layers of a Llama-3-8B
-# step should take longer on the GPU than the host takes to launch the other thirty).
-HEAD_LAYERS = 0
 
 
 def _room(n: int, floor: int) -> int:
     """The power of two at least ``_HEADROOM * n`` and ``floor``."""
     return 1 << (max(int(n * _HEADROOM), floor) - 1).bit_length()
-
-
-class SplitGraph:
-    """A forward captured as two CUDA graphs sharing one memory pool: ``head`` (its first
-    layers) and ``tail`` (the rest). :meth:`replay` launches them in that order, the order
-    a shared pool needs."""
-
-    def __init__(self, head: torch.cuda.CUDAGraph, tail: torch.cuda.CUDAGraph) -> None:
-        self.head, self.tail = head, tail
-
-    def replay(self) -> None:
-        self.head.replay()
-        self.tail.replay()
-
-
-Graph = torch.cuda.CUDAGraph | SplitGraph
 
 
 @dataclass
@@ -83,7 +54,7 @@ class _Bucket:
     # made when a step first asks for it, and the build the last step runs.
     builds: dict[str, TreeAttention] = field(default_factory=dict)
     use: str = "default"
-    graphs: dict[tuple[int, str], tuple[Graph, torch.Tensor]] = (
+    graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = (
         field(default_factory=dict))  # by (logits rows computed, use): (graph, its output)
 
     @property
@@ -98,8 +69,7 @@ class StepGraphs:
     ``model`` and ``pool`` are the engine's; ``scratch_slot`` is a pool slot no cache node
     uses; ``buckets`` the query counts that get graphs (steps beyond the largest run
     eagerly). ``backend`` must be graph-safe; ``plan_kind`` is the attention's.
-    ``captures`` counts the forwards captured (one graph each, or two split), ``rebuilds``
-    the buckets a step outgrew.
+    ``captures`` counts the graphs captured, ``rebuilds`` the buckets a step outgrew.
     """
 
     def __init__(self, model: DecoderModel, pool: KVPool, scratch_slot: int,
@@ -115,8 +85,7 @@ class StepGraphs:
         self._buckets: dict[int, _Bucket] = {}
         self._bound = model.attention(device=self.device, backend=backend, plan_kind=plan_kind)
         self.captures = self.rebuilds = 0
-        self.last_graph: Graph | None = None  # the last replayed (benchmarks time it)
-        self._splits = takes_between(model) and model.config.num_layers > 1
+        self.last_graph: torch.cuda.CUDAGraph | None = None  # the last replayed (benchmarks time it)
 
     def bucket(self, n: int) -> int | None:
         """The query count of the bucket a step of ``n`` queries runs in, or ``None``."""
@@ -213,60 +182,19 @@ class StepGraphs:
             with torch.cuda.stream(stream):
                 self._model_step(b, logits, captured=True)
             torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph, out = self._capture(b, logits)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # a private pool: a rebuilt bucket frees its graphs
+                out = self._model_step(b, logits, captured=True)
             b.graphs[key] = (graph, out)
             self.captures += 1
         graph.replay()
         self.last_graph = graph
         return out
 
-    def _capture(self, b: _Bucket, logits: int) -> tuple[Graph, torch.Tensor]:
-        """The bucket's forward with ``logits`` rows captured, in a private memory pool (a
-        rebuilt bucket frees its graphs): two graphs split after ``HEAD_LAYERS`` layers
-        where the model allows it, else one; and its output buffer."""
-        split = min(HEAD_LAYERS, self.model.config.num_layers - 1) if self._splits else 0
-        if split <= 0:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = self._model_step(b, logits, captured=True)
-            return graph, out
-        head, tail = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        open_: torch.cuda.CUDAGraph | None = head  # the capture still to end
-
-        def between(layer: int) -> None:
-            nonlocal open_
-            if layer == split - 1:
-                open_ = None
-                head.capture_end()
-                tail.capture_begin(pool=head.pool())
-                open_ = tail
-
-        torch.cuda.synchronize(self.device)
-        with torch.cuda.stream(torch.cuda.Stream(self.device)):  # captures need a side stream
-            head.capture_begin()
-            try:
-                out = self._model_step(b, logits, captured=True, between=between)
-            finally:
-                if open_ is not None:
-                    open_.capture_end()
-        # A model that never called back past the split layer is in ``head`` whole.
-        return (head if open_ is head else SplitGraph(head, tail)), out
-
-    def _model_step(self, b: _Bucket, logits: int, captured: bool,
-                    between: Callable[[int], None] | None = None) -> torch.Tensor:
+    def _model_step(self, b: _Bucket, logits: int, captured: bool) -> torch.Tensor:
         ids, pos, slots, rows = b.inputs
-        extra = {} if between is None else {"between": between}
         return self.model(ids, pos, slots, b.step_attn, self.pool, rows[:logits],
-                          captured=captured, **extra)
-
-
-def takes_between(model: DecoderModel) -> bool:
-    """Whether ``model`` (its ``forward``, else its ``__call__``) takes ``between``."""
-    try:
-        params = inspect.signature(getattr(model, "forward", model)).parameters
-    except (TypeError, ValueError):  # no signature to read
-        return False
-    return "between" in params
+                          captured=captured)
 
 
 def put_device_ids(ids: torch.Tensor, values: torch.Tensor, moved: np.ndarray) -> None:

@@ -47,12 +47,7 @@ class DecoderModel(Protocol):
                  logits_rows: torch.Tensor | None = None,
                  captured: bool = False) -> torch.Tensor:
         """Float32 logits ``[R, vocab]`` of the planned step's ``logits_rows`` (all rows by
-        default), writing each token's K/V at its slot of ``pool`` first.
-
-        A model whose ``forward`` (or ``__call__``) also takes ``between``, a callable it
-        calls with each layer's index once that layer's work is queued, can have its
-        CUDA-graph steps captured as two graphs split there
-        (:data:`deft.engine.graphs.HEAD_LAYERS`)."""
+        default), writing each token's K/V at its slot of ``pool`` first."""
 
 
 def check_decoder(model: Any, name: str = "model") -> DecoderModel:

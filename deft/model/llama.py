@@ -257,7 +257,6 @@ class LlamaModel(nn.Module):
         pool: KVPool,
         logits_rows: torch.Tensor | None = None,
         captured: bool = False,
-        between: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Logits of one step's queries.
 
@@ -276,9 +275,6 @@ class LlamaModel(nn.Module):
         captured:
             The step is being captured into a CUDA graph, or is its warm-up: kernels that
             only pay off inside graphs are launched.
-        between:
-            Called with each layer's index once that layer's work is queued (the engine
-            ends one CUDA graph's capture there and begins the next).
 
         Returns
         -------
@@ -303,8 +299,6 @@ class LlamaModel(nn.Module):
                 table = self.nope_rope if i in self._nope else self.rope
                 x, delta = layer.forward_fused(x, delta, positions, table, write_slots,
                                                attn, pool, i, out, captured)
-                if between is not None:
-                    between(i)
             if logits_rows is not None:
                 x, delta = x[logits_rows], delta[logits_rows]
             return head_proj(rms_norm(x, self.norm.weight, self.norm.eps, delta)[0], head,
@@ -315,8 +309,6 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             cos_sin = (None, None) if i in self._nope else local if i in self._local else rope
             x = layer(x, *cos_sin, write_slots, attn, pool, i, captured)
-            if between is not None:
-                between(i)
         if logits_rows is not None:
             x = x[logits_rows]
         logits = F.linear(self.norm(x), head)  # [N or R, vocab]
