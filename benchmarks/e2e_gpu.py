@@ -141,17 +141,17 @@ def _compiles() -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
-def _decode_start(engine: Any, first: int) -> Iterator[list[float]]:
-    """In the block, the wall time (in the list it yields) at which ``engine`` starts its step
-    number ``first`` (0-based, from the stats' last reset), the GPU done with the steps
-    before it."""
+def _decode_start(engine: Any, first: int) -> Iterator[list[Any]]:
+    """In the block, the wall time at which ``engine`` starts its step number ``first``
+    (0-based, from the stats' last reset), the GPU done with the steps before it, and a copy
+    of its stats then: the list it yields holds both once that step starts."""
     runner, start = engine.runner, []
     run, own = runner.run, vars(runner).get("run")
 
     def clocked(step: Any) -> Any:
         if not start and engine.stats["steps"] == first:
             torch.cuda.synchronize()
-            start.append(time.perf_counter())
+            start.extend((time.perf_counter(), dict(engine.stats)))
         return run(step)
 
     runner.run = clocked
@@ -211,14 +211,15 @@ def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
                                "or ending before their first decode step")
     st = engine.stats
     steps, plan_tokens, queries = (st[k] - base[k] for k in _COUNTS)
+    at_start = start[1]  # the stats when the first decode step started
     # The GPU time of the run's last step alone: its graph replayed again (same inputs).
     last = engine.graphs.last_graph if engine.graphs is not None else None
     gpu_ms = None if last is None else triton.testing.do_bench(last.replay, return_mode="median")
     return {"ms_step": 1e3 * (end - start[0]) / steps, "steps": steps, "wall": t_full, "new": new,
             "gpu_ms": gpu_ms,
             "plan_tokens": plan_tokens / steps, "queries": queries / steps,
-            "plan_ms": 1e3 * st["plan_s"] / st["steps"],
-            "host": 1 - st["graph_steps"] / max(st["steps"], 1)}
+            "plan_ms": 1e3 * (st["plan_s"] - at_start["plan_s"]) / steps,
+            "host": 1 - (st["graph_steps"] - at_start["graph_steps"]) / steps}
 
 
 def _replayed(w: GpuWorkload, workloads: Path) -> tuple[GpuWorkload, Path]:

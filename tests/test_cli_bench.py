@@ -118,6 +118,8 @@ def _e2e_runs(monkeypatch, engine, compiles_at, prefill_s=(0.0,), first_decode_s
                 time.sleep(0.02 + (prefill if i == 0 else first_decode_s if i == 1 else 0))
                 engine_.stats["steps"] += 1
                 engine_.stats["tokens"] += 1
+                engine_.stats["plan_s"] += 5.0 if i == 0 else 0.001  # a prefill plans longer
+                engine_.stats["graph_steps"] += i > 0  # the prefill runs eagerly
             return new_tokens
         return run
 
@@ -159,6 +161,8 @@ def test_e2e_clocks_the_decode_steps_alone(monkeypatch):
                            first_decode_s=0.2)
     got = e2e._measure(engine, e2e.GpuWorkload("fake", "sample", 0, 1, 8), [[1]], None, None)
     assert got["steps"] == 7 and 45 <= got["ms_step"] < 100
+    # The plan time and eager share of the decode steps alone, not the prefill's.
+    assert got["plan_ms"] == pytest.approx(1.0) and got["host"] == 0
     assert calls["runs"] == 3  # one warm-up round of both runs, then the timed run
     assert vars(engine.runner)["run"] is own
 
