@@ -23,6 +23,7 @@ __all__ = [
     "DEVICES",
     "DTYPES",
     "PAGE_SIZE",
+    "SERVER_CALIBRATION",
     "CliError",
     "KVBudget",
     "Parser",
@@ -50,6 +51,8 @@ __all__ = [
 DEVICES = ("auto", "cpu", "cuda")  # auto: resolved by main before a command runs
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 PAGE_SIZE = 16  # the engines the commands build use the default page size
+# What a server's FP8 scales come from (deft.serve.scheduler.calibrate_kv), for --kv-dtype's help.
+SERVER_CALIBRATION = "a fixed paragraph at start-up, never a request's K/V"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
@@ -98,10 +101,12 @@ class Parser(argparse.ArgumentParser):
 # ------------------------------------------------------------------ shared flags
 
 
-def model_flags(default_model: str = "SmolLM2-135M-Instruct GGUF") -> argparse.ArgumentParser:
+def model_flags(default_model: str = "SmolLM2-135M-Instruct GGUF",
+                kv_calibration: str = "the first prompt chunk") -> argparse.ArgumentParser:
     """``--model MODEL``, ``--device``, ``--dtype``, ``--kv-memory SIZE``, ``--kv-dtype`` and
     ``--tensor-parallel-size N`` (:mod:`.parallel`), as a parent parser; ``default_model``
-    says what runs without ``--model``."""
+    says what runs without ``--model``, ``kv_calibration`` what an FP8 cache's scales come
+    from."""
     from ..cache.pool import KV_MEMORY_FRACTION
 
     p = argparse.ArgumentParser(add_help=False)
@@ -121,7 +126,7 @@ def model_flags(default_model: str = "SmolLM2-135M-Instruct GGUF") -> argparse.A
                    "never more than the requests could need; deft serve: --num-pages); generate "
                    "and sample requests that do not fit wait for others to finish, others stop "
                    "with an error")
-    kv_dtype_flag(p)
+    kv_dtype_flag(p, kv_calibration)
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
                    dest="tensor_parallel_size",
                    help="split the model over N devices (tensor parallelism); run the command "
@@ -129,19 +134,20 @@ def model_flags(default_model: str = "SmolLM2-135M-Instruct GGUF") -> argparse.A
     return p
 
 
-def kv_dtype_flag(parser: argparse.ArgumentParser) -> None:
-    """``--kv-dtype auto|fp8_e4m3``: the K/V cache's format (``EngineConfig.kv``)."""
+def kv_dtype_flag(parser: argparse.ArgumentParser, calibration: str) -> None:
+    """``--kv-dtype auto|fp8_e4m3``: the K/V cache's format (``EngineConfig.kv``), its FP8
+    scales calibrated on ``calibration``."""
     from ..cache.pool import CALIBRATION_HEADROOM, KV_DTYPE_NAMES
 
     parser.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, default="auto",
                         help="K/V cache format: auto (the model's dtype) or fp8_e4m3 (float8 "
                         "e4m3, half the bytes of a 16-bit cache, with static per-layer, per-KV-head "
-                        "scales calibrated on the first prompt chunk: its largest |K|, |V| times "
+                        f"scales calibrated on {calibration}: its largest |K|, |V| times "
                         f"{CALIBRATION_HEADROOM:g} map to the format's largest value; queries "
                         "and activations keep the model's dtype; twice the tokens in the same "
-                        "memory; on the H200 a decode step is 3-5%% slower end to end than with a "
-                        "16-bit cache, its attention 1.2-1.5x slower: it buys room, not speed; "
-                        "see docs/benchmarks.md) (default auto)")
+                        "memory; on the H200 a decode step was 1.6-6.2%% slower end to end than "
+                        "with a 16-bit cache, and 1.4-1.6%% faster on two reasoning trees: it "
+                        "buys room, not speed; see docs/benchmarks.md) (default auto)")
 
 
 def prompt_flags() -> argparse.ArgumentParser:
