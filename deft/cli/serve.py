@@ -24,7 +24,8 @@ MAX_DRAFT_TOKENS = 256
 def add_parser(subparsers: Any) -> None:
     """Add the ``serve`` command to ``deft``'s subcommands."""
     p = subparsers.add_parser(
-        "serve", parents=[common.model_flags(kv_calibration=common.SERVER_CALIBRATION)], help="an OpenAI-compatible server (continuous batching)",
+        "serve", parents=[common.model_flags(kv_calibration=common.SERVER_CALIBRATION)],
+        help="an OpenAI-compatible server (continuous batching)",
         description="Serve the model over OpenAI's HTTP API (/v1/completions, /v1/chat/completions, "
         "/v1/models, /health, /metrics). One scheduler owns the engine: requests join the running "
         "batch at the next step, and prompts that share a prefix share its KV across requests.")
