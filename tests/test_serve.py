@@ -263,6 +263,8 @@ def test_prefix_cache_hit_gives_the_same_greedy_answer(main_server, engine, smol
     ({"model": MODEL, "prompt": "x", "temperature": "hot"}, "temperature"),
     ({"model": MODEL, "prompt": [1] * 9000}, "prompt"),
     ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "x", "frequency_penalty": -1}, "frequency_penalty"),
+    ({"model": MODEL, "prompt": "x", "echo": True}, "echo"),
     ({"model": MODEL, "prompt": "x", "speculative": {"drafter": "model"}}, "speculative.drafter"),
 ])
 def test_bad_requests_are_400_with_openai_errors(main_server, body, param):

@@ -121,10 +121,6 @@ class PageAllocator:
         view.setflags(write=False)
         return view
 
-    def refcount(self, page: int) -> int:
-        """Users of one ``page``."""
-        return self.users[page]
-
     def free_pages(self) -> np.ndarray:
         """``[num_free]`` the free pages; :meth:`alloc` pops them from the end (a take of
         :data:`RUN_PAGES` or more takes a run of consecutive ones first, where there is one),

@@ -150,14 +150,13 @@ def coarsen_factor(plan: TreePlan, c: Coarsening, masked: np.ndarray | None = No
                       c.max_factor, c.resident_slots, masks, c.masked_cost)
 
 
-def modelled_makespan(plan: TreePlan, c: Coarsening, masked: np.ndarray | None = None) -> int:
+def modelled_makespan(plan: TreePlan, c: Coarsening) -> int:
     """The launch model's makespan of ``plan`` coarsened by :func:`coarsen_factor` (on the
     resident slots where the kernel keeps fewer than ``c.slots``), in tokens; 0 without a
-    model (``c.slots <= 0``). ``masked``: :func:`masked_tiles` of ``plan``, if known."""
+    model (``c.slots <= 0``)."""
     if plan.num_tiles == 0 or c.slots <= 0:
         return 0
-    if masked is None and (c.masked_apart or c.masked_cost):
-        masked = masked_tiles(plan)
+    masked = masked_tiles(plan) if c.masked_apart or c.masked_cost else None
     u = coarsen_factor(plan, c, masked)
     slots = c.resident_slots if 0 < c.resident_slots < c.slots else c.slots
     masks = run_masks(plan, c.masked_apart, masked) if c.masked_cost else None
