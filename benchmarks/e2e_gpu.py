@@ -143,16 +143,22 @@ def _compiles() -> Iterator[list[str]]:
 @contextlib.contextmanager
 def _decode_start(engine: Any, first: int) -> Iterator[list[Any]]:
     """In the block, the wall time at which ``engine`` starts its step number ``first``
-    (0-based, from the stats' last reset), the GPU done with the steps before it, and a copy
-    of its stats then: the list it yields holds both once that step starts."""
+    (0-based, from the stats' last reset), the GPU done with the steps before it, and its
+    stats as the step before it left them (the engine counts a step's layout before its
+    run): the list it yields holds both once that step starts."""
     runner, start = engine.runner, []
     run, own = runner.run, vars(runner).get("run")
+    before = dict(engine.stats)
 
     def clocked(step: Any) -> Any:
+        nonlocal before
         if not start and engine.stats["steps"] == first:
             torch.cuda.synchronize()
-            start.extend((time.perf_counter(), dict(engine.stats)))
-        return run(step)
+            start.extend((time.perf_counter(), before))
+        out = run(step)
+        if not start:
+            before = dict(engine.stats)
+        return out
 
     runner.run = clocked
     try:
@@ -211,7 +217,7 @@ def _measure(engine: Any, w: GpuWorkload, prompts: list[list[int]],
                                "or ending before their first decode step")
     st = engine.stats
     steps, plan_tokens, queries = (st[k] - base[k] for k in _COUNTS)
-    at_start = start[1]  # the stats when the first decode step started
+    at_start = start[1]  # the stats before the first decode step
     # The GPU time of the run's last step alone: its graph replayed again (same inputs).
     last = engine.graphs.last_graph if engine.graphs is not None else None
     gpu_ms = None if last is None else triton.testing.do_bench(last.replay, return_mode="median")

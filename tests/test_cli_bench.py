@@ -73,7 +73,7 @@ def test_few_shot_layout_shape():
 
 
 class _FakeEngine:
-    """What the e2e harness reads of an engine: eager (no graphs), its step counters and a
+    """What the e2e harness reads of an engine: no graphs to replay, its step counters and a
     runner whose ``run`` starts each step."""
 
     graphs = None
@@ -114,12 +114,14 @@ def _e2e_runs(monkeypatch, engine, compiles_at, prefill_s=(0.0,), first_decode_s
             prefill = prefill_s[calls["runs"] % len(prefill_s)]
             calls["runs"] += 1
             for i in range(new_tokens):
+                # A step's layout is counted before its run, as the engine does; the runner
+                # counts a graph step in it. A prefill plans longer and runs eagerly.
+                engine_.stats["plan_s"] += 5.0 if i == 0 else 0.001
                 engine_.runner.run(None)
+                engine_.stats["graph_steps"] += i > 0
                 time.sleep(0.02 + (prefill if i == 0 else first_decode_s if i == 1 else 0))
                 engine_.stats["steps"] += 1
                 engine_.stats["tokens"] += 1
-                engine_.stats["plan_s"] += 5.0 if i == 0 else 0.001  # a prefill plans longer
-                engine_.stats["graph_steps"] += i > 0  # the prefill runs eagerly
             return new_tokens
         return run
 

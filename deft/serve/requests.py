@@ -88,7 +88,6 @@ def completion_jobs(body: Any, prompts: list[list[int]], top: int | None, limits
                     tokenizer: Tokenizer, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop,
                     chat: bool) -> list[Job]:
     """One job per prompt of ``body`` (a :class:`CompletionRequest` or :class:`ChatRequest`)."""
-    check_model(body.model, limits)  # penalties and echo: refused by the request's schema
     stop = body.stop_strings()
     if len(stop) > MAX_STOP or any(not s for s in stop):
         raise ApiError(400, f"stop: expected at most {MAX_STOP} non-empty strings", "stop")
