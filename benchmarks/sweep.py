@@ -55,7 +55,8 @@ config and coarsening (``deft.plan.coarsen.refine``):
   K/V are finite, so no item is computed again.
 * ``nodes``: flatten tiles never cut at long nodes (``node_cut`` 0; shipped on sm_90: at
   nodes of 32+ tokens where the launch model says the cut plan finishes sooner), or cut at
-  nodes of 128+ tokens (docs/decisions.md, "Tiles cut at long nodes").
+  nodes of 128+ tokens (docs/decisions.md, "Adopted: tiles cut at long nodes where the launch
+  model says").
 * ``order``: a graph-safe launch reads whether the plan's queries are in plan order from
   its header and then loads no query order (``header_in_order``; all but the Medusa
   trees' queries are in plan order); a work item's query order, prefixes and lengths
@@ -72,7 +73,8 @@ buffers and grid for any tree of the step's size, ``TreeAttention(capacity=...)`
 pool holds them), checked against the float64 reference of the dequantised K/V.
 
 Usage: ``python -m benchmarks.sweep [--sweep NAME[,NAME...]] [--kv-dtype fp8_e4m3] [--graph-safe]
-[--eager] [--only LABEL,...] [--plans] [--json PATH] [TREE ...]``: one line per (tree,
+[--eager] [--only LABEL,...] [--factors 2,4,8,16,32] [--plans] [--workloads DIR] [--json PATH]
+[TREE ...]``: one line per (tree,
 variant), then registers and spills of every compiled partial-kernel variant, the best
 variants per tree and each variant's mean slowdown against the per-tree best.
 """

@@ -11,7 +11,8 @@ for each build: ``default``, ``light`` (uncapped, coarsened for the programs it 
 APPS-64 and APPS-128 draft trees on a 4,000-token prompt (docs/decisions.md, "The register
 cap stays, but for steps of few programs").
 
-Usage: ``python tools/engine_builds.py`` (needs ``$DEFT_WORKLOADS`` for the Medusa trees).
+Usage: ``python tools/engine_builds.py`` (the Medusa trees need the recorded
+workloads, ``$DEFT_WORKLOADS``, else ``../shared/workloads``).
 """
 
 from __future__ import annotations

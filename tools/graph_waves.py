@@ -10,8 +10,6 @@ every compiled partial kernel.
 Usage: python3 tools/graph_waves.py [TREE ...]   (GPU only)
 """
 import dataclasses
-import os
-from pathlib import Path
 
 import torch
 
@@ -21,13 +19,14 @@ from deft import TreeAttention
 from deft.ops import Capacity
 from deft.ops.reference import reference_attention
 from deft.ops.triton import configs, kernels
+from deft.recorded import workloads_dir
 from _usage import args
 
 VARIANTS = {"graph-safe": {}, "graph-safe, 1 wave": {"graph_waves": 1},
             "graph-safe, no register cap": {"maxnreg": None}}
 names = args(__doc__) or ["few-shot b=20", "speculative t=64", "speculative t=256",
                          "medusa APPS-256", "reasoning sorting128ToT", "long prompt 20k x64"]
-trees = dict(available(names, Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))))
+trees = dict(available(names, workloads_dir()))
 trees["1 query on 1,000 tokens"] = fan_layout(1000, 1)
 shipped = dict(configs.CONFIGS)
 print("tree | plan-specialised µs | " + " | ".join(f"{v} µs" for v in VARIANTS))

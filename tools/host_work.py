@@ -8,7 +8,7 @@ prompts"), ``sampled32`` (the same prompts sampled at temperature 0.8, a request
 (the same with top-p 0.9), ``beam16`` (beam search k=16 from one 2,000-token prompt),
 ``verify256`` (the e2e suite's "Medusa APPS-256 verify": the APPS-256 draft tree added under a
 4,000-token prompt, its logits' argmax read, the tree pruned, each step; needs
-``$DEFT_WORKLOADS``, default ``.workloads``; not run unless named). Prints ms of host
+the recorded workloads, ``$DEFT_WORKLOADS``, else ``../shared/workloads``; not run unless named). Prints ms of host
 work per decode step: a run of ``--steps`` new tokens minus a run of one, best of
 ``--repeats``; with ``--profile``, cProfile's top functions of one run. On the CPU the picks
 run as PyTorch ops on the host; with ``--device cuda`` the forward is stubbed the same way,
@@ -80,6 +80,7 @@ def main() -> None:
     from deft.engine import SamplingParams, TreeEngine, beam_search, generate
     from deft.model import LlamaConfig
     from deft.model.synthetic import byte_tokenizer, random_model
+    from deft.recorded import workloads_dir
 
     heads = dict(hidden_size=4096, num_heads=32, num_kv_heads=8) if a.graph_plan else \
         dict(hidden_size=64, num_heads=2, num_kv_heads=1)
@@ -134,7 +135,7 @@ def main() -> None:
         if name == "verify256":
             from benchmarks.trees import apps_tree, medusa_parents
 
-            workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
+            workloads = workloads_dir()
             parents = medusa_parents(apps_tree(256, workloads))
             return lambda n, p=prompt(4000, 7): verify(n, p, parents)
         if name != "beam16":

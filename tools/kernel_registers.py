@@ -15,7 +15,7 @@ loads, no plan header) or graph-safe (TMA, plan header, a loop over work items),
 
 Usage: ``python tools/kernel_registers.py [--head-dim 128] [--rows 0,2048] [--kv bf16,fp8]
 [--launch eager,graph-safe] [--maxnreg shipped,none,168] [--block-m shipped,few,16] [--variants
-shipped,aligned,ranges,both,checked,deferred,finite,lean,in-order,late,order,per-value,
+shipped,neither,aligned,ranges,both,checked,deferred,finite,lean,in-order,late,order,per-value,
 sums,fma,acc] [--dump DIR]``;
 ``--rows`` picks the config table's row regimes (``deft.ops.triton.configs.CONFIGS``),
 ``--maxnreg`` the register cap (``shipped``: the config's build's for that K/V), ``--block-m``
@@ -232,7 +232,8 @@ def main(argv: list[str] | None = None) -> None:
                          "of rows per program")
     ap.add_argument("--variants", default="shipped",
                     help="kernel variants: shipped; masked tiles: neither, aligned (aligned_mask), "
-                         "ranges (ranges_first), both; isolation: deferred (deferred_v_checks), "
+                         "ranges (ranges_first), both; isolation: checked (neither of the next "
+                         "two), deferred (deferred_v_checks), "
                          "finite (e4m3_finite_scores), lean (those two); in-order "
                          "(header_in_order, graph-safe), late (no early_item_loads), order "
                          "(both); end checks: per-value (none of the next three), sums "

@@ -10,8 +10,9 @@ retrieval check, on a constructed one-layer model whose context is any length
 among ``--context`` tokens, not a trained model's accuracy).
 
 Usage: PYTHONPATH=. python3 tools/kv_fp8_check.py [--model PATH] [--device cuda]
-       [--dtype bfloat16] [--retrieval [--context 32768] [--depth 0.25]]
-       PYTHONPATH=. python3 tools/kv_fp8_check.py --needle [--context 32768] [--device cuda]
+       [--dtype bfloat16] [--new-tokens 32] [--retrieval [--context 32768] [--depth 0.25]]
+       PYTHONPATH=. python3 tools/kv_fp8_check.py --needle [--context 32768] [--depth 0.25]
+       [--device cuda] [--dtype bfloat16]
 (the default model is deft's SmolLM2-135M, 8k context; a long-context check needs a model
 of at least ``--context`` positions, e.g. a Llama-3.1-8B checkpoint)
 """

@@ -4,14 +4,13 @@ Per tree, µs per layer of the benchmark's 32-layer step (CUDA-graph replay, one
 per layer, the Llama-3-8B attention shape): the shipped step, the partial kernel alone
 (merge skipped), the merge kernel alone (partial kernel skipped; it merges whatever the
 workspace holds), and the fused merge (``fuse_merge``: one launch per layer). Then the
-floor of the launches themselves: an empty Triton kernel once and twice per layer, with
-and without programmatic dependent launch (the shipped step chains its launches with it).
+floor of the launches themselves: an empty Triton kernel once and twice per layer, and
+twice with programmatic dependent launch (second grid 132 or 1,024 programs; the shipped step
+chains its launches with it).
 
 Usage: python3 tools/launch_cost.py [TREE ...]   (default: small steps of the GPU suite)
 """
 import dataclasses
-import os
-from pathlib import Path
 
 import torch
 import triton
@@ -22,9 +21,10 @@ from benchmarks.attention_gpu import D, DTYPE, H_KV, H_Q, LAYERS, time_us
 from benchmarks.trees import build, fan_layout
 from deft import TreeAttention
 from deft.ops.triton import configs, launch
+from deft.recorded import workloads_dir
 from _usage import args
 
-workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
+workloads = workloads_dir()
 names = args(__doc__) or ["speculative t=32", "reasoning keywordToT", "medusa APPS-32",
                          "few-shot b=20", "speculative t=256"]
 SHIPPED = dict(configs.CONFIGS)

@@ -13,7 +13,7 @@ the GPU time of the run's last step replayed alone.
 
 Usage: ``python tools/model_ab.py [--switch chain|wide|rows] [--rounds N] [--pages N]
 [--json PATH] [WORKLOAD ...]`` (names of ``benchmarks.e2e_gpu.GPU_WORKLOADS``; the recorded
-ones need ``$DEFT_WORKLOADS``).
+ones need the recorded workloads, ``$DEFT_WORKLOADS``, else ``../shared/workloads``).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ process, 32 layers replayed from a CUDA graph. Result: docs/decisions.md ("A per
 partial pass in Gluon, measured").
 
 Usage: ``python tools/persistent_gluon.py [--builds 0,5] [TREE ...]`` (H200); ``--compile-only``
-compiles each build for sm_90a on any machine and prints ptxas's registers and spills.
+compiles every build (``--builds`` does not apply) for sm_90a on any machine and prints
+ptxas's registers and spills.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Host time of DeFT-Flatten's ``TreeAttention.plan`` on CUDA for the GPU benchmark trees:
-the median of 21 plans right after a synchronisation (some GPU work, then a sync, as before a
-decode step's plan) and of 2,000 back-to-back plans (a warm host), in µs. For A/B runs of two checkouts, run it
-once per checkout (``PYTHONPATH``).
+the median of 21 back-to-back plans started right after a synchronisation (some GPU work,
+then a sync, as before a decode step's plan) and of 2,000 back-to-back plans (a warm host),
+in µs. For A/B runs of two checkouts, run it once per checkout (``PYTHONPATH``).
 
 Usage: python3 tools/plan_time.py [TREE ...]
 """
-import os
-from pathlib import Path
 
 import torch
 
@@ -14,9 +12,10 @@ from benchmarks.attention_gpu import D, H_KV, H_Q
 from benchmarks.timing import median_plan_seconds
 from benchmarks.trees import GPU_SUITE, build
 from deft import TreeAttention
+from deft.recorded import workloads_dir
 from _usage import args
 
-workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
+workloads = workloads_dir()
 names = args(__doc__) or GPU_SUITE
 
 print(f"{'workload':26s} {'after sync':>11s} {'warm':>8s}  (µs per plan)")

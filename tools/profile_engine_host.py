@@ -13,13 +13,12 @@ extensions were built (``python3 setup.py build_ext --inplace`` in the same call
 machine).
 
 Loops: ``beam16`` (beam search k=16 from a 2,000-token prompt), ``beam4`` (k=4), ``t=256``
-(verifying Medusa's APPS-256 tree on a 4,000-token prompt; needs ``$DEFT_WORKLOADS``,
-default ``.workloads``).
+(verifying Medusa's APPS-256 tree on a 4,000-token prompt; needs the recorded
+workloads, ``$DEFT_WORKLOADS``, else ``../shared/workloads``).
 
 Usage: python3 tools/profile_engine_host.py [LOOP ...]   (GPU only)
 """
 import cProfile
-import os
 import pstats
 import time
 from contextlib import contextmanager
@@ -33,6 +32,7 @@ from deft.engine import TreeEngine, core
 from deft.engine.runner import ModelRunner
 from deft.model.synthetic import load_random
 from deft.plan.compiled import load_library
+from deft.recorded import workloads_dir
 from _usage import args
 
 STEPS = 32
@@ -50,7 +50,7 @@ def loop(engine: TreeEngine, name: str, gen: torch.Generator):
     prompt = torch.randint(0, engine.vocab_size, (w.prompt,), generator=gen).tolist()
     parents = None
     if w.kind == "verify":
-        parents = medusa_parents(apps_tree(w.width, Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))))
+        parents = medusa_parents(apps_tree(w.width, workloads_dir()))
     return lambda steps: run_workload(engine, w, [prompt], steps, parents, None)()
 
 

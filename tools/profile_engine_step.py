@@ -7,12 +7,11 @@ the step's span.
 
 Steps: ``b=20`` (20 sampled branches on a 4,000-token prompt), ``greedy`` (one sequence on a
 1,000-token prompt), ``t=256`` (verifying Medusa's APPS-256 tree on a 4,000-token prompt;
-needs ``$DEFT_WORKLOADS``, default ``.workloads``).
+needs the recorded workloads, ``$DEFT_WORKLOADS``, else ``../shared/workloads``).
 
 Usage: python3 tools/profile_engine_step.py [STEP ...] [--json PATH]
 """
 import json
-import os
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -23,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.trees import apps_tree, medusa_parents
 from deft.engine import SamplingParams, TreeEngine, generate, sample
 from deft.model.synthetic import load_random
+from deft.recorded import workloads_dir
 from _usage import args
 
 REPLAYS = 20
@@ -45,7 +45,7 @@ def run_step(engine: TreeEngine, step: str, gen: torch.Generator) -> None:
         prompt = torch.randint(0, vocab, (1000,), generator=gen).tolist()
         generate(engine, prompt, SamplingParams(max_new_tokens=4, stop_token_ids=frozenset()))
     elif step == "t=256":
-        parents = medusa_parents(apps_tree(256, Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))))
+        parents = medusa_parents(apps_tree(256, workloads_dir()))
         prompt = torch.randint(0, vocab, (4000,), generator=gen).tolist()
         root = engine.add_prompt(prompt[:-1])
         engine.extend([(root, prompt[-1:])])

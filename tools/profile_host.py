@@ -15,22 +15,21 @@ every plan launches alike). The GPU is idle at the start of each timed call (hos
 Usage: python3 tools/profile_host.py [TREE ...]
 """
 import cProfile
-import os
 import pstats
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from benchmarks.timing import median_seconds
 from benchmarks.trees import build
 from deft import Capacity, TreeAttention
+from deft.recorded import workloads_dir
 from _usage import args
 
 H_Q, H_KV, D, LAYERS = 32, 8, 128, 32
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
+workloads = workloads_dir()
 
 
 def median_us(fn, n: int) -> float:

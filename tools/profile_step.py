@@ -6,17 +6,16 @@ Per tree: one eager run (2 launches), then 3 replays of the layer captured in a 
 Usage: ncu --clock-control none -k regex:"tree_partial|merge_kernel" --launch-skip 4 \
            --launch-count 2 --section SpeedOfLight ... python3 tools/profile_step.py TREE
 """
-import os
-from pathlib import Path
 
 import torch
 
 from benchmarks.trees import build
 from deft import TreeAttention
+from deft.recorded import workloads_dir
 from _usage import args
 
 H_Q, H_KV, D = 32, 8, 128
-workloads = Path(os.environ.get("DEFT_WORKLOADS", ".workloads"))
+workloads = workloads_dir()
 for name in args(__doc__) or ["few-shot b=20", "long prompt 20k x64"]:
     layout = build(name, workloads)
     k = torch.randn(layout.num_tokens, H_KV, D, device="cuda", dtype=torch.bfloat16)

@@ -18,7 +18,8 @@ writes every pair; ``--from-json`` summarises such a file again without a GPU.
 Usage: ``python tools/program_timeline.py TREE ... [--factors 6,8] [--sweep NAME [--only
 LABEL,...]] [--json PATH]``: the shipped step, then each variant of ``python -m
 benchmarks.sweep --sweep NAME`` (default ``factors``: the coarsening factors of ``--factors``,
-planned with numpy), e.g. ``--sweep tails --only "aligned mask"``.
+planned with numpy); ``--only`` keeps just the labels it names (``shipped`` for the shipped
+step), e.g. ``--sweep tails --only "shipped,aligned mask"``.
 """
 
 from __future__ import annotations
