@@ -7,10 +7,10 @@ logits over a ``--vocab``-entry vocabulary, so every step's time is host work. L
 prompts"), ``sampled32`` (the same prompts sampled at temperature 0.8, a request each), ``topp32``
 (the same with top-p 0.9), ``beam16`` (beam search k=16 from one 2,000-token prompt),
 ``verify256`` (the e2e suite's "Medusa APPS-256 verify": the APPS-256 draft tree added under a
-4,000-token prompt, its logits' argmax read, the tree pruned, each step; needs
-the recorded workloads, ``$DEFT_WORKLOADS``, else ``../shared/workloads``; not run unless named). Prints ms of host
-work per decode step: a run of ``--steps`` new tokens minus a run of one, best of
-``--repeats``; with ``--profile``, cProfile's top functions of one run. On the CPU the picks
+4,000-token prompt, its logits' argmax read, the tree pruned, each step; needs the
+recorded workloads, ``$DEFT_WORKLOADS``, else ``../shared/workloads``; not run unless
+named). Prints ms of host work per decode step: a run of ``--steps`` new tokens minus a
+run of one, best of ``--repeats``; with ``--profile``, cProfile's top functions of one run. On the CPU the picks
 run as PyTorch ops on the host; with ``--device cuda`` the forward is stubbed the same way,
 so the figure includes launching the picks but no model.
 

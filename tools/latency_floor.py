@@ -5,8 +5,8 @@ Llama-3-8B attention shape) on synthetic trees from one 32-token sequence up to 
 benchmark's speculative t=32, plan-specialised and graph-safe (buffers reserved for the
 tree's size, as the engine's captured steps launch), and prints µs per layer next to the IO
 floor of the layer's unique KV bytes at the ``BW`` environment variable's bytes/s (default
-4.2e12, the H200's measured read bandwidth). What a tiny tree takes is launch and dependency latency, not bytes: no
-tree runs faster. ``--json PATH`` also writes the rows as a record.
+4.2e12, the H200's measured read bandwidth). What a tiny tree takes is launch and dependency
+latency, not bytes: no tree runs faster. ``--json PATH`` also writes the rows as a record.
 
 Usage: python3 tools/latency_floor.py [--json PATH]   (GPU only)
 """
