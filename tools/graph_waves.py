@@ -19,14 +19,14 @@ from deft import TreeAttention
 from deft.ops import Capacity
 from deft.ops.reference import reference_attention
 from deft.ops.triton import configs, kernels
-from deft.recorded import workloads_dir
+from deft.cli.common import workloads as recorded_workloads
 from _usage import args
 
 VARIANTS = {"graph-safe": {}, "graph-safe, 1 wave": {"graph_waves": 1},
             "graph-safe, no register cap": {"maxnreg": None}}
 names = args(__doc__) or ["few-shot b=20", "speculative t=64", "speculative t=256",
                          "medusa APPS-256", "reasoning sorting128ToT", "long prompt 20k x64"]
-trees = dict(available(names, workloads_dir()))
+trees = dict(available(names, recorded_workloads(None)))
 trees["1 query on 1,000 tokens"] = fan_layout(1000, 1)
 shipped = dict(configs.CONFIGS)
 print("tree | plan-specialised µs | " + " | ".join(f"{v} µs" for v in VARIANTS))

@@ -21,12 +21,12 @@ from benchmarks.attention_gpu import D, DTYPE, H_KV, H_Q, LAYERS, time_us
 from benchmarks.trees import build, fan_layout
 from deft import TreeAttention
 from deft.ops.triton import configs, launch
-from deft.recorded import workloads_dir
+from deft.cli.common import workloads as recorded_workloads
 from _usage import args
 
-workloads = workloads_dir()
 names = args(__doc__) or ["speculative t=32", "reasoning keywordToT", "medusa APPS-32",
                          "few-shot b=20", "speculative t=256"]
+workloads = recorded_workloads(None)
 SHIPPED = dict(configs.CONFIGS)
 FUSED = {key: dataclasses.replace(cfg, fuse_merge=True) for key, cfg in SHIPPED.items()}
 

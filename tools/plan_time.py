@@ -12,11 +12,11 @@ from benchmarks.attention_gpu import D, H_KV, H_Q
 from benchmarks.timing import median_plan_seconds
 from benchmarks.trees import GPU_SUITE, build
 from deft import TreeAttention
-from deft.recorded import workloads_dir
+from deft.cli.common import workloads as recorded_workloads
 from _usage import args
 
-workloads = workloads_dir()
 names = args(__doc__) or GPU_SUITE
+workloads = recorded_workloads(None)
 
 print(f"{'workload':26s} {'after sync':>11s} {'warm':>8s}  (µs per plan)")
 for name in names:

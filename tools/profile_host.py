@@ -24,12 +24,11 @@ import torch
 from benchmarks.timing import median_seconds
 from benchmarks.trees import build
 from deft import Capacity, TreeAttention
-from deft.recorded import workloads_dir
+from deft.cli.common import workloads as recorded_workloads
 from _usage import args
 
 H_Q, H_KV, D, LAYERS = 32, 8, 128, 32
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-workloads = workloads_dir()
 
 
 def median_us(fn, n: int) -> float:
@@ -54,8 +53,10 @@ def triton_only(attn: TreeAttention) -> None:
     attn._prepared.__dict__["native"] = None
 
 
+names = args(__doc__) or ["few-shot b=20", "speculative t=32", "long prompt 20k x64"]
+workloads = recorded_workloads(None)
 rows = []
-for name in args(__doc__) or ["few-shot b=20", "speculative t=32", "long prompt 20k x64"]:
+for name in names:
     layout = build(name, workloads)
     attn = TreeAttention(H_Q, H_KV, D, backend="triton", device=DEV)
     attn.plan(layout)

@@ -11,12 +11,13 @@ import torch
 
 from benchmarks.trees import build
 from deft import TreeAttention
-from deft.recorded import workloads_dir
+from deft.cli.common import workloads as recorded_workloads
 from _usage import args
 
 H_Q, H_KV, D = 32, 8, 128
-workloads = workloads_dir()
-for name in args(__doc__) or ["few-shot b=20", "long prompt 20k x64"]:
+names = args(__doc__) or ["few-shot b=20", "long prompt 20k x64"]
+workloads = recorded_workloads(None)
+for name in names:
     layout = build(name, workloads)
     k = torch.randn(layout.num_tokens, H_KV, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
