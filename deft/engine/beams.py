@@ -9,7 +9,8 @@ beam tokens in the same forward as everything else
 (:func:`~deft.engine.strategies.beam.beam_search` is such a batch).
 
 Scores follow ``transformers``' ``_beam_search`` (v5): each step the top ``max(2, 1 +
-#stop ids) * k`` continuations of all beams by summed log-probability (float32); the
+#stop ids) * k`` continuations of all beams by summed log-probability (float32; on CUDA
+picked by :func:`~deft.engine.beam_pick.beam_top`, equal sums to the lower index); the
 best ``k`` that do not stop continue; a candidate among the top ``k`` that ends with a
 stop token (or reaches ``max_new_tokens``) becomes a finished hypothesis scored
 ``sum_logprobs / generated_len ** length_penalty``, the best ``k`` of which are kept.
@@ -110,6 +111,19 @@ class _Beam:
     score: np.float32  # sum of log-probabilities, float32 as in transformers
 
 
+def _top(logits: torch.Tensor, scores: torch.Tensor, width: int) -> torch.Tensor:
+    """``[2, width]`` float64: the ``width`` best sums ``log_softmax(logits) + scores[:, None]``
+    and their flat indices; by the fused kernels on CUDA where they fit, else by PyTorch."""
+    if logits.device.type == "cuda":
+        from .beam_pick import beam_top, fits  # Triton: installed wherever CUDA paths run
+
+        if fits(logits, width):
+            return beam_top(logits, scores, width)
+    top = torch.topk((torch.log_softmax(logits.float(), dim=-1) + scores[:, None]).reshape(-1),
+                     width)
+    return torch.stack((top.values.double(), top.indices.double()))
+
+
 class BeamSearch:
     """One prompt's beam search over ``engine``'s tree cache, a step at a time.
 
@@ -177,17 +191,15 @@ class BeamSearch:
         Returns the previous running beams (their nodes are the new beams' parents).
         """
         k, lp, early_stopping = self.params.num_beams, self.params.length_penalty, self.params.early_stopping
-        logp = torch.log_softmax(self.logits.float(), dim=-1)  # [beams, vocab]
+        logits = self.logits  # [beams, vocab]
         scores = to_device(torch.tensor([b.score for b in self.running], dtype=torch.float32,
-                                        device="cpu"), logp.device)  # the host waits below
-        acc = (logp + scores[:, None]).reshape(-1)
-        top = torch.topk(acc, min(self.width, acc.shape[0]))
-        vocab = logp.shape[1]
-        gen_len = len(self.running[0].tokens) + 1
-        last = gen_len >= self.max_new
+                                        device="cpu"), logits.device)  # the host waits below
+        width, vocab = min(self.width, logits.numel()), logits.shape[1]
         # One copy to the host (the step's one synchronisation): float32 scores and indices
         # below 2^53 are exact in float64.
-        values, indices = torch.stack((top.values.double(), top.indices.double())).tolist()
+        values, indices = _top(logits, scores, width).tolist()
+        gen_len = len(self.running[0].tokens) + 1
+        last = gen_len >= self.max_new
         cands = [(_F(v), int(i) // vocab, int(i) % vocab) for v, i in zip(values, indices)]
         hits = [last or tok in self.stop for _, _, tok in cands]
 
