@@ -1,9 +1,9 @@
 """A beam step's pick in three Triton launches, for CUDA tensors: the ``width`` best sums
 ``log_softmax(logits[b])[v] + scores[b]`` over every beam ``b`` and token ``v``.
 
-PyTorch's way (a ``log_softmax``, an add, a ``topk`` over ``beams x vocab`` entries) takes
-100-190 µs of GPU time on an H100 for 4-16 beams over Llama 3's 128,256 tokens, and a beam
-step's host waits for it. Here:
+A beam step's host waits for its pick. PyTorch's (a ``log_softmax``, an add, a ``topk`` over
+``beams x vocab`` entries) took 176-301 µs from the call to the host's list on an H100 for
+4-16 beams over Llama 3's 128,256 tokens, these launches 110-224 (CHANGELOG). Here:
 
 1. a program per chunk of a row: the chunk's maximum and sum of exponentials (for the row's
    ``logsumexp``), and its ``width`` largest logits with their indices;
@@ -17,7 +17,8 @@ A row's best sums are among its best logits, so each chunk passes on enough of t
 Candidates rank by a 64-bit key: the value's float32 bits, made order-preserving, above the
 inverted flat index, so equal sums go to the lower index (unless two logits are so close
 that their sums round equal while their logits do not; either may then be taken). NaN
-logits are not supported.
+logits are not supported. Picks too wide for the kernels (:func:`fits`: a row's chunks
+passing on more than 4,096 candidates, or the beams' rows) are left to PyTorch.
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ import triton.language as tl
 
 __all__ = ["fits", "beam_top"]
 
-_CANDIDATES = 4096  # at most a row's candidates after the first launch (chunks x width)
-_MAX_CHUNK = 16384  # entries of a chunk: one block in registers
+_CHUNK = 2048  # entries of a row that a program of the first launch takes, at most
+_MAX_KEYS = 4096  # keys that a program of the second or third launch ranks, at most
 _MAX_FLAT = 2**31  # flat indices below it (the key's low half, inverted)
 
 
 @triton.jit
 def _key(value, index):
     """int64 key ordering by ``value`` (float32), then by lower ``index`` (int64)."""
+    value = tl.where(value == 0, 0.0, value)  # -0.0 equals 0.0: one key
     bits = value.to(tl.int32, bitcast=True)
     bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: reversed
     return (bits.to(tl.int64) << 32) | (0xFFFFFFFF - index)
@@ -106,10 +108,9 @@ def _final_kernel(BEST, OUT, rows, width, N: tl.constexpr, W: tl.constexpr):
 def _shape(rows: int, vocab: int, width: int) -> tuple[int, int] | None:
     """``(chunk, W)`` of a pick, or ``None`` where the kernels do not fit it."""
     w = triton.next_power_of_2(width)
-    chunk = max(min(2048, triton.next_power_of_2(vocab)),
-                triton.next_power_of_2(triton.cdiv(vocab * w, _CANDIDATES)))
-    if (chunk > _MAX_CHUNK or w > chunk or rows * vocab >= _MAX_FLAT
-            or rows * w > _CANDIDATES * 4 or not 0 < width <= rows * vocab):
+    chunk = min(_CHUNK, triton.next_power_of_2(vocab))
+    if (w > chunk or triton.cdiv(vocab, chunk) * w > _MAX_KEYS or rows * w > _MAX_KEYS
+            or rows * vocab >= _MAX_FLAT or not 0 < width <= rows * vocab):
         return None
     return chunk, w
 
@@ -128,12 +129,15 @@ def beam_top(logits: torch.Tensor, scores: torch.Tensor, width: int) -> torch.Te
     No host synchronisation. Requires :func:`fits`."""
     rows, vocab = logits.shape
     shape = _shape(rows, vocab, width)
-    if shape is None or scores.shape != (rows,) or scores.dtype != torch.float32:
+    if (shape is None or scores.shape != (rows,) or scores.dtype != torch.float32
+            or scores.device != logits.device):
         raise ValueError(f"beam_top: logits {tuple(logits.shape)} with scores "
-                         f"{tuple(scores.shape)} {scores.dtype} and width {width} do not fit")
+                         f"{tuple(scores.shape)} {scores.dtype} on {scores.device} and width "
+                         f"{width} do not fit")
     chunk, w = shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    scores = scores.contiguous()
     dev = logits.device
     chunks = triton.cdiv(vocab, chunk)
     keys = torch.empty((rows, chunks, w), dtype=torch.int64, device=dev)
@@ -141,7 +145,7 @@ def beam_top(logits: torch.Tensor, scores: torch.Tensor, width: int) -> torch.Te
     best = torch.empty((rows, w), dtype=torch.int64, device=dev)
     out = torch.empty((2, width), dtype=torch.float64, device=dev)
     _chunk_kernel[(rows, chunks)](logits, keys, stats[0], stats[1], vocab, logits.stride(0),
-                                  chunks, CHUNK=chunk, W=w, num_warps=4 if chunk <= 2048 else 8)
+                                  chunks, CHUNK=chunk, W=w, num_warps=4)
     _row_kernel[(rows,)](keys, stats[0], stats[1], scores, best, vocab, chunks,
                          N=triton.next_power_of_2(chunks * w),
                          BLOCK_C=triton.next_power_of_2(chunks), W=w, num_warps=8)

@@ -10,9 +10,9 @@ beam tokens in the same forward as everything else
 
 Scores follow ``transformers``' ``_beam_search`` (v5): each step the top ``max(2, 1 +
 #stop ids) * k`` continuations of all beams by summed log-probability (float32; on CUDA
-picked by :func:`~deft.engine.beam_pick.beam_top`, equal sums to the lower index); the
-best ``k`` that do not stop continue; a candidate among the top ``k`` that ends with a
-stop token (or reaches ``max_new_tokens``) becomes a finished hypothesis scored
+picked by :func:`~deft.engine.beam_pick.beam_top` where it fits, equal sums to the lower
+index); the best ``k`` that do not stop continue; a candidate among the top ``k`` that ends
+with a stop token (or reaches ``max_new_tokens``) becomes a finished hypothesis scored
 ``sum_logprobs / generated_len ** length_penalty``, the best ``k`` of which are kept.
 The search ends at ``max_new_tokens``, when ``early_stopping=True`` and ``k``
 hypotheses are finished, or when no running beam can beat the worst kept hypothesis
