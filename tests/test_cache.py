@@ -282,6 +282,18 @@ def test_allocator_errors_change_nothing():
         PageAllocator(0)
 
 
+def test_a_double_free_of_slots_changes_nothing():
+    """Releasing a node's slots twice in one call raises before any slot is marked free."""
+    cache = TreeKVCache(8, 16)
+    root = cache.add_root(20)
+    nd = cache._nodes[root]
+    slots = cache._slot_alloc
+    with pytest.raises(ValueError, match="double free"):
+        slots.release([nd, nd], [])
+    assert slots.live[nd.slots].all() and cache.allocator.num_free == 6
+    check_pages(cache)
+
+
 def test_parked_pages_are_counted_as_users_come_and_go():
     a = PageAllocator(4)
     a.alloc(3)

@@ -178,6 +178,7 @@ class SlotAllocator:
         """
         live = self._live
         touched = [p for nd in nodes for p in nd.pages]
+        self.allocator.drop(touched)  # first: a double free raises with nothing changed
         if len(nodes) > _FEW:  # a draft tree: one numpy pass
             self.live[join_slots([nd.slots for nd in nodes])] = False
         else:
@@ -186,7 +187,6 @@ class SlotAllocator:
                     live[nd.buf.item(0)] = 0
                 elif nd.n:
                     self.live[nd.slots] = False
-        self.allocator.drop(touched)
         if self.allocator.num_claimed:
             for nd in nodes:
                 if nd.expect:
