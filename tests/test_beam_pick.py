@@ -42,7 +42,8 @@ def random_pick(dtype: torch.dtype, rows: int, vocab: int, width: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, vocab, width", [(1, 300, 2), (3, 700, 6), (2, 4500, 8)])
+@pytest.mark.parametrize("rows, vocab, width", [(1, 300, 2), (3, 700, 6), (2, 4500, 8),
+                                                (2, 300, 1)])
 def test_picks_match_the_reference(dtype, rows, vocab, width):
     random_pick(dtype, rows, vocab, width)
 
@@ -76,6 +77,12 @@ def test_equal_sums_go_to_the_lower_flat_index():
     assert check(x.to(DEV), torch.zeros(1, device=DEV), 4).tolist() == [100, 0, 1, 2]
 
 
+def test_many_ties_rank_by_index():
+    """Integer logits over two chunks a row: every best sum ties with dozens of others."""
+    x = torch.randint(-3, 3, (3, 2100), generator=torch.Generator().manual_seed(5))
+    check(x.to(torch.float16).to(DEV), torch.tensor([0.0, -0.5, 0.0], device=DEV), 40)
+
+
 def test_the_kernels_limits():
     """Chunks of 2,048 entries (fewer for a small vocab), each passing on a power of two of
     candidates; at most 4,096 keys a row and in the last launch; flat indices below 2^31."""
@@ -84,8 +91,9 @@ def test_the_kernels_limits():
     assert _shape(64, 32000, 64) == (2048, 64) and _shape(65, 32000, 64) is None
     assert _shape(3, 300, 6) == (512, 8) and _shape(3, 300, 600) is None  # 1,024 > 512
     assert _shape(2, 300, 500) == (512, 512)  # more than a row holds, fewer than both
-    assert _shape(256, 2**22, 1) == (2048, 1) and _shape(512, 2**22, 1) is None  # 2^31 entries
+    assert _shape(256, 2**22, 1) == (2048, 2) and _shape(512, 2**22, 1) is None  # 2^31 entries
     assert _shape(2, 10, 0) is None and _shape(2, 10, 21) is None
+    assert _shape(2, 300, 1) == (512, 2) and _shape(3, 1, 1) is None  # no topk of k=1
 
 
 def test_what_fits():

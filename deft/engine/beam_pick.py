@@ -107,7 +107,7 @@ def _final_kernel(BEST, OUT, rows, width, N: tl.constexpr, W: tl.constexpr):
 
 def _shape(rows: int, vocab: int, width: int) -> tuple[int, int] | None:
     """``(chunk, W)`` of a pick, or ``None`` where the kernels do not fit it."""
-    w = triton.next_power_of_2(width)
+    w = max(2, triton.next_power_of_2(width))  # Triton's topk takes no k of 1
     chunk = min(_CHUNK, triton.next_power_of_2(vocab))
     if (w > chunk or triton.cdiv(vocab, chunk) * w > _MAX_KEYS or rows * w > _MAX_KEYS
             or rows * vocab >= _MAX_FLAT or not 0 < width <= rows * vocab):
