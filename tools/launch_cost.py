@@ -18,7 +18,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from benchmarks.attention_gpu import D, DTYPE, H_KV, H_Q, LAYERS, time_us
-from benchmarks.trees import build, fan_layout
+from benchmarks.trees import available, fan_layout
 from deft import TreeAttention
 from deft.ops.triton import configs, launch
 from deft.cli.common import workloads as recorded_workloads
@@ -75,12 +75,7 @@ def _empty(X, PDL: tl.constexpr):
 
 VARIANTS = ("shipped", "partial only", "merge only", "fused")
 print("tree | " + " | ".join(f"{v} µs/layer" for v in VARIANTS))
-trees = {"1 query on 32 tokens": fan_layout(32, 1)}
-for name in names:
-    try:
-        trees[name] = build(name, workloads)
-    except FileNotFoundError:
-        continue
+trees = {"1 query on 32 tokens": fan_layout(32, 1), **dict(available(names, workloads))}
 for name, layout in trees.items():
     print(f"{name} | " + " | ".join(f"{layer_us(layout, v):.1f}" for v in VARIANTS), flush=True)
 

@@ -10,7 +10,7 @@ import torch
 
 from benchmarks.attention_gpu import D, H_KV, H_Q
 from benchmarks.timing import median_plan_seconds
-from benchmarks.trees import GPU_SUITE, build
+from benchmarks.trees import GPU_SUITE, available
 from deft import TreeAttention
 from deft.cli.common import workloads as recorded_workloads
 from _usage import args
@@ -19,8 +19,7 @@ names = args(__doc__) or GPU_SUITE
 workloads = recorded_workloads(None)
 
 print(f"{'workload':26s} {'after sync':>11s} {'warm':>8s}  (µs per plan)")
-for name in names:
-    layout = build(name, workloads)
+for name, layout in available(names, workloads):
     attn = TreeAttention(H_Q, H_KV, D, backend="triton", device="cuda")
     attn.plan(layout)
     x = torch.randn(4096, 4096, device="cuda")

@@ -22,7 +22,7 @@ import time
 import torch
 
 from benchmarks.timing import median_seconds
-from benchmarks.trees import build
+from benchmarks.trees import available
 from deft import Capacity, TreeAttention
 from deft.cli.common import workloads as recorded_workloads
 from _usage import args
@@ -56,8 +56,7 @@ def triton_only(attn: TreeAttention) -> None:
 names = args(__doc__) or ["few-shot b=20", "speculative t=32", "long prompt 20k x64"]
 workloads = recorded_workloads(None)
 rows = []
-for name in names:
-    layout = build(name, workloads)
+for name, layout in available(names, workloads):
     attn = TreeAttention(H_Q, H_KV, D, backend="triton", device=DEV)
     attn.plan(layout)
     plan_us = median_us(lambda: attn.plan(layout), 200)

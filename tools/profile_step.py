@@ -9,7 +9,7 @@ Usage: ncu --clock-control none -k regex:"tree_partial|merge_kernel" --launch-sk
 
 import torch
 
-from benchmarks.trees import build
+from benchmarks.trees import available
 from deft import TreeAttention
 from deft.cli.common import workloads as recorded_workloads
 from _usage import args
@@ -17,8 +17,7 @@ from _usage import args
 H_Q, H_KV, D = 32, 8, 128
 names = args(__doc__) or ["few-shot b=20", "long prompt 20k x64"]
 workloads = recorded_workloads(None)
-for name in names:
-    layout = build(name, workloads)
+for name, layout in available(names, workloads):
     k = torch.randn(layout.num_tokens, H_KV, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     q = torch.randn(layout.num_queries, H_Q, D, device="cuda", dtype=torch.bfloat16)
