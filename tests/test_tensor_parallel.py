@@ -301,6 +301,17 @@ def test_cli_needs_torchrun_for_several_ranks(tiny_tp, monkeypatch, capsys):
     assert "the demo runs on one device" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["demo"], ["bench", "serve"]])
+def test_one_device_commands_offer_no_tensor_parallel_flag(command, capsys):
+    """The demo and bench serve refuse --tp with a reason, so their --help leaves it out."""
+    from deft.cli import main
+
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    out = capsys.readouterr().out
+    assert "--model" in out and "--tensor-parallel-size" not in out and "--tp" not in out
+
+
 def test_cli_under_torchrun_prints_what_one_process_prints(tiny_tp):
     args = ["generate", "--model", str(tiny_tp), "--max-new-tokens", "8", "hello world", "the cat"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",

@@ -92,7 +92,7 @@ def add_parser(subparsers: Any) -> None:
 
     srv = bsub.add_parser(
         "serve", parents=[common.model_flags("SmolLM2-135M-Instruct GGUF on cpu, random:llama-3-8b on cuda",
-                                             common.SERVER_CALIBRATION)],
+                                             common.SERVER_CALIBRATION, tensor_parallel=False)],
         help="deft serve under concurrent load, against the library one request at a time",
         description="Start deft serve on 127.0.0.1 (a free port; stopped at the end, on errors and "
         "on Ctrl-C), replay a fixed mix of chat requests (a shared system prompt and different "

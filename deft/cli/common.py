@@ -102,11 +102,13 @@ class Parser(argparse.ArgumentParser):
 
 
 def model_flags(default_model: str = "SmolLM2-135M-Instruct GGUF",
-                kv_calibration: str = "the first prompt chunk") -> argparse.ArgumentParser:
+                kv_calibration: str = "the first prompt chunk",
+                tensor_parallel: bool = True) -> argparse.ArgumentParser:
     """``--model MODEL``, ``--device``, ``--dtype``, ``--kv-memory SIZE``, ``--kv-dtype`` and
     ``--tensor-parallel-size N`` (:mod:`.parallel`), as a parent parser; ``default_model``
     says what runs without ``--model``, ``kv_calibration`` what an FP8 cache's scales come
-    from."""
+    from. Commands that run on one device pass ``tensor_parallel=False``: their ``--help``
+    leaves the flag out, and they refuse it with a reason of their own."""
     from ..cache.pool import KV_MEMORY_FRACTION
 
     p = argparse.ArgumentParser(add_help=False)
@@ -130,7 +132,8 @@ def model_flags(default_model: str = "SmolLM2-135M-Instruct GGUF",
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
                    dest="tensor_parallel_size",
                    help="split the model over N devices (tensor parallelism); run the command "
-                   "under torchrun --nproc-per-node N (default 1)")
+                   "under torchrun --nproc-per-node N (default 1)" if tensor_parallel
+                   else argparse.SUPPRESS)
     return p
 
 
