@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import assert_close, assert_lse_close, random_forest, random_qkv
-from deft import TreeAttention, register_backend
+from deft import TreeAttention, backend_names, register_backend
 from deft.ops import Backend, Heads, get_backend
 from deft.ops import _FACTORIES, _INSTANCES
 from deft.ops.reference import reference_attention
@@ -52,6 +52,7 @@ def test_toy_backend_runs_through_tree_attention(toy):
     q, k, v = random_qkv(layout, 4, 2, 16, torch.float32, seed=1)
     attn = TreeAttention(4, 2, 16, backend="toy", plan_kind="node")
     assert attn.block_kv == 16  # the backend's default
+    assert backend_names()[-1] == "toy" and {"torch", "triton"} <= set(backend_names())
     plan = attn.plan(layout)
     assert plan.kind == "node" and plan.num_queries == layout.num_queries
     assert toy.calls[-1][1:5] == ("node", 16, Heads(4, 2, 16), torch.device("cpu"))

@@ -18,7 +18,8 @@ from conftest import Letters, random_forest, random_qkv
 from deft import KVSpec, TreeAttention, register_backend
 from deft.engine import EngineConfig, SamplingParams, TreeEngine, generate
 from deft.engine.runner import ModelRunner
-from deft.model import Family, LlamaConfig, LlamaModel, load_model, register_family, unregister_family
+from deft.model import (Family, LlamaConfig, LlamaModel, families, load_model, register_family,
+                        unregister_family)
 from deft.ops import _FACTORIES, _INSTANCES, Backend
 from deft.ops.reference import reference_attention
 from deft.plan import make_plan
@@ -83,6 +84,16 @@ def toy_family():
     register_family(Family("attention-only", hf_model_types=("attention-only",), load_hf=load_hf))
     yield
     unregister_family("attention-only")
+
+
+def test_a_family_is_listed_while_registered():
+    before = [f.name for f in families()]
+    register_family(Family("listed", hf_model_types=("listed",), load_hf=lambda *args: None))
+    try:
+        assert [f.name for f in families()] == [*before, "listed"]
+    finally:
+        unregister_family("listed")
+    assert [f.name for f in families()] == before and "llama" in before
 
 
 def test_a_registered_toy_family_loads_and_decodes_through_the_engine(toy_family, tmp_path):

@@ -36,6 +36,7 @@ def register_backend(name: str, factory: Callable[[], Backend]) -> None:
 
 
 def backend_names() -> tuple[str, ...]:
+    """The registered backends' names, in registration order (``backend=`` takes each)."""
     return tuple(_FACTORIES)
 
 
