@@ -30,7 +30,8 @@ DEMO_PAGES = 1024  # 16,384 token slots, more than any of the demo's trees holds
 
 def add_parser(subparsers: Any) -> None:
     """Add the ``demo`` command to ``deft``'s subcommands."""
-    demo = subparsers.add_parser("demo", parents=[common.model_flags(tensor_parallel=False)], help="run the main demo",
+    demo = subparsers.add_parser("demo", parents=[common.model_flags(tensor_parallel=False)],
+                                 help="run the main demo",
                                  description="Beam search, parallel sampling and speculative decoding "
                                  "with SmolLM2 on built-in prompts (texts, tokens/s, KV bytes DeFT reads "
                                  "against per-branch decoding), then the attention core on a few-shot "
